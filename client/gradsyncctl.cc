@@ -1,0 +1,212 @@
+// gradsyncctl: operator CLI for a gradsyncd (health, store, pack lists), human-readable output.
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "client/store_client.h"
+#include "common/dtype.h"
+#include "common/grpc_status.h"
+#include "gradsync/v1/inspect.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+ABSL_FLAG(std::string, socket, "/run/gradsync/gradsyncd.sock", "Unix socket of the local daemon");
+ABSL_FLAG(std::string, address, "", "host:port of a daemon's TCP listener (instead of --socket)");
+ABSL_FLAG(std::string, job, "default", "Job namespace");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "Deadline of each call");
+
+namespace gradsync::ctl {
+namespace {
+
+constexpr char kUsage[] =
+    "gradsyncctl [flags] COMMAND\n"
+    "  health [SERVICE]            overall or per-service health\n"
+    "  jobs                        jobs held by the daemon's store\n"
+    "  store get KEY               value of KEY (waits up to --timeout)\n"
+    "  store set KEY VALUE\n"
+    "  store add KEY DELTA         atomic counter\n"
+    "  store delete KEY\n"
+    "  store list [PREFIX]         keys with their value sizes\n"
+    "  packlist groups             groups with a pack list\n"
+    "  packlist show GROUP         the group's pack plan as a table";
+
+std::string HumanBytes(int64_t bytes) {
+  if (bytes >= (int64_t{1} << 20)) return absl::StrFormat("%.1f MiB", bytes / 1048576.0);
+  if (bytes >= 1024) return absl::StrFormat("%.1f KiB", bytes / 1024.0);
+  return absl::StrCat(bytes, " B");
+}
+
+int Fail(const absl::Status& s) {
+  std::cerr << "gradsyncctl: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
+  return 1;
+}
+
+int Usage(const std::string& why) {
+  std::cerr << "gradsyncctl: " << why << "\n" << kUsage << "\n";
+  return 2;
+}
+
+class Ctl {
+ public:
+  Ctl()
+      : target_(absl::GetFlag(FLAGS_address).empty() ? absl::GetFlag(FLAGS_socket)
+                                                     : absl::GetFlag(FLAGS_address)),
+        job_(absl::GetFlag(FLAGS_job)),
+        timeout_(absl::GetFlag(FLAGS_timeout)),
+        channel_(client::Connect(target_)),
+        store_(channel_, client::ClientOptions{timeout_}) {}
+
+  int Run(const std::vector<std::string>& args) {
+    if (args.empty()) return Usage("no command");
+    const std::string& cmd = args[0];
+    const auto arg = [&](size_t i) { return i < args.size() ? args[i] : std::string(); };
+    if (cmd == "health") return Health(arg(1));
+    if (cmd == "jobs" && args.size() == 1) return Jobs();
+    if (cmd == "store" && args.size() >= 2) {
+      const std::string& sub = args[1];
+      if (sub == "get" && args.size() == 3) return StoreGet(args[2]);
+      if (sub == "set" && args.size() == 4) return Check(store_.Set(job_, args[2], args[3]));
+      if (sub == "add" && args.size() == 4) return StoreAdd(args[2], args[3]);
+      if (sub == "delete" && args.size() == 3) return StoreDelete(args[2]);
+      if (sub == "list" && args.size() <= 3) return StoreList(arg(2));
+    }
+    if (cmd == "packlist" && args.size() == 2 && args[1] == "groups") return PackGroups();
+    if (cmd == "packlist" && args.size() == 3 && args[1] == "show") return PackShow(args[2]);
+    return Usage(absl::StrCat("bad command: ", absl::StrJoin(args, " ")));
+  }
+
+ private:
+  void Prepare(grpc::ClientContext& ctx) const {
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+  }
+  static int Check(const absl::Status& s) { return s.ok() ? 0 : Fail(s); }
+
+  int Health(const std::string& service) {
+    auto stub = grpc::health::v1::Health::NewStub(channel_);
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    if (absl::Status s = FromGrpcStatus(stub->Check(&ctx, req, &resp)); !s.ok()) return Fail(s);
+    std::cout << (service.empty() ? "gradsyncd" : service) << " " << target_ << ": "
+              << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()) << "\n";
+    return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  }
+
+  int Jobs() {
+    auto stub = v1::Inspect::NewStub(channel_);
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::ListJobsResponse resp;
+    if (absl::Status s = FromGrpcStatus(stub->ListJobs(&ctx, {}, &resp)); !s.ok()) return Fail(s);
+    std::cout << absl::StrFormat("%-32s %8s %12s\n", "JOB", "KEYS", "BYTES");
+    for (const auto& j : resp.jobs()) {
+      std::cout << absl::StrFormat("%-32s %8d %12s\n", j.job(), j.keys(), HumanBytes(j.value_bytes()));
+    }
+    return 0;
+  }
+
+  int StoreGet(const std::string& key) {
+    auto value = store_.Get(job_, key, absl::Now() + timeout_);
+    if (!value.ok()) return Fail(value.status());
+    std::cout << *value << "\n";
+    return 0;
+  }
+
+  int StoreAdd(const std::string& key, const std::string& delta_text) {
+    int64_t delta = 0;
+    if (!absl::SimpleAtoi(delta_text, &delta)) return Usage("DELTA must be an integer");
+    auto value = store_.Add(job_, key, delta);
+    if (!value.ok()) return Fail(value.status());
+    std::cout << *value << "\n";
+    return 0;
+  }
+
+  int StoreDelete(const std::string& key) {
+    auto deleted = store_.Delete(job_, key);
+    if (!deleted.ok()) return Fail(deleted.status());
+    std::cout << (*deleted ? "deleted" : "not present") << "\n";
+    return 0;
+  }
+
+  int StoreList(const std::string& prefix) {
+    auto stub = v1::Inspect::NewStub(channel_);
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::ListKeysRequest req;
+    req.set_job(job_);
+    req.set_prefix(prefix);
+    v1::ListKeysResponse resp;
+    if (absl::Status s = FromGrpcStatus(stub->ListKeys(&ctx, req, &resp)); !s.ok()) return Fail(s);
+    std::cout << absl::StrFormat("%-48s %12s\n", "KEY", "BYTES");
+    for (const auto& k : resp.keys()) {
+      std::cout << absl::StrFormat("%-48s %12d\n", k.key(), k.value_bytes());
+    }
+    return 0;
+  }
+
+  int PackGroups() {
+    auto stub = v1::Inspect::NewStub(channel_);
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::ListGroupsRequest req;
+    req.set_job(job_);
+    v1::ListGroupsResponse resp;
+    if (absl::Status s = FromGrpcStatus(stub->ListGroups(&ctx, req, &resp)); !s.ok()) return Fail(s);
+    for (const std::string& g : resp.groups()) std::cout << g << "\n";
+    return 0;
+  }
+
+  int PackShow(const std::string& group) {
+    auto stub = v1::Inspect::NewStub(channel_);
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::InspectPackListRequest req;
+    req.set_job(job_);
+    req.set_group(group);
+    v1::InspectPackListResponse resp;
+    if (absl::Status s = FromGrpcStatus(stub->GetPackList(&ctx, req, &resp)); !s.ok()) return Fail(s);
+    const v1::PackList& plan = resp.pack_list();
+    int params = 0;
+    for (const auto& p : plan.packs()) params += p.indices_size();
+    std::cout << absl::StrFormat("job=%s group=%s packs=%d params=%d bytes=%s threshold=%s first_alone=%d\n",
+                                 resp.job(), resp.group(), plan.packs_size(), params,
+                                 HumanBytes(resp.total_bytes()), HumanBytes(plan.threshold_bytes()),
+                                 plan.first_alone());
+    std::cout << absl::StrFormat("%-5s %-9s %7s %11s  %s\n", "PACK", "DTYPE", "PARAMS", "BYTES",
+                                 "INDICES (backward order)");
+    for (int i = 0; i < plan.packs_size(); ++i) {
+      const v1::Pack& p = plan.packs(i);
+      std::cout << absl::StrFormat("%-5d %-9s %7d %11s  %s\n", i, DTypeName(p.dtype()),
+                                   p.indices_size(), HumanBytes(p.bytes()),
+                                   absl::StrJoin(p.indices(), ","));
+    }
+    return 0;
+  }
+
+  const std::string target_;
+  const std::string job_;
+  const absl::Duration timeout_;
+  const std::shared_ptr<grpc::Channel> channel_;
+  client::StoreClient store_;
+};
+
+}  // namespace
+}  // namespace gradsync::ctl
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(gradsync::ctl::kUsage);
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> args(positional.begin() + 1, positional.end());
+  return gradsync::ctl::Ctl().Run(args);
+}

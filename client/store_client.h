@@ -1,0 +1,68 @@
+#pragma once
+
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/store.h"
+#include "gradsync/v1/store.grpc.pb.h"
+#include "gradsync/v1/types.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace gradsync::client {
+
+struct ClientOptions {
+  /// Deadline of calls that do not wait (Set, Add, List, ...).
+  absl::Duration rpc_timeout = absl::Seconds(10);
+  int max_message_bytes = 16 << 20;
+};
+
+/// "unix:/p" or "host:port" as given; a bare absolute path becomes "unix:<path>".
+std::string NormalizeTarget(absl::string_view target);
+
+/// A channel to a gradsyncd (unix socket or TCP), with the client limits applied.
+std::shared_ptr<grpc::Channel> Connect(absl::string_view target, const ClientOptions& options = {});
+
+/// The Store of a remote gradsyncd, over gRPC. Thread-safe; calls may run concurrently.
+/// Waits carry their deadline to the daemon, which answers DEADLINE_EXCEEDED naming the keys.
+class StoreClient final : public Store {
+ public:
+  StoreClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options = {});
+  ~StoreClient() override;  // cancels pending waits and waits for their callbacks
+
+  absl::Status Set(absl::string_view job, absl::string_view key, std::string value) override;
+  WaitId WaitAsync(absl::string_view job, std::vector<std::string> keys, absl::Time deadline,
+                   WaitCallback done) override;
+  void CancelWait(WaitId id) override;
+  absl::StatusOr<int64_t> Add(absl::string_view job, absl::string_view key, int64_t delta) override;
+  absl::StatusOr<CompareSetResult> CompareSet(absl::string_view job, absl::string_view key,
+                                              std::optional<std::string> expected,
+                                              std::string desired) override;
+  absl::StatusOr<bool> Delete(absl::string_view job, absl::string_view key) override;
+  absl::StatusOr<std::vector<std::string>> List(absl::string_view job,
+                                                absl::string_view prefix) override;
+
+  /// Stores the group's pack plan (the daemon validates it).
+  absl::Status SetPackList(absl::string_view job, absl::string_view group, const v1::PackList& plan);
+  /// Waits for the group's pack plan until `deadline`.
+  absl::StatusOr<v1::PackList> GetPackList(absl::string_view job, absl::string_view group,
+                                           absl::Time deadline);
+
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  struct PendingWait;
+  void Prepare(grpc::ClientContext& ctx) const;
+
+  const std::shared_ptr<grpc::Channel> channel_;
+  const ClientOptions options_;
+  const std::unique_ptr<v1::Store::Stub> stub_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<WaitId, std::shared_ptr<PendingWait>> pending_ ABSL_GUARDED_BY(mu_);
+  WaitId next_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace gradsync::client

@@ -1,0 +1,10 @@
+#pragma once
+
+#include <string>
+
+namespace gradsync {
+
+/// "gradsync 0.1.0 (cuda 13.0, nccl 2.28.x)" or "gradsync 0.1.0 (cuda off)": what --version prints.
+std::string BuildInfo();
+
+}  // namespace gradsync

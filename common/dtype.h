@@ -1,0 +1,26 @@
+#pragma once
+
+#include <cstdint>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/statusor.h"
+#include "gradsync/v1/types.pb.h"
+
+namespace gradsync {
+
+using DType = ::gradsync::v1::DType;
+
+/// Bytes per element; 0 for DTYPE_UNSPECIFIED or an unknown value.
+int64_t DTypeSize(DType dtype);
+
+/// Lower-case name as PyTorch and NumPy print it ("float32", "bfloat16"); "unspecified" else.
+absl::string_view DTypeName(DType dtype);
+
+/// Parses a name from DTypeName (also accepts "float", "double", "half", "int", "long").
+absl::StatusOr<DType> ParseDType(absl::string_view name);
+
+/// Number of elements of a shape ([] is a scalar: 1). InvalidArgument on a negative dimension
+/// or when the count overflows int64.
+absl::StatusOr<int64_t> NumElements(const google::protobuf::RepeatedField<int64_t>& shape);
+
+}  // namespace gradsync

@@ -1,0 +1,88 @@
+#include "common/logging.h"
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "spdlog/pattern_formatter.h"
+#include "spdlog/sinks/stdout_sinks.h"
+#include "spdlog/sinks/systemd_sink.h"
+
+namespace gradsync::logging {
+namespace {
+
+struct State {
+  absl::Mutex mu;
+  std::vector<spdlog::sink_ptr> sinks ABSL_GUARDED_BY(mu);
+  spdlog::level::level_enum level ABSL_GUARDED_BY(mu) = spdlog::level::info;
+};
+
+State& GetState() {
+  static State* state = new State;  // never destroyed: loggers may log during exit
+  return *state;
+}
+
+bool StartedBySystemd() {
+  // systemd sets JOURNAL_STREAM when stdout/stderr go to the journal, INVOCATION_ID for units.
+  return std::getenv("JOURNAL_STREAM") != nullptr || std::getenv("INVOCATION_ID") != nullptr;
+}
+
+spdlog::sink_ptr StderrSink() {
+  auto sink = std::make_shared<spdlog::sinks::stderr_sink_mt>();
+  sink->set_formatter(std::make_unique<spdlog::pattern_formatter>(
+      "%Y-%m-%dT%H:%M:%S.%fZ %L %n: %v", spdlog::pattern_time_type::utc));
+  return sink;
+}
+
+spdlog::sink_ptr JournalSink() {
+  // journald stamps time and priority itself.
+  auto sink = std::make_shared<spdlog::sinks::systemd_sink_mt>("gradsyncd");
+  sink->set_pattern("%n: %v");
+  return sink;
+}
+
+}  // namespace
+
+absl::Status Init(absl::string_view level, absl::string_view sink) {
+  spdlog::level::level_enum lvl = spdlog::level::from_str(std::string(level));
+  if (lvl == spdlog::level::off && level != "off") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown log level '", level, "': want trace|debug|info|warn|error|off"));
+  }
+  spdlog::sink_ptr s;
+  if (sink == "stderr" || (sink == "auto" && !StartedBySystemd())) {
+    s = StderrSink();
+  } else if (sink == "journal" || sink == "auto") {
+    s = JournalSink();
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown log sink '", sink, "': want auto|stderr|journal"));
+  }
+  State& st = GetState();
+  absl::MutexLock lock(&st.mu);
+  st.sinks = {s};
+  st.level = lvl;
+  spdlog::apply_all([&](std::shared_ptr<spdlog::logger> l) {
+    l->sinks() = st.sinks;
+    l->set_level(lvl);
+  });
+  return absl::OkStatus();
+}
+
+std::shared_ptr<spdlog::logger> Logger(absl::string_view component) {
+  const std::string name(component);
+  if (auto existing = spdlog::get(name)) return existing;
+  State& st = GetState();
+  absl::MutexLock lock(&st.mu);
+  if (auto existing = spdlog::get(name)) return existing;
+  if (st.sinks.empty()) st.sinks = {StderrSink()};
+  auto logger = std::make_shared<spdlog::logger>(name, st.sinks.begin(), st.sinks.end());
+  logger->set_level(st.level);
+  logger->flush_on(spdlog::level::warn);
+  spdlog::register_logger(logger);
+  return logger;
+}
+
+}  // namespace gradsync::logging

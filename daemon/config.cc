@@ -1,0 +1,96 @@
+#include "daemon/config.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+
+ABSL_FLAG(std::string, socket, "/run/gradsync/gradsyncd.sock",
+          "Unix socket for trainers and local tools; empty disables it");
+ABSL_FLAG(std::string, socket_mode, "0660", "Octal file mode of the unix socket");
+ABSL_FLAG(std::string, bind_address, "127.0.0.1",
+          "Address of the TCP listener for other daemons; 0.0.0.0 only when you mean it");
+ABSL_FLAG(int, port, 7451, "TCP port for other daemons; 0 picks a free port, -1 disables TCP");
+ABSL_FLAG(int, max_message_bytes, 16 << 20, "Largest gRPC message accepted or sent");
+ABSL_FLAG(int, max_concurrent_streams, 256, "HTTP/2 concurrent streams per connection");
+ABSL_FLAG(absl::Duration, max_wait, absl::Hours(1),
+          "Longest any call may wait (store Get/Wait/GetPackList); longer deadlines are capped");
+ABSL_FLAG(absl::Duration, drain_grace, absl::Seconds(10),
+          "On SIGTERM/SIGINT, how long in-flight calls may finish before they are cancelled");
+ABSL_FLAG(int64_t, store_max_key_bytes, 512, "Longest store key");
+ABSL_FLAG(int64_t, store_max_value_bytes, int64_t{1} << 20, "Largest store value");
+ABSL_FLAG(int64_t, store_max_keys_per_job, 65536, "Most keys one job may hold");
+ABSL_FLAG(int64_t, store_max_jobs, 1024, "Most jobs the store holds at once");
+ABSL_FLAG(int64_t, store_max_waiters, 65536, "Most store waits pending at once");
+ABSL_FLAG(std::string, log_level, "info", "trace|debug|info|warn|error|off");
+ABSL_FLAG(std::string, log_sink, "auto",
+          "stderr|journal|auto (the journal when started by systemd)");
+
+namespace gradsync::daemon {
+
+absl::StatusOr<DaemonConfig> ConfigFromFlags() {
+  DaemonConfig c;
+  c.unix_socket = absl::GetFlag(FLAGS_socket);
+  const std::string mode = absl::GetFlag(FLAGS_socket_mode);
+  char* end = nullptr;
+  const unsigned long parsed = std::strtoul(mode.c_str(), &end, 8);
+  if (mode.empty() || *end != '\0' || parsed > 0777) {
+    return absl::InvalidArgumentError(absl::StrCat("--socket_mode='", mode, "' is not an octal mode"));
+  }
+  c.socket_mode = static_cast<int>(parsed);
+  c.bind_address = absl::GetFlag(FLAGS_bind_address);
+  c.port = absl::GetFlag(FLAGS_port);
+  c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  c.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  c.max_wait = absl::GetFlag(FLAGS_max_wait);
+  c.drain_grace = absl::GetFlag(FLAGS_drain_grace);
+  c.store.max_key_bytes = absl::GetFlag(FLAGS_store_max_key_bytes);
+  c.store.max_value_bytes = absl::GetFlag(FLAGS_store_max_value_bytes);
+  c.store.max_keys_per_job = absl::GetFlag(FLAGS_store_max_keys_per_job);
+  c.store.max_jobs = absl::GetFlag(FLAGS_store_max_jobs);
+  c.store.max_waiters = absl::GetFlag(FLAGS_store_max_waiters);
+  c.log_level = absl::GetFlag(FLAGS_log_level);
+  c.log_sink = absl::GetFlag(FLAGS_log_sink);
+  if (absl::Status s = Validate(c); !s.ok()) return s;
+  return c;
+}
+
+absl::Status Validate(const DaemonConfig& c) {
+  if (c.unix_socket.empty() && c.port < 0) {
+    return absl::InvalidArgumentError("no listener: set --socket or --port");
+  }
+  if (!c.unix_socket.empty() && c.unix_socket.front() != '/') {
+    return absl::InvalidArgumentError(absl::StrCat("--socket='", c.unix_socket, "' must be an absolute path"));
+  }
+  if (c.unix_socket.size() >= 100) {
+    return absl::InvalidArgumentError("--socket path is longer than a unix socket address allows (107)");
+  }
+  if (c.port < -1 || c.port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--port=", c.port, " is not -1 or a port number"));
+  }
+  if (c.port >= 0 && c.bind_address.empty()) {
+    return absl::InvalidArgumentError("--bind_address is empty; use --port=-1 to disable TCP");
+  }
+  if (c.max_message_bytes < 4096) {
+    return absl::InvalidArgumentError("--max_message_bytes must be at least 4096");
+  }
+  if (c.store.max_value_bytes > c.max_message_bytes - 4096) {
+    return absl::InvalidArgumentError(
+        "--store_max_value_bytes must leave 4096 bytes of --max_message_bytes for the envelope");
+  }
+  if (c.max_concurrent_streams < 1) {
+    return absl::InvalidArgumentError("--max_concurrent_streams must be positive");
+  }
+  if (c.max_wait <= absl::ZeroDuration() || c.drain_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--max_wait must be positive and --drain_grace not negative");
+  }
+  if (c.store.max_key_bytes < 1 || c.store.max_value_bytes < 0 || c.store.max_keys_per_job < 1 ||
+      c.store.max_jobs < 1 || c.store.max_waiters < 1) {
+    return absl::InvalidArgumentError("store limits must be positive");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace gradsync::daemon

@@ -1,0 +1,32 @@
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/store/memory_store.h"
+
+namespace gradsync::daemon {
+
+/// Everything gradsyncd is configured with; filled from flags (ConfigFromFlags) or by tests.
+struct DaemonConfig {
+  std::string unix_socket = "/run/gradsync/gradsyncd.sock";  // empty: no unix listener
+  int socket_mode = 0660;
+  std::string bind_address = "127.0.0.1";
+  int port = 7451;  // -1: no TCP listener; 0: a free port, reported in STATUS= and the log
+  int max_message_bytes = 16 << 20;
+  int max_concurrent_streams = 256;
+  absl::Duration max_wait = absl::Hours(1);
+  absl::Duration drain_grace = absl::Seconds(10);
+  store::MemoryStoreOptions store;
+  std::string log_level = "info";
+  std::string log_sink = "auto";
+};
+
+/// Reads the flags (after absl::ParseCommandLine) and validates them.
+absl::StatusOr<DaemonConfig> ConfigFromFlags();
+
+/// InvalidArgument naming the first bad setting.
+absl::Status Validate(const DaemonConfig& config);
+
+}  // namespace gradsync::daemon

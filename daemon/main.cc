@@ -1,0 +1,38 @@
+// gradsyncd: the per-node gradient-synchronisation daemon. Thin: flags, logging, run.
+
+#include <iostream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "common/build_info.h"
+#include "common/logging.h"
+#include "daemon/config.h"
+#include "daemon/daemon.h"
+
+int main(int argc, char** argv) {
+  gradsync::daemon::BlockStopSignals();  // before any thread exists
+  absl::SetProgramUsageMessage(
+      "gradsyncd: per-node gradient-synchronisation daemon.\n"
+      "  gradsyncd [--flagfile=/etc/gradsync/gradsyncd.flags] [--socket=PATH] [--port=N] ...");
+  absl::FlagsUsageConfig usage;
+  usage.version_string = [] { return gradsync::BuildInfo() + "\n"; };
+  absl::SetFlagsUsageConfig(usage);
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::cerr << "gradsyncd: unexpected argument '" << rest[1] << "' (flags only; see --help)\n";
+    return 2;
+  }
+  auto config = gradsync::daemon::ConfigFromFlags();
+  if (!config.ok()) {
+    std::cerr << "gradsyncd: " << config.status().message() << "\n";
+    return 2;
+  }
+  if (absl::Status s = gradsync::logging::Init(config->log_level, config->log_sink); !s.ok()) {
+    std::cerr << "gradsyncd: " << s.message() << "\n";
+    return 2;
+  }
+  return gradsync::daemon::RunDaemon(*config);
+}

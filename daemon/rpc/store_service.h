@@ -1,0 +1,43 @@
+#pragma once
+
+#include "absl/time/time.h"
+#include "common/store.h"
+#include "gradsync/v1/store.grpc.pb.h"
+
+namespace gradsync::rpc {
+
+/// gRPC glue for the Store service over any Store. Validates requests, never blocks a gRPC
+/// thread: waiting calls complete from the store's callback.
+class StoreService final : public v1::Store::CallbackService {
+ public:
+  /// `store` must outlive the service.
+  StoreService(gradsync::Store* store, absl::Duration max_wait) : store_(store), max_wait_(max_wait) {}
+
+  grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const v1::SetRequest* req,
+                                v1::SetResponse* resp) override;
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* ctx, const v1::GetRequest* req,
+                                v1::GetResponse* resp) override;
+  grpc::ServerUnaryReactor* Wait(grpc::CallbackServerContext* ctx, const v1::WaitRequest* req,
+                                 v1::WaitResponse* resp) override;
+  grpc::ServerUnaryReactor* Add(grpc::CallbackServerContext* ctx, const v1::AddRequest* req,
+                                v1::AddResponse* resp) override;
+  grpc::ServerUnaryReactor* CompareSet(grpc::CallbackServerContext* ctx,
+                                       const v1::CompareSetRequest* req,
+                                       v1::CompareSetResponse* resp) override;
+  grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* ctx, const v1::DeleteRequest* req,
+                                   v1::DeleteResponse* resp) override;
+  grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx, const v1::ListRequest* req,
+                                 v1::ListResponse* resp) override;
+  grpc::ServerUnaryReactor* SetPackList(grpc::CallbackServerContext* ctx,
+                                        const v1::SetPackListRequest* req,
+                                        v1::SetPackListResponse* resp) override;
+  grpc::ServerUnaryReactor* GetPackList(grpc::CallbackServerContext* ctx,
+                                        const v1::GetPackListRequest* req,
+                                        v1::GetPackListResponse* resp) override;
+
+ private:
+  gradsync::Store* const store_;
+  const absl::Duration max_wait_;
+};
+
+}  // namespace gradsync::rpc

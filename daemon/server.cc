@@ -1,0 +1,157 @@
+#include "daemon/server.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "grpc/health/v1/health.pb.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace gradsync::daemon {
+namespace {
+
+auto Log() { return logging::Logger("daemon"); }
+
+// True if something accepts connections on the unix socket at `path`.
+bool SocketIsLive(const std::string& path) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  const bool live = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(fd);
+  return live;
+}
+
+}  // namespace
+
+DaemonServer::DaemonServer(DaemonConfig config)
+    : config_(std::move(config)),
+      store_(config_.store),
+      store_service_(&store_, config_.max_wait),
+      inspect_service_(&store_) {}
+
+DaemonServer::~DaemonServer() {
+  if (server_) Shutdown(absl::ZeroDuration());
+}
+
+const std::vector<std::string>& DaemonServer::ServiceNames() {
+  static const auto* names = new std::vector<std::string>{
+      v1::Store::service_full_name(), v1::Inspect::service_full_name()};
+  return *names;
+}
+
+absl::Status DaemonServer::PrepareSocketPath() {
+  const std::filesystem::path path(config_.unix_socket);
+  std::error_code ec;
+  std::filesystem::create_directories(path.parent_path(), ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create ", path.parent_path().string(), ": ", ec.message()));
+  }
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return absl::OkStatus();  // nothing there
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path.string(), " exists and is not a socket; refusing to replace it"));
+  }
+  if (SocketIsLive(path)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("another daemon is serving ", path.string(), "; stop it first"));
+  }
+  Log()->info("removing stale socket path={}", path.string());
+  ::unlink(path.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status DaemonServer::Start() {
+  // Link the health descriptor into the binary so reflection can resolve grpc.health.v1.Health.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(config_.max_message_bytes);
+  builder.SetMaxSendMessageSize(config_.max_message_bytes);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, config_.max_concurrent_streams);
+  builder.RegisterService(&store_service_);
+  builder.RegisterService(&inspect_service_);
+  if (!config_.unix_socket.empty()) {
+    if (absl::Status s = PrepareSocketPath(); !s.ok()) return s;
+    builder.AddListeningPort("unix:" + config_.unix_socket, grpc::InsecureServerCredentials());
+  }
+  if (config_.port >= 0) {
+    builder.AddListeningPort(absl::StrCat(config_.bind_address, ":", config_.port),
+                             grpc::InsecureServerCredentials(), &tcp_port_);
+  }
+  // The socket is created inside BuildAndStart; the umask keeps it from ever being wider than
+  // the mode we set right after.
+  const mode_t old_umask = ::umask(0777 & ~config_.socket_mode);
+  server_ = builder.BuildAndStart();
+  ::umask(old_umask);
+  if (!server_ || (config_.port >= 0 && tcp_port_ <= 0)) {
+    server_.reset();
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", Endpoints(),
+                                               " (address in use or not permitted?)"));
+  }
+  if (!config_.unix_socket.empty()) {
+    struct stat st {};
+    if (::chmod(config_.unix_socket.c_str(), config_.socket_mode) != 0 ||
+        ::stat(config_.unix_socket.c_str(), &st) != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot set mode of ", config_.unix_socket, ": ", std::strerror(errno)));
+    }
+    socket_inode_ = st.st_ino;
+  }
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  health->SetServingStatus(true);
+  for (const std::string& name : ServiceNames()) health->SetServingStatus(name, true);
+  Log()->info("serving {} max_message_bytes={} max_concurrent_streams={}", Endpoints(),
+              config_.max_message_bytes, config_.max_concurrent_streams);
+  return absl::OkStatus();
+}
+
+void DaemonServer::BeginDrain() {
+  if (!server_ || draining_) return;
+  draining_ = true;
+  Log()->info("draining grace={}", absl::FormatDuration(config_.drain_grace));
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  health->SetServingStatus(false);
+  for (const std::string& name : ServiceNames()) health->SetServingStatus(name, false);
+  store_.Shutdown();
+}
+
+void DaemonServer::Shutdown(absl::Duration grace) {
+  if (!server_) return;
+  BeginDrain();
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  server_->Wait();
+  server_.reset();
+  struct stat st {};
+  if (socket_inode_ != 0 && ::stat(config_.unix_socket.c_str(), &st) == 0 &&
+      st.st_ino == socket_inode_) {
+    ::unlink(config_.unix_socket.c_str());
+  }
+  Log()->info("stopped");
+}
+
+std::string DaemonServer::Endpoints() const {
+  std::string out;
+  if (!config_.unix_socket.empty()) absl::StrAppend(&out, "unix=", config_.unix_socket);
+  if (config_.port >= 0) {
+    absl::StrAppend(&out, out.empty() ? "" : " ", "tcp=", config_.bind_address, ":",
+                    tcp_port_ > 0 ? tcp_port_ : config_.port);
+  }
+  return out;
+}
+
+}  // namespace gradsync::daemon

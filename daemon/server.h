@@ -1,0 +1,57 @@
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "daemon/config.h"
+#include "daemon/rpc/inspect_service.h"
+#include "daemon/rpc/store_service.h"
+#include "daemon/store/memory_store.h"
+#include "grpcpp/grpcpp.h"
+
+namespace gradsync::daemon {
+
+/// The gRPC side of gradsyncd: the unix-socket and TCP listeners, the Store and Inspect services,
+/// health (overall and per service) and reflection. Start, then BeginDrain, then Shutdown;
+/// not thread-safe across those calls (the owner calls them in order).
+class DaemonServer {
+ public:
+  explicit DaemonServer(DaemonConfig config);
+  ~DaemonServer();
+
+  /// Binds and serves; health reports SERVING for every service once this returns OK.
+  /// FailedPrecondition if another daemon already serves the socket.
+  absl::Status Start();
+
+  /// Health NOT_SERVING everywhere; pending store waits fail with UNAVAILABLE.
+  void BeginDrain();
+
+  /// Stops accepting calls, lets in-flight ones finish for `grace`, cancels the rest, removes
+  /// the socket file this daemon created.
+  void Shutdown(absl::Duration grace);
+
+  /// TCP port actually bound (-1 when TCP is off).
+  int tcp_port() const { return tcp_port_; }
+
+  /// "unix=/run/gradsync/gradsyncd.sock tcp=127.0.0.1:7451" for logs and STATUS=.
+  std::string Endpoints() const;
+
+  /// Service names health reports on, besides "" (overall).
+  static const std::vector<std::string>& ServiceNames();
+
+ private:
+  absl::Status PrepareSocketPath();
+
+  const DaemonConfig config_;
+  store::MemoryStore store_;
+  rpc::StoreService store_service_;
+  rpc::InspectService inspect_service_;
+  std::unique_ptr<grpc::Server> server_;
+  int tcp_port_ = -1;
+  bool draining_ = false;
+  ino_t socket_inode_ = 0;  // of the socket file we created, to remove only our own
+};
+
+}  // namespace gradsync::daemon

@@ -1,0 +1,374 @@
+#include "daemon/store/memory_store.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+
+namespace gradsync::store {
+namespace {
+
+constexpr size_t kMaxJobBytes = 128;
+
+std::string ParkKey(absl::string_view job, absl::string_view key) {
+  return absl::StrCat(job, absl::string_view("\0", 1), key);
+}
+
+absl::Status CheckJob(absl::string_view job) {
+  if (job.empty()) return absl::InvalidArgumentError("job is empty");
+  if (job.size() > kMaxJobBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("job name is ", job.size(), " bytes; the limit is ", kMaxJobBytes));
+  }
+  for (char c : job) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job '", absl::CEscape(job), "' may hold only letters, digits, '-', '_' and '.'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+MemoryStore::MemoryStore(MemoryStoreOptions options)
+    : options_(options), timer_([this] { TimerLoop(); }) {}
+
+MemoryStore::~MemoryStore() {
+  Shutdown();
+  timer_.join();
+}
+
+absl::Status MemoryStore::CheckKey(absl::string_view job, absl::string_view key) const {
+  if (absl::Status s = CheckJob(job); !s.ok()) return s;
+  if (key.empty()) return absl::InvalidArgumentError("key is empty");
+  if (static_cast<int64_t>(key.size()) > options_.max_key_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("key is ", key.size(), " bytes; the limit is ",
+                                                   options_.max_key_bytes, " (--store_max_key_bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MemoryStore::PutLocked(absl::string_view job, absl::string_view key, std::string value,
+                                    std::vector<Fired>& fired) {
+  if (shutdown_) return absl::UnavailableError("store is shutting down");
+  if (static_cast<int64_t>(value.size()) > options_.max_value_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("value for key '", key, "' is ", value.size(), " bytes; the limit is ",
+                     options_.max_value_bytes, " (--store_max_value_bytes)"));
+  }
+  auto job_it = jobs_.find(job);
+  if (job_it == jobs_.end()) {
+    if (static_cast<int64_t>(jobs_.size()) >= options_.max_jobs) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "store holds ", jobs_.size(), " jobs, the limit (--store_max_jobs); job '", job, "' refused"));
+    }
+    job_it = jobs_.emplace(std::string(job), Job{}).first;
+  }
+  Job& j = job_it->second;
+  auto it = j.kv.find(key);
+  if (it == j.kv.end()) {
+    if (static_cast<int64_t>(j.kv.size()) >= options_.max_keys_per_job) {
+      return absl::ResourceExhaustedError(absl::StrCat("job '", job, "' holds ", j.kv.size(),
+                                                       " keys, the limit (--store_max_keys_per_job)"));
+    }
+    it = j.kv.emplace(std::string(key), std::string()).first;
+  }
+  j.value_bytes += static_cast<int64_t>(value.size()) - static_cast<int64_t>(it->second.size());
+  it->second = std::move(value);
+
+  auto parked = parked_.find(ParkKey(job, key));
+  if (parked != parked_.end()) {
+    std::vector<WaitId> ids = std::move(parked->second);
+    parked_.erase(parked);
+    for (WaitId id : ids) TryCompleteLocked(id, fired);
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> MemoryStore::MissingKeysLocked(const Waiter& w) const {
+  std::vector<std::string> missing;
+  auto job_it = jobs_.find(w.job);
+  for (const std::string& key : w.keys) {
+    if (job_it == jobs_.end() || job_it->second.kv.count(key) == 0) missing.push_back(key);
+  }
+  return missing;
+}
+
+void MemoryStore::TryCompleteLocked(WaitId id, std::vector<Fired>& fired) {
+  auto it = waiters_.find(id);
+  if (it == waiters_.end()) return;
+  Waiter& w = it->second;
+  auto job_it = jobs_.find(w.job);
+  std::vector<std::string> values;
+  values.reserve(w.keys.size());
+  for (const std::string& key : w.keys) {
+    const std::string* value = nullptr;
+    if (job_it != jobs_.end()) {
+      auto found = job_it->second.kv.find(key);
+      if (found != job_it->second.kv.end()) value = &found->second;
+    }
+    if (value == nullptr) {
+      w.parked_on = key;
+      parked_[ParkKey(w.job, key)].push_back(id);
+      return;
+    }
+    values.push_back(*value);
+  }
+  fired.push_back({std::move(w.done), std::move(values)});
+  RemoveWaiterLocked(id);
+}
+
+void MemoryStore::RemoveWaiterLocked(WaitId id) {
+  auto it = waiters_.find(id);
+  if (it == waiters_.end()) return;
+  Waiter& w = it->second;
+  if (!w.parked_on.empty()) {
+    auto parked = parked_.find(ParkKey(w.job, w.parked_on));
+    if (parked != parked_.end()) {
+      auto& ids = parked->second;
+      ids.erase(std::remove(ids.begin(), ids.end(), id), ids.end());
+      if (ids.empty()) parked_.erase(parked);
+    }
+  }
+  auto [lo, hi] = deadlines_.equal_range(w.deadline);
+  for (auto d = lo; d != hi; ++d) {
+    if (d->second == id) {
+      deadlines_.erase(d);
+      break;
+    }
+  }
+  waiters_.erase(it);
+}
+
+void MemoryStore::Run(std::vector<Fired>& fired) {
+  for (Fired& f : fired) f.done(std::move(f.result));
+  fired.clear();
+}
+
+absl::Status MemoryStore::Set(absl::string_view job, absl::string_view key, std::string value) {
+  if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
+  std::vector<Fired> fired;
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    status = PutLocked(job, key, std::move(value), fired);
+  }
+  Run(fired);
+  return status;
+}
+
+Store::WaitId MemoryStore::WaitAsync(absl::string_view job, std::vector<std::string> keys,
+                                     absl::Time deadline, WaitCallback done) {
+  absl::Status invalid;
+  if (keys.empty()) invalid = absl::InvalidArgumentError("wait needs at least one key");
+  for (const std::string& key : keys) {
+    if (!invalid.ok()) break;
+    invalid = CheckKey(job, key);
+  }
+  std::vector<Fired> fired;
+  WaitId id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    id = next_id_++;
+    if (invalid.ok() && shutdown_) invalid = absl::UnavailableError("store is shutting down");
+    if (invalid.ok() && static_cast<int64_t>(waiters_.size()) >= options_.max_waiters) {
+      invalid = absl::ResourceExhaustedError(absl::StrCat(
+          "store has ", waiters_.size(), " pending waits, the limit; try again later"));
+    }
+    if (!invalid.ok()) {
+      fired.push_back({std::move(done), invalid});
+    } else {
+      Waiter& w = waiters_[id];
+      w.job = std::string(job);
+      w.keys = std::move(keys);
+      w.deadline = deadline;
+      w.done = std::move(done);
+      deadlines_.emplace(deadline, id);
+      TryCompleteLocked(id, fired);
+    }
+  }
+  Run(fired);
+  return id;
+}
+
+void MemoryStore::CancelWait(WaitId id) {
+  std::vector<Fired> fired;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = waiters_.find(id);
+    if (it == waiters_.end()) return;
+    fired.push_back({std::move(it->second.done), absl::CancelledError("wait cancelled")});
+    RemoveWaiterLocked(id);
+  }
+  Run(fired);
+}
+
+absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view job, absl::string_view key, int64_t delta) {
+  if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
+  std::vector<Fired> fired;
+  absl::StatusOr<int64_t> result;
+  {
+    absl::MutexLock lock(&mu_);
+    int64_t current = 0;
+    auto job_it = jobs_.find(job);
+    if (job_it != jobs_.end()) {
+      auto it = job_it->second.kv.find(key);
+      if (it != job_it->second.kv.end() && !absl::SimpleAtoi(it->second, &current)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("Add on key '", key, "': its value is not a decimal int64 counter"));
+      }
+    }
+    if ((delta > 0 && current > std::numeric_limits<int64_t>::max() - delta) ||
+        (delta < 0 && current < std::numeric_limits<int64_t>::min() - delta)) {
+      return absl::OutOfRangeError(absl::StrCat("Add on key '", key, "' overflows int64"));
+    }
+    const int64_t next = current + delta;
+    absl::Status s = PutLocked(job, key, absl::StrCat(next), fired);
+    result = s.ok() ? absl::StatusOr<int64_t>(next) : s;
+  }
+  Run(fired);
+  return result;
+}
+
+absl::StatusOr<CompareSetResult> MemoryStore::CompareSet(absl::string_view job, absl::string_view key,
+                                                         std::optional<std::string> expected,
+                                                         std::string desired) {
+  if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
+  std::vector<Fired> fired;
+  absl::StatusOr<CompareSetResult> result;
+  {
+    absl::MutexLock lock(&mu_);
+    const std::string* current = nullptr;
+    auto job_it = jobs_.find(job);
+    if (job_it != jobs_.end()) {
+      auto it = job_it->second.kv.find(key);
+      if (it != job_it->second.kv.end()) current = &it->second;
+    }
+    const bool match = expected.has_value() ? (current && *current == *expected) : !current;
+    if (!match) {
+      result = CompareSetResult{false, current ? *current : std::string()};
+    } else {
+      std::string value = desired;
+      absl::Status s = PutLocked(job, key, std::move(desired), fired);
+      result = s.ok() ? absl::StatusOr<CompareSetResult>(CompareSetResult{true, std::move(value)}) : s;
+    }
+  }
+  Run(fired);
+  return result;
+}
+
+absl::StatusOr<bool> MemoryStore::Delete(absl::string_view job, absl::string_view key) {
+  if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  auto job_it = jobs_.find(job);
+  if (job_it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
+  Job& j = job_it->second;
+  auto it = j.kv.find(key);
+  if (it == j.kv.end()) return false;
+  j.value_bytes -= static_cast<int64_t>(it->second.size());
+  j.kv.erase(it);
+  return true;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> MemoryStore::ListSizes(
+    absl::string_view job, absl::string_view prefix) {
+  if (absl::Status s = CheckJob(job); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  auto job_it = jobs_.find(job);
+  if (job_it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
+  std::vector<std::pair<std::string, int64_t>> out;
+  const auto& kv = job_it->second.kv;
+  for (auto it = kv.lower_bound(prefix); it != kv.end() && absl::StartsWith(it->first, prefix); ++it) {
+    out.emplace_back(it->first, static_cast<int64_t>(it->second.size()));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<std::string>> MemoryStore::List(absl::string_view job,
+                                                           absl::string_view prefix) {
+  auto sizes = ListSizes(job, prefix);
+  if (!sizes.ok()) return sizes.status();
+  std::vector<std::string> keys;
+  keys.reserve(sizes->size());
+  for (auto& [key, size] : *sizes) keys.push_back(std::move(key));
+  return keys;
+}
+
+absl::StatusOr<std::string> MemoryStore::Peek(absl::string_view job, absl::string_view key) {
+  absl::MutexLock lock(&mu_);
+  auto job_it = jobs_.find(job);
+  if (job_it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
+  auto it = job_it->second.kv.find(key);
+  if (it == job_it->second.kv.end()) {
+    return absl::NotFoundError(absl::StrCat("job '", job, "' has no key '", key, "'"));
+  }
+  return it->second;
+}
+
+std::vector<JobStats> MemoryStore::ListJobs() {
+  absl::MutexLock lock(&mu_);
+  std::vector<JobStats> out;
+  for (const auto& [name, job] : jobs_) {
+    out.push_back({name, static_cast<int64_t>(job.kv.size()), job.value_bytes});
+  }
+  return out;
+}
+
+void MemoryStore::DeleteJob(absl::string_view job) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job);
+  if (it != jobs_.end()) jobs_.erase(it);
+}
+
+void MemoryStore::Shutdown() {
+  std::vector<Fired> fired;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_) return;
+    shutdown_ = true;
+    for (auto& [id, w] : waiters_) {
+      fired.push_back({std::move(w.done), absl::UnavailableError("store is shutting down")});
+    }
+    waiters_.clear();
+    parked_.clear();
+    deadlines_.clear();
+  }
+  Run(fired);
+}
+
+void MemoryStore::TimerLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!shutdown_) {
+    const absl::Time next = deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first;
+    const absl::Time now = absl::Now();
+    if (next > now) {
+      // Woken by any change of the earliest deadline or by shutdown.
+      auto changed = [this, next]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return shutdown_ || (!deadlines_.empty() && deadlines_.begin()->first < next);
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&changed), next);
+      continue;
+    }
+    std::vector<Fired> fired;
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      const WaitId id = deadlines_.begin()->second;
+      Waiter& w = waiters_.at(id);
+      fired.push_back({std::move(w.done),
+                       absl::DeadlineExceededError(absl::StrCat(
+                           "store wait job=", w.job, " timed out; missing keys: ",
+                           absl::StrJoin(MissingKeysLocked(w), ", ")))});
+      RemoveWaiterLocked(id);
+    }
+    mu_.Unlock();
+    Run(fired);
+    mu_.Lock();
+  }
+}
+
+}  // namespace gradsync::store

@@ -1,0 +1,107 @@
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "common/store.h"
+
+namespace gradsync::store {
+
+struct MemoryStoreOptions {
+  int64_t max_key_bytes = 512;
+  int64_t max_value_bytes = int64_t{1} << 20;
+  int64_t max_keys_per_job = 65536;
+  int64_t max_jobs = 1024;
+  int64_t max_waiters = 65536;
+};
+
+/// Size of one job's namespace, for inspection.
+struct JobStats {
+  std::string job;
+  int64_t keys = 0;
+  int64_t value_bytes = 0;
+};
+
+/// The in-memory Store held by a job's root daemon.
+///
+/// Jobs come into being with their first key and are checked against the limits on every write
+/// (ResourceExhausted names the limit). Waits on a job that does not exist yet are allowed: a
+/// rendezvous may start before the first writer. One thread fires wait deadlines.
+///
+/// Lock order: mu_ only; callbacks run after it is released.
+class MemoryStore final : public Store {
+ public:
+  explicit MemoryStore(MemoryStoreOptions options = {});
+  ~MemoryStore() override;  // Shutdown()
+
+  absl::Status Set(absl::string_view job, absl::string_view key, std::string value) override;
+  WaitId WaitAsync(absl::string_view job, std::vector<std::string> keys, absl::Time deadline,
+                   WaitCallback done) override;
+  void CancelWait(WaitId id) override;
+  absl::StatusOr<int64_t> Add(absl::string_view job, absl::string_view key, int64_t delta) override;
+  absl::StatusOr<CompareSetResult> CompareSet(absl::string_view job, absl::string_view key,
+                                              std::optional<std::string> expected,
+                                              std::string desired) override;
+  absl::StatusOr<bool> Delete(absl::string_view job, absl::string_view key) override;
+  absl::StatusOr<std::vector<std::string>> List(absl::string_view job,
+                                                absl::string_view prefix) override;
+
+  /// The value of `key` now, without waiting: NotFound for a missing job or key.
+  absl::StatusOr<std::string> Peek(absl::string_view job, absl::string_view key);
+  /// Every job, sorted by name.
+  std::vector<JobStats> ListJobs();
+  /// (key, value size) for keys of `job` under `prefix`; NotFound for an unknown job.
+  absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> ListSizes(absl::string_view job,
+                                                                          absl::string_view prefix);
+  /// Removes a job's keys; its pending waits keep waiting.
+  void DeleteJob(absl::string_view job);
+
+  /// Fails every pending wait with Unavailable and refuses new ones. Idempotent.
+  void Shutdown();
+
+ private:
+  struct Job {
+    std::map<std::string, std::string, std::less<>> kv;  // ordered for List(prefix)
+    int64_t value_bytes = 0;
+  };
+  struct Waiter {
+    std::string job;
+    std::vector<std::string> keys;
+    absl::Time deadline;
+    WaitCallback done;
+    std::string parked_on;  // the missing key it is indexed under
+  };
+  struct Fired {
+    WaitCallback done;
+    absl::StatusOr<std::vector<std::string>> result;
+  };
+
+  absl::Status CheckKey(absl::string_view job, absl::string_view key) const;
+  // Writes `value` at (job, key), enforcing the limits; wakes the waiters it satisfies.
+  absl::Status PutLocked(absl::string_view job, absl::string_view key, std::string value,
+                         std::vector<Fired>& fired) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Completes `id` if all its keys exist, else parks it under its first missing key.
+  void TryCompleteLocked(WaitId id, std::vector<Fired>& fired) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveWaiterLocked(WaitId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::string> MissingKeysLocked(const Waiter& w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  static void Run(std::vector<Fired>& fired);
+  void TimerLoop();
+
+  const MemoryStoreOptions options_;
+  absl::Mutex mu_;
+  std::map<std::string, Job, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<WaitId, Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  // (job '\0' key) -> waiters parked on that missing key.
+  absl::flat_hash_map<std::string, std::vector<WaitId>> parked_ ABSL_GUARDED_BY(mu_);
+  std::multimap<absl::Time, WaitId> deadlines_ ABSL_GUARDED_BY(mu_);
+  WaitId next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread timer_;
+};
+
+}  // namespace gradsync::store
