@@ -1,5 +1,8 @@
 #include "common/group.h"
 
+#include <algorithm>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -13,8 +16,8 @@ absl::StatusOr<std::vector<int>> ParseGroupKey(absl::string_view key) {
   std::vector<int> ranks;
   for (absl::string_view part : absl::StrSplit(key, ',')) {
     int rank = 0;
-    if (!absl::SimpleAtoi(part, &rank) || rank < 0 || part.empty() || part[0] == '+' ||
-        (part.size() > 1 && part[0] == '0')) {
+    const bool digits = !part.empty() && std::all_of(part.begin(), part.end(), absl::ascii_isdigit);
+    if (!digits || (part.size() > 1 && part[0] == '0') || !absl::SimpleAtoi(part, &rank)) {
       return absl::InvalidArgumentError(
           absl::StrCat("group key '", key, "': '", part, "' is not a rank (a non-negative integer)"));
     }

@@ -1,0 +1,89 @@
+// A separate client process for the integration tests: runs store operations against a daemon
+// and prints what it saw, so tests can check results across real processes.
+//
+//   store_worker TARGET JOB add KEY COUNT          COUNT x Add(KEY, 1); prints the last value
+//   store_worker TARGET JOB setpacklist GROUP      stores SamplePlan() as the group's plan
+//   store_worker TARGET JOB getpacklist GROUP MS   waits up to MS ms; prints the plan (text format)
+//   store_worker TARGET JOB bench OP SECONDS       Set/Get/Add in a loop; prints "ops N"
+
+#include <iostream>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/store_client.h"
+#include "google/protobuf/text_format.h"
+#include "tests/integration/sample_plan.h"
+
+namespace {
+
+int Fail(const absl::Status& s) {
+  std::cerr << "store_worker: " << s << "\n";
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::cerr << "usage: store_worker TARGET JOB add|setpacklist|getpacklist|bench ARGS...\n";
+    return 2;
+  }
+  const std::string target = argv[1], job = argv[2], op = argv[3], arg = argv[4];
+  gradsync::client::StoreClient store(gradsync::client::Connect(target));
+  if (op == "add" && argc == 6) {
+    int count = 0;
+    if (!absl::SimpleAtoi(argv[5], &count)) return 2;
+    int64_t last = 0;
+    for (int i = 0; i < count; ++i) {
+      auto v = store.Add(job, arg, 1);
+      if (!v.ok()) return Fail(v.status());
+      last = *v;
+    }
+    std::cout << last << "\n";
+    return 0;
+  }
+  if (op == "setpacklist") {
+    auto plan = gradsync::testing::SamplePlan();
+    if (!plan.ok()) return Fail(plan.status());
+    if (absl::Status s = store.SetPackList(job, arg, *plan); !s.ok()) return Fail(s);
+    return 0;
+  }
+  if (op == "getpacklist" && argc == 6) {
+    int ms = 0;
+    if (!absl::SimpleAtoi(argv[5], &ms)) return 2;
+    auto plan = store.GetPackList(job, arg, absl::Now() + absl::Milliseconds(ms));
+    if (!plan.ok()) return Fail(plan.status());
+    std::string text;
+    google::protobuf::TextFormat::PrintToString(*plan, &text);
+    std::cout << text;
+    return 0;
+  }
+  if (op == "bench" && argc == 6) {
+    double seconds = 0;
+    if (!absl::SimpleAtod(argv[5], &seconds) || seconds <= 0 || seconds > 60) return 2;
+    const std::string key = absl::StrCat("bench/", ::getpid());
+    if (absl::Status s = store.Set(job, key, "v"); !s.ok()) return Fail(s);
+    const absl::Time end = absl::Now() + absl::Seconds(seconds);
+    int64_t ops = 0;
+    while (absl::Now() < end) {
+      absl::Status s;
+      if (arg == "set") {
+        s = store.Set(job, key, "value");
+      } else if (arg == "get") {
+        s = store.Get(job, key, absl::Now() + absl::Seconds(5)).status();
+      } else if (arg == "add") {
+        s = store.Add(job, absl::StrCat(key, "/n"), 1).status();
+      } else {
+        return 2;
+      }
+      if (!s.ok()) return Fail(s);
+      ++ops;
+    }
+    std::cout << "ops " << ops << "\n";
+    return 0;
+  }
+  std::cerr << "store_worker: bad arguments\n";
+  return 2;
+}

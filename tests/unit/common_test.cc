@@ -1,0 +1,61 @@
+#include "common/dtype.h"
+#include "common/group.h"
+#include "daemon/config.h"
+#include "gtest/gtest.h"
+
+namespace gradsync {
+namespace {
+
+TEST(GroupKeyTest, ParsesWorldAndAscendingRanks) {
+  EXPECT_TRUE(ParseGroupKey("world")->empty());
+  EXPECT_EQ(*ParseGroupKey("0,1,3"), (std::vector<int>{0, 1, 3}));
+  EXPECT_EQ(*ParseGroupKey("7"), (std::vector<int>{7}));
+  EXPECT_EQ(GroupKey({0, 2, 5}), "0,2,5");
+}
+
+TEST(GroupKeyTest, RejectsMalformedKeys) {
+  for (const char* bad : {"", "1,0", "0,0", "0,,1", "a", "-1", "0, 1", "01", "+1", "0,"}) {
+    EXPECT_EQ(ParseGroupKey(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+TEST(DTypeTest, SizesAndNamesRoundTrip) {
+  EXPECT_EQ(DTypeSize(v1::FLOAT32), 4);
+  EXPECT_EQ(DTypeSize(v1::BFLOAT16), 2);
+  EXPECT_EQ(DTypeSize(v1::INT64), 8);
+  EXPECT_EQ(DTypeSize(v1::DTYPE_UNSPECIFIED), 0);
+  for (auto d : {v1::FLOAT32, v1::FLOAT64, v1::FLOAT16, v1::BFLOAT16, v1::INT32, v1::INT64,
+                 v1::UINT8, v1::INT8}) {
+    EXPECT_EQ(*ParseDType(DTypeName(d)), d);
+  }
+  EXPECT_EQ(*ParseDType("half"), v1::FLOAT16);
+  EXPECT_FALSE(ParseDType("complex64").ok());
+}
+
+TEST(DaemonConfigTest, DefaultsAreValidAndLoopbackOnly) {
+  daemon::DaemonConfig c;
+  EXPECT_TRUE(daemon::Validate(c).ok());
+  EXPECT_EQ(c.bind_address, "127.0.0.1");
+  EXPECT_EQ(c.socket_mode, 0660);
+  EXPECT_EQ(c.unix_socket, "/run/gradsync/gradsyncd.sock");
+}
+
+TEST(DaemonConfigTest, RejectsBadSettings) {
+  auto bad = [](auto mutate) {
+    daemon::DaemonConfig c;
+    mutate(c);
+    return daemon::Validate(c).code();
+  };
+  EXPECT_EQ(bad([](auto& c) { c.port = 65536; }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) { c.unix_socket = "rel.sock"; }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) { c.unix_socket = ""; c.port = -1; }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) { c.unix_socket = "/" + std::string(120, 'x'); }),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) { c.store.max_value_bytes = c.max_message_bytes; }),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) { c.max_wait = absl::ZeroDuration(); }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) { c.bind_address = ""; }), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace gradsync
