@@ -4,7 +4,6 @@
 //   store_worker TARGET JOB add KEY COUNT          COUNT x Add(KEY, 1); prints the last value
 //   store_worker TARGET JOB setpacklist GROUP      stores SamplePlan() as the group's plan
 //   store_worker TARGET JOB getpacklist GROUP MS   waits up to MS ms; prints the plan (text format)
-//   store_worker TARGET JOB bench OP SECONDS       Set/Get/Add in a loop; prints "ops N"
 
 #include <iostream>
 #include <string>
@@ -27,7 +26,7 @@ int Fail(const absl::Status& s) {
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::cerr << "usage: store_worker TARGET JOB add|setpacklist|getpacklist|bench ARGS...\n";
+    std::cerr << "usage: store_worker TARGET JOB add|setpacklist|getpacklist ARGS...\n";
     return 2;
   }
   const std::string target = argv[1], job = argv[2], op = argv[3], arg = argv[4];
@@ -58,30 +57,6 @@ int main(int argc, char** argv) {
     std::string text;
     google::protobuf::TextFormat::PrintToString(*plan, &text);
     std::cout << text;
-    return 0;
-  }
-  if (op == "bench" && argc == 6) {
-    double seconds = 0;
-    if (!absl::SimpleAtod(argv[5], &seconds) || seconds <= 0 || seconds > 60) return 2;
-    const std::string key = absl::StrCat("bench/", ::getpid());
-    if (absl::Status s = store.Set(job, key, "v"); !s.ok()) return Fail(s);
-    const absl::Time end = absl::Now() + absl::Seconds(seconds);
-    int64_t ops = 0;
-    while (absl::Now() < end) {
-      absl::Status s;
-      if (arg == "set") {
-        s = store.Set(job, key, "value");
-      } else if (arg == "get") {
-        s = store.Get(job, key, absl::Now() + absl::Seconds(5)).status();
-      } else if (arg == "add") {
-        s = store.Add(job, absl::StrCat(key, "/n"), 1).status();
-      } else {
-        return 2;
-      }
-      if (!s.ok()) return Fail(s);
-      ++ops;
-    }
-    std::cout << "ops " << ops << "\n";
     return 0;
   }
   std::cerr << "store_worker: bad arguments\n";

@@ -1,0 +1,54 @@
+// One client process of the store benchmark (bench/store_bench.py drives it).
+//
+//   store_bench_worker TARGET JOB OP SECONDS CLIENTS
+//
+// Connects, joins the start barrier (Add "ready", then waits for "go"), runs OP (set|get|add)
+// back to back for SECONDS, and prints "ops N seconds S".
+
+#include <unistd.h>
+
+#include <iostream>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/store_client.h"
+
+int main(int argc, char** argv) {
+  double seconds = 0;
+  if (argc != 6 || !absl::SimpleAtod(argv[4], &seconds) || seconds <= 0 || seconds > 60) {
+    std::cerr << "usage: store_bench_worker TARGET JOB set|get|add SECONDS CLIENTS\n";
+    return 2;
+  }
+  const std::string job = argv[2], op = argv[3];
+  if (op != "set" && op != "get" && op != "add") return 2;
+  gradsync::client::StoreClient store(gradsync::client::Connect(argv[1]));
+  const std::string key = absl::StrCat("bench/", ::getpid());
+  auto fail = [](const absl::Status& s) {
+    std::cerr << "store_bench_worker: " << s << "\n";
+    return 1;
+  };
+  if (absl::Status s = store.Set(job, key, "value"); !s.ok()) return fail(s);
+  if (auto r = store.Add(job, "ready", 1); !r.ok()) return fail(r.status());
+  if (auto go = store.Get(job, "go", absl::Now() + absl::Seconds(120)); !go.ok()) {
+    return fail(go.status());
+  }
+  const absl::Time start = absl::Now();
+  const absl::Time end = start + absl::Seconds(seconds);
+  int64_t ops = 0;
+  while (absl::Now() < end) {
+    absl::Status s;
+    if (op == "set") {
+      s = store.Set(job, key, "value");
+    } else if (op == "get") {
+      s = store.Get(job, key, absl::Now() + absl::Seconds(5)).status();
+    } else {
+      s = store.Add(job, absl::StrCat(key, "/n"), 1).status();
+    }
+    if (!s.ok()) return fail(s);
+    ++ops;
+  }
+  std::cout << "ops " << ops << " seconds " << absl::ToDoubleSeconds(absl::Now() - start) << "\n";
+  return 0;
+}
