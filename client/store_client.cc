@@ -1,5 +1,7 @@
 #include "client/store_client.h"
 
+#include <thread>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -22,19 +24,21 @@ std::shared_ptr<grpc::Channel> Connect(absl::string_view target, const ClientOpt
 
 struct StoreClient::PendingWait {
   grpc::ClientContext ctx;
-  v1::WaitRequest request;
-  v1::WaitResponse response;
+  std::thread thread;
+  bool finished = false;
 };
 
 StoreClient::StoreClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
     : channel_(std::move(channel)), options_(options), stub_(v1::Store::NewStub(channel_)) {}
 
 StoreClient::~StoreClient() {
-  absl::MutexLock lock(&mu_);
-  for (auto& [id, wait] : pending_) wait->ctx.TryCancel();
-  mu_.Await(absl::Condition(
-      +[](absl::flat_hash_map<WaitId, std::shared_ptr<PendingWait>>* p) { return p->empty(); },
-      &pending_));
+  absl::flat_hash_map<WaitId, std::unique_ptr<PendingWait>> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, wait] : pending_) wait->ctx.TryCancel();
+    pending = std::move(pending_);
+  }
+  for (auto& [id, wait] : pending) wait->thread.join();
 }
 
 void StoreClient::Prepare(grpc::ClientContext& ctx) const {
@@ -52,45 +56,66 @@ absl::Status StoreClient::Set(absl::string_view job, absl::string_view key, std:
   return FromGrpcStatus(stub_->Set(&ctx, req, &resp));
 }
 
+absl::StatusOr<std::vector<std::string>> StoreClient::CallWait(grpc::ClientContext& ctx,
+                                                               const v1::WaitRequest& request) {
+  v1::WaitResponse response;
+  const grpc::Status status = stub_->Wait(&ctx, request, &response);
+  if (status.ok()) {
+    return std::vector<std::string>(response.values().begin(), response.values().end());
+  }
+  if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+      !absl::StrContains(status.error_message(), "missing keys")) {
+    // Our own deadline fired before the daemon's answer: name the keys all the same.
+    return absl::DeadlineExceededError(
+        absl::StrCat("store wait job=", request.job(), " timed out; missing keys: ",
+                     absl::StrJoin(request.keys(), ", "), " (client deadline)"));
+  }
+  return FromGrpcStatus(status);
+}
+
+absl::StatusOr<std::vector<std::string>> StoreClient::WaitBlocking(absl::string_view job,
+                                                                   std::vector<std::string> keys,
+                                                                   absl::Time deadline) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(deadline));
+  v1::WaitRequest req;
+  req.set_job(std::string(job));
+  for (std::string& key : keys) req.add_keys(std::move(key));
+  return CallWait(ctx, req);
+}
+
 Store::WaitId StoreClient::WaitAsync(absl::string_view job, std::vector<std::string> keys,
                                      absl::Time deadline, WaitCallback done) {
-  auto wait = std::make_shared<PendingWait>();
-  wait->ctx.set_deadline(absl::ToChronoTime(deadline));
-  wait->request.set_job(std::string(job));
-  for (const std::string& key : keys) wait->request.add_keys(key);
-  WaitId id;
-  {
-    absl::MutexLock lock(&mu_);
-    id = next_id_++;
-    pending_[id] = wait;
+  v1::WaitRequest req;
+  req.set_job(std::string(job));
+  for (std::string& key : keys) req.add_keys(std::move(key));
+  absl::MutexLock lock(&mu_);
+  const WaitId id = next_id_++;
+  // Reap the threads of finished waits.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->second->finished) {
+      it->second->thread.join();
+      pending_.erase(it++);
+    } else {
+      ++it;
+    }
   }
-  stub_->async()->Wait(
-      &wait->ctx, &wait->request, &wait->response,
-      [this, id, wait, done = std::move(done)](grpc::Status status) {
-        absl::StatusOr<std::vector<std::string>> result;
-        if (status.ok()) {
-          result = std::vector<std::string>(wait->response.values().begin(),
-                                            wait->response.values().end());
-        } else if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-                   !absl::StrContains(status.error_message(), "missing keys")) {
-          // Our own deadline fired before the daemon's answer: name the keys all the same.
-          result = absl::DeadlineExceededError(
-              absl::StrCat("store wait job=", wait->request.job(), " timed out; missing keys: ",
-                           absl::StrJoin(wait->request.keys(), ", "), " (client deadline)"));
-        } else {
-          result = FromGrpcStatus(status);
-        }
-        done(std::move(result));
-        absl::MutexLock lock(&mu_);
-        pending_.erase(id);
-      });
+  auto wait = std::make_unique<PendingWait>();
+  PendingWait* w = wait.get();
+  w->ctx.set_deadline(absl::ToChronoTime(deadline));
+  pending_[id] = std::move(wait);
+  w->thread = std::thread([this, w, req = std::move(req), done = std::move(done)] {
+    done(CallWait(w->ctx, req));
+    absl::MutexLock lock(&mu_);
+    w->finished = true;
+  });
   return id;
 }
 
 void StoreClient::CancelWait(WaitId id) {
   absl::MutexLock lock(&mu_);
   auto it = pending_.find(id);
-  if (it != pending_.end()) it->second->ctx.TryCancel();
+  if (it != pending_.end() && !it->second->finished) it->second->ctx.TryCancel();
 }
 
 absl::StatusOr<int64_t> StoreClient::Add(absl::string_view job, absl::string_view key, int64_t delta) {

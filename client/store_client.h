@@ -28,6 +28,11 @@ std::shared_ptr<grpc::Channel> Connect(absl::string_view target, const ClientOpt
 
 /// The Store of a remote gradsyncd, over gRPC. Thread-safe; calls may run concurrently.
 /// Waits carry their deadline to the daemon, which answers DEADLINE_EXCEEDED naming the keys.
+///
+/// Every call is a synchronous gRPC call on the caller's thread: gRPC's callback API would start
+/// background pollers that take every later completion on another thread, and a thread hand-off
+/// per call costs more than the call itself on small VMs. WaitAsync therefore runs its call on
+/// a thread of its own, alive only while the wait is.
 class StoreClient final : public Store {
  public:
   StoreClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options = {});
@@ -37,6 +42,9 @@ class StoreClient final : public Store {
   WaitId WaitAsync(absl::string_view job, std::vector<std::string> keys, absl::Time deadline,
                    WaitCallback done) override;
   void CancelWait(WaitId id) override;
+  absl::StatusOr<std::vector<std::string>> WaitBlocking(absl::string_view job,
+                                                        std::vector<std::string> keys,
+                                                        absl::Time deadline) override;
   absl::StatusOr<int64_t> Add(absl::string_view job, absl::string_view key, int64_t delta) override;
   absl::StatusOr<CompareSetResult> CompareSet(absl::string_view job, absl::string_view key,
                                               std::optional<std::string> expected,
@@ -56,12 +64,15 @@ class StoreClient final : public Store {
  private:
   struct PendingWait;
   void Prepare(grpc::ClientContext& ctx) const;
+  // The Wait RPC with the waited-for keys named in a client-side timeout too.
+  absl::StatusOr<std::vector<std::string>> CallWait(grpc::ClientContext& ctx,
+                                                    const v1::WaitRequest& request);
 
   const std::shared_ptr<grpc::Channel> channel_;
   const ClientOptions options_;
   const std::unique_ptr<v1::Store::Stub> stub_;
   absl::Mutex mu_;
-  absl::flat_hash_map<WaitId, std::shared_ptr<PendingWait>> pending_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<WaitId, std::unique_ptr<PendingWait>> pending_ ABSL_GUARDED_BY(mu_);
   WaitId next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

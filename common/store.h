@@ -63,16 +63,17 @@ class Store {
   virtual absl::StatusOr<std::vector<std::string>> List(absl::string_view job,
                                                         absl::string_view prefix) = 0;
 
+  /// Blocks until every key exists or `deadline` passes; returns their values in order.
+  /// The default runs WaitAsync and blocks on its callback; a remote store answers inline.
+  virtual absl::StatusOr<std::vector<std::string>> WaitBlocking(absl::string_view job,
+                                                                std::vector<std::string> keys,
+                                                                absl::Time deadline);
+
   /// Blocks until `key` exists or `deadline` passes; returns its value.
   absl::StatusOr<std::string> Get(absl::string_view job, absl::string_view key, absl::Time deadline);
 
   /// Blocks until every key exists or `deadline` passes.
   absl::Status Wait(absl::string_view job, std::vector<std::string> keys, absl::Time deadline);
-
- private:
-  absl::StatusOr<std::vector<std::string>> WaitBlocking(absl::string_view job,
-                                                        std::vector<std::string> keys,
-                                                        absl::Time deadline);
 };
 
 }  // namespace gradsync
