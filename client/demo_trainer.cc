@@ -55,7 +55,8 @@ std::vector<gradsync::GradInfo> ModelGradients() {
 }
 
 int Fail(const std::string& what, const absl::Status& s) {
-  std::cerr << "demo-trainer rank=" << absl::GetFlag(FLAGS_rank) << ": " << what << ": " << s << "\n";
+  std::cerr << "demo-trainer rank=" << absl::GetFlag(FLAGS_rank) << ": " << what << ": " << s
+            << "\n";
   return 1;
 }
 

@@ -111,7 +111,8 @@ class Ctl {
     if (absl::Status s = FromGrpcStatus(stub->ListJobs(&ctx, {}, &resp)); !s.ok()) return Fail(s);
     std::cout << absl::StrFormat("%-32s %8s %12s\n", "JOB", "KEYS", "BYTES");
     for (const auto& j : resp.jobs()) {
-      std::cout << absl::StrFormat("%-32s %8d %12s\n", j.job(), j.keys(), HumanBytes(j.value_bytes()));
+      std::cout << absl::StrFormat("%-32s %8d %12s\n", j.job(), j.keys(),
+                                   HumanBytes(j.value_bytes()));
     }
     return 0;
   }
@@ -162,7 +163,8 @@ class Ctl {
     v1::ListGroupsRequest req;
     req.set_job(job_);
     v1::ListGroupsResponse resp;
-    if (absl::Status s = FromGrpcStatus(stub->ListGroups(&ctx, req, &resp)); !s.ok()) return Fail(s);
+    if (absl::Status s = FromGrpcStatus(stub->ListGroups(&ctx, req, &resp)); !s.ok())
+      return Fail(s);
     for (const std::string& g : resp.groups()) std::cout << g << "\n";
     return 0;
   }
@@ -175,14 +177,15 @@ class Ctl {
     req.set_job(job_);
     req.set_group(group);
     v1::InspectPackListResponse resp;
-    if (absl::Status s = FromGrpcStatus(stub->GetPackList(&ctx, req, &resp)); !s.ok()) return Fail(s);
+    if (absl::Status s = FromGrpcStatus(stub->GetPackList(&ctx, req, &resp)); !s.ok())
+      return Fail(s);
     const v1::PackList& plan = resp.pack_list();
     int params = 0;
     for (const auto& p : plan.packs()) params += p.indices_size();
-    std::cout << absl::StrFormat("job=%s group=%s packs=%d params=%d bytes=%s threshold=%s first_alone=%d\n",
-                                 resp.job(), resp.group(), plan.packs_size(), params,
-                                 HumanBytes(resp.total_bytes()), HumanBytes(plan.threshold_bytes()),
-                                 plan.first_alone());
+    std::cout << absl::StrFormat(
+        "job=%s group=%s packs=%d params=%d bytes=%s threshold=%s first_alone=%d\n", resp.job(),
+        resp.group(), plan.packs_size(), params, HumanBytes(resp.total_bytes()),
+        HumanBytes(plan.threshold_bytes()), plan.first_alone());
     std::cout << absl::StrFormat("%-5s %-9s %7s %11s  %s\n", "PACK", "DTYPE", "PARAMS", "BYTES",
                                  "INDICES (backward order)");
     for (int i = 0; i < plan.packs_size(); ++i) {

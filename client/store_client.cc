@@ -66,9 +66,9 @@ absl::StatusOr<std::vector<std::string>> StoreClient::CallWait(grpc::ClientConte
   if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
       !absl::StrContains(status.error_message(), "missing keys")) {
     // Our own deadline fired before the daemon's answer: name the keys all the same.
-    return absl::DeadlineExceededError(
-        absl::StrCat("store wait job=", request.job(), " timed out; missing keys: ",
-                     absl::StrJoin(request.keys(), ", "), " (client deadline)"));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "store wait job=", request.job(),
+        " timed out; missing keys: ", absl::StrJoin(request.keys(), ", "), " (client deadline)"));
   }
   return FromGrpcStatus(status);
 }
@@ -118,7 +118,8 @@ void StoreClient::CancelWait(WaitId id) {
   if (it != pending_.end() && !it->second->finished) it->second->ctx.TryCancel();
 }
 
-absl::StatusOr<int64_t> StoreClient::Add(absl::string_view job, absl::string_view key, int64_t delta) {
+absl::StatusOr<int64_t> StoreClient::Add(absl::string_view job, absl::string_view key,
+                                         int64_t delta) {
   grpc::ClientContext ctx;
   Prepare(ctx);
   v1::AddRequest req;
@@ -130,7 +131,8 @@ absl::StatusOr<int64_t> StoreClient::Add(absl::string_view job, absl::string_vie
   return resp.value();
 }
 
-absl::StatusOr<CompareSetResult> StoreClient::CompareSet(absl::string_view job, absl::string_view key,
+absl::StatusOr<CompareSetResult> StoreClient::CompareSet(absl::string_view job,
+                                                         absl::string_view key,
                                                          std::optional<std::string> expected,
                                                          std::string desired) {
   grpc::ClientContext ctx;
@@ -184,7 +186,8 @@ absl::Status StoreClient::SetPackList(absl::string_view job, absl::string_view g
   return FromGrpcStatus(stub_->SetPackList(&ctx, req, &resp));
 }
 
-absl::StatusOr<v1::PackList> StoreClient::GetPackList(absl::string_view job, absl::string_view group,
+absl::StatusOr<v1::PackList> StoreClient::GetPackList(absl::string_view job,
+                                                      absl::string_view group,
                                                       absl::Time deadline) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(deadline));

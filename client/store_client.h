@@ -2,9 +2,9 @@
 
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/store.h"
@@ -54,7 +54,8 @@ class StoreClient final : public Store {
                                                 absl::string_view prefix) override;
 
   /// Stores the group's pack plan (the daemon validates it).
-  absl::Status SetPackList(absl::string_view job, absl::string_view group, const v1::PackList& plan);
+  absl::Status SetPackList(absl::string_view job, absl::string_view group,
+                           const v1::PackList& plan);
   /// Waits for the group's pack plan until `deadline`.
   absl::StatusOr<v1::PackList> GetPackList(absl::string_view job, absl::string_view group,
                                            absl::Time deadline);

@@ -27,22 +27,33 @@ int64_t DTypeSize(DType dtype) {
 
 absl::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case v1::FLOAT32: return "float32";
-    case v1::FLOAT64: return "float64";
-    case v1::FLOAT16: return "float16";
-    case v1::BFLOAT16: return "bfloat16";
-    case v1::INT32: return "int32";
-    case v1::INT64: return "int64";
-    case v1::UINT8: return "uint8";
-    case v1::INT8: return "int8";
-    default: return "unspecified";
+    case v1::FLOAT32:
+      return "float32";
+    case v1::FLOAT64:
+      return "float64";
+    case v1::FLOAT16:
+      return "float16";
+    case v1::BFLOAT16:
+      return "bfloat16";
+    case v1::INT32:
+      return "int32";
+    case v1::INT64:
+      return "int64";
+    case v1::UINT8:
+      return "uint8";
+    case v1::INT8:
+      return "int8";
+    default:
+      return "unspecified";
   }
 }
 
 absl::StatusOr<DType> ParseDType(absl::string_view name) {
-  static constexpr std::pair<absl::string_view, DType> kAliases[] = {
-      {"float", v1::FLOAT32}, {"double", v1::FLOAT64}, {"half", v1::FLOAT16},
-      {"int", v1::INT32},     {"long", v1::INT64}};
+  static constexpr std::pair<absl::string_view, DType> kAliases[] = {{"float", v1::FLOAT32},
+                                                                     {"double", v1::FLOAT64},
+                                                                     {"half", v1::FLOAT16},
+                                                                     {"int", v1::INT32},
+                                                                     {"long", v1::INT64}};
   for (int d = v1::DType_MIN; d <= v1::DType_MAX; ++d) {
     auto dtype = static_cast<DType>(d);
     if (dtype != v1::DTYPE_UNSPECIFIED && DTypeName(dtype) == name) return dtype;

@@ -1,9 +1,9 @@
 #pragma once
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "gradsync/v1/types.pb.h"
 
 namespace gradsync {

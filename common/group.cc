@@ -12,14 +12,15 @@ namespace gradsync {
 
 absl::StatusOr<std::vector<int>> ParseGroupKey(absl::string_view key) {
   if (key == kWorldGroup) return std::vector<int>{};
-  if (key.empty()) return absl::InvalidArgumentError("group key is empty: want \"world\" or ranks like \"0,1\"");
+  if (key.empty())
+    return absl::InvalidArgumentError("group key is empty: want \"world\" or ranks like \"0,1\"");
   std::vector<int> ranks;
   for (absl::string_view part : absl::StrSplit(key, ',')) {
     int rank = 0;
     const bool digits = !part.empty() && std::all_of(part.begin(), part.end(), absl::ascii_isdigit);
     if (!digits || (part.size() > 1 && part[0] == '0') || !absl::SimpleAtoi(part, &rank)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("group key '", key, "': '", part, "' is not a rank (a non-negative integer)"));
+      return absl::InvalidArgumentError(absl::StrCat("group key '", key, "': '", part,
+                                                     "' is not a rank (a non-negative integer)"));
     }
     if (!ranks.empty() && rank <= ranks.back()) {
       return absl::InvalidArgumentError(

@@ -31,8 +31,8 @@ bool StartedBySystemd() {
 
 spdlog::sink_ptr StderrSink() {
   auto sink = std::make_shared<spdlog::sinks::stderr_sink_mt>();
-  sink->set_formatter(std::make_unique<spdlog::pattern_formatter>(
-      "%Y-%m-%dT%H:%M:%S.%fZ %L %n: %v", spdlog::pattern_time_type::utc));
+  sink->set_formatter(std::make_unique<spdlog::pattern_formatter>("%Y-%m-%dT%H:%M:%S.%fZ %L %n: %v",
+                                                                  spdlog::pattern_time_type::utc));
   return sink;
 }
 

@@ -5,9 +5,9 @@
 // Nothing per-op at info level.
 
 #include <memory>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "spdlog/spdlog.h"
 
 namespace gradsync::logging {

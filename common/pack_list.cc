@@ -92,7 +92,8 @@ absl::Status ValidatePackList(const v1::PackList& pack_list) {
     }
     if (pack.shapes_size() != pack.indices_size()) {
       return absl::InvalidArgumentError(absl::StrCat("pack ", p, " has ", pack.indices_size(),
-                                                     " indices but ", pack.shapes_size(), " shapes"));
+                                                     " indices but ", pack.shapes_size(),
+                                                     " shapes"));
     }
     int64_t total = 0;
     for (int i = 0; i < pack.indices_size(); ++i) {
@@ -102,9 +103,9 @@ absl::Status ValidatePackList(const v1::PackList& pack_list) {
             absl::StrCat("pack ", p, ": parameter index ", index, " is negative or repeated"));
       }
       if (pack.shapes(i).dtype() != pack.dtype()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "pack ", p, ": parameter ", index, " is ", DTypeName(pack.shapes(i).dtype()),
-            " in a ", DTypeName(pack.dtype()), " pack"));
+        return absl::InvalidArgumentError(absl::StrCat("pack ", p, ": parameter ", index, " is ",
+                                                       DTypeName(pack.shapes(i).dtype()), " in a ",
+                                                       DTypeName(pack.dtype()), " pack"));
       }
       auto bytes = TensorBytes(pack.shapes(i), index);
       if (!bytes.ok()) {

@@ -7,9 +7,9 @@
 #define GRADSYNC_CONCAT_(a, b) GRADSYNC_CONCAT_INNER_(a, b)
 
 // Returns the status from the enclosing function if `expr` is not OK.
-#define GRADSYNC_RETURN_IF_ERROR(expr)               \
-  do {                                               \
-    ::absl::Status gradsync_status_ = (expr);        \
+#define GRADSYNC_RETURN_IF_ERROR(expr)                   \
+  do {                                                   \
+    ::absl::Status gradsync_status_ = (expr);            \
     if (!gradsync_status_.ok()) return gradsync_status_; \
   } while (0)
 
@@ -17,6 +17,6 @@
 #define GRADSYNC_ASSIGN_OR_RETURN(lhs, expr) \
   GRADSYNC_ASSIGN_OR_RETURN_IMPL_(GRADSYNC_CONCAT_(gradsync_statusor_, __LINE__), lhs, expr)
 #define GRADSYNC_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                                  \
-  if (!statusor.ok()) return statusor.status();            \
+  auto statusor = (expr);                                    \
+  if (!statusor.ok()) return statusor.status();              \
   lhs = std::move(statusor).value()

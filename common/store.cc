@@ -30,7 +30,8 @@ absl::StatusOr<std::string> Store::Get(absl::string_view job, absl::string_view 
   return std::move(values->front());
 }
 
-absl::Status Store::Wait(absl::string_view job, std::vector<std::string> keys, absl::Time deadline) {
+absl::Status Store::Wait(absl::string_view job, std::vector<std::string> keys,
+                         absl::Time deadline) {
   return WaitBlocking(job, std::move(keys), deadline).status();
 }
 

@@ -4,11 +4,11 @@
 #include <functional>
 #include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace gradsync {
@@ -40,15 +40,16 @@ class Store {
   /// the missing keys at `deadline`, Cancelled after CancelWait, or Unavailable when the store
   /// shuts down. `done` may run inline (keys already present) or on a store thread, never with
   /// a store lock held. The returned id is valid until `done` has run.
-  virtual WaitId WaitAsync(absl::string_view job, std::vector<std::string> keys, absl::Time deadline,
-                           WaitCallback done) = 0;
+  virtual WaitId WaitAsync(absl::string_view job, std::vector<std::string> keys,
+                           absl::Time deadline, WaitCallback done) = 0;
 
   /// Makes a pending wait finish with Cancelled; a no-op once it has finished.
   virtual void CancelWait(WaitId id) = 0;
 
   /// Adds `delta` to the decimal int64 counter at `key` (absent = 0); returns the new value.
   /// FailedPrecondition if the value is not a decimal int64; OutOfRange on overflow.
-  virtual absl::StatusOr<int64_t> Add(absl::string_view job, absl::string_view key, int64_t delta) = 0;
+  virtual absl::StatusOr<int64_t> Add(absl::string_view job, absl::string_view key,
+                                      int64_t delta) = 0;
 
   /// Replaces the value with `desired` if it equals `expected` (nullopt: the key must be
   /// absent). Returns whether it did and the value after the call.
@@ -70,7 +71,8 @@ class Store {
                                                                 absl::Time deadline);
 
   /// Blocks until `key` exists or `deadline` passes; returns its value.
-  absl::StatusOr<std::string> Get(absl::string_view job, absl::string_view key, absl::Time deadline);
+  absl::StatusOr<std::string> Get(absl::string_view job, absl::string_view key,
+                                  absl::Time deadline);
 
   /// Blocks until every key exists or `deadline` passes.
   absl::Status Wait(absl::string_view job, std::vector<std::string> keys, absl::Time deadline);

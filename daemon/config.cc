@@ -37,7 +37,8 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   char* end = nullptr;
   const unsigned long parsed = std::strtoul(mode.c_str(), &end, 8);
   if (mode.empty() || *end != '\0' || parsed > 0777) {
-    return absl::InvalidArgumentError(absl::StrCat("--socket_mode='", mode, "' is not an octal mode"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--socket_mode='", mode, "' is not an octal mode"));
   }
   c.socket_mode = static_cast<int>(parsed);
   c.bind_address = absl::GetFlag(FLAGS_bind_address);
@@ -62,13 +63,16 @@ absl::Status Validate(const DaemonConfig& c) {
     return absl::InvalidArgumentError("no listener: set --socket or --port");
   }
   if (!c.unix_socket.empty() && c.unix_socket.front() != '/') {
-    return absl::InvalidArgumentError(absl::StrCat("--socket='", c.unix_socket, "' must be an absolute path"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--socket='", c.unix_socket, "' must be an absolute path"));
   }
   if (c.unix_socket.size() >= 100) {
-    return absl::InvalidArgumentError("--socket path is longer than a unix socket address allows (107)");
+    return absl::InvalidArgumentError(
+        "--socket path is longer than a unix socket address allows (107)");
   }
   if (c.port < -1 || c.port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("--port=", c.port, " is not -1 or a port number"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--port=", c.port, " is not -1 or a port number"));
   }
   if (c.port >= 0 && c.bind_address.empty()) {
     return absl::InvalidArgumentError("--bind_address is empty; use --port=-1 to disable TCP");

@@ -45,8 +45,8 @@ DaemonServer::~DaemonServer() {
 }
 
 const std::vector<std::string>& DaemonServer::ServiceNames() {
-  static const auto* names = new std::vector<std::string>{
-      v1::Store::service_full_name(), v1::Inspect::service_full_name()};
+  static const auto* names = new std::vector<std::string>{v1::Store::service_full_name(),
+                                                          v1::Inspect::service_full_name()};
   return *names;
 }
 
@@ -100,8 +100,8 @@ absl::Status DaemonServer::Start() {
   ::umask(old_umask);
   if (!server_ || (config_.port >= 0 && tcp_port_ <= 0)) {
     server_.reset();
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", Endpoints(),
-                                               " (address in use or not permitted?)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", Endpoints(), " (address in use or not permitted?)"));
   }
   if (!config_.unix_socket.empty()) {
     struct stat st {};

@@ -14,11 +14,12 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
   return reactor;
 }
 
-absl::StatusOr<absl::Time> WaitDeadline(const grpc::CallbackServerContext* ctx, absl::string_view what,
-                                        absl::Duration max_wait) {
+absl::StatusOr<absl::Time> WaitDeadline(const grpc::CallbackServerContext* ctx,
+                                        absl::string_view what, absl::Duration max_wait) {
   if (ctx->deadline() == std::chrono::system_clock::time_point::max()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        what, " waits and needs a deadline on the call (grpcurl -max-time, gradsyncctl --timeout)"));
+        what,
+        " waits and needs a deadline on the call (grpcurl -max-time, gradsyncctl --timeout)"));
   }
   const absl::Time now = absl::Now();
   const absl::Time deadline = std::min(absl::FromChrono(ctx->deadline()), now + max_wait);

@@ -18,7 +18,7 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
 /// The deadline a waiting call waits until: the call's gRPC deadline, capped at now + max_wait,
 /// less a small margin so that our DEADLINE_EXCEEDED (which names what is missing) reaches the
 /// client before its own. InvalidArgument when the call carries no deadline.
-absl::StatusOr<absl::Time> WaitDeadline(const grpc::CallbackServerContext* ctx, absl::string_view what,
-                                        absl::Duration max_wait);
+absl::StatusOr<absl::Time> WaitDeadline(const grpc::CallbackServerContext* ctx,
+                                        absl::string_view what, absl::Duration max_wait);
 
 }  // namespace gradsync::rpc

@@ -7,18 +7,18 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/grpc_status.h"
-#include "daemon/rpc/call_util.h"
 #include "common/group.h"
+#include "common/grpc_status.h"
 #include "common/pack_list.h"
+#include "daemon/rpc/call_util.h"
 
 namespace gradsync::rpc {
 namespace {
 
 absl::Status CheckWritable(absl::string_view key) {
   if (absl::StartsWith(key, kReservedKeyPrefix)) {
-    return absl::InvalidArgumentError(absl::StrCat("keys under '", kReservedKeyPrefix,
-                                                   "' are written only by typed calls (SetPackList)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "keys under '", kReservedKeyPrefix, "' are written only by typed calls (SetPackList)"));
   }
   return absl::OkStatus();
 }

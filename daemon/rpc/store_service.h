@@ -11,7 +11,8 @@ namespace gradsync::rpc {
 class StoreService final : public v1::Store::CallbackService {
  public:
   /// `store` must outlive the service.
-  StoreService(gradsync::Store* store, absl::Duration max_wait) : store_(store), max_wait_(max_wait) {}
+  StoreService(gradsync::Store* store, absl::Duration max_wait)
+      : store_(store), max_wait_(max_wait) {}
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const v1::SetRequest* req,
                                 v1::SetResponse* resp) override;

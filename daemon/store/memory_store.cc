@@ -23,12 +23,13 @@ std::string ParkKey(absl::string_view job, absl::string_view key) {
 absl::Status CheckJob(absl::string_view job) {
   if (job.empty()) return absl::InvalidArgumentError("job is empty");
   if (job.size() > kMaxJobBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("job name is ", job.size(), " bytes; the limit is ", kMaxJobBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job name is ", job.size(), " bytes; the limit is ", kMaxJobBytes));
   }
   for (char c : job) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
-      return absl::InvalidArgumentError(
-          absl::StrCat("job '", absl::CEscape(job), "' may hold only letters, digits, '-', '_' and '.'"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job '", absl::CEscape(job), "' may hold only letters, digits, '-', '_' and '.'"));
     }
   }
   return absl::OkStatus();
@@ -49,7 +50,8 @@ absl::Status MemoryStore::CheckKey(absl::string_view job, absl::string_view key)
   if (key.empty()) return absl::InvalidArgumentError("key is empty");
   if (static_cast<int64_t>(key.size()) > options_.max_key_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("key is ", key.size(), " bytes; the limit is ",
-                                                   options_.max_key_bytes, " (--store_max_key_bytes)"));
+                                                   options_.max_key_bytes,
+                                                   " (--store_max_key_bytes)"));
   }
   return absl::OkStatus();
 }
@@ -65,8 +67,9 @@ absl::Status MemoryStore::PutLocked(absl::string_view job, absl::string_view key
   auto job_it = jobs_.find(job);
   if (job_it == jobs_.end()) {
     if (static_cast<int64_t>(jobs_.size()) >= options_.max_jobs) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "store holds ", jobs_.size(), " jobs, the limit (--store_max_jobs); job '", job, "' refused"));
+      return absl::ResourceExhaustedError(absl::StrCat("store holds ", jobs_.size(),
+                                                       " jobs, the limit (--store_max_jobs); job '",
+                                                       job, "' refused"));
     }
     job_it = jobs_.emplace(std::string(job), Job{}).first;
   }
@@ -74,8 +77,8 @@ absl::Status MemoryStore::PutLocked(absl::string_view job, absl::string_view key
   auto it = j.kv.find(key);
   if (it == j.kv.end()) {
     if (static_cast<int64_t>(j.kv.size()) >= options_.max_keys_per_job) {
-      return absl::ResourceExhaustedError(absl::StrCat("job '", job, "' holds ", j.kv.size(),
-                                                       " keys, the limit (--store_max_keys_per_job)"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job '", job, "' holds ", j.kv.size(), " keys, the limit (--store_max_keys_per_job)"));
     }
     it = j.kv.emplace(std::string(key), std::string()).first;
   }
@@ -209,7 +212,8 @@ void MemoryStore::CancelWait(WaitId id) {
   Run(fired);
 }
 
-absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view job, absl::string_view key, int64_t delta) {
+absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view job, absl::string_view key,
+                                         int64_t delta) {
   if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
   std::vector<Fired> fired;
   absl::StatusOr<int64_t> result;
@@ -236,7 +240,8 @@ absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view job, absl::string_vie
   return result;
 }
 
-absl::StatusOr<CompareSetResult> MemoryStore::CompareSet(absl::string_view job, absl::string_view key,
+absl::StatusOr<CompareSetResult> MemoryStore::CompareSet(absl::string_view job,
+                                                         absl::string_view key,
                                                          std::optional<std::string> expected,
                                                          std::string desired) {
   if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
@@ -256,7 +261,8 @@ absl::StatusOr<CompareSetResult> MemoryStore::CompareSet(absl::string_view job, 
     } else {
       std::string value = desired;
       absl::Status s = PutLocked(job, key, std::move(desired), fired);
-      result = s.ok() ? absl::StatusOr<CompareSetResult>(CompareSetResult{true, std::move(value)}) : s;
+      result =
+          s.ok() ? absl::StatusOr<CompareSetResult>(CompareSetResult{true, std::move(value)}) : s;
     }
   }
   Run(fired);
@@ -267,7 +273,8 @@ absl::StatusOr<bool> MemoryStore::Delete(absl::string_view job, absl::string_vie
   if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   auto job_it = jobs_.find(job);
-  if (job_it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
+  if (job_it == jobs_.end())
+    return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
   Job& j = job_it->second;
   auto it = j.kv.find(key);
   if (it == j.kv.end()) return false;
@@ -281,10 +288,12 @@ absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> MemoryStore::ListSi
   if (absl::Status s = CheckJob(job); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   auto job_it = jobs_.find(job);
-  if (job_it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
+  if (job_it == jobs_.end())
+    return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
   std::vector<std::pair<std::string, int64_t>> out;
   const auto& kv = job_it->second.kv;
-  for (auto it = kv.lower_bound(prefix); it != kv.end() && absl::StartsWith(it->first, prefix); ++it) {
+  for (auto it = kv.lower_bound(prefix); it != kv.end() && absl::StartsWith(it->first, prefix);
+       ++it) {
     out.emplace_back(it->first, static_cast<int64_t>(it->second.size()));
   }
   return out;
@@ -303,7 +312,8 @@ absl::StatusOr<std::vector<std::string>> MemoryStore::List(absl::string_view job
 absl::StatusOr<std::string> MemoryStore::Peek(absl::string_view job, absl::string_view key) {
   absl::MutexLock lock(&mu_);
   auto job_it = jobs_.find(job);
-  if (job_it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
+  if (job_it == jobs_.end())
+    return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
   auto it = job_it->second.kv.find(key);
   if (it == job_it->second.kv.end()) {
     return absl::NotFoundError(absl::StrCat("job '", job, "' has no key '", key, "'"));
@@ -359,10 +369,10 @@ void MemoryStore::TimerLoop() {
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
       const WaitId id = deadlines_.begin()->second;
       Waiter& w = waiters_.at(id);
-      fired.push_back({std::move(w.done),
-                       absl::DeadlineExceededError(absl::StrCat(
-                           "store wait job=", w.job, " timed out; missing keys: ",
-                           absl::StrJoin(MissingKeysLocked(w), ", ")))});
+      fired.push_back(
+          {std::move(w.done), absl::DeadlineExceededError(absl::StrCat(
+                                  "store wait job=", w.job, " timed out; missing keys: ",
+                                  absl::StrJoin(MissingKeysLocked(w), ", ")))});
       RemoveWaiterLocked(id);
     }
     mu_.Unlock();

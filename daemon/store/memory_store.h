@@ -57,7 +57,7 @@ class MemoryStore final : public Store {
   std::vector<JobStats> ListJobs();
   /// (key, value size) for keys of `job` under `prefix`; NotFound for an unknown job.
   absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> ListSizes(absl::string_view job,
-                                                                          absl::string_view prefix);
+                                                                         absl::string_view prefix);
   /// Removes a job's keys; its pending waits keep waiting.
   void DeleteJob(absl::string_view job);
 

@@ -60,7 +60,8 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv,
   const int rc = posix_spawn(&pid, cargv[0], &actions, &attr, cargv.data(), cenv.data());
   posix_spawn_file_actions_destroy(&actions);
   posix_spawnattr_destroy(&attr);
-  if (rc != 0) return absl::InternalError(absl::StrCat("posix_spawn ", argv[0], ": ", std::strerror(rc)));
+  if (rc != 0)
+    return absl::InternalError(absl::StrCat("posix_spawn ", argv[0], ": ", std::strerror(rc)));
   return pid;
 }
 

@@ -44,8 +44,8 @@ class TempDir {
 class DaemonProcess {
  public:
   struct Options {
-    std::vector<std::string> flags;                          // extra gradsyncd flags
-    absl::Duration watchdog = absl::ZeroDuration();          // WATCHDOG_USEC when positive
+    std::vector<std::string> flags;                  // extra gradsyncd flags
+    absl::Duration watchdog = absl::ZeroDuration();  // WATCHDOG_USEC when positive
     bool tcp = true;
     absl::Duration ready_timeout = absl::Seconds(20);
   };

@@ -123,8 +123,8 @@ TEST_F(DaemonTest, SigintAlsoExitsZero) {
 }
 
 TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesAndFirstKeepsServing) {
-  auto pid = Spawn({DaemonBinary(), "--socket=" + daemon_->socket_path(), "--port=-1",
-                    "--log_sink=stderr"});
+  auto pid = Spawn(
+      {DaemonBinary(), "--socket=" + daemon_->socket_path(), "--port=-1", "--log_sink=stderr"});
   ASSERT_TRUE(pid.ok());
   auto code = WaitExit(*pid, absl::Seconds(10));
   ASSERT_TRUE(code.ok()) << code.status();
@@ -135,8 +135,8 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesAndFirstKeepsServing) {
 TEST_F(DaemonTest, SixteenClientProcessesTimesThousandAddsGiveTheExactTotal) {
   std::vector<pid_t> pids;
   for (int i = 0; i < 16; ++i) {
-    auto pid = Spawn({HelperBinary("store_worker"), daemon_->unix_target(), "count", "add",
-                      "counter", "1000"});
+    auto pid = Spawn(
+        {HelperBinary("store_worker"), daemon_->unix_target(), "count", "add", "counter", "1000"});
     ASSERT_TRUE(pid.ok()) << pid.status();
     pids.push_back(*pid);
   }
@@ -221,8 +221,8 @@ TEST_F(DaemonTest, PackListSetByOneProcessIsFetchedByThreeOthersAndInspectable) 
     readers.push_back(*pid);
   }
   absl::SleepFor(absl::Milliseconds(200));
-  auto writer = Spawn({HelperBinary("store_worker"), daemon_->tcp_target(), "job1", "setpacklist",
-                       "0,1,2,3"});
+  auto writer = Spawn(
+      {HelperBinary("store_worker"), daemon_->tcp_target(), "job1", "setpacklist", "0,1,2,3"});
   ASSERT_TRUE(writer.ok());
   auto wcode = WaitExit(*writer, absl::Seconds(20));
   ASSERT_TRUE(wcode.ok());
@@ -366,8 +366,10 @@ TEST_F(DaemonTest, GarbageBytesOnTheSocketLeaveTheDaemonServing) {
     std::strncpy(addr.sun_path, daemon_->socket_path().c_str(), sizeof(addr.sun_path) - 1);
     ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
     std::string garbage(4096, '\0');
-    for (size_t i = 0; i < garbage.size(); ++i) garbage[i] = static_cast<char>((i * 131 + round) & 0xff);
-    if (round == 1) garbage = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + garbage;  // valid preface, junk frames
+    for (size_t i = 0; i < garbage.size(); ++i)
+      garbage[i] = static_cast<char>((i * 131 + round) & 0xff);
+    if (round == 1)
+      garbage = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + garbage;  // valid preface, junk frames
     (void)!::write(fd, garbage.data(), garbage.size());
     ::close(fd);
   }

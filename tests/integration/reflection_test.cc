@@ -70,8 +70,8 @@ class ReflectionClient {
 
   std::unique_ptr<refl::ServerReflection::Stub> stub_;
   grpc::ClientContext ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<refl::ServerReflectionRequest,
-                                           refl::ServerReflectionResponse>>
+  std::unique_ptr<
+      grpc::ClientReaderWriter<refl::ServerReflectionRequest, refl::ServerReflectionResponse>>
       stream_;
 };
 

@@ -48,12 +48,17 @@ TEST(DaemonConfigTest, RejectsBadSettings) {
   };
   EXPECT_EQ(bad([](auto& c) { c.port = 65536; }), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad([](auto& c) { c.unix_socket = "rel.sock"; }), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(bad([](auto& c) { c.unix_socket = ""; c.port = -1; }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) {
+              c.unix_socket = "";
+              c.port = -1;
+            }),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad([](auto& c) { c.unix_socket = "/" + std::string(120, 'x'); }),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad([](auto& c) { c.store.max_value_bytes = c.max_message_bytes; }),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(bad([](auto& c) { c.max_wait = absl::ZeroDuration(); }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) { c.max_wait = absl::ZeroDuration(); }),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad([](auto& c) { c.bind_address = ""; }), absl::StatusCode::kInvalidArgument);
 }
 

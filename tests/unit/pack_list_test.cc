@@ -54,10 +54,10 @@ TEST(PlanPacksTest, EmptyInputGivesNoPacks) {
 TEST(PlanPacksTest, MixedDtypesArePackedSeparatelyInBackwardOrder) {
   // threshold 100 B. f32[10] = 40 B, f16[10] = 20 B, f16[30] = 60 B.
   // f32: 40, 80, 120 > 100 -> closes [5,3,2] at 120 B; f16: 20 + 60 = 80, flushed at the end.
-  auto plan = PlanPacks({Grad(5, {10}, v1::FLOAT32), Grad(4, {10}, v1::FLOAT16),
-                         Grad(3, {10}, v1::FLOAT32), Grad(2, {10}, v1::FLOAT32),
-                         Grad(1, {30}, v1::FLOAT16)},
-                        Threshold(100));
+  auto plan =
+      PlanPacks({Grad(5, {10}, v1::FLOAT32), Grad(4, {10}, v1::FLOAT16), Grad(3, {10}, v1::FLOAT32),
+                 Grad(2, {10}, v1::FLOAT32), Grad(1, {30}, v1::FLOAT16)},
+                Threshold(100));
   ASSERT_TRUE(plan.ok()) << plan.status();
   ExpectPlan(*plan, {{v1::FLOAT32, {5, 3, 2}, 120}, {v1::FLOAT16, {4, 1}, 80}});
   EXPECT_EQ(plan->packs(0).shapes(0).shape(0), 10);
@@ -65,17 +65,17 @@ TEST(PlanPacksTest, MixedDtypesArePackedSeparatelyInBackwardOrder) {
 
 TEST(PlanPacksTest, PackClosesOnlyWhenBytesExceedTheThresholdSoItOvershootsByOneTensor) {
   // 100 B is not over 100: the pack stays open; the next 4 B tensor pushes it to 104 and closes it.
-  auto plan = PlanPacks({Grad(0, {25}, v1::FLOAT32), Grad(1, {1}, v1::FLOAT32),
-                         Grad(2, {1}, v1::FLOAT32)},
-                        Threshold(100));
+  auto plan =
+      PlanPacks({Grad(0, {25}, v1::FLOAT32), Grad(1, {1}, v1::FLOAT32), Grad(2, {1}, v1::FLOAT32)},
+                Threshold(100));
   ASSERT_TRUE(plan.ok());
   ExpectPlan(*plan, {{v1::FLOAT32, {0, 1}, 104}, {v1::FLOAT32, {2}, 4}});
 }
 
 TEST(PlanPacksTest, TensorLargerThanTheThresholdGoesAloneAndTheNextStartsANewPack) {
-  auto plan = PlanPacks({Grad(7, {4}, v1::FLOAT64), Grad(6, {10, 10}, v1::FLOAT64),
-                         Grad(5, {2}, v1::FLOAT64)},
-                        Threshold(100));
+  auto plan = PlanPacks(
+      {Grad(7, {4}, v1::FLOAT64), Grad(6, {10, 10}, v1::FLOAT64), Grad(5, {2}, v1::FLOAT64)},
+      Threshold(100));
   ASSERT_TRUE(plan.ok());
   // 32 B, then 800 B -> 832 > 100 closes [7,6]; [5] alone at the end.
   ExpectPlan(*plan, {{v1::FLOAT64, {7, 6}, 832}, {v1::FLOAT64, {5}, 16}});
@@ -94,10 +94,10 @@ TEST(PlanPacksTest, FirstGradientsCanGoAlone) {
 }
 
 TEST(PlanPacksTest, OpenPacksAreFlushedByDtypeNameAndScalarsCountOneElement) {
-  auto plan = PlanPacks({Grad(0, {2}, v1::INT64), Grad(1, {}, v1::FLOAT32),
-                         Grad(2, {3}, v1::BFLOAT16), Grad(3, {1}, v1::FLOAT16),
-                         Grad(4, {0, 5}, v1::FLOAT32)},
-                        Threshold(1 << 20));
+  auto plan =
+      PlanPacks({Grad(0, {2}, v1::INT64), Grad(1, {}, v1::FLOAT32), Grad(2, {3}, v1::BFLOAT16),
+                 Grad(3, {1}, v1::FLOAT16), Grad(4, {0, 5}, v1::FLOAT32)},
+                Threshold(1 << 20));
   ASSERT_TRUE(plan.ok());
   ExpectPlan(*plan, {{v1::BFLOAT16, {2}, 6},
                      {v1::FLOAT16, {3}, 2},
