@@ -1,5 +1,6 @@
 #include "client/store_client.h"
 
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -31,7 +32,96 @@ struct StoreClient::PendingWait {
 StoreClient::StoreClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
     : channel_(std::move(channel)), options_(options), stub_(v1::Store::NewStub(channel_)) {}
 
+struct StoreClient::Session {
+  // Completion tags, one bit each, so `outstanding` tracks what the queue still owes us.
+  enum Tag : intptr_t { kStart = 1, kWrite = 2, kRead = 4, kFinish = 8 };
+
+  grpc::ClientContext ctx;
+  grpc::CompletionQueue cq;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream;
+  intptr_t outstanding = 0;
+  grpc::Status finish_status;
+
+  // Polls until every tag in `want` has completed, on this thread. False if one failed or
+  // the deadline passed.
+  bool Drive(intptr_t want, absl::Time deadline) {
+    bool all_ok = true;
+    while ((outstanding & want) != 0) {
+      void* tag = nullptr;
+      bool ok = false;
+      const auto r = cq.AsyncNext(&tag, &ok, absl::ToChronoTime(deadline));
+      if (r != grpc::CompletionQueue::GOT_EVENT) return false;
+      outstanding &= ~reinterpret_cast<intptr_t>(tag);
+      all_ok = all_ok && ok;
+    }
+    return all_ok;
+  }
+};
+
+absl::Status StoreClient::OpenSessionLocked() {
+  auto session = std::make_unique<Session>();
+  session->stream = stub_->PrepareAsyncSession(&session->ctx, &session->cq);
+  session->stream->StartCall(reinterpret_cast<void*>(Session::kStart));
+  session->outstanding = Session::kStart;
+  const bool ok = session->Drive(Session::kStart, absl::Now() + options_.rpc_timeout);
+  session_ = std::move(session);
+  if (!ok) {
+    CloseSessionLocked();
+    return absl::UnavailableError("cannot open a store session");
+  }
+  return absl::OkStatus();
+}
+
+void StoreClient::CloseSessionLocked() {
+  if (!session_) return;
+  Session& s = *session_;
+  s.ctx.TryCancel();  // every outstanding operation now completes promptly
+  s.stream->Finish(&s.finish_status, reinterpret_cast<void*>(Session::kFinish));
+  s.outstanding |= Session::kFinish;
+  s.cq.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (s.cq.Next(&tag, &ok)) {
+  }
+  session_.reset();
+}
+
+std::optional<absl::StatusOr<v1::SessionResponse>> StoreClient::CallSession(
+    const v1::SessionRequest& req) {
+  // Oversized requests go unary, where gRPC refuses them with RESOURCE_EXHAUSTED and the
+  // session survives.
+  if (req.ByteSizeLong() + 1024 > static_cast<size_t>(options_.max_message_bytes)) {
+    return std::nullopt;
+  }
+  std::unique_lock<std::mutex> lock(session_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return std::nullopt;  // in use by another thread: the caller goes unary
+  if (!session_ && !OpenSessionLocked().ok()) return std::nullopt;
+  Session& s = *session_;
+  v1::SessionResponse resp;
+  s.stream->Write(req, reinterpret_cast<void*>(Session::kWrite));
+  s.stream->Read(&resp, reinterpret_cast<void*>(Session::kRead));
+  s.outstanding |= Session::kWrite | Session::kRead;
+  const absl::Time deadline = absl::Now() + options_.rpc_timeout;
+  if (!s.Drive(Session::kWrite | Session::kRead, deadline)) {
+    const bool timed_out = absl::Now() >= deadline;
+    CloseSessionLocked();
+    if (timed_out) {
+      return absl::DeadlineExceededError(absl::StrCat("store call got no answer within ",
+                                                      absl::FormatDuration(options_.rpc_timeout)));
+    }
+    return absl::UnavailableError("store session broke (daemon gone?)");
+  }
+  if (resp.code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(resp.code()), resp.message());
+  }
+  return resp;
+}
+
 StoreClient::~StoreClient() {
+  {
+    std::lock_guard<std::mutex> lock(session_mu_);
+    CloseSessionLocked();
+  }
   absl::flat_hash_map<WaitId, std::unique_ptr<PendingWait>> pending;
   {
     absl::MutexLock lock(&mu_);
@@ -46,12 +136,14 @@ void StoreClient::Prepare(grpc::ClientContext& ctx) const {
 }
 
 absl::Status StoreClient::Set(absl::string_view job, absl::string_view key, std::string value) {
-  grpc::ClientContext ctx;
-  Prepare(ctx);
-  v1::SetRequest req;
+  v1::SessionRequest op;
+  v1::SetRequest& req = *op.mutable_set();
   req.set_job(std::string(job));
   req.set_key(std::string(key));
   req.set_value(std::move(value));
+  if (auto r = CallSession(op)) return r->status();
+  grpc::ClientContext ctx;
+  Prepare(ctx);
   v1::SetResponse resp;
   return FromGrpcStatus(stub_->Set(&ctx, req, &resp));
 }
@@ -76,6 +168,17 @@ absl::StatusOr<std::vector<std::string>> StoreClient::CallWait(grpc::ClientConte
 absl::StatusOr<std::vector<std::string>> StoreClient::WaitBlocking(absl::string_view job,
                                                                    std::vector<std::string> keys,
                                                                    absl::Time deadline) {
+  if (keys.size() == 1) {
+    // Most gets find their key: ask on the session first, wait with a unary call if absent.
+    v1::SessionRequest op;
+    op.mutable_get()->set_job(std::string(job));
+    op.mutable_get()->set_key(keys.front());
+    if (auto r = CallSession(op);
+        r.has_value() && r->status().code() != absl::StatusCode::kNotFound) {
+      if (!r->ok()) return r->status();
+      return std::vector<std::string>{std::move(*(*r)->mutable_get()->mutable_value())};
+    }
+  }
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(deadline));
   v1::WaitRequest req;
@@ -120,14 +223,20 @@ void StoreClient::CancelWait(WaitId id) {
 
 absl::StatusOr<int64_t> StoreClient::Add(absl::string_view job, absl::string_view key,
                                          int64_t delta) {
-  grpc::ClientContext ctx;
-  Prepare(ctx);
-  v1::AddRequest req;
+  v1::SessionRequest op;
+  v1::AddRequest& req = *op.mutable_add();
   req.set_job(std::string(job));
   req.set_key(std::string(key));
   req.set_delta(delta);
   v1::AddResponse resp;
-  if (absl::Status s = FromGrpcStatus(stub_->Add(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto r = CallSession(op)) {
+    if (!r->ok()) return r->status();
+    resp = (*r)->add();
+  } else {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    if (absl::Status s = FromGrpcStatus(stub_->Add(&ctx, req, &resp)); !s.ok()) return s;
+  }
   return resp.value();
 }
 
@@ -135,9 +244,8 @@ absl::StatusOr<CompareSetResult> StoreClient::CompareSet(absl::string_view job,
                                                          absl::string_view key,
                                                          std::optional<std::string> expected,
                                                          std::string desired) {
-  grpc::ClientContext ctx;
-  Prepare(ctx);
-  v1::CompareSetRequest req;
+  v1::SessionRequest op;
+  v1::CompareSetRequest& req = *op.mutable_compare_set();
   req.set_job(std::string(job));
   req.set_key(std::string(key));
   if (expected.has_value()) {
@@ -147,18 +255,31 @@ absl::StatusOr<CompareSetResult> StoreClient::CompareSet(absl::string_view job,
   }
   req.set_desired(std::move(desired));
   v1::CompareSetResponse resp;
-  if (absl::Status s = FromGrpcStatus(stub_->CompareSet(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto r = CallSession(op)) {
+    if (!r->ok()) return r->status();
+    resp = (*r)->compare_set();
+  } else {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    if (absl::Status s = FromGrpcStatus(stub_->CompareSet(&ctx, req, &resp)); !s.ok()) return s;
+  }
   return CompareSetResult{resp.swapped(), resp.value()};
 }
 
 absl::StatusOr<bool> StoreClient::Delete(absl::string_view job, absl::string_view key) {
-  grpc::ClientContext ctx;
-  Prepare(ctx);
-  v1::DeleteRequest req;
+  v1::SessionRequest op;
+  v1::DeleteRequest& req = *op.mutable_delete_();
   req.set_job(std::string(job));
   req.set_key(std::string(key));
   v1::DeleteResponse resp;
-  if (absl::Status s = FromGrpcStatus(stub_->Delete(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto r = CallSession(op)) {
+    if (!r->ok()) return r->status();
+    resp = (*r)->delete_();
+  } else {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    if (absl::Status s = FromGrpcStatus(stub_->Delete(&ctx, req, &resp)); !s.ok()) return s;
+  }
   return resp.deleted();
 }
 

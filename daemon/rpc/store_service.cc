@@ -10,6 +10,7 @@
 #include "common/group.h"
 #include "common/grpc_status.h"
 #include "common/pack_list.h"
+#include "common/status_macros.h"
 #include "daemon/rpc/call_util.h"
 
 namespace gradsync::rpc {
@@ -69,11 +70,112 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
 
 }  // namespace
 
+// Strictly alternating: read a request, answer it inline (session calls never wait), write the
+// answer, read the next. One call in flight per session, so no write queue is needed.
+class StoreService::SessionReactor final
+    : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
+ public:
+  explicit SessionReactor(StoreService* service) : service_(service) { StartRead(&request_); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client closed its side, or the call was cancelled
+      Finish(grpc::Status::OK);
+      return;
+    }
+    response_.Clear();
+    const absl::Status status = service_->DoSessionOp(request_, &response_);
+    response_.set_code(static_cast<int>(status.code()));
+    if (!status.ok()) {
+      response_.clear_result();
+      response_.set_message(std::string(status.message()));
+    }
+    StartWrite(&response_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "session write failed"));
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  StoreService* const service_;
+  v1::SessionRequest request_;
+  v1::SessionResponse response_;
+};
+
+absl::Status StoreService::DoSet(const v1::SetRequest& req) {
+  GRADSYNC_RETURN_IF_ERROR(CheckWritable(req.key()));
+  return store_->Set(req.job(), req.key(), req.value());
+}
+
+absl::Status StoreService::DoPeek(const v1::GetRequest& req, v1::GetResponse* resp) {
+  // A deadline in the past: the value if present, else an answer at once.
+  auto values = store_->WaitBlocking(req.job(), {req.key()}, absl::InfinitePast());
+  if (values.ok()) {
+    resp->set_value(std::move(values->front()));
+    return absl::OkStatus();
+  }
+  if (values.status().code() == absl::StatusCode::kDeadlineExceeded) {
+    return absl::NotFoundError(absl::StrCat("job '", req.job(), "' has no key '", req.key(), "'"));
+  }
+  return values.status();
+}
+
+absl::Status StoreService::DoAdd(const v1::AddRequest& req, v1::AddResponse* resp) {
+  GRADSYNC_RETURN_IF_ERROR(CheckWritable(req.key()));
+  GRADSYNC_ASSIGN_OR_RETURN(int64_t value, store_->Add(req.job(), req.key(), req.delta()));
+  resp->set_value(value);
+  return absl::OkStatus();
+}
+
+absl::Status StoreService::DoCompareSet(const v1::CompareSetRequest& req,
+                                        v1::CompareSetResponse* resp) {
+  GRADSYNC_RETURN_IF_ERROR(CheckWritable(req.key()));
+  if (req.expect_absent() && !req.expected().empty()) {
+    return absl::InvalidArgumentError("CompareSet: set either expected or expect_absent, not both");
+  }
+  std::optional<std::string> expected;
+  if (!req.expect_absent()) expected = req.expected();
+  GRADSYNC_ASSIGN_OR_RETURN(
+      CompareSetResult result,
+      store_->CompareSet(req.job(), req.key(), std::move(expected), req.desired()));
+  resp->set_swapped(result.swapped);
+  resp->set_value(std::move(result.value));
+  return absl::OkStatus();
+}
+
+absl::Status StoreService::DoDelete(const v1::DeleteRequest& req, v1::DeleteResponse* resp) {
+  GRADSYNC_ASSIGN_OR_RETURN(bool deleted, store_->Delete(req.job(), req.key()));
+  resp->set_deleted(deleted);
+  return absl::OkStatus();
+}
+
+absl::Status StoreService::DoSessionOp(const v1::SessionRequest& req, v1::SessionResponse* resp) {
+  switch (req.op_case()) {
+    case v1::SessionRequest::kSet:
+      resp->mutable_set();
+      return DoSet(req.set());
+    case v1::SessionRequest::kGet:
+      return DoPeek(req.get(), resp->mutable_get());
+    case v1::SessionRequest::kAdd:
+      return DoAdd(req.add(), resp->mutable_add());
+    case v1::SessionRequest::kCompareSet:
+      return DoCompareSet(req.compare_set(), resp->mutable_compare_set());
+    case v1::SessionRequest::kDelete:
+      return DoDelete(req.delete_(), resp->mutable_delete_());
+    default:
+      return absl::InvalidArgumentError("session request carries no operation");
+  }
+}
+
 grpc::ServerUnaryReactor* StoreService::Set(grpc::CallbackServerContext* ctx,
                                             const v1::SetRequest* req, v1::SetResponse*) {
-  absl::Status s = CheckWritable(req->key());
-  if (s.ok()) s = store_->Set(req->job(), req->key(), req->value());
-  return Reply(ctx, s);
+  return Reply(ctx, DoSet(*req));
 }
 
 grpc::ServerUnaryReactor* StoreService::Get(grpc::CallbackServerContext* ctx,
@@ -102,41 +204,24 @@ grpc::ServerUnaryReactor* StoreService::Wait(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* StoreService::Add(grpc::CallbackServerContext* ctx,
                                             const v1::AddRequest* req, v1::AddResponse* resp) {
-  absl::Status s = CheckWritable(req->key());
-  if (s.ok()) {
-    auto value = store_->Add(req->job(), req->key(), req->delta());
-    if (value.ok()) resp->set_value(*value);
-    s = value.status();
-  }
-  return Reply(ctx, s);
+  return Reply(ctx, DoAdd(*req, resp));
 }
 
 grpc::ServerUnaryReactor* StoreService::CompareSet(grpc::CallbackServerContext* ctx,
                                                    const v1::CompareSetRequest* req,
                                                    v1::CompareSetResponse* resp) {
-  absl::Status s = CheckWritable(req->key());
-  if (s.ok() && req->expect_absent() && !req->expected().empty()) {
-    s = absl::InvalidArgumentError("CompareSet: set either expected or expect_absent, not both");
-  }
-  if (s.ok()) {
-    std::optional<std::string> expected;
-    if (!req->expect_absent()) expected = req->expected();
-    auto result = store_->CompareSet(req->job(), req->key(), std::move(expected), req->desired());
-    if (result.ok()) {
-      resp->set_swapped(result->swapped);
-      resp->set_value(std::move(result->value));
-    }
-    s = result.status();
-  }
-  return Reply(ctx, s);
+  return Reply(ctx, DoCompareSet(*req, resp));
 }
 
 grpc::ServerUnaryReactor* StoreService::Delete(grpc::CallbackServerContext* ctx,
                                                const v1::DeleteRequest* req,
                                                v1::DeleteResponse* resp) {
-  auto deleted = store_->Delete(req->job(), req->key());
-  if (deleted.ok()) resp->set_deleted(*deleted);
-  return Reply(ctx, deleted.status());
+  return Reply(ctx, DoDelete(*req, resp));
+}
+
+grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* StoreService::Session(
+    grpc::CallbackServerContext*) {
+  return new SessionReactor(this);
 }
 
 grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,

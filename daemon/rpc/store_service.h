@@ -35,8 +35,20 @@ class StoreService final : public v1::Store::CallbackService {
   grpc::ServerUnaryReactor* GetPackList(grpc::CallbackServerContext* ctx,
                                         const v1::GetPackListRequest* req,
                                         v1::GetPackListResponse* resp) override;
+  grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
+      grpc::CallbackServerContext* ctx) override;
 
  private:
+  class SessionReactor;
+
+  // The calls that never wait, shared by the unary methods and Session.
+  absl::Status DoSet(const v1::SetRequest& req);
+  absl::Status DoPeek(const v1::GetRequest& req, v1::GetResponse* resp);
+  absl::Status DoAdd(const v1::AddRequest& req, v1::AddResponse* resp);
+  absl::Status DoCompareSet(const v1::CompareSetRequest& req, v1::CompareSetResponse* resp);
+  absl::Status DoDelete(const v1::DeleteRequest& req, v1::DeleteResponse* resp);
+  absl::Status DoSessionOp(const v1::SessionRequest& req, v1::SessionResponse* resp);
+
   gradsync::Store* const store_;
   const absl::Duration max_wait_;
 };

@@ -149,6 +149,12 @@ void MemoryStore::RemoveWaiterLocked(WaitId id) {
   waiters_.erase(it);
 }
 
+absl::Status MemoryStore::ExpiredLocked(const Waiter& w) const {
+  return absl::DeadlineExceededError(
+      absl::StrCat("store wait job=", w.job,
+                   " timed out; missing keys: ", absl::StrJoin(MissingKeysLocked(w), ", ")));
+}
+
 void MemoryStore::Run(std::vector<Fired>& fired) {
   for (Fired& f : fired) f.done(std::move(f.result));
   fired.clear();
@@ -194,6 +200,12 @@ Store::WaitId MemoryStore::WaitAsync(absl::string_view job, std::vector<std::str
       w.done = std::move(done);
       deadlines_.emplace(deadline, id);
       TryCompleteLocked(id, fired);
+      if (waiters_.count(id) != 0 && deadline <= absl::Now()) {
+        // Already expired (a probe): answer now rather than from the timer thread.
+        Waiter& parked = waiters_.at(id);
+        fired.push_back({std::move(parked.done), ExpiredLocked(parked)});
+        RemoveWaiterLocked(id);
+      }
     }
   }
   Run(fired);
@@ -369,10 +381,7 @@ void MemoryStore::TimerLoop() {
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
       const WaitId id = deadlines_.begin()->second;
       Waiter& w = waiters_.at(id);
-      fired.push_back(
-          {std::move(w.done), absl::DeadlineExceededError(absl::StrCat(
-                                  "store wait job=", w.job, " timed out; missing keys: ",
-                                  absl::StrJoin(MissingKeysLocked(w), ", ")))});
+      fired.push_back({std::move(w.done), ExpiredLocked(w)});
       RemoveWaiterLocked(id);
     }
     mu_.Unlock();

@@ -89,6 +89,8 @@ class MemoryStore final : public Store {
   void TryCompleteLocked(WaitId id, std::vector<Fired>& fired) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveWaiterLocked(WaitId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::string> MissingKeysLocked(const Waiter& w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // DeadlineExceeded naming the keys `w` still misses.
+  absl::Status ExpiredLocked(const Waiter& w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   static void Run(std::vector<Fired>& fired);
   void TimerLoop();
 

@@ -102,6 +102,7 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::s
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::strncpy(addr.sun_path, notify_path.c_str(), sizeof(addr.sun_path) - 1);
+  ::unlink(notify_path.c_str());  // left by an earlier daemon of the same test
   if (::bind(d->notify_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     return absl::InternalError(absl::StrCat("bind ", notify_path, ": ", std::strerror(errno)));
   }

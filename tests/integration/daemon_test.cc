@@ -6,10 +6,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -431,6 +433,64 @@ TEST(DaemonLifecycleTest, NoTcpListenerWhenPortIsMinusOne) {
   auto status = Health((*d)->unix_target(), "");
   ASSERT_TRUE(status.ok());
   EXPECT_EQ(*status, HealthCheckResponse::SERVING);
+}
+
+}  // namespace
+}  // namespace gradsync::testing
+
+namespace gradsync::testing {
+namespace {
+
+TEST(DaemonRestartTest, ClientSeesUnavailableThenWorksWithTheRestartedDaemon) {
+  TempDir dir;
+  auto first = DaemonProcess::Start(dir.path());
+  ASSERT_TRUE(first.ok()) << first.status();
+  client::ClientOptions options;
+  options.rpc_timeout = absl::Seconds(3);
+  client::StoreClient store(client::Connect((*first)->unix_target()), options);
+  ASSERT_TRUE(store.Set("j", "k", "1").ok());  // opens the session
+  auto killed = (*first)->Stop(SIGKILL);
+  ASSERT_TRUE(killed.ok());
+  const absl::Time start = absl::Now();
+  absl::Status down = store.Set("j", "k", "2");
+  EXPECT_EQ(down.code(), absl::StatusCode::kUnavailable) << down;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  first->reset();
+
+  auto second = DaemonProcess::Start(dir.path());  // same socket path: the stale file is replaced
+  ASSERT_TRUE(second.ok()) << second.status();
+  absl::Status up;
+  for (int i = 0; i < 50; ++i) {  // reconnection backoff is gRPC's; bounded here
+    up = store.Set("j", "k", "3");
+    if (up.ok()) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(up.ok()) << up;
+  auto value = store.Get("j", "k", absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(value.ok()) << value.status();
+  EXPECT_EQ(*value, "3");
+}
+
+TEST(DaemonRestartTest, ConcurrentCallersShareOneClientCorrectly) {
+  TempDir dir;
+  auto d = DaemonProcess::Start(dir.path());
+  ASSERT_TRUE(d.ok()) << d.status();
+  client::StoreClient store(client::Connect((*d)->unix_target()));
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) {
+        if (!store.Add("j", "n", 1).ok()) ++failures;
+        auto v = store.Get("j", absl::StrCat("own/", t), absl::Now() + absl::Seconds(5));
+        if (i > 0 && (!v.ok() || *v != absl::StrCat(i - 1))) ++failures;
+        if (!store.Set("j", absl::StrCat("own/", t), absl::StrCat(i)).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(*store.Get("j", "n", absl::Now() + absl::Seconds(5)), "1600");
 }
 
 }  // namespace
