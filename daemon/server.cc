@@ -128,6 +128,7 @@ void DaemonServer::BeginDrain() {
   health->SetServingStatus(false);
   for (const std::string& name : ServiceNames()) health->SetServingStatus(name, false);
   store_.Shutdown();
+  store_service_.EndSessions();
 }
 
 void DaemonServer::Shutdown(absl::Duration grace) {

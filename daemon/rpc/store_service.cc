@@ -72,14 +72,28 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
 
 // Strictly alternating: read a request, answer it inline (session calls never wait), write the
 // answer, read the next. One call in flight per session, so no write queue is needed.
+// Owned by two references: gRPC's (dropped in OnDone) and the service's registry (dropped when
+// the session leaves it), so EndSessions can end it from another thread.
 class StoreService::SessionReactor final
     : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
  public:
   explicit SessionReactor(StoreService* service) : service_(service) { StartRead(&request_); }
 
+  /// Ends the session with `status` unless it has ended already. Thread-safe.
+  void End(const grpc::Status& status) {
+    absl::MutexLock lock(&mu_);
+    EndLocked(status);
+  }
+
+  void Unref() {
+    if (refs_.fetch_sub(1) == 1) delete this;
+  }
+
   void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (ended_) return;
     if (!ok) {  // the client closed its side, or the call was cancelled
-      Finish(grpc::Status::OK);
+      EndLocked(grpc::Status::OK);
       return;
     }
     response_.Clear();
@@ -93,20 +107,74 @@ class StoreService::SessionReactor final
   }
 
   void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (ended_) return;
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "session write failed"));
+      EndLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "session write failed"));
       return;
     }
     StartRead(&request_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    service_->ForgetSession(this);
+    Unref();
+  }
 
  private:
+  void EndLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ended_) return;
+    ended_ = true;
+    Finish(status);
+  }
+
   StoreService* const service_;
+  std::atomic<int> refs_{2};
+  absl::Mutex mu_;
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
   v1::SessionRequest request_;
   v1::SessionResponse response_;
 };
+
+StoreService::~StoreService() = default;
+
+grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* StoreService::Session(
+    grpc::CallbackServerContext*) {
+  auto* session = new SessionReactor(this);
+  bool closed = false;
+  {
+    absl::MutexLock lock(&sessions_mu_);
+    closed = sessions_closed_;
+    if (!closed) sessions_.insert(session);
+  }
+  if (closed) {
+    session->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining"));
+    session->Unref();  // the registry's reference: it never held the session
+  }
+  return session;
+}
+
+void StoreService::ForgetSession(SessionReactor* session) {
+  bool held = false;
+  {
+    absl::MutexLock lock(&sessions_mu_);
+    held = sessions_.erase(session) > 0;
+  }
+  if (held) session->Unref();
+}
+
+void StoreService::EndSessions() {
+  absl::flat_hash_set<SessionReactor*> sessions;
+  {
+    absl::MutexLock lock(&sessions_mu_);
+    sessions_closed_ = true;
+    sessions.swap(sessions_);
+  }
+  for (SessionReactor* session : sessions) {
+    session->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining"));
+    session->Unref();
+  }
+}
 
 absl::Status StoreService::DoSet(const v1::SetRequest& req) {
   GRADSYNC_RETURN_IF_ERROR(CheckWritable(req.key()));
@@ -217,11 +285,6 @@ grpc::ServerUnaryReactor* StoreService::Delete(grpc::CallbackServerContext* ctx,
                                                const v1::DeleteRequest* req,
                                                v1::DeleteResponse* resp) {
   return Reply(ctx, DoDelete(*req, resp));
-}
-
-grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* StoreService::Session(
-    grpc::CallbackServerContext*) {
-  return new SessionReactor(this);
 }
 
 grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,

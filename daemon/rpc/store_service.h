@@ -1,5 +1,7 @@
 #pragma once
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/store.h"
 #include "gradsync/v1/store.grpc.pb.h"
@@ -13,6 +15,10 @@ class StoreService final : public v1::Store::CallbackService {
   /// `store` must outlive the service.
   StoreService(gradsync::Store* store, absl::Duration max_wait)
       : store_(store), max_wait_(max_wait) {}
+  ~StoreService() override;
+
+  /// Ends every open Session with UNAVAILABLE and refuses new ones (the daemon is draining).
+  void EndSessions();
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const v1::SetRequest* req,
                                 v1::SetResponse* resp) override;
@@ -40,6 +46,7 @@ class StoreService final : public v1::Store::CallbackService {
 
  private:
   class SessionReactor;
+  void ForgetSession(SessionReactor* session);
 
   // The calls that never wait, shared by the unary methods and Session.
   absl::Status DoSet(const v1::SetRequest& req);
@@ -51,6 +58,9 @@ class StoreService final : public v1::Store::CallbackService {
 
   gradsync::Store* const store_;
   const absl::Duration max_wait_;
+  absl::Mutex sessions_mu_;
+  absl::flat_hash_set<SessionReactor*> sessions_ ABSL_GUARDED_BY(sessions_mu_);
+  bool sessions_closed_ ABSL_GUARDED_BY(sessions_mu_) = false;
 };
 
 }  // namespace gradsync::rpc

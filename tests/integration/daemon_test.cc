@@ -96,7 +96,9 @@ TEST_F(DaemonTest, SocketHasMode0660AndTcpIsLoopbackOnly) {
 TEST_F(DaemonTest, SigtermDrainsExitsZeroAndKeepsWhatItShould) {
   const std::string sibling = dir_.path() + "/keep-me";
   std::ofstream(sibling) << "operator data";
-  // A wait in flight when the signal comes fails promptly with UNAVAILABLE, not at its deadline.
+  // An open session and a wait in flight do not hold the drain for its grace (10 s): the wait
+  // fails promptly with UNAVAILABLE, not at its deadline.
+  ASSERT_TRUE(store_->Set("j", "open", "a session").ok());
   absl::Notification finished;
   absl::Status wait_status;
   store_->WaitAsync("j", {"never"}, absl::Now() + absl::Seconds(60),
