@@ -63,6 +63,7 @@ class Ctl {
         job_(absl::GetFlag(FLAGS_job)),
         timeout_(absl::GetFlag(FLAGS_timeout)),
         channel_(client::Connect(target_)),
+        inspect_(v1::Inspect::NewStub(channel_)),
         store_(channel_, client::ClientOptions{timeout_}) {}
 
   int Run(const std::vector<std::string>& args) {
@@ -90,6 +91,16 @@ class Ctl {
   }
   static int Check(const absl::Status& s) { return s.ok() ? 0 : Fail(s); }
 
+  // One Inspect call with the --timeout deadline.
+  template <typename Request, typename Response>
+  absl::Status CallInspect(grpc::Status (v1::Inspect::Stub::*method)(grpc::ClientContext*,
+                                                                     const Request&, Response*),
+                           const Request& req, Response* resp) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    return FromGrpcStatus((inspect_.get()->*method)(&ctx, req, resp));
+  }
+
   int Health(const std::string& service) {
     auto stub = grpc::health::v1::Health::NewStub(channel_);
     grpc::ClientContext ctx;
@@ -104,11 +115,10 @@ class Ctl {
   }
 
   int Jobs() {
-    auto stub = v1::Inspect::NewStub(channel_);
-    grpc::ClientContext ctx;
-    Prepare(ctx);
     v1::ListJobsResponse resp;
-    if (absl::Status s = FromGrpcStatus(stub->ListJobs(&ctx, {}, &resp)); !s.ok()) return Fail(s);
+    if (absl::Status s = CallInspect(&v1::Inspect::Stub::ListJobs, v1::ListJobsRequest(), &resp);
+        !s.ok())
+      return Fail(s);
     std::cout << absl::StrFormat("%-32s %8s %12s\n", "JOB", "KEYS", "BYTES");
     for (const auto& j : resp.jobs()) {
       std::cout << absl::StrFormat("%-32s %8d %12s\n", j.job(), j.keys(),
@@ -141,14 +151,12 @@ class Ctl {
   }
 
   int StoreList(const std::string& prefix) {
-    auto stub = v1::Inspect::NewStub(channel_);
-    grpc::ClientContext ctx;
-    Prepare(ctx);
     v1::ListKeysRequest req;
     req.set_job(job_);
     req.set_prefix(prefix);
     v1::ListKeysResponse resp;
-    if (absl::Status s = FromGrpcStatus(stub->ListKeys(&ctx, req, &resp)); !s.ok()) return Fail(s);
+    if (absl::Status s = CallInspect(&v1::Inspect::Stub::ListKeys, req, &resp); !s.ok())
+      return Fail(s);
     std::cout << absl::StrFormat("%-48s %12s\n", "KEY", "BYTES");
     for (const auto& k : resp.keys()) {
       std::cout << absl::StrFormat("%-48s %12d\n", k.key(), k.value_bytes());
@@ -157,27 +165,21 @@ class Ctl {
   }
 
   int PackGroups() {
-    auto stub = v1::Inspect::NewStub(channel_);
-    grpc::ClientContext ctx;
-    Prepare(ctx);
     v1::ListGroupsRequest req;
     req.set_job(job_);
     v1::ListGroupsResponse resp;
-    if (absl::Status s = FromGrpcStatus(stub->ListGroups(&ctx, req, &resp)); !s.ok())
+    if (absl::Status s = CallInspect(&v1::Inspect::Stub::ListGroups, req, &resp); !s.ok())
       return Fail(s);
     for (const std::string& g : resp.groups()) std::cout << g << "\n";
     return 0;
   }
 
   int PackShow(const std::string& group) {
-    auto stub = v1::Inspect::NewStub(channel_);
-    grpc::ClientContext ctx;
-    Prepare(ctx);
     v1::InspectPackListRequest req;
     req.set_job(job_);
     req.set_group(group);
     v1::InspectPackListResponse resp;
-    if (absl::Status s = FromGrpcStatus(stub->GetPackList(&ctx, req, &resp)); !s.ok())
+    if (absl::Status s = CallInspect(&v1::Inspect::Stub::GetPackList, req, &resp); !s.ok())
       return Fail(s);
     const v1::PackList& plan = resp.pack_list();
     int params = 0;
@@ -201,6 +203,7 @@ class Ctl {
   const std::string job_;
   const absl::Duration timeout_;
   const std::shared_ptr<grpc::Channel> channel_;
+  const std::unique_ptr<v1::Inspect::Stub> inspect_;
   client::StoreClient store_;
 };
 
