@@ -11,9 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
-#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
-#include "grpcpp/health_check_service_interface.h"
 
 namespace gradsync::daemon {
 namespace {
@@ -38,7 +36,8 @@ DaemonServer::DaemonServer(DaemonConfig config)
     : config_(std::move(config)),
       store_(config_.store),
       store_service_(&store_, config_.max_wait),
-      inspect_service_(&store_) {}
+      inspect_service_(&store_),
+      health_service_(ServiceNames()) {}
 
 DaemonServer::~DaemonServer() {
   if (server_) Shutdown(absl::ZeroDuration());
@@ -74,9 +73,6 @@ absl::Status DaemonServer::PrepareSocketPath() {
 }
 
 absl::Status DaemonServer::Start() {
-  // Link the health descriptor into the binary so reflection can resolve grpc.health.v1.Health.
-  (void)grpc::health::v1::HealthCheckRequest::descriptor();
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
   grpc::ServerBuilder builder;
@@ -85,6 +81,7 @@ absl::Status DaemonServer::Start() {
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, config_.max_concurrent_streams);
   builder.RegisterService(&store_service_);
   builder.RegisterService(&inspect_service_);
+  builder.RegisterService(&health_service_);
   if (!config_.unix_socket.empty()) {
     if (absl::Status s = PrepareSocketPath(); !s.ok()) return s;
     builder.AddListeningPort("unix:" + config_.unix_socket, grpc::InsecureServerCredentials());
@@ -112,9 +109,7 @@ absl::Status DaemonServer::Start() {
     }
     socket_inode_ = st.st_ino;
   }
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  health->SetServingStatus(true);
-  for (const std::string& name : ServiceNames()) health->SetServingStatus(name, true);
+  health_service_.SetServing(true);
   Log()->info("serving {} max_message_bytes={} max_concurrent_streams={}", Endpoints(),
               config_.max_message_bytes, config_.max_concurrent_streams);
   return absl::OkStatus();
@@ -124,9 +119,7 @@ void DaemonServer::BeginDrain() {
   if (!server_ || draining_) return;
   draining_ = true;
   Log()->info("draining grace={}", absl::FormatDuration(config_.drain_grace));
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  health->SetServingStatus(false);
-  for (const std::string& name : ServiceNames()) health->SetServingStatus(name, false);
+  health_service_.Shutdown();  // NOT_SERVING everywhere; Watch streams are told and end
   store_.Shutdown();
   store_service_.EndSessions();
 }
@@ -134,8 +127,11 @@ void DaemonServer::BeginDrain() {
 void DaemonServer::Shutdown(absl::Duration grace) {
   if (!server_) return;
   BeginDrain();
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  const absl::Time start = absl::Now();
+  server_->Shutdown(absl::ToChronoTime(start + grace));
+  Log()->debug("server shutdown took={}", absl::FormatDuration(absl::Now() - start));
   server_->Wait();
+  Log()->debug("server wait took={}", absl::FormatDuration(absl::Now() - start));
   server_.reset();
   struct stat st {};
   if (socket_inode_ != 0 && ::stat(config_.unix_socket.c_str(), &st) == 0 &&

@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "daemon/config.h"
+#include "daemon/rpc/health_service.h"
 #include "daemon/rpc/inspect_service.h"
 #include "daemon/rpc/store_service.h"
 #include "daemon/store/memory_store.h"
@@ -48,6 +49,7 @@ class DaemonServer {
   store::MemoryStore store_;
   rpc::StoreService store_service_;
   rpc::InspectService inspect_service_;
+  rpc::HealthService health_service_;
   std::unique_ptr<grpc::Server> server_;
   int tcp_port_ = -1;
   bool draining_ = false;

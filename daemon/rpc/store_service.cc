@@ -77,12 +77,17 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
 class StoreService::SessionReactor final
     : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
  public:
-  explicit SessionReactor(StoreService* service) : service_(service) { StartRead(&request_); }
+  SessionReactor(StoreService* service, grpc::CallbackServerContext* ctx)
+      : service_(service), ctx_(ctx) {
+    StartRead(&request_);
+  }
 
-  /// Ends the session with `status` unless it has ended already. Thread-safe.
-  void End(const grpc::Status& status) {
+  /// Ends the session now (the daemon drains): the stream is reset, so the call completes
+  /// without waiting for the client to close its side. Thread-safe.
+  void End() {
     absl::MutexLock lock(&mu_);
-    EndLocked(status);
+    EndLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining"));
+    ctx_->TryCancel();
   }
 
   void Unref() {
@@ -129,6 +134,7 @@ class StoreService::SessionReactor final
   }
 
   StoreService* const service_;
+  grpc::CallbackServerContext* const ctx_;
   std::atomic<int> refs_{2};
   absl::Mutex mu_;
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
@@ -139,8 +145,8 @@ class StoreService::SessionReactor final
 StoreService::~StoreService() = default;
 
 grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* StoreService::Session(
-    grpc::CallbackServerContext*) {
-  auto* session = new SessionReactor(this);
+    grpc::CallbackServerContext* ctx) {
+  auto* session = new SessionReactor(this, ctx);
   bool closed = false;
   {
     absl::MutexLock lock(&sessions_mu_);
@@ -148,7 +154,7 @@ grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* StoreService::
     if (!closed) sessions_.insert(session);
   }
   if (closed) {
-    session->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining"));
+    session->End();
     session->Unref();  // the registry's reference: it never held the session
   }
   return session;
@@ -171,7 +177,7 @@ void StoreService::EndSessions() {
     sessions.swap(sessions_);
   }
   for (SessionReactor* session : sessions) {
-    session->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining"));
+    session->End();
     session->Unref();
   }
 }

@@ -110,7 +110,7 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::s
   d->reader_ = std::thread([p = d.get()] { p->ReadNotifications(); });
 
   std::vector<std::string> argv = {DaemonBinary(), "--socket=" + d->socket_path_,
-                                   "--log_sink=stderr"};
+                                   "--log_sink=stderr", "--log_level=debug"};
   argv.push_back(options.tcp ? "--port=0" : "--port=-1");
   argv.insert(argv.end(), options.flags.begin(), options.flags.end());
   std::vector<std::string> env = {"NOTIFY_SOCKET=" + notify_path};
