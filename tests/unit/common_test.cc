@@ -1,5 +1,6 @@
 #include "common/dtype.h"
 #include "common/group.h"
+#include "common/logging.h"
 #include "daemon/config.h"
 #include "gtest/gtest.h"
 
@@ -30,6 +31,19 @@ TEST(DTypeTest, SizesAndNamesRoundTrip) {
   }
   EXPECT_EQ(*ParseDType("half"), v1::FLOAT16);
   EXPECT_FALSE(ParseDType("complex64").ok());
+}
+
+TEST(LoggingTest, LevelsAndSinksAreCheckedAndApplyToEveryLogger) {
+  EXPECT_EQ(logging::Init("loud", "stderr").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(logging::Init("info", "syslog").code(), absl::StatusCode::kInvalidArgument);
+  auto before = logging::Logger("test-before");
+  ASSERT_TRUE(logging::Init("debug", "stderr").ok());
+  EXPECT_EQ(before->level(), spdlog::level::debug);  // existing loggers follow
+  EXPECT_EQ(logging::Logger("test-after")->level(), spdlog::level::debug);
+  EXPECT_EQ(logging::Logger("test-after"), logging::Logger("test-after"));  // one per name
+  ASSERT_TRUE(logging::Init("warn", "journal").ok());
+  EXPECT_EQ(before->level(), spdlog::level::warn);
+  ASSERT_TRUE(logging::Init("info", "stderr").ok());
 }
 
 TEST(DaemonConfigTest, DefaultsAreValidAndLoopbackOnly) {
