@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 
 namespace gradsync::client {
 
@@ -141,11 +142,33 @@ absl::Status StoreClient::Set(absl::string_view job, absl::string_view key, std:
   req.set_job(std::string(job));
   req.set_key(std::string(key));
   req.set_value(std::move(value));
-  if (auto r = CallSession(op)) return r->status();
+  return Call(op).status();
+}
+
+absl::StatusOr<v1::SessionResponse> StoreClient::Call(const v1::SessionRequest& op) {
+  if (auto r = CallSession(op)) return *std::move(r);
   grpc::ClientContext ctx;
   Prepare(ctx);
-  v1::SetResponse resp;
-  return FromGrpcStatus(stub_->Set(&ctx, req, &resp));
+  v1::SessionResponse resp;
+  grpc::Status status;
+  switch (op.op_case()) {
+    case v1::SessionRequest::kSet:
+      status = stub_->Set(&ctx, op.set(), resp.mutable_set());
+      break;
+    case v1::SessionRequest::kAdd:
+      status = stub_->Add(&ctx, op.add(), resp.mutable_add());
+      break;
+    case v1::SessionRequest::kCompareSet:
+      status = stub_->CompareSet(&ctx, op.compare_set(), resp.mutable_compare_set());
+      break;
+    case v1::SessionRequest::kDelete:
+      status = stub_->Delete(&ctx, op.delete_(), resp.mutable_delete_());
+      break;
+    default:  // a get waits when its key is absent: WaitBlocking handles it
+      return absl::InternalError("StoreClient::Call takes only calls that never wait");
+  }
+  if (!status.ok()) return FromGrpcStatus(status);
+  return resp;
 }
 
 absl::StatusOr<std::vector<std::string>> StoreClient::CallWait(grpc::ClientContext& ctx,
@@ -228,16 +251,8 @@ absl::StatusOr<int64_t> StoreClient::Add(absl::string_view job, absl::string_vie
   req.set_job(std::string(job));
   req.set_key(std::string(key));
   req.set_delta(delta);
-  v1::AddResponse resp;
-  if (auto r = CallSession(op)) {
-    if (!r->ok()) return r->status();
-    resp = (*r)->add();
-  } else {
-    grpc::ClientContext ctx;
-    Prepare(ctx);
-    if (absl::Status s = FromGrpcStatus(stub_->Add(&ctx, req, &resp)); !s.ok()) return s;
-  }
-  return resp.value();
+  GRADSYNC_ASSIGN_OR_RETURN(v1::SessionResponse resp, Call(op));
+  return resp.add().value();
 }
 
 absl::StatusOr<CompareSetResult> StoreClient::CompareSet(absl::string_view job,
@@ -254,16 +269,8 @@ absl::StatusOr<CompareSetResult> StoreClient::CompareSet(absl::string_view job,
     req.set_expect_absent(true);
   }
   req.set_desired(std::move(desired));
-  v1::CompareSetResponse resp;
-  if (auto r = CallSession(op)) {
-    if (!r->ok()) return r->status();
-    resp = (*r)->compare_set();
-  } else {
-    grpc::ClientContext ctx;
-    Prepare(ctx);
-    if (absl::Status s = FromGrpcStatus(stub_->CompareSet(&ctx, req, &resp)); !s.ok()) return s;
-  }
-  return CompareSetResult{resp.swapped(), resp.value()};
+  GRADSYNC_ASSIGN_OR_RETURN(v1::SessionResponse resp, Call(op));
+  return CompareSetResult{resp.compare_set().swapped(), resp.compare_set().value()};
 }
 
 absl::StatusOr<bool> StoreClient::Delete(absl::string_view job, absl::string_view key) {
@@ -271,16 +278,8 @@ absl::StatusOr<bool> StoreClient::Delete(absl::string_view job, absl::string_vie
   v1::DeleteRequest& req = *op.mutable_delete_();
   req.set_job(std::string(job));
   req.set_key(std::string(key));
-  v1::DeleteResponse resp;
-  if (auto r = CallSession(op)) {
-    if (!r->ok()) return r->status();
-    resp = (*r)->delete_();
-  } else {
-    grpc::ClientContext ctx;
-    Prepare(ctx);
-    if (absl::Status s = FromGrpcStatus(stub_->Delete(&ctx, req, &resp)); !s.ok()) return s;
-  }
-  return resp.deleted();
+  GRADSYNC_ASSIGN_OR_RETURN(v1::SessionResponse resp, Call(op));
+  return resp.delete_().deleted();
 }
 
 absl::StatusOr<std::vector<std::string>> StoreClient::List(absl::string_view job,

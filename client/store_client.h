@@ -74,6 +74,9 @@ class StoreClient final : public Store {
   // unary call instead (nothing was sent). A transport failure after sending is returned as
   // is, never retried (Add is not idempotent), and the next call opens a new stream.
   std::optional<absl::StatusOr<v1::SessionResponse>> CallSession(const v1::SessionRequest& req);
+  // One call that never waits (set, add, compare_set, delete): on the session when it can,
+  // else as the matching unary RPC.
+  absl::StatusOr<v1::SessionResponse> Call(const v1::SessionRequest& op);
   absl::Status OpenSessionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session_mu_);
   void CloseSessionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session_mu_);
   // The Wait RPC with the waited-for keys named in a client-side timeout too.

@@ -16,7 +16,7 @@
 int main(int argc, char** argv) {
   gradsync::daemon::BlockStopSignals();  // before any thread exists
   // Debian's Abseil is built with Mutex deadlock detection on, which costs a graph update per
-  // lock; our lock order is documented and checked by the sanitizer build instead.
+  // lock on every store call; our lock order is documented in the headers instead.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage(
       "gradsyncd: per-node gradient-synchronisation daemon.\n"

@@ -129,9 +129,8 @@ void DaemonServer::Shutdown(absl::Duration grace) {
   BeginDrain();
   const absl::Time start = absl::Now();
   server_->Shutdown(absl::ToChronoTime(start + grace));
-  Log()->debug("server shutdown took={}", absl::FormatDuration(absl::Now() - start));
   server_->Wait();
-  Log()->debug("server wait took={}", absl::FormatDuration(absl::Now() - start));
+  Log()->debug("grpc shutdown took={}", absl::FormatDuration(absl::Now() - start));
   server_.reset();
   struct stat st {};
   if (socket_inode_ != 0 && ::stat(config_.unix_socket.c_str(), &st) == 0 &&
