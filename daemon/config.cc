@@ -24,6 +24,11 @@ ABSL_FLAG(int64_t, store_max_value_bytes, int64_t{1} << 20, "Largest store value
 ABSL_FLAG(int64_t, store_max_keys_per_job, 65536, "Most keys one job may hold");
 ABSL_FLAG(int64_t, store_max_jobs, 1024, "Most jobs the store holds at once");
 ABSL_FLAG(int64_t, store_max_waiters, 65536, "Most store waits pending at once");
+ABSL_FLAG(absl::Duration, op_timeout, absl::Minutes(5),
+          "Deadline of a collective that names none: how long its ranks may take to all arrive");
+ABSL_FLAG(absl::Duration, max_op_timeout, absl::Hours(1), "Longest deadline an op may ask for");
+ABSL_FLAG(int, workers, 0, "Threads that run large collectives; 0: one per CPU");
+ABSL_FLAG(int, max_buffers_per_session, 4096, "Most buffers one trainer session may register");
 ABSL_FLAG(std::string, log_level, "info", "trace|debug|info|warn|error|off");
 ABSL_FLAG(std::string, log_sink, "auto",
           "stderr|journal|auto (the journal when started by systemd)");
@@ -52,6 +57,10 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.store.max_keys_per_job = absl::GetFlag(FLAGS_store_max_keys_per_job);
   c.store.max_jobs = absl::GetFlag(FLAGS_store_max_jobs);
   c.store.max_waiters = absl::GetFlag(FLAGS_store_max_waiters);
+  c.engine.default_op_timeout = absl::GetFlag(FLAGS_op_timeout);
+  c.engine.max_op_timeout = absl::GetFlag(FLAGS_max_op_timeout);
+  c.engine.max_buffers_per_session = absl::GetFlag(FLAGS_max_buffers_per_session);
+  c.workers = absl::GetFlag(FLAGS_workers);
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.log_sink = absl::GetFlag(FLAGS_log_sink);
   if (absl::Status s = Validate(c); !s.ok()) return s;
@@ -93,6 +102,15 @@ absl::Status Validate(const DaemonConfig& c) {
   if (c.store.max_key_bytes < 1 || c.store.max_value_bytes < 0 || c.store.max_keys_per_job < 1 ||
       c.store.max_jobs < 1 || c.store.max_waiters < 1) {
     return absl::InvalidArgumentError("store limits must be positive");
+  }
+  if (c.engine.default_op_timeout <= absl::ZeroDuration() ||
+      c.engine.max_op_timeout < c.engine.default_op_timeout) {
+    return absl::InvalidArgumentError(
+        "--op_timeout must be positive and no longer than --max_op_timeout");
+  }
+  if (c.workers < 0 || c.workers > 256 || c.engine.max_buffers_per_session < 1) {
+    return absl::InvalidArgumentError(
+        "--workers must be in [0, 256] and --max_buffers_per_session positive");
   }
   return absl::OkStatus();
 }

@@ -4,6 +4,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/core/engine.h"
 #include "daemon/store/memory_store.h"
 
 namespace gradsync::daemon {
@@ -19,6 +20,8 @@ struct DaemonConfig {
   absl::Duration max_wait = absl::Hours(1);
   absl::Duration drain_grace = absl::Seconds(10);
   store::MemoryStoreOptions store;
+  core::EngineOptions engine;
+  int workers = 0;  // threads for large collectives; 0: one per CPU
   std::string log_level = "info";
   std::string log_sink = "auto";
 };

@@ -7,7 +7,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
 #include <filesystem>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -35,6 +37,12 @@ bool SocketIsLive(const std::string& path) {
 DaemonServer::DaemonServer(DaemonConfig config)
     : config_(std::move(config)),
       store_(config_.store),
+      backend_(&pool_),
+      engine_(&backend_, &importer_, &pool_, config_.engine,
+              [this](const std::string& job) { store_.DeleteJob(job); }),
+      pool_(config_.workers > 0 ? config_.workers
+                                : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
+      gradsync_service_(&engine_),
       store_service_(&store_, config_.max_wait),
       inspect_service_(&store_),
       health_service_(ServiceNames()) {}
@@ -44,7 +52,8 @@ DaemonServer::~DaemonServer() {
 }
 
 const std::vector<std::string>& DaemonServer::ServiceNames() {
-  static const auto* names = new std::vector<std::string>{v1::Store::service_full_name(),
+  static const auto* names = new std::vector<std::string>{v1::GradSync::service_full_name(),
+                                                          v1::Store::service_full_name(),
                                                           v1::Inspect::service_full_name()};
   return *names;
 }
@@ -79,6 +88,7 @@ absl::Status DaemonServer::Start() {
   builder.SetMaxReceiveMessageSize(config_.max_message_bytes);
   builder.SetMaxSendMessageSize(config_.max_message_bytes);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, config_.max_concurrent_streams);
+  builder.RegisterService(&gradsync_service_);
   builder.RegisterService(&store_service_);
   builder.RegisterService(&inspect_service_);
   builder.RegisterService(&health_service_);
@@ -120,6 +130,8 @@ void DaemonServer::BeginDrain() {
   draining_ = true;
   Log()->info("draining grace={}", absl::FormatDuration(config_.drain_grace));
   health_service_.Shutdown();  // NOT_SERVING everywhere; Watch streams are told and end
+  engine_.Shutdown();
+  gradsync_service_.EndSessions();
   store_.Shutdown();
   store_service_.EndSessions();
 }

@@ -5,7 +5,12 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/worker_pool.h"
+#include "daemon/backend/cpu/cpu_backend.h"
 #include "daemon/config.h"
+#include "daemon/core/engine.h"
+#include "daemon/ipc/shm_importer.h"
+#include "daemon/rpc/gradsync_service.h"
 #include "daemon/rpc/health_service.h"
 #include "daemon/rpc/inspect_service.h"
 #include "daemon/rpc/store_service.h"
@@ -14,7 +19,8 @@
 
 namespace gradsync::daemon {
 
-/// The gRPC side of gradsyncd: the unix-socket and TCP listeners, the Store and Inspect services,
+/// The gRPC side of gradsyncd: the unix-socket and TCP listeners, the GradSync, Store and Inspect
+/// services (with the core engine behind GradSync),
 /// health (overall and per service) and reflection. Start, then BeginDrain, then Shutdown;
 /// not thread-safe across those calls (the owner calls them in order).
 class DaemonServer {
@@ -26,7 +32,8 @@ class DaemonServer {
   /// FailedPrecondition if another daemon already serves the socket.
   absl::Status Start();
 
-  /// Health NOT_SERVING everywhere; pending store waits fail with UNAVAILABLE.
+  /// Health NOT_SERVING everywhere; pending store waits and ops fail with UNAVAILABLE, trainer
+  /// sessions end.
   void BeginDrain();
 
   /// Stops accepting calls, lets in-flight ones finish for `grace`, cancels the rest, removes
@@ -47,6 +54,12 @@ class DaemonServer {
 
   const DaemonConfig config_;
   store::MemoryStore store_;
+  ipc::ShmImporter importer_;
+  backend::cpu::CpuBackend backend_;
+  core::Engine engine_;
+  // After the engine and backend that use it: destroyed (its queued ops run) before them.
+  WorkerPool pool_;
+  rpc::GradSyncService gradsync_service_;
   rpc::StoreService store_service_;
   rpc::InspectService inspect_service_;
   rpc::HealthService health_service_;

@@ -1,0 +1,390 @@
+#include "client/gradsync_client.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+
+namespace gradsync::client {
+namespace {
+
+// How long past an op's own deadline the client waits for the daemon's verdict (which names
+// the missing ranks) before giving up on the daemon itself.
+constexpr absl::Duration kAnswerMargin = absl::Seconds(10);
+
+void* TagOf(intptr_t tag) { return reinterpret_cast<void*>(tag); }
+
+std::string UniqueShmName() {
+  static std::atomic<uint64_t> counter{0};
+  static const uint32_t salt = std::random_device{}();
+  return absl::StrFormat("/gradsync-%d-%08x-%d", ::getpid(), salt, counter.fetch_add(1));
+}
+
+void AddSegments(const std::vector<Segment>& segments,
+                 google::protobuf::RepeatedPtrField<v1::Segment>* out) {
+  out->Reserve(static_cast<int>(segments.size()));
+  for (const Segment& s : segments) {
+    v1::Segment* seg = out->Add();
+    seg->set_buffer_id(s.buffer_id);
+    seg->set_byte_offset(s.byte_offset);
+    seg->set_count(s.count);
+  }
+}
+
+v1::OpRequest MakeOp(v1::OpKind kind, DType dtype, const OpOptions& options) {
+  v1::OpRequest op;
+  op.set_kind(kind);
+  op.set_dtype(dtype);
+  op.set_group(options.group);
+  op.set_name(options.name);
+  op.set_timeout_ms(absl::ToInt64Milliseconds(options.timeout));
+  return op;
+}
+
+}  // namespace
+
+struct Op::State {
+  // Guarded by the client's mu_.
+  bool done = false;
+  absl::Status status;
+  v1::TrainerEvent event;
+  absl::Time deadline;  // give up on the daemon after this
+};
+
+absl::Status Op::Wait() {
+  if (!state_) return absl::FailedPreconditionError("empty Op");
+  return client_->Await(*state_, state_->deadline);
+}
+
+bool Op::Done() { return state_ && client_->Poll(*state_); }
+
+uint64_t Op::seq() {
+  if (!state_) return 0;
+  std::lock_guard<std::mutex> lock(client_->mu_);
+  return state_->event.seq();
+}
+
+SharedBuffer::~SharedBuffer() {
+  if (size_ > 0) ::munmap(data_, static_cast<size_t>(size_));
+}
+
+Client::Client(Placement placement, ClientOptions options)
+    : placement_(std::move(placement)), options_(options) {}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(absl::string_view target,
+                                                        const Placement& placement,
+                                                        ClientOptions options) {
+  std::unique_ptr<Client> client(new Client(placement, options));
+  GRADSYNC_RETURN_IF_ERROR(client->Open(target));
+  v1::TrainerRequest request;
+  v1::RegisterRequest& reg = *request.mutable_register_session();
+  reg.set_job(placement.job);
+  reg.set_world_size(placement.world_size);
+  reg.set_rank(placement.rank);
+  reg.set_local_rank(placement.local_rank);
+  reg.set_local_world_size(placement.local_world_size);
+  GRADSYNC_ASSIGN_OR_RETURN(v1::TrainerEvent event, client->Call(std::move(request)));
+  if (event.register_session().default_op_timeout_ms() > 0) {
+    client->default_op_timeout_ =
+        absl::Milliseconds(event.register_session().default_op_timeout_ms());
+  }
+  return client;
+}
+
+absl::Status Client::Open(absl::string_view target) {
+  channel_ = client::Connect(target, options_);
+  stub_ = v1::GradSync::NewStub(channel_);
+  stream_ = stub_->PrepareAsyncSession(&ctx_, &cq_);
+  stream_->StartCall(TagOf(kStart));
+  void* tag = nullptr;
+  bool ok = false;
+  const auto r = cq_.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  if (r != grpc::CompletionQueue::GOT_EVENT || !ok) {
+    ctx_.TryCancel();
+    std::lock_guard<std::mutex> lock(mu_);
+    broken_ = absl::UnavailableError("never connected");
+    return absl::UnavailableError(absl::StrCat("cannot reach gradsyncd at ", target));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stream_->Read(&event_, TagOf(kRead));
+  read_pending_ = true;
+  return absl::OkStatus();
+}
+
+Client::~Client() {
+  if (!stream_) return;
+  const absl::Time deadline = absl::Now() + options_.rpc_timeout;
+  std::unique_lock<std::mutex> lock(mu_);
+  // Let queued requests go out, then close our side; the daemon ends the session and the
+  // stream finishes. If it does not in time, cancel.
+  auto drive = [&](auto done) {
+    while (!done() && absl::Now() < deadline) {
+      if (driving_) {
+        cv_.wait_until(lock, absl::ToChronoTime(deadline));
+        continue;
+      }
+      void* tag = nullptr;
+      bool ok = false;
+      driving_ = true;
+      lock.unlock();
+      const auto r = cq_.AsyncNext(&tag, &ok, absl::ToChronoTime(deadline));
+      lock.lock();
+      driving_ = false;
+      if (r == grpc::CompletionQueue::GOT_EVENT) HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
+      cv_.notify_all();
+    }
+  };
+  drive([&] { return !broken_.ok() || (!writing_ && writes_.empty()); });
+  if (broken_.ok()) {
+    stream_->WritesDone(TagOf(kWritesDone));
+    drive([&] { return !broken_.ok(); });
+  }
+  if (read_pending_ || finish_pending_ || writing_) ctx_.TryCancel();
+  lock.unlock();
+  cq_.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq_.Next(&tag, &ok)) {
+    std::lock_guard<std::mutex> relock(mu_);
+    HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
+  }
+}
+
+void Client::StartWriteLocked() {
+  if (writing_ || writes_.empty() || !broken_.ok()) return;
+  writing_ = true;
+  stream_->Write(writes_.front(), TagOf(kWrite));
+}
+
+void Client::BreakLocked(const absl::Status& status) {
+  if (broken_.ok()) broken_ = status;
+  for (auto& [tag, state] : pending_) {
+    state->done = true;
+    state->status = broken_;
+  }
+  pending_.clear();
+  while (writes_.size() > (writing_ ? 1u : 0u)) writes_.pop_back();
+}
+
+void Client::HandleLocked(intptr_t tag, bool ok) {
+  switch (tag) {
+    case kWrite:
+      writing_ = false;
+      if (!writes_.empty()) writes_.pop_front();
+      if (ok) StartWriteLocked();  // a failed write: the read side reports why
+      break;
+    case kRead:
+      read_pending_ = false;
+      if (ok) {
+        auto it = pending_.find(event_.tag());
+        if (it != pending_.end()) {
+          Op::State& state = *it->second;
+          state.done = true;
+          state.status = event_.code() == 0
+                             ? absl::OkStatus()
+                             : absl::Status(static_cast<absl::StatusCode>(event_.code()),
+                                            event_.message());
+          state.event = std::move(event_);
+          pending_.erase(it);
+        }
+        event_.Clear();
+        stream_->Read(&event_, TagOf(kRead));
+        read_pending_ = true;
+      } else if (!finish_pending_) {
+        stream_->Finish(&finish_status_, TagOf(kFinish));
+        finish_pending_ = true;
+      }
+      break;
+    case kFinish:
+      finish_pending_ = false;
+      BreakLocked(finish_status_.ok()
+                      ? absl::UnavailableError("gradsyncd ended the session")
+                      : FromGrpcStatus(finish_status_));
+      break;
+    default:  // kStart, kWritesDone
+      break;
+  }
+}
+
+std::shared_ptr<Op::State> Client::Send(v1::TrainerRequest request, absl::Duration answer_within) {
+  auto state = std::make_shared<Op::State>();
+  state->deadline = absl::Now() + answer_within;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!broken_.ok()) {
+    state->done = true;
+    state->status = broken_;
+    return state;
+  }
+  const uint64_t tag = next_tag_++;
+  request.set_tag(tag);
+  pending_.emplace(tag, state);
+  writes_.push_back(std::move(request));
+  StartWriteLocked();
+  lock.unlock();
+  Poll(*state);  // move the write queue along without blocking
+  return state;
+}
+
+bool Client::Poll(Op::State& state) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!state.done && !driving_) {
+    void* tag = nullptr;
+    bool ok = false;
+    driving_ = true;
+    lock.unlock();
+    const auto r = cq_.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
+    lock.lock();
+    driving_ = false;
+    if (r == grpc::CompletionQueue::GOT_EVENT) HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
+    cv_.notify_all();
+    if (r != grpc::CompletionQueue::GOT_EVENT) break;
+  }
+  return state.done;
+}
+
+absl::Status Client::Await(Op::State& state, absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!state.done) {
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          "no answer from gradsyncd by the op's deadline (plus margin); is the daemon stuck?");
+    }
+    if (driving_) {  // another thread polls; it wakes us after each event
+      cv_.wait_until(lock, absl::ToChronoTime(deadline));
+      continue;
+    }
+    void* tag = nullptr;
+    bool ok = false;
+    driving_ = true;
+    lock.unlock();
+    const auto r = cq_.AsyncNext(&tag, &ok, absl::ToChronoTime(deadline));
+    lock.lock();
+    driving_ = false;
+    if (r == grpc::CompletionQueue::GOT_EVENT) HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
+    if (r == grpc::CompletionQueue::SHUTDOWN) BreakLocked(absl::UnavailableError("client closed"));
+    cv_.notify_all();
+  }
+  return state.status;
+}
+
+absl::StatusOr<v1::TrainerEvent> Client::Call(v1::TrainerRequest request) {
+  std::shared_ptr<Op::State> state = Send(std::move(request), options_.rpc_timeout);
+  GRADSYNC_RETURN_IF_ERROR(Await(*state, state->deadline));
+  std::lock_guard<std::mutex> lock(mu_);
+  return state->event;
+}
+
+absl::StatusOr<uint64_t> Client::RegisterBuffer(const v1::RegisterBufferRequest& request) {
+  v1::TrainerRequest req;
+  *req.mutable_register_buffer() = request;
+  GRADSYNC_ASSIGN_OR_RETURN(v1::TrainerEvent event, Call(std::move(req)));
+  return event.register_buffer().buffer_id();
+}
+
+absl::Status Client::DeregisterBuffer(uint64_t buffer_id) {
+  v1::TrainerRequest req;
+  req.mutable_deregister_buffer()->set_buffer_id(buffer_id);
+  return Call(std::move(req)).status();
+}
+
+absl::StatusOr<std::unique_ptr<SharedBuffer>> Client::CreateBuffer(int64_t bytes, DType dtype) {
+  if (bytes < 0) return absl::InvalidArgumentError("buffer size must not be negative");
+  const std::string name = UniqueShmName();
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0660);
+  if (fd < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
+  }
+  std::byte* data = nullptr;
+  absl::Status status;
+  if (::ftruncate(fd, bytes) != 0) {
+    status = absl::ResourceExhaustedError(
+        absl::StrCat("cannot size ", name, " to ", bytes, " bytes: ", std::strerror(errno)));
+  } else if (bytes > 0) {
+    void* p = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      status = absl::ResourceExhaustedError(
+          absl::StrCat("cannot map ", bytes, " bytes of ", name, ": ", std::strerror(errno)));
+    } else {
+      data = static_cast<std::byte*>(p);
+    }
+  }
+  ::close(fd);
+  std::unique_ptr<SharedBuffer> buffer(new SharedBuffer(data, status.ok() ? bytes : 0, dtype));
+  if (status.ok()) {
+    v1::RegisterBufferRequest req;
+    req.set_shm_name(name);
+    req.set_bytes(bytes);
+    req.set_dtype(dtype);
+    absl::StatusOr<uint64_t> id = RegisterBuffer(req);
+    if (id.ok()) {
+      buffer->id_ = *id;
+    } else {
+      status = id.status();
+    }
+  }
+  ::shm_unlink(name.c_str());  // both sides hold mappings now (or it failed): drop the name
+  if (!status.ok()) return status;
+  return buffer;
+}
+
+absl::Status Client::DestroyBuffer(std::unique_ptr<SharedBuffer> buffer) {
+  if (!buffer) return absl::OkStatus();
+  return DeregisterBuffer(buffer->id());
+}
+
+Op Client::Submit(const v1::OpRequest& op) {
+  v1::TrainerRequest req;
+  *req.mutable_op() = op;
+  const absl::Duration timeout =
+      op.timeout_ms() > 0 ? absl::Milliseconds(op.timeout_ms()) : default_op_timeout_;
+  return Op(this, Send(std::move(req), timeout + kAnswerMargin));
+}
+
+Op Client::AllReduceAsync(DType dtype, v1::ReduceOp reduce, std::vector<Segment> data,
+                          const OpOptions& options) {
+  v1::OpRequest op = MakeOp(v1::ALL_REDUCE, dtype, options);
+  op.set_reduce_op(reduce);
+  AddSegments(data, op.mutable_input());
+  return Submit(op);
+}
+
+Op Client::BroadcastAsync(DType dtype, int root, std::vector<Segment> data,
+                          const OpOptions& options) {
+  v1::OpRequest op = MakeOp(v1::BROADCAST, dtype, options);
+  op.set_root(root);
+  AddSegments(data, op.mutable_input());
+  return Submit(op);
+}
+
+Op Client::BarrierAsync(const OpOptions& options) {
+  return Submit(MakeOp(v1::BARRIER, v1::DTYPE_UNSPECIFIED, options));
+}
+
+Op Client::AllGatherAsync(DType dtype, std::vector<Segment> input, std::vector<Segment> output,
+                          const OpOptions& options) {
+  v1::OpRequest op = MakeOp(v1::ALL_GATHER, dtype, options);
+  AddSegments(input, op.mutable_input());
+  AddSegments(output, op.mutable_output());
+  return Submit(op);
+}
+
+Op Client::ReduceScatterAsync(DType dtype, v1::ReduceOp reduce, std::vector<Segment> input,
+                              std::vector<Segment> output, const OpOptions& options) {
+  v1::OpRequest op = MakeOp(v1::REDUCE_SCATTER, dtype, options);
+  op.set_reduce_op(reduce);
+  AddSegments(input, op.mutable_input());
+  AddSegments(output, op.mutable_output());
+  return Submit(op);
+}
+
+}  // namespace gradsync::client

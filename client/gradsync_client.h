@@ -1,0 +1,181 @@
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/store_client.h"
+#include "common/dtype.h"
+#include "gradsync/v1/gradsync.grpc.pb.h"
+
+namespace gradsync::client {
+
+/// Where a trainer sits in its job.
+struct Placement {
+  std::string job;
+  int world_size = 1;
+  int rank = 0;
+  int local_rank = 0;
+  int local_world_size = 1;
+};
+
+/// `count` elements starting `byte_offset` bytes into a registered buffer.
+struct Segment {
+  uint64_t buffer_id = 0;
+  int64_t byte_offset = 0;
+  int64_t count = 0;
+};
+
+struct OpOptions {
+  std::string group = "world";  // or member ranks ascending joined by ","
+  std::string name;             // part of the fingerprint every rank must match
+  absl::Duration timeout = absl::ZeroDuration();  // zero: the daemon's default
+};
+
+/// A POSIX shared-memory region this process created, mapped here and registered with the
+/// daemon. The name is unlinked as soon as the daemon has mapped it, so nothing is left behind
+/// in /dev/shm whatever happens to either process. Destroy it with Client::DestroyBuffer (or
+/// just drop it: the daemon unmaps its side when the session ends).
+class SharedBuffer {
+ public:
+  ~SharedBuffer();
+  SharedBuffer(const SharedBuffer&) = delete;
+  SharedBuffer& operator=(const SharedBuffer&) = delete;
+
+  std::byte* data() const { return data_; }
+  int64_t size() const { return size_; }
+  uint64_t id() const { return id_; }
+  DType dtype() const { return dtype_; }
+  /// The whole buffer as one segment of `count` elements of its dtype (or of `element_bytes`).
+  Segment Whole(int64_t element_bytes) const { return {id_, 0, size_ / element_bytes}; }
+
+ private:
+  friend class Client;
+  SharedBuffer(std::byte* data, int64_t size, DType dtype) : data_(data), size_(size), dtype_(dtype) {}
+  std::byte* const data_;
+  const int64_t size_;
+  const DType dtype_;
+  uint64_t id_ = 0;
+};
+
+class Client;
+
+/// An op in flight: a future. Waiting drives the connection on the caller's thread (no
+/// background thread, no hand-off), so many ops can be in flight while the caller computes.
+/// Thread-safe; copyable (copies share the outcome).
+class Op {
+ public:
+  Op() = default;
+  /// Blocks until the daemon answers: the op's deadline plus a margin at most (then
+  /// DEADLINE_EXCEEDED "no answer from gradsyncd"). Returns the same status every time.
+  absl::Status Wait();
+  /// True once answered; never blocks.
+  bool Done();
+  /// This rank's sequence number of the op on its group (valid once done).
+  uint64_t seq();
+
+ private:
+  friend class Client;
+  struct State;
+  Op(Client* client, std::shared_ptr<State> state) : client_(client), state_(std::move(state)) {}
+  Client* client_ = nullptr;
+  std::shared_ptr<State> state_;
+};
+
+/// A trainer's session with its node's gradsyncd: one long-lived stream, so the daemon knows at
+/// once when this process dies. Thread-safe. The Client must outlive its Ops and buffers.
+class Client {
+ public:
+  /// Connects to `target` (unix socket path, "unix:path" or host:port) and registers.
+  /// Registration refusals come back as the daemon's status (ALREADY_EXISTS, ...).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(absl::string_view target,
+                                                         const Placement& placement,
+                                                         ClientOptions options = {});
+  /// Ends the session (waiting at most rpc_timeout for the daemon to acknowledge).
+  ~Client();
+
+  /// Creates `bytes` of shared memory, maps it and registers it. `dtype` UNSPECIFIED: any op
+  /// dtype; otherwise ops on the buffer must use it.
+  absl::StatusOr<std::unique_ptr<SharedBuffer>> CreateBuffer(int64_t bytes,
+                                                             DType dtype = v1::DTYPE_UNSPECIFIED);
+  /// Deregisters a buffer from the daemon (ops already submitted keep it until they finish).
+  absl::Status DestroyBuffer(std::unique_ptr<SharedBuffer> buffer);
+  /// Registers a shared-memory object by name (for callers that manage their own memory).
+  absl::StatusOr<uint64_t> RegisterBuffer(const v1::RegisterBufferRequest& request);
+  absl::Status DeregisterBuffer(uint64_t buffer_id);
+
+  Op AllReduceAsync(DType dtype, v1::ReduceOp op, std::vector<Segment> data,
+                    const OpOptions& options = {});
+  Op BroadcastAsync(DType dtype, int root, std::vector<Segment> data,
+                    const OpOptions& options = {});
+  Op BarrierAsync(const OpOptions& options = {});
+  Op AllGatherAsync(DType dtype, std::vector<Segment> input, std::vector<Segment> output,
+                    const OpOptions& options = {});
+  Op ReduceScatterAsync(DType dtype, v1::ReduceOp op, std::vector<Segment> input,
+                        std::vector<Segment> output, const OpOptions& options = {});
+  /// Any op, as the wire states it.
+  Op Submit(const v1::OpRequest& request);
+
+  absl::Status AllReduce(DType dtype, v1::ReduceOp op, std::vector<Segment> data,
+                         const OpOptions& options = {}) {
+    return AllReduceAsync(dtype, op, std::move(data), options).Wait();
+  }
+  absl::Status Broadcast(DType dtype, int root, std::vector<Segment> data,
+                         const OpOptions& options = {}) {
+    return BroadcastAsync(dtype, root, std::move(data), options).Wait();
+  }
+  absl::Status Barrier(const OpOptions& options = {}) { return BarrierAsync(options).Wait(); }
+
+  const Placement& placement() const { return placement_; }
+  absl::Duration default_op_timeout() const { return default_op_timeout_; }
+
+ private:
+  friend class Op;
+  // Completion-queue tags.
+  enum Tag : intptr_t { kStart = 1, kWrite, kRead, kWritesDone, kFinish };
+
+  Client(Placement placement, ClientOptions options);
+  absl::Status Open(absl::string_view target);
+  // Queues a request; the returned state completes when its event arrives.
+  std::shared_ptr<Op::State> Send(v1::TrainerRequest request, absl::Duration answer_within);
+  // Drives the stream until `state` completes or `deadline` passes.
+  absl::Status Await(Op::State& state, absl::Time deadline);
+  bool Poll(Op::State& state);
+  // One completion-queue event; mu_ held. Issues the next read/write.
+  void HandleLocked(intptr_t tag, bool ok);
+  void StartWriteLocked();
+  void BreakLocked(const absl::Status& status);
+  absl::StatusOr<v1::TrainerEvent> Call(v1::TrainerRequest request);
+
+  const Placement placement_;
+  const ClientOptions options_;
+  absl::Duration default_op_timeout_ = absl::Minutes(5);
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::GradSync::Stub> stub_;
+  grpc::ClientContext ctx_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::TrainerRequest, v1::TrainerEvent>> stream_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;  // a driver handled an event, or stopped driving
+  bool driving_ = false;        // a thread is inside cq_.AsyncNext
+  std::deque<v1::TrainerRequest> writes_;  // front is being written
+  bool writing_ = false;
+  bool read_pending_ = false;
+  bool finish_pending_ = false;
+  v1::TrainerEvent event_;  // the read in flight
+  grpc::Status finish_status_;
+  absl::Status broken_;  // once not OK, every op fails with it
+  uint64_t next_tag_ = 1;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Op::State>> pending_;
+};
+
+}  // namespace gradsync::client

@@ -1,0 +1,77 @@
+#include "common/worker_pool.h"
+
+#include <atomic>
+#include <memory>
+
+namespace gradsync {
+
+WorkerPool::WorkerPool(int threads) {
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
+}
+
+WorkerPool::~WorkerPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void WorkerPool::Schedule(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void WorkerPool::Loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping, and nothing left to run
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+void WorkerPool::ParallelFor(int parts, const std::function<void(int)>& fn) {
+  if (parts <= 1 || threads_.empty()) {
+    for (int i = 0; i < parts; ++i) fn(i);
+    return;
+  }
+  // Helpers that start after the caller finished everything find no part left and only touch
+  // this shared state, never `fn`.
+  struct State {
+    std::atomic<int> next{0};
+    std::atomic<int> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, parts, &fn] {
+    for (int i; (i = state->next.fetch_add(1)) < parts;) {
+      fn(i);
+      if (state->done.fetch_add(1) + 1 == parts) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->cv.notify_all();
+      }
+    }
+  };
+  const int helpers = std::min(parts - 1, size());
+  for (int i = 0; i < helpers; ++i) {
+    Schedule([state, parts, work] {
+      if (state->next.load() < parts) work();
+    });
+  }
+  work();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done.load() == parts; });
+}
+
+}  // namespace gradsync

@@ -1,0 +1,33 @@
+#pragma once
+
+// Element-wise kernels of the CPU data plane over segmented views. Half types (float16,
+// bfloat16) are reduced in float32 and rounded once to nearest-even, never as raw integers.
+
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "common/dtype.h"
+#include "daemon/core/backend.h"
+#include "gradsync/v1/gradsync.pb.h"
+
+namespace gradsync::backend::cpu {
+
+/// Elements [offset, offset + n) of a view.
+struct Slice {
+  const core::View* view;
+  int64_t offset;
+};
+
+/// For i in [0, n): every dst[i] = op over srcs[i]; MEAN divides the sum by `divisor`.
+/// With one source it is a copy (MEAN still divides). Sources may alias destinations element
+/// for element (in-place all-reduce); no other overlap. Single-threaded; callers split ranges.
+void Reduce(DType dtype, v1::ReduceOp op, int64_t divisor, absl::Span<const Slice> srcs,
+            absl::Span<const Slice> dsts, int64_t n);
+
+/// float32 <-> float16 / bfloat16, round to nearest even (exposed for tests).
+float HalfToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);
+float BFloat16ToFloat(uint16_t b);
+uint16_t FloatToBFloat16(float f);
+
+}  // namespace gradsync::backend::cpu

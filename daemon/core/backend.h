@@ -1,0 +1,75 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/dtype.h"
+#include "gradsync/v1/gradsync.pb.h"
+
+namespace gradsync::core {
+
+/// A contiguous run of elements inside a mapped buffer.
+struct Run {
+  std::byte* data;
+  int64_t count;
+};
+
+/// One logical array of elements spread over runs, in order (a fused op's segments).
+using View = std::vector<Run>;
+
+/// One local member of a collective: its group rank and its buffers for this op.
+struct LocalMember {
+  int group_rank;
+  View input;
+  View output;  // ALL_GATHER and REDUCE_SCATTER only
+};
+
+/// A matched collective, ready to run: every local member of the group submitted it with the
+/// same fingerprint, and every buffer it names is mapped (and stays so while it runs).
+struct Collective {
+  v1::OpKind kind = v1::OP_KIND_UNSPECIFIED;
+  v1::ReduceOp reduce_op = v1::REDUCE_OP_UNSPECIFIED;
+  DType dtype = v1::DTYPE_UNSPECIFIED;
+  /// Elements per member: of `input` (ALL_REDUCE, BROADCAST, ALL_GATHER) or of `output`
+  /// (REDUCE_SCATTER).
+  int64_t count = 0;
+  int root = 0;  // BROADCAST: group rank of the source
+  int group_size = 0;
+  std::vector<LocalMember> local;  // ascending group rank
+  absl::Time deadline = absl::InfiniteFuture();
+  std::string label;  // "all_reduce job=j group=0,1 seq=17" for errors and logs
+};
+
+/// What a communicator is built for: one group of one job, and which of its members are local.
+struct CommunicatorSpec {
+  std::string job;
+  std::string group;
+  std::vector<int> members;        // global ranks, ascending
+  std::vector<int> local_members;  // the subset attached to this daemon, ascending
+};
+
+/// Runs collectives for one group. Calls for one group never overlap (the core runs a group's
+/// ops one at a time, in sequence order); different groups' communicators run concurrently.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  /// Runs `op` to completion: on OK every local member's buffers hold the result. Every wait
+  /// inside ends by `op.deadline` (DEADLINE_EXCEEDED naming who is missing); a peer lost
+  /// mid-op is UNAVAILABLE or ABORTED.
+  virtual absl::Status Run(const Collective& op) = 0;
+};
+
+/// A data plane (CPU shared memory + Gloo, or NCCL). Thread-safe.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
+      const CommunicatorSpec& spec) = 0;
+};
+
+}  // namespace gradsync::core

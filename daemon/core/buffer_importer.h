@@ -1,0 +1,35 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "gradsync/v1/gradsync.pb.h"
+
+namespace gradsync::core {
+
+/// A trainer's buffer mapped into the daemon. Unmapped when destroyed; the core keeps it alive
+/// (shared) while any op that refers to it runs, so a deregistration never pulls memory from
+/// under a collective.
+class MappedBuffer {
+ public:
+  virtual ~MappedBuffer() = default;
+  virtual std::byte* data() const = 0;
+  virtual int64_t size() const = 0;
+  /// "shm:/gradsync-1234-0 bytes=4096" for logs and errors.
+  virtual std::string Describe() const = 0;
+};
+
+/// Turns a handle a trainer sent (shared-memory name; CUDA IPC handle on GPU nodes) into a
+/// mapping. Thread-safe. Errors: NOT_FOUND (no such object), FAILED_PRECONDITION (too small,
+/// not accessible), INVALID_ARGUMENT (malformed handle).
+class BufferImporter {
+ public:
+  virtual ~BufferImporter() = default;
+  virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> Import(
+      const v1::RegisterBufferRequest& request) = 0;
+};
+
+}  // namespace gradsync::core

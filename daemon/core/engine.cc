@@ -1,0 +1,728 @@
+#include "daemon/core/engine.h"
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <optional>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/group.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+
+namespace gradsync::core {
+namespace {
+
+auto Log() { return logging::Logger("core"); }
+
+constexpr size_t kMaxJobIdLength = 128;
+constexpr size_t kMaxNameLength = 256;
+constexpr int kMaxWorldSize = 1 << 16;
+
+absl::string_view KindName(v1::OpKind kind) {
+  switch (kind) {
+    case v1::ALL_REDUCE:
+      return "all_reduce";
+    case v1::BROADCAST:
+      return "broadcast";
+    case v1::BARRIER:
+      return "barrier";
+    case v1::ALL_GATHER:
+      return "all_gather";
+    case v1::REDUCE_SCATTER:
+      return "reduce_scatter";
+    default:
+      return "unknown_op";
+  }
+}
+
+absl::string_view ReduceName(v1::ReduceOp op) {
+  switch (op) {
+    case v1::SUM:
+      return "sum";
+    case v1::MEAN:
+      return "mean";
+    case v1::MIN:
+      return "min";
+    case v1::MAX:
+      return "max";
+    default:
+      return "none";
+  }
+}
+
+bool Reduces(v1::OpKind kind) { return kind == v1::ALL_REDUCE || kind == v1::REDUCE_SCATTER; }
+
+// What every member's k-th op of a group must agree on.
+struct Fingerprint {
+  v1::OpKind kind = v1::OP_KIND_UNSPECIFIED;
+  v1::ReduceOp reduce_op = v1::REDUCE_OP_UNSPECIFIED;
+  DType dtype = v1::DTYPE_UNSPECIFIED;
+  int64_t count = 0;
+  int root = 0;
+  std::string name;
+
+  bool operator==(const Fingerprint& o) const {
+    return kind == o.kind && reduce_op == o.reduce_op && dtype == o.dtype && count == o.count &&
+           root == o.root && name == o.name;
+  }
+  std::string Describe() const {
+    std::string out = absl::StrCat(KindName(kind), "(");
+    if (Reduces(kind)) absl::StrAppend(&out, ReduceName(reduce_op), ", ");
+    if (kind != v1::BARRIER) absl::StrAppend(&out, DTypeName(dtype), ", count=", count, ", ");
+    if (kind == v1::BROADCAST) absl::StrAppend(&out, "root=", root, ", ");
+    absl::StrAppend(&out, "name='", name, "')");
+    return out;
+  }
+};
+
+}  // namespace
+
+class Session {
+ public:
+  struct Buffer {
+    std::shared_ptr<MappedBuffer> mapping;
+    DType dtype;
+    std::string handle;  // what the trainer registered it by (its shm name)
+  };
+
+  Session(std::string id, std::shared_ptr<internal::Job> job, int rank, int local_rank,
+          std::shared_ptr<SessionSink> sink)
+      : id(std::move(id)), job(std::move(job)), rank(rank), local_rank(local_rank),
+        sink(std::move(sink)) {}
+
+  const std::string id;
+  const std::shared_ptr<internal::Job> job;
+  const int rank;
+  const int local_rank;
+  const std::shared_ptr<SessionSink> sink;
+
+  absl::Mutex mu;
+  absl::flat_hash_map<uint64_t, Buffer> buffers ABSL_GUARDED_BY(mu);
+  uint64_t next_buffer_id ABSL_GUARDED_BY(mu) = 1;
+  bool ended ABSL_GUARDED_BY(mu) = false;
+
+  // Guarded by job->mu.
+  absl::flat_hash_map<std::string, uint64_t> next_seq;  // per group key
+  bool attached = true;
+};
+
+namespace internal {
+
+// One member's submission of an op, resolved against its session's buffers.
+struct Arrival {
+  std::shared_ptr<Session> session;
+  uint64_t tag = 0;
+  Fingerprint fp;
+  std::string group_key;
+  std::vector<int> members;
+  int group_rank = 0;
+  View input, output;
+  std::vector<std::shared_ptr<MappedBuffer>> pins;  // keep the mappings while the op lives
+  int64_t bytes = 0;                                // moved per member
+  absl::Duration timeout;
+  absl::Time deadline;
+};
+
+// Op k of a group while not every member has submitted it.
+struct Pending {
+  Fingerprint fp;
+  int first_rank = 0;
+  std::vector<std::optional<Arrival>> by_member;  // by group rank
+  int arrived = 0;
+  absl::Time deadline = absl::InfiniteFuture();
+  absl::Duration timeout;
+  std::vector<DeadlineTimer::Id> timers;
+};
+
+// Op k of a group, matched, waiting for op k-1 to finish.
+struct Ready {
+  Collective op;
+  uint64_t seq = 0;
+  std::vector<std::pair<std::shared_ptr<Session>, uint64_t>> to;  // (session, tag)
+  std::vector<std::shared_ptr<MappedBuffer>> pins;
+  int64_t bytes = 0;
+};
+
+// An op that failed before it could run, kept for the members that have not submitted it yet.
+struct Failed {
+  absl::Status status;
+  int remaining;  // members still to be told
+};
+
+struct Group {
+  std::string key;
+  std::vector<int> members;
+  std::shared_ptr<Communicator> comm;
+  std::map<uint64_t, Pending> pending;
+  std::map<uint64_t, Failed> failed;
+  std::deque<Ready> ready;
+  bool running = false;  // a Drain owns `ready`
+  std::string broken;    // non-empty once a member left: every op fails with it
+};
+
+struct Job {
+  Job(std::string id, int world_size, int local_world_size)
+      : id(std::move(id)), world_size(world_size), local_world_size(local_world_size),
+        ranks(world_size, nullptr), local_ranks(local_world_size, -1) {}
+
+  const std::string id;
+  const int world_size;
+  const int local_world_size;
+  absl::Mutex mu;
+  std::vector<Session*> ranks ABSL_GUARDED_BY(mu);  // attached session by global rank
+  std::vector<int> local_ranks ABSL_GUARDED_BY(mu);  // global rank by local rank, -1: free
+  int attached ABSL_GUARDED_BY(mu) = 0;
+  std::vector<int> departed ABSL_GUARDED_BY(mu);  // ranks that left while others stayed
+  absl::flat_hash_map<std::string, std::unique_ptr<Group>> groups ABSL_GUARDED_BY(mu);
+};
+
+}  // namespace internal
+
+using internal::Failed;
+using internal::Pending;
+using internal::Ready;
+
+Engine::Engine(Backend* backend, BufferImporter* importer, WorkerPool* pool,
+               EngineOptions options, JobEndCallback on_job_end)
+    : backend_(backend), importer_(importer), pool_(pool), options_(options),
+      on_job_end_(std::move(on_job_end)) {}
+
+Engine::~Engine() { Shutdown(); }
+
+absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequest& req,
+                                                          std::shared_ptr<SessionSink> sink) {
+  if (req.job().empty() || req.job().size() > kMaxJobIdLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job id must have 1 to ", kMaxJobIdLength, " characters"));
+  }
+  if (req.world_size() < 1 || req.world_size() > kMaxWorldSize || req.rank() < 0 ||
+      req.rank() >= req.world_size() || req.local_world_size() < 1 ||
+      req.local_world_size() > req.world_size() || req.local_rank() < 0 ||
+      req.local_rank() >= req.local_world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bad placement: need 0 <= rank < world_size <= ", kMaxWorldSize,
+        " and 0 <= local_rank < local_world_size <= world_size; got rank=", req.rank(),
+        " world_size=", req.world_size(), " local_rank=", req.local_rank(),
+        " local_world_size=", req.local_world_size()));
+  }
+  if (req.local_world_size() != req.world_size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", req.job(), " spans nodes (world_size=", req.world_size(),
+        " local_world_size=", req.local_world_size(),
+        "); this daemon has no peer daemons configured, so every rank must be local"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (shutdown_) return absl::UnavailableError("daemon is shutting down");
+  std::shared_ptr<Job>& slot = jobs_[req.job()];
+  if (!slot) slot = std::make_shared<Job>(req.job(), req.world_size(), req.local_world_size());
+  Job& job = *slot;
+  absl::MutexLock job_lock(&job.mu);
+  if (job.world_size != req.world_size() || job.local_world_size != req.local_world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job ", job.id, " has world_size=", job.world_size, " local_world_size=",
+        job.local_world_size, "; rank ", req.rank(), " says world_size=", req.world_size(),
+        " local_world_size=", req.local_world_size()));
+  }
+  if (!job.departed.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job.id, " lost rank(s) ", absl::StrJoin(job.departed, ","),
+        "; it can start again once its remaining ", job.attached, " session(s) have ended"));
+  }
+  if (Session* other = job.ranks[req.rank()]) {
+    return absl::AlreadyExistsError(absl::StrCat("rank ", req.rank(), " of job ", job.id,
+                                                 " is already registered (session ", other->id,
+                                                 ")"));
+  }
+  if (int other = job.local_ranks[req.local_rank()]; other >= 0) {
+    return absl::AlreadyExistsError(absl::StrCat("local_rank ", req.local_rank(), " of job ",
+                                                 job.id, " is already taken by rank ", other));
+  }
+  auto session = std::make_shared<Session>(absl::StrCat(job.id, "/", req.rank(), "#",
+                                                        next_session_++),
+                                           slot, req.rank(), req.local_rank(), std::move(sink));
+  job.ranks[req.rank()] = session.get();
+  job.local_ranks[req.local_rank()] = req.rank();
+  ++job.attached;
+  Log()->info("session opened job={} rank={} local_rank={} world_size={} session={}", job.id,
+              req.rank(), req.local_rank(), req.world_size(), session->id);
+  return session;
+}
+
+void Engine::Unregister(Session& session, absl::string_view reason) {
+  Completions out;
+  bool job_ended = false;
+  Job& job = *session.job;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::MutexLock job_lock(&job.mu);
+    if (!session.attached) return;
+    session.attached = false;
+    job.ranks[session.rank] = nullptr;
+    job.local_ranks[session.local_rank] = -1;
+    --job.attached;
+    if (job.attached > 0) {
+      job.departed.push_back(session.rank);
+      const std::string why =
+          absl::StrCat("rank ", session.rank, " left job ", job.id, " (", reason, ")");
+      for (auto& [key, group] : job.groups) {
+        if (!std::binary_search(group->members.begin(), group->members.end(), session.rank)) {
+          continue;
+        }
+        group->broken = why;
+        while (!group->pending.empty()) {
+          const uint64_t seq = group->pending.begin()->first;
+          FailPendingLocked(*group, seq,
+                            absl::UnavailableError(absl::StrCat(
+                                KindName(group->pending.begin()->second.fp.kind), " job=", job.id,
+                                " group=", key, " seq=", seq, " cannot complete: ", why)),
+                            out);
+        }
+      }
+    } else {
+      for (auto& [key, group] : job.groups) {
+        group->broken = "job ended";
+        while (!group->pending.empty()) {
+          FailPendingLocked(*group, group->pending.begin()->first,
+                            absl::UnavailableError("job ended"), out);
+        }
+      }
+      auto it = jobs_.find(job.id);
+      if (it != jobs_.end() && it->second.get() == &job) jobs_.erase(it);
+      job_ended = true;
+    }
+  }
+  {
+    absl::MutexLock lock(&session.mu);
+    session.ended = true;
+    session.buffers.clear();  // unmapped now, or when the last op using them finishes
+  }
+  Log()->info("session closed job={} rank={} session={} reason={}", job.id, session.rank,
+              session.id, std::string(reason));
+  for (auto& fn : out) fn();
+  if (job_ended) {
+    Log()->info("job ended job={}", job.id);
+    if (on_job_end_) on_job_end_(job.id);
+  }
+}
+
+absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
+                                                const v1::RegisterBufferRequest& req) {
+  if (req.dtype() != v1::DTYPE_UNSPECIFIED && DTypeSize(req.dtype()) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", req.dtype()));
+  }
+  {
+    absl::MutexLock lock(&session.mu);
+    if (session.ended) return absl::FailedPreconditionError("session has ended");
+    if (static_cast<int>(session.buffers.size()) >= options_.max_buffers_per_session) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("session has ", session.buffers.size(), " buffers, the most allowed"));
+    }
+    for (const auto& [id, buffer] : session.buffers) {
+      if (buffer.handle == req.shm_name()) {
+        return absl::AlreadyExistsError(absl::StrCat(req.shm_name(),
+                                                     " is already registered as buffer ", id));
+      }
+    }
+  }
+  // Map without the session lock: mapping a large object takes a while.
+  GRADSYNC_ASSIGN_OR_RETURN(std::unique_ptr<MappedBuffer> mapping, importer_->Import(req));
+  absl::MutexLock lock(&session.mu);
+  if (session.ended) return absl::FailedPreconditionError("session has ended");
+  const uint64_t id = session.next_buffer_id++;
+  Log()->debug("buffer registered session={} id={} {}", session.id, id, mapping->Describe());
+  session.buffers.emplace(id, Session::Buffer{std::move(mapping), req.dtype(), req.shm_name()});
+  return id;
+}
+
+absl::Status Engine::DeregisterBuffer(Session& session, uint64_t buffer_id) {
+  absl::MutexLock lock(&session.mu);
+  if (session.buffers.erase(buffer_id) == 0) {
+    return absl::NotFoundError(
+        absl::StrCat("buffer ", buffer_id, " is not registered in this session"));
+  }
+  Log()->debug("buffer deregistered session={} id={}", session.id, buffer_id);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Engine::Arrival> Engine::Resolve(Session& session, const v1::OpRequest& op) {
+  const Job& job = *session.job;
+  Arrival a;
+  Fingerprint& fp = a.fp;
+  fp.kind = op.kind();
+  const std::string what = absl::StrCat(KindName(op.kind()), " job=", job.id, " group=",
+                                        op.group(), " rank=", session.rank, ": ");
+  auto invalid = [&what](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(what, parts...));
+  };
+  if (!v1::OpKind_IsValid(op.kind()) || op.kind() == v1::OP_KIND_UNSPECIFIED) {
+    return invalid("unknown op kind ", static_cast<int>(op.kind()));
+  }
+  const bool barrier = op.kind() == v1::BARRIER;
+  const int64_t esize = barrier ? 1 : DTypeSize(op.dtype());
+  if (!barrier) {
+    if (esize == 0) return invalid("unknown dtype ", static_cast<int>(op.dtype()));
+    fp.dtype = op.dtype();
+  }
+  if (Reduces(op.kind())) {
+    if (op.reduce_op() < v1::SUM || op.reduce_op() > v1::MAX) {
+      return invalid("needs a reduce_op (sum, mean, min, max); got ",
+                     static_cast<int>(op.reduce_op()));
+    }
+    fp.reduce_op = op.reduce_op();
+  }
+  if (op.name().size() > kMaxNameLength) {
+    return invalid("name longer than ", kMaxNameLength, " characters");
+  }
+  fp.name = op.name();
+  if (op.timeout_ms() < 0 || absl::Milliseconds(op.timeout_ms()) > options_.max_op_timeout) {
+    return invalid("timeout_ms ", op.timeout_ms(), " is not in [0, ",
+                   absl::ToInt64Milliseconds(options_.max_op_timeout), "]");
+  }
+  if (op.input_size() + op.output_size() > options_.max_segments_per_op) {
+    return invalid(op.input_size() + op.output_size(), " segments; at most ",
+                   options_.max_segments_per_op, " per op");
+  }
+
+  // Group and membership.
+  a.group_key = op.group().empty() ? std::string(kWorldGroup) : op.group();
+  if (a.group_key == kWorldGroup) {
+    for (int r = 0; r < job.world_size; ++r) a.members.push_back(r);
+  } else {
+    auto members = ParseGroupKey(a.group_key);
+    if (!members.ok()) return invalid(members.status().message());
+    a.members = *std::move(members);
+    if (a.members.back() >= job.world_size) {
+      return invalid("group names rank ", a.members.back(), " but the job has world_size ",
+                     job.world_size);
+    }
+  }
+  auto me = std::lower_bound(a.members.begin(), a.members.end(), session.rank);
+  if (me == a.members.end() || *me != session.rank) {
+    return invalid("rank ", session.rank, " is not a member of the group");
+  }
+  a.group_rank = static_cast<int>(me - a.members.begin());
+  const int size = static_cast<int>(a.members.size());
+  if (op.kind() == v1::BROADCAST) {
+    if (op.root() < 0 || op.root() >= size) {
+      return invalid("root ", op.root(), " is not a group rank in [0, ", size, ")");
+    }
+    fp.root = op.root();
+  }
+
+  // Segments against this session's buffers.
+  struct Extent {
+    uint64_t buffer;
+    int64_t begin, end;
+  };
+  std::vector<Extent> extents;
+  int64_t in_count = 0, out_count = 0;
+  {
+    absl::MutexLock lock(&session.mu);
+    if (session.ended) return absl::FailedPreconditionError(absl::StrCat(what, "session ended"));
+    auto resolve = [&](const google::protobuf::RepeatedPtrField<v1::Segment>& segments,
+                       View& view, int64_t& total) -> absl::Status {
+      for (const v1::Segment& seg : segments) {
+        auto it = session.buffers.find(seg.buffer_id());
+        if (it == session.buffers.end()) {
+          return absl::NotFoundError(absl::StrCat(what, "buffer ", seg.buffer_id(),
+                                                  " is not registered in this session"));
+        }
+        const Session::Buffer& buffer = it->second;
+        if (buffer.dtype != v1::DTYPE_UNSPECIFIED && buffer.dtype != op.dtype()) {
+          return invalid("buffer ", seg.buffer_id(), " was registered as ",
+                         DTypeName(buffer.dtype), " but the op is ", DTypeName(op.dtype()));
+        }
+        const int64_t size_bytes = buffer.mapping->size();
+        if (seg.count() < 0 || seg.byte_offset() < 0 || seg.byte_offset() % esize != 0 ||
+            seg.byte_offset() > size_bytes || seg.count() > (size_bytes - seg.byte_offset()) / esize) {
+          return invalid("segment (buffer ", seg.buffer_id(), ", byte_offset ", seg.byte_offset(),
+                         ", count ", seg.count(), ") is outside the buffer's ", size_bytes,
+                         " bytes or not aligned to the ", esize, "-byte element");
+        }
+        if (seg.count() == 0) continue;
+        view.push_back({buffer.mapping->data() + seg.byte_offset(), seg.count()});
+        extents.push_back(
+            {seg.buffer_id(), seg.byte_offset(), seg.byte_offset() + seg.count() * esize});
+        if (a.pins.empty() || a.pins.back() != buffer.mapping) a.pins.push_back(buffer.mapping);
+        total += seg.count();
+      }
+      return absl::OkStatus();
+    };
+    GRADSYNC_RETURN_IF_ERROR(resolve(op.input(), a.input, in_count));
+    GRADSYNC_RETURN_IF_ERROR(resolve(op.output(), a.output, out_count));
+  }
+  std::sort(extents.begin(), extents.end(), [](const Extent& x, const Extent& y) {
+    return x.buffer != y.buffer ? x.buffer < y.buffer : x.begin < y.begin;
+  });
+  for (size_t i = 1; i < extents.size(); ++i) {
+    if (extents[i].buffer == extents[i - 1].buffer && extents[i].begin < extents[i - 1].end) {
+      return invalid("segments overlap in buffer ", extents[i].buffer, " (bytes [",
+                     extents[i - 1].begin, ", ", extents[i - 1].end, ") and [", extents[i].begin,
+                     ", ", extents[i].end, "))");
+    }
+  }
+
+  switch (op.kind()) {
+    case v1::ALL_REDUCE:
+    case v1::BROADCAST:
+      if (op.output_size() > 0) return invalid("works in place on `input`; `output` must be empty");
+      fp.count = in_count;
+      a.bytes = in_count * esize;
+      break;
+    case v1::BARRIER:
+      if (op.input_size() + op.output_size() > 0) return invalid("takes no buffers");
+      break;
+    case v1::ALL_GATHER:
+      if (out_count != in_count * size) {
+        return invalid("output has ", out_count, " elements; needs input count ", in_count,
+                       " x group size ", size);
+      }
+      fp.count = in_count;
+      a.bytes = out_count * esize;
+      break;
+    case v1::REDUCE_SCATTER:
+      if (in_count != out_count * size) {
+        return invalid("input has ", in_count, " elements; needs output count ", out_count,
+                       " x group size ", size);
+      }
+      fp.count = out_count;
+      a.bytes = in_count * esize;
+      break;
+    default:
+      break;
+  }
+  a.timeout = op.timeout_ms() > 0 ? absl::Milliseconds(op.timeout_ms())
+                                  : options_.default_op_timeout;
+  a.deadline = absl::Now() + a.timeout;
+  return a;
+}
+
+absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vector<int>& members,
+                                                      const std::string& key) {
+  auto it = job.groups.find(key);
+  if (it != job.groups.end()) return it->second.get();
+  CommunicatorSpec spec{job.id, key, members, members};  // every rank is local (see Register)
+  GRADSYNC_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, backend_->CreateCommunicator(spec));
+  auto group = std::make_unique<Group>();
+  group->key = key;
+  group->members = members;
+  group->comm = std::move(comm);
+  // Ranks that left before the group existed break it too.
+  for (int r : job.departed) {
+    if (std::binary_search(members.begin(), members.end(), r)) {
+      group->broken = absl::StrCat("rank ", r, " left job ", job.id);
+    }
+  }
+  Log()->debug("group created job={} group={} size={}", job.id, key, members.size());
+  return job.groups.emplace(key, std::move(group)).first->second.get();
+}
+
+void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status,
+                               Completions& out) {
+  auto it = group.pending.find(seq);
+  if (it == group.pending.end()) return;
+  Pending& p = it->second;
+  for (DeadlineTimer::Id id : p.timers) timer_.Cancel(id);
+  const int remaining = static_cast<int>(group.members.size()) - p.arrived;
+  for (std::optional<Arrival>& a : p.by_member) {
+    if (!a.has_value()) continue;
+    out.push_back([s = a->session, tag = a->tag, seq, status] { s->sink->OpDone(tag, seq, status); });
+  }
+  group.pending.erase(it);
+  if (remaining > 0) group.failed[seq] = Failed{status, remaining};
+}
+
+void Engine::Submit(const std::shared_ptr<Session>& session, uint64_t tag,
+                    const v1::OpRequest& op) {
+  absl::StatusOr<Arrival> resolved = Resolve(*session, op);
+  if (!resolved.ok()) {
+    session->sink->OpDone(tag, 0, resolved.status());
+    return;
+  }
+  Arrival& a = *resolved;
+  a.session = session;
+  a.tag = tag;
+  Job& job = *session->job;
+  Completions out;
+  Group* group = nullptr;
+  bool drain = false;
+  {
+    absl::MutexLock lock(&job.mu);
+    absl::Status refused;
+    if (!session->attached) {
+      refused = absl::FailedPreconditionError("session has ended");
+    } else if (auto g = GetGroupLocked(job, a.members, a.group_key); !g.ok()) {
+      refused = g.status();
+    } else {
+      group = *g;
+      if (!group->broken.empty()) {
+        refused = absl::UnavailableError(absl::StrCat(KindName(a.fp.kind), " job=", job.id,
+                                                      " group=", group->key, ": ",
+                                                      group->broken));
+      }
+    }
+    if (!refused.ok()) {
+      out.push_back([session, tag, refused] { session->sink->OpDone(tag, 0, refused); });
+    } else {
+      const uint64_t seq = session->next_seq[group->key]++;
+      const int size = static_cast<int>(group->members.size());
+      if (auto f = group->failed.find(seq); f != group->failed.end()) {
+        out.push_back([session, tag, seq, status = f->second.status] {
+          session->sink->OpDone(tag, seq, status);
+        });
+        if (--f->second.remaining == 0) group->failed.erase(f);
+      } else {
+        Pending& p = group->pending[seq];
+        if (p.arrived == 0) {
+          p.fp = a.fp;
+          p.first_rank = session->rank;
+          p.by_member.resize(size);
+        }
+        if (!(p.fp == a.fp)) {
+          const absl::Status desync = absl::FailedPreconditionError(absl::StrCat(
+              "desync in job=", job.id, " group=", group->key, " seq=", seq, ": rank ",
+              p.first_rank, " submitted ", p.fp.Describe(), " but rank ", session->rank,
+              " submitted ", a.fp.Describe()));
+          Log()->warn("{}", std::string(desync.message()));
+          out.push_back([session, tag, seq, desync] { session->sink->OpDone(tag, seq, desync); });
+          ++p.arrived;  // this one is told here, not by the failed record
+          FailPendingLocked(*group, seq, desync, out);
+        } else {
+          if (a.deadline < p.deadline) {
+            p.deadline = a.deadline;
+            p.timeout = a.timeout;
+            p.timers.push_back(timer_.Schedule(
+                a.deadline, [this, weak = std::weak_ptr<Job>(session->job), group, seq] {
+                  OnDeadline(weak, group, seq);
+                }));
+          }
+          const int index = a.group_rank;
+          p.by_member[index] = std::move(a);
+          if (++p.arrived == size) {
+            Ready r;
+            r.seq = seq;
+            Collective& c = r.op;
+            c.kind = p.fp.kind;
+            c.reduce_op = p.fp.reduce_op;
+            c.dtype = p.fp.dtype;
+            c.count = p.fp.count;
+            c.root = p.fp.root;
+            c.group_size = size;
+            c.deadline = p.deadline;
+            c.label = absl::StrCat(KindName(c.kind), " job=", job.id, " group=", group->key,
+                                   " seq=", seq);
+            for (std::optional<Arrival>& m : p.by_member) {
+              c.local.push_back({m->group_rank, std::move(m->input), std::move(m->output)});
+              r.to.emplace_back(std::move(m->session), m->tag);
+              for (auto& pin : m->pins) r.pins.push_back(std::move(pin));
+              r.bytes = std::max(r.bytes, m->bytes);
+            }
+            for (DeadlineTimer::Id id : p.timers) timer_.Cancel(id);
+            group->pending.erase(seq);
+            group->ready.push_back(std::move(r));
+            if (!group->running) {
+              group->running = true;
+              drain = true;
+            }
+          }
+        }
+      }
+    }
+  }
+  for (auto& fn : out) fn();
+  if (drain) Drain(session->job, group, /*on_pool=*/false);
+}
+
+void Engine::OnDeadline(const std::weak_ptr<Job>& weak, Group* group, uint64_t seq) {
+  std::shared_ptr<Job> job = weak.lock();
+  if (!job) return;
+  Completions out;
+  {
+    absl::MutexLock lock(&job->mu);
+    auto it = group->pending.find(seq);
+    if (it == group->pending.end() || absl::Now() < it->second.deadline) return;
+    const Pending& p = it->second;
+    std::vector<int> arrived, missing;
+    for (size_t i = 0; i < p.by_member.size(); ++i) {
+      (p.by_member[i].has_value() ? arrived : missing).push_back(group->members[i]);
+    }
+    const absl::Status status = absl::DeadlineExceededError(absl::StrCat(
+        KindName(p.fp.kind), " job=", job->id, " group=", group->key, " seq=", seq, " name='",
+        p.fp.name, "' timed out after ", absl::FormatDuration(p.timeout), ": rank(s) ",
+        absl::StrJoin(missing, ","), " never submitted it (arrived: ", absl::StrJoin(arrived, ","),
+        ")"));
+    Log()->warn("{}", std::string(status.message()));
+    FailPendingLocked(*group, seq, status, out);
+  }
+  for (auto& fn : out) fn();
+}
+
+void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
+  for (;;) {
+    Ready r;
+    {
+      absl::MutexLock lock(&job->mu);
+      if (group->ready.empty()) {
+        group->running = false;
+        return;
+      }
+      if (!on_pool && group->ready.front().bytes > options_.inline_bytes) {
+        pool_->Schedule([this, job, group] { Drain(job, group, /*on_pool=*/true); });
+        return;
+      }
+      r = std::move(group->ready.front());
+      group->ready.pop_front();
+    }
+    absl::Status status = group->comm->Run(r.op);
+    if (!status.ok()) {
+      Log()->warn("op failed {} status={}", r.op.label, status.ToString());
+    } else {
+      Log()->trace("op done {} count={}", r.op.label, r.op.count);
+    }
+    for (auto& [session, tag] : r.to) session->sink->OpDone(tag, r.seq, status);
+  }
+}
+
+void Engine::Shutdown() {
+  Completions out;
+  {
+    absl::MutexLock lock(&mu_);
+    shutdown_ = true;
+    for (auto& [id, job] : jobs_) {
+      absl::MutexLock job_lock(&job->mu);
+      for (auto& [key, group] : job->groups) {
+        group->broken = "daemon is shutting down";
+        while (!group->pending.empty()) {
+          FailPendingLocked(*group, group->pending.begin()->first,
+                            absl::UnavailableError("daemon is shutting down"), out);
+        }
+      }
+    }
+  }
+  for (auto& fn : out) fn();
+}
+
+std::vector<Engine::SessionInfo> Engine::ListSessions() const {
+  std::vector<SessionInfo> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, job] : jobs_) {
+    absl::MutexLock job_lock(&job->mu);
+    for (Session* s : job->ranks) {
+      if (s == nullptr) continue;
+      SessionInfo info{s->id, job->id, s->rank, s->local_rank, job->world_size, 0, 0};
+      absl::MutexLock session_lock(&s->mu);
+      info.buffers = static_cast<int>(s->buffers.size());
+      for (const auto& [bid, b] : s->buffers) info.mapped_bytes += b.mapping->size();
+      out.push_back(std::move(info));
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const SessionInfo& x, const SessionInfo& y) {
+    return std::tie(x.job, x.rank) < std::tie(y.job, y.rank);
+  });
+  return out;
+}
+
+}  // namespace gradsync::core

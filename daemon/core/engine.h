@@ -1,0 +1,132 @@
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/worker_pool.h"
+#include "daemon/core/backend.h"
+#include "daemon/core/buffer_importer.h"
+#include "daemon/core/deadline_timer.h"
+#include "gradsync/v1/gradsync.pb.h"
+
+namespace gradsync::core {
+
+struct EngineOptions {
+  /// Deadline of an op that names none, and the most an op may ask for.
+  absl::Duration default_op_timeout = absl::Minutes(5);
+  absl::Duration max_op_timeout = absl::Hours(1);
+  int max_buffers_per_session = 4096;
+  int max_segments_per_op = 1 << 16;
+  /// Matched ops moving at most this many bytes per member run on the thread that matched
+  /// them (no hand-off); larger ones run on the worker pool.
+  int64_t inline_bytes = 256 << 10;
+};
+
+/// Where the engine delivers one session's op outcomes. Thread-safe and non-blocking; called
+/// without engine locks held, possibly after the session ended (then it drops the event).
+class SessionSink {
+ public:
+  virtual ~SessionSink() = default;
+  virtual void OpDone(uint64_t tag, uint64_t seq, const absl::Status& status) = 0;
+};
+
+/// One trainer's attachment to the daemon. Opaque; created by Engine::Register.
+class Session;
+
+namespace internal {
+struct Job;
+struct Group;
+struct Arrival;
+}  // namespace internal
+
+/// The daemon's core: sessions, buffer registry, groups, the op matcher, deadlines and faults
+/// (DESIGN.md section 4), over any Backend and BufferImporter. Thread-safe.
+///
+/// Matching: the k-th op a rank submits on a group is op k of that group; it runs once every
+/// local member submitted its op k, and only after op k-1 of the group finished. Each member's
+/// op must carry the same fingerprint, else every member gets FAILED_PRECONDITION naming both.
+/// An op not matched by its deadline fails DEADLINE_EXCEEDED on the members that came, naming
+/// the ones that did not (who then get the same error when they come). A rank whose session
+/// ends fails the pending ops of its groups (UNAVAILABLE) and every later op on them; the job
+/// is forgotten, store namespace included, once its last session ends.
+///
+/// Locks: Engine::mu_ before Job::mu before Session::mu. Sinks and the backend are called with
+/// none held.
+class Engine {
+ public:
+  using JobEndCallback = std::function<void(const std::string& job)>;
+
+  /// Everything passed must outlive the engine. `on_job_end` runs when a job's last session ends.
+  Engine(Backend* backend, BufferImporter* importer, WorkerPool* pool, EngineOptions options,
+         JobEndCallback on_job_end);
+  ~Engine();
+
+  /// Opens a session for one rank of a job. INVALID_ARGUMENT on bad sizes or ones that disagree
+  /// with the job's other ranks; ALREADY_EXISTS when the rank is taken; FAILED_PRECONDITION
+  /// when the job lost a rank and still has sessions, or the job spans nodes.
+  absl::StatusOr<std::shared_ptr<Session>> Register(const v1::RegisterRequest& request,
+                                                    std::shared_ptr<SessionSink> sink);
+
+  /// Ends a session (idempotent): unmaps its buffers once no running op uses them, fails the
+  /// pending ops of its groups on the other ranks with UNAVAILABLE naming the rank and `reason`.
+  void Unregister(Session& session, absl::string_view reason);
+
+  /// Maps a buffer for the session. Errors from the importer; RESOURCE_EXHAUSTED past the limit.
+  absl::StatusOr<uint64_t> RegisterBuffer(Session& session,
+                                          const v1::RegisterBufferRequest& request);
+  /// NOT_FOUND for an unknown id. Ops already submitted keep their mapping until they finish.
+  absl::Status DeregisterBuffer(Session& session, uint64_t buffer_id);
+
+  /// Validates and matches an op; its outcome (an invalid request's error too) reaches the
+  /// session's sink with `tag`. An invalid op takes no sequence number.
+  void Submit(const std::shared_ptr<Session>& session, uint64_t tag, const v1::OpRequest& op);
+
+  /// Fails every pending op with UNAVAILABLE and refuses new sessions (the daemon drains).
+  void Shutdown();
+
+  absl::Duration default_op_timeout() const { return options_.default_op_timeout; }
+
+  struct SessionInfo {
+    std::string id, job;
+    int rank, local_rank, world_size;
+    int buffers;
+    int64_t mapped_bytes;
+  };
+  std::vector<SessionInfo> ListSessions() const;
+
+ private:
+  using Job = internal::Job;
+  using Group = internal::Group;
+  using Arrival = internal::Arrival;
+  using Completions = std::vector<std::function<void()>>;
+
+  absl::StatusOr<Arrival> Resolve(Session& session, const v1::OpRequest& op);
+  // The *Locked helpers need the job's mutex held.
+  absl::StatusOr<Group*> GetGroupLocked(Job& job, const std::vector<int>& members,
+                                        const std::string& key);
+  void FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status,
+                         Completions& out);
+  void OnDeadline(const std::weak_ptr<Job>& job, Group* group, uint64_t seq);
+  // Runs a group's matched ops in order until none is left; large ones move to the pool.
+  void Drain(std::shared_ptr<Job> job, Group* group, bool on_pool);
+
+  Backend* const backend_;
+  BufferImporter* const importer_;
+  WorkerPool* const pool_;
+  const EngineOptions options_;
+  const JobEndCallback on_job_end_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  DeadlineTimer timer_;  // last: destroyed (its thread joined) before the state it touches
+};
+
+}  // namespace gradsync::core

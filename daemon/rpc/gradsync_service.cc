@@ -1,0 +1,231 @@
+#include "daemon/rpc/gradsync_service.h"
+
+#include <deque>
+#include <memory>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/version.h"
+
+namespace gradsync::rpc {
+namespace {
+
+auto Log() { return logging::Logger("rpc"); }
+
+void SetStatus(const absl::Status& status, v1::TrainerEvent& event) {
+  event.set_code(static_cast<int>(status.code()));
+  if (!status.ok()) event.set_message(std::string(status.message()));
+}
+
+}  // namespace
+
+// Reads one request at a time (requests are handled in the order sent) and keeps a write
+// queue, since op outcomes arrive from any thread in any order. Lifetime: gRPC owns it until
+// OnDone; the service's registry entry is removed in OnDone under the service lock, so
+// EndSessions may cancel it under that lock. The core reaches it only through `sink_`, which
+// OnDone detaches first.
+class GradSyncService::SessionReactor final
+    : public grpc::ServerBidiReactor<v1::TrainerRequest, v1::TrainerEvent> {
+ public:
+  // What the core holds: forwards events to the reactor while it exists.
+  class Sink final : public core::SessionSink {
+   public:
+    explicit Sink(SessionReactor* reactor) : reactor_(reactor) {}
+    void OpDone(uint64_t tag, uint64_t seq, const absl::Status& status) override {
+      v1::TrainerEvent event;
+      event.set_tag(tag);
+      event.set_seq(seq);
+      SetStatus(status, event);
+      Send(std::move(event));
+    }
+    void Send(v1::TrainerEvent event) {
+      absl::MutexLock lock(&mu_);
+      if (reactor_ != nullptr) reactor_->Enqueue(std::move(event));
+    }
+    void Detach() {
+      absl::MutexLock lock(&mu_);
+      reactor_ = nullptr;
+    }
+
+   private:
+    absl::Mutex mu_;
+    SessionReactor* reactor_ ABSL_GUARDED_BY(mu_);
+  };
+
+  SessionReactor(GradSyncService* service, grpc::CallbackServerContext* ctx)
+      : service_(service), ctx_(ctx), sink_(std::make_shared<Sink>(this)) {
+    StartRead(&request_);
+  }
+
+  void Cancel() { ctx_->TryCancel(); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the trainer closed its side, died, or the call was cancelled
+      EndSession(ctx_->IsCancelled() ? "connection lost" : "trainer closed the session");
+      return;
+    }
+    if (Handle()) StartRead(&request_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (!ok) {
+      // The trainer is gone; the read side sees it too and ends the session.
+      queue_.clear();
+      finish_when_flushed_ = true;
+    } else {
+      queue_.pop_front();
+    }
+    FlushLocked();
+  }
+
+  void OnDone() override {
+    sink_->Detach();
+    if (session_) engine().Unregister(*session_, "connection lost");  // no-op if ended
+    service_->Forget(this);
+    delete this;
+  }
+
+  void Enqueue(v1::TrainerEvent event) {
+    absl::MutexLock lock(&mu_);
+    if (finished_ || finish_when_flushed_) return;
+    queue_.push_back(std::move(event));
+    FlushLocked();
+  }
+
+ private:
+  core::Engine& engine() { return *service_->engine_; }
+
+  // Answers one request. False when the stream was finished (a refused registration).
+  bool Handle() {
+    const uint64_t tag = request_.tag();
+    v1::TrainerEvent event;
+    event.set_tag(tag);
+    switch (request_.request_case()) {
+      case v1::TrainerRequest::kRegisterSession: {
+        if (session_) {
+          SetStatus(absl::FailedPreconditionError("this stream already has a session"), event);
+          break;
+        }
+        auto session = engine().Register(request_.register_session(), sink_);
+        if (!session.ok()) {
+          Log()->info("register refused job={} rank={}: {}", request_.register_session().job(),
+                      request_.register_session().rank(), std::string(session.status().message()));
+          FinishNow(ToGrpcStatus(session.status()));
+          return false;
+        }
+        session_ = *std::move(session);
+        v1::RegisterReply& reply = *event.mutable_register_session();
+        reply.set_session_id(absl::StrCat(request_.register_session().job(), "/",
+                                          request_.register_session().rank()));
+        reply.set_default_op_timeout_ms(
+            absl::ToInt64Milliseconds(engine().default_op_timeout()));
+        reply.set_daemon_version(GRADSYNC_VERSION);
+        SetStatus(absl::OkStatus(), event);
+        break;
+      }
+      case v1::TrainerRequest::kRegisterBuffer:
+      case v1::TrainerRequest::kDeregisterBuffer:
+      case v1::TrainerRequest::kOp:
+        if (!session_) {
+          FinishNow(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                 "the first request of a session must be register_session"));
+          return false;
+        }
+        if (request_.has_op()) {
+          engine().Submit(session_, tag, request_.op());  // answered through the sink
+          return true;
+        }
+        if (request_.has_register_buffer()) {
+          auto id = engine().RegisterBuffer(*session_, request_.register_buffer());
+          SetStatus(id.status(), event);
+          if (id.ok()) event.mutable_register_buffer()->set_buffer_id(*id);
+        } else {
+          SetStatus(engine().DeregisterBuffer(*session_, request_.deregister_buffer().buffer_id()),
+                    event);
+        }
+        break;
+      default:
+        SetStatus(absl::InvalidArgumentError("empty or unknown request"), event);
+        break;
+    }
+    sink_->Send(std::move(event));
+    return true;
+  }
+
+  void EndSession(absl::string_view reason) {
+    if (session_) engine().Unregister(*session_, reason);
+    absl::MutexLock lock(&mu_);
+    finish_when_flushed_ = true;
+    FlushLocked();
+  }
+
+  void FinishNow(const grpc::Status& status) {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    finished_ = true;
+    queue_.clear();
+    if (writing_) {
+      pending_finish_ = status;
+    } else {
+      Finish(status);
+    }
+  }
+
+  void FlushLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_) return;
+    if (finished_) {
+      if (pending_finish_) {
+        Finish(*pending_finish_);
+        pending_finish_.reset();
+      }
+      return;
+    }
+    if (!queue_.empty()) {
+      writing_ = true;
+      StartWrite(&queue_.front());
+      return;
+    }
+    if (finish_when_flushed_) {
+      finished_ = true;
+      Finish(grpc::Status::OK);
+    }
+  }
+
+  GradSyncService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  const std::shared_ptr<Sink> sink_;
+  std::shared_ptr<core::Session> session_;  // set once by the reading side
+  v1::TrainerRequest request_;
+  absl::Mutex mu_;
+  std::deque<v1::TrainerEvent> queue_ ABSL_GUARDED_BY(mu_);  // front is being written
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_when_flushed_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> pending_finish_ ABSL_GUARDED_BY(mu_);
+};
+
+grpc::ServerBidiReactor<v1::TrainerRequest, v1::TrainerEvent>* GradSyncService::Session(
+    grpc::CallbackServerContext* ctx) {
+  auto* reactor = new SessionReactor(this, ctx);
+  absl::MutexLock lock(&mu_);
+  reactors_.insert(reactor);
+  if (closed_) reactor->Cancel();
+  return reactor;
+}
+
+void GradSyncService::Forget(SessionReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  reactors_.erase(reactor);
+}
+
+void GradSyncService::EndSessions() {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
+  for (SessionReactor* reactor : reactors_) reactor->Cancel();
+}
+
+}  // namespace gradsync::rpc
