@@ -5,7 +5,7 @@ Runs, one after another:
   membw                      <build>/bench/membw: this machine's copy and read bandwidth
   gradsync                   a private gradsyncd plus N <build>/bench/collective_bench_worker
   torch_gloo                 bench/torch_gloo_allreduce.py (Debian's /usr/bin/python3 + torch)
-  openmpi                    mpirun -np N <build>/bench/mpi_allreduce (shared memory only)
+  openmpi                    mpirun -np N <build>/bench/mpi_allreduce (shared memory, unbound)
 and prints, per rank count:
   * per size: median latency and bus bandwidth of each, and gradsync's busbw relative to each
     peer and to the bound below. nccl-tests convention: algbw = bytes / time,
@@ -61,12 +61,13 @@ def parse_lines(text, impl):
     return out
 
 
-def tail(path_or_text, lines=8):
-    text = path_or_text
-    if os.path.isfile(path_or_text):
-        with open(path_or_text, errors="replace") as f:
-            text = f.read()
+def tail(text, lines=8):
     return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def tail_file(path, lines=8):
+    with open(path, errors="replace") as f:
+        return tail(f.read(), lines)
 
 
 def need(path):
@@ -75,39 +76,57 @@ def need(path):
     return path
 
 
-def run(cmd, timeout, env=None):
-    """Runs cmd to completion; returns stdout or raises RuntimeError with stderr's tail."""
+def kill_group(p):
+    """Ends p and everything it started (its own session): SIGTERM, then SIGKILL after 5 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+    p.wait()
+
+
+def run(cmd, timeout):
+    """Runs cmd in its own session; returns stdout or raises RuntimeError with stderr's tail."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"timed out after {timeout:g} s: {' '.join(cmd)}")
+        out, err = p.communicate(timeout=timeout)
+    except BaseException as e:  # the deadline, or ^C (which the new session does not get)
+        kill_group(p)
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise RuntimeError(f"timed out after {timeout:g} s: {' '.join(cmd)}")
+        raise
     if p.returncode != 0:
-        raise RuntimeError(f"exit {p.returncode}: {' '.join(cmd)}\n{tail(p.stderr or p.stdout)}")
-    return p.stdout
+        raise RuntimeError(f"exit {p.returncode}: {' '.join(cmd)}\n{tail(err or out)}")
+    return out
 
 
 def wait_all(procs, timeout):
     """Waits for every Popen in procs; kills the rest at the first failure or at the deadline."""
     deadline = time.monotonic() + timeout
     failed = None
-    while failed is None and any(p.poll() is None for p in procs):
-        bad = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+    while failed is None:
+        codes = [p.poll() for p in procs]
+        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if bad:
-            failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
+            failed = f"rank {bad[0]} exited with {codes[bad[0]]}"
+        elif None not in codes:
+            return
         elif time.monotonic() > deadline:
             failed = f"timed out after {timeout:g} s"
         else:
             time.sleep(0.05)
-    bad = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-    if failed is None and bad:
-        failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
-    if failed:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait(10)
-        raise RuntimeError(failed)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait(10)
+    raise RuntimeError(failed)
 
 
 def run_membw(args):
@@ -133,7 +152,7 @@ def run_gradsync(args, n, tmp):
         deadline = time.monotonic() + 10
         while not os.path.exists(sock):
             if daemon.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gradsyncd did not create {sock}:\n{tail(daemon_log)}")
+                raise RuntimeError(f"gradsyncd did not create {sock}:\n{tail_file(daemon_log)}")
             time.sleep(0.02)
         while True:
             h = subprocess.run([ctl_bin, f"--socket={sock}", "--timeout=2s", "health"],
@@ -142,7 +161,7 @@ def run_gradsync(args, n, tmp):
                 break
             if daemon.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"gradsyncctl health: exit {h.returncode}: "
-                                   f"{tail(h.stderr or h.stdout)}\n{tail(daemon_log)}")
+                                   f"{tail(h.stderr or h.stdout)}\n{tail_file(daemon_log)}")
             time.sleep(0.1)
 
         job = f"cbench-{os.getpid()}-{n}-{time.time_ns()}"
@@ -159,8 +178,11 @@ def run_gradsync(args, n, tmp):
         try:
             wait_all(procs, args.timeout)
         except RuntimeError as e:
-            errs = "\n".join(f"rank {r}: {tail(o[:-4] + '.err', 4)}" for r, o in enumerate(outs))
-            raise RuntimeError(f"collective_bench_worker: {e}\n{errs}\n{tail(daemon_log)}")
+            errs = [f"rank {r} stderr: {tail_file(o[:-4] + '.err', 4)}" for r, o in enumerate(outs)
+                    if os.path.getsize(o[:-4] + ".err")]
+            if os.path.getsize(daemon_log):
+                errs.append("gradsyncd: " + tail_file(daemon_log, 4))
+            raise RuntimeError("\n    ".join([f"collective_bench_worker: {e}", *errs]))
         with open(outs[0]) as f:
             return parse_lines(f.read(), "gradsync")
     finally:
@@ -386,9 +408,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cores": os.cpu_count(), "cpu": cpu_model(), "load_before": load,
-                       "args": vars(args),
-                       "ranks": ranks,
-                       "results": results,
+                       "args": vars(args), "ranks": ranks, "results": results,
                        "notes": {str(k): v for k, v in notes.items()}}, f, indent=1)
     if failures:
         sys.exit("failed: " + ", ".join(failures))

@@ -1,0 +1,164 @@
+// Collectives end to end: a real gradsyncd and 2 or 4 real trainer processes
+// (collective_worker) over shared memory. Each worker checks every value it gets against its
+// own independent computation; these tests check that every worker passed, and the daemon's
+// side effects (health, released mappings, a fresh session of the same job).
+
+#include <signal.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/store_client.h"
+#include "gradsync/v1/store.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+
+namespace gradsync::testing {
+namespace {
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class CollectiveTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    DaemonProcess::Options options;
+    options.tcp = false;
+    auto daemon = DaemonProcess::Start(dir_.path(), options);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = *std::move(daemon);
+  }
+
+  // Starts one worker per rank (ranks listed in `scenarios`, by rank) and returns their exit
+  // codes; each worker's stdout is kept in out_[rank].
+  std::vector<int> Run(const std::string& job, const std::vector<std::string>& scenarios,
+                       const std::vector<std::string>& args = {},
+                       absl::Duration timeout = absl::Seconds(150)) {
+    const int world = static_cast<int>(scenarios.size());
+    std::vector<pid_t> pids;
+    out_.assign(world, "");
+    for (int r = 0; r < world; ++r) {
+      std::vector<std::string> argv = {HelperBinary("collective_worker"), daemon_->unix_target(),
+                                       job, std::to_string(world), std::to_string(r),
+                                       scenarios[r]};
+      argv.insert(argv.end(), args.begin(), args.end());
+      auto pid = Spawn(argv, {}, OutPath(r));
+      EXPECT_TRUE(pid.ok()) << pid.status();
+      pids.push_back(pid.ok() ? *pid : -1);
+    }
+    std::vector<int> codes;
+    const absl::Time deadline = absl::Now() + timeout;
+    for (int r = 0; r < world; ++r) {
+      auto code = WaitExit(pids[r], std::max(deadline - absl::Now(), absl::Seconds(1)));
+      if (!code.ok()) {
+        ::kill(pids[r], SIGKILL);
+        code = WaitExit(pids[r], absl::Seconds(10));
+        ADD_FAILURE() << "rank " << r << " did not finish in time";
+      }
+      codes.push_back(code.ok() ? *code : -1);
+      out_[r] = ReadAll(OutPath(r));
+    }
+    return codes;
+  }
+
+  std::vector<int> RunAll(const std::string& job, const std::string& scenario, int world,
+                          const std::vector<std::string>& args = {}) {
+    return Run(job, std::vector<std::string>(world, scenario), args);
+  }
+
+  std::string OutPath(int rank) const { return absl::StrCat(dir_.path(), "/out.", rank); }
+
+  void ExpectAllPassed(const std::vector<int>& codes, const std::string& needle) {
+    for (size_t r = 0; r < codes.size(); ++r) {
+      EXPECT_EQ(codes[r], 0) << "rank " << r << " output: " << out_[r];
+      EXPECT_TRUE(absl::StrContains(out_[r], needle)) << "rank " << r << ": " << out_[r];
+    }
+  }
+
+  bool Serving() {
+    auto channel = grpc::CreateChannel(daemon_->unix_target(), grpc::InsecureChannelCredentials());
+    client::StoreClient store(channel);
+    return store.Set("health-probe", "k", "v").ok();
+  }
+
+  // Shared-memory mappings the daemon holds right now.
+  int DaemonShmMappings() {
+    std::ifstream maps(absl::StrCat("/proc/", daemon_->pid(), "/maps"));
+    int n = 0;
+    for (std::string line; std::getline(maps, line);) n += absl::StrContains(line, "/dev/shm/gradsync-");
+    return n;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::vector<std::string> out_;
+};
+
+TEST_F(CollectiveTest, EveryOpDtypeAndSizeTwoRanks) {
+  ExpectAllPassed(RunAll("m2", "matrix", 2), "matrix cases=");
+}
+
+TEST_F(CollectiveTest, EveryOpDtypeAndSizeFourRanks) {
+  ExpectAllPassed(RunAll("m4", "matrix", 4), "matrix cases=");
+}
+
+TEST_F(CollectiveTest, SixtyFourMiBEveryOpAndDtypeTwoRanks) {
+  ExpectAllPassed(RunAll("l2", "matrix", 2, {"bytes=67108864"}), "matrix cases=48");
+}
+
+TEST_F(CollectiveTest, SixtyFourMiBFourRanks) {
+  ExpectAllPassed(RunAll("l4", "matrix", 4, {"bytes=67108864", "dtypes=float32,bfloat16"}),
+                  "matrix cases=16");
+}
+
+TEST_F(CollectiveTest, HundredTwentyEightAsyncOpsInFlight) {
+  ExpectAllPassed(RunAll("a2", "async", 2), "async done=128");
+  ExpectAllPassed(RunAll("a4", "async", 4), "async done=128");
+}
+
+TEST_F(CollectiveTest, FusedPackIsOneOpWhateverTheLayout) {
+  ExpectAllPassed(RunAll("f2", "fused", 2), "wrong=0");
+  ExpectAllPassed(RunAll("f4", "fused", 4), "wrong=0");
+}
+
+TEST_F(CollectiveTest, GroupsAreIndependent) { ExpectAllPassed(RunAll("g4", "groups", 4), "groups ok"); }
+
+TEST_F(CollectiveTest, FingerprintMismatchFailsEveryRankNamingBoth) {
+  ExpectAllPassed(RunAll("d2", "desync", 2), "desync ok");
+  ExpectAllPassed(RunAll("d4", "desync", 4), "desync ok");
+}
+
+TEST_F(CollectiveTest, DeadlineNamesTheRankThatNeverCame) {
+  ExpectAllPassed(RunAll("t3", "deadline", 3), "deadline ok");
+}
+
+TEST_F(CollectiveTest, BadInputGetsClearErrorsAndChangesNothing) {
+  ExpectAllPassed(RunAll("b2", "badinput", 2), "badinput cases=");
+}
+
+TEST_F(CollectiveTest, KilledTrainerFailsOthersReleasesMappingsAndJobRestarts) {
+  const std::vector<int> codes = Run("k4", {"survivor", "survivor", "survivor", "victim"});
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(codes[r], 0) << "rank " << r << ": " << out_[r];
+    EXPECT_TRUE(absl::StrContains(out_[r], "survivor ok")) << out_[r];
+  }
+  EXPECT_EQ(codes[3], 128 + SIGKILL);
+  EXPECT_TRUE(Serving());
+  // Every session of the job has ended: the daemon holds none of their shared memory.
+  EXPECT_EQ(DaemonShmMappings(), 0);
+  // The same job id starts afresh with new sessions.
+  ExpectAllPassed(RunAll("k4", "matrix", 4, {"counts=0,5,1001"}), "matrix cases=");
+  EXPECT_EQ(DaemonShmMappings(), 0);
+}
+
+}  // namespace
+}  // namespace gradsync::testing
