@@ -15,6 +15,7 @@ and prints, per rank count:
   * the memory-bandwidth bound of gradsync's in-daemon local reduce: for N ranks and S bytes
     the daemon reads N*S and writes N*S, so time >= 2*N*S / copyBW (membw's copy GB/s counts
     bytes read + written), and busbw <= (S / time) * 2(N-1)/N = copyBW * (N-1) / N^2.
+    It is a DRAM bound: sizes whose N*S fits in the last-level cache can beat it.
 Each client is a separate process; with more ranks than cores the machine is oversubscribed
 and the numbers show it. An implementation whose binary is missing is reported as skipped.
 
@@ -143,8 +144,9 @@ def run_gradsync(args, n, tmp):
     ctl_bin = need(os.path.join(build, "client", "gradsyncctl"))
     worker_bin = need(os.path.join(build, "bench", "collective_bench_worker"))
     sizes = sorted(set(args.sizes) | {FLAT_GRADS_BYTES})
-    sock = os.path.join(tmp, f"d{n}.sock")
-    daemon_log = os.path.join(tmp, f"gradsyncd-{n}.log")
+    job = f"cbench-{os.getpid()}-{n}-{time.time_ns()}"
+    sock = os.path.join(tmp, f"{job}.sock")
+    daemon_log = os.path.join(tmp, f"{job}-gradsyncd.log")
     with open(daemon_log, "w") as err:
         daemon = subprocess.Popen([daemon_bin, f"--socket={sock}", "--port=-1",
                                    "--log_sink=stderr", "--log_level=warning"], stderr=err)
@@ -155,19 +157,22 @@ def run_gradsync(args, n, tmp):
                 raise RuntimeError(f"gradsyncd did not create {sock}:\n{tail_file(daemon_log)}")
             time.sleep(0.02)
         while True:
-            h = subprocess.run([ctl_bin, f"--socket={sock}", "--timeout=2s", "health"],
-                               capture_output=True, text=True, timeout=10)
-            if h.returncode == 0:
+            try:
+                h = subprocess.run([ctl_bin, f"--socket={sock}", "--timeout=2s", "health"],
+                                   capture_output=True, text=True, timeout=10)
+                rc, why = h.returncode, tail(h.stderr or h.stdout)
+            except subprocess.TimeoutExpired:
+                rc, why = None, "gradsyncctl hung"
+            if rc == 0:
                 break
             if daemon.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gradsyncctl health: exit {h.returncode}: "
-                                   f"{tail(h.stderr or h.stdout)}\n{tail_file(daemon_log)}")
+                raise RuntimeError(f"gradsyncctl health: exit {rc}: {why}\n"
+                                   f"{tail_file(daemon_log)}")
             time.sleep(0.1)
 
-        job = f"cbench-{os.getpid()}-{n}-{time.time_ns()}"
         procs, outs = [], []
         for r in range(n):
-            out_path = os.path.join(tmp, f"gradsync-{n}-rank{r}.out")
+            out_path = os.path.join(tmp, f"{job}-rank{r}.out")
             outs.append(out_path)
             with open(out_path, "w") as out, open(out_path[:-4] + ".err", "w") as err:
                 procs.append(subprocess.Popen(
@@ -344,7 +349,7 @@ def main():
     ap.add_argument("--json", help="write the raw results here")
     args = ap.parse_args()
     try:
-        ranks = [int(r) for r in args.ranks.split(",")]
+        ranks = list(dict.fromkeys(int(r) for r in args.ranks.split(",")))
         args.sizes = [int(s) for s in args.sizes.split(",")]
     except ValueError:
         ap.error("--ranks and --sizes: comma-separated integers")
@@ -389,7 +394,7 @@ def main():
                     failures.append(f"{impl} at {n} ranks")
                 log(f"  {time.monotonic() - t0:.1f} s")
     finally:
-        if failures:
+        if failures and os.listdir(tmp):
             log(f"logs kept in {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)

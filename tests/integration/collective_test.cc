@@ -145,6 +145,22 @@ TEST_F(CollectiveTest, BadInputGetsClearErrorsAndChangesNothing) {
   ExpectAllPassed(RunAll("b2", "badinput", 2), "badinput cases=");
 }
 
+TEST_F(CollectiveTest, TrainerWrittenInCAgainstTheCAbi) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 2; ++r) {
+    auto pid = Spawn({HelperBinary("c_api_worker"), daemon_->unix_target(), "c2", "2",
+                      std::to_string(r)}, {}, OutPath(r));
+    ASSERT_TRUE(pid.ok()) << pid.status();
+    pids.push_back(*pid);
+  }
+  for (int r = 0; r < 2; ++r) {
+    auto code = WaitExit(pids[r], absl::Seconds(60));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << ReadAll(OutPath(r));
+    EXPECT_TRUE(absl::StrContains(ReadAll(OutPath(r)), "c api ok"));
+  }
+}
+
 TEST_F(CollectiveTest, KilledTrainerFailsOthersReleasesMappingsAndJobRestarts) {
   const std::vector<int> codes = Run("k4", {"survivor", "survivor", "survivor", "victim"});
   for (int r = 0; r < 3; ++r) {

@@ -1,0 +1,299 @@
+// The core engine against in-process collaborators: heap "shared memory" (FakeImporter), the
+// real CPU backend, and sinks that record events, so the test decides the order of arrivals.
+
+#include "daemon/core/engine.h"
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "daemon/backend/cpu/cpu_backend.h"
+#include "gtest/gtest.h"
+
+namespace gradsync::core {
+namespace {
+
+// Heap buffers by name; counts live mappings so tests can see when the engine lets go.
+class FakeImporter final : public BufferImporter {
+ public:
+  class Mapping final : public MappedBuffer {
+   public:
+    Mapping(FakeImporter* owner, std::byte* data, int64_t size)
+        : owner_(owner), data_(data), size_(size) {
+      ++owner_->live;
+    }
+    ~Mapping() override { --owner_->live; }
+    std::byte* data() const override { return data_; }
+    int64_t size() const override { return size_; }
+    std::string Describe() const override { return "fake"; }
+
+   private:
+    FakeImporter* owner_;
+    std::byte* data_;
+    int64_t size_;
+  };
+
+  std::vector<float>& Create(const std::string& name, size_t n) {
+    absl::MutexLock lock(&mu_);
+    return memory_[name] = std::vector<float>(n, 0.0f);
+  }
+
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> Import(
+      const v1::RegisterBufferRequest& req) override {
+    absl::MutexLock lock(&mu_);
+    auto it = memory_.find(req.shm_name());
+    if (it == memory_.end()) return absl::NotFoundError(req.shm_name());
+    if (static_cast<int64_t>(it->second.size() * 4) < req.bytes()) {
+      return absl::FailedPreconditionError("too small");
+    }
+    return std::make_unique<Mapping>(this, reinterpret_cast<std::byte*>(it->second.data()),
+                                     req.bytes());
+  }
+
+  std::atomic<int> live{0};
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::vector<float>> memory_;
+};
+
+class RecordingSink final : public SessionSink {
+ public:
+  struct Event {
+    uint64_t tag, seq;
+    absl::Status status;
+  };
+  void OpDone(uint64_t tag, uint64_t seq, const absl::Status& status) override {
+    absl::MutexLock lock(&mu_);
+    events_.push_back({tag, seq, status});
+  }
+  std::vector<Event> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+  // Waits (bounded) for `n` events.
+  bool WaitFor(size_t n, absl::Duration timeout = absl::Seconds(10)) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&] { return events_.size() >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<Event> events_;
+};
+
+class EngineTest : public ::testing::Test {
+ protected:
+  EngineTest()
+      : pool_(2), backend_(&pool_), engine_(&backend_, &importer_, &pool_, Options(),
+                                            [this](const std::string& job) {
+                                              absl::MutexLock lock(&mu_);
+                                              ended_.push_back(job);
+                                            }) {}
+
+  static EngineOptions Options() {
+    EngineOptions o;
+    o.default_op_timeout = absl::Seconds(20);
+    return o;
+  }
+
+  struct Rank {
+    std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>();
+    std::shared_ptr<Session> session;
+    uint64_t buffer = 0;
+    std::vector<float>* memory = nullptr;
+  };
+
+  Rank Join(const std::string& job, int world, int rank, size_t floats = 16) {
+    Rank r;
+    v1::RegisterRequest req;
+    req.set_job(job);
+    req.set_world_size(world);
+    req.set_rank(rank);
+    req.set_local_rank(rank);
+    req.set_local_world_size(world);
+    auto s = engine_.Register(req, r.sink);
+    EXPECT_TRUE(s.ok()) << s.status();
+    r.session = *s;
+    const std::string name = job + "/" + std::to_string(rank);
+    r.memory = &importer_.Create(name, floats);
+    v1::RegisterBufferRequest breq;
+    breq.set_shm_name(name);
+    breq.set_bytes(static_cast<int64_t>(floats * 4));
+    breq.set_dtype(v1::FLOAT32);
+    auto id = engine_.RegisterBuffer(*r.session, breq);
+    EXPECT_TRUE(id.ok()) << id.status();
+    r.buffer = *id;
+    return r;
+  }
+
+  static v1::OpRequest AllReduce(const Rank& r, int64_t count, const std::string& group = "world",
+                                 int64_t timeout_ms = 0) {
+    v1::OpRequest op;
+    op.set_kind(v1::ALL_REDUCE);
+    op.set_reduce_op(v1::SUM);
+    op.set_dtype(v1::FLOAT32);
+    op.set_group(group);
+    op.set_timeout_ms(timeout_ms);
+    v1::Segment* s = op.add_input();
+    s->set_buffer_id(r.buffer);
+    s->set_count(count);
+    return op;
+  }
+
+  WorkerPool pool_;
+  FakeImporter importer_;
+  backend::cpu::CpuBackend backend_;
+  Engine engine_;
+  absl::Mutex mu_;
+  std::vector<std::string> ended_;
+};
+
+TEST_F(EngineTest, OpRunsOnlyWhenEveryMemberArrivedAndOpsCompleteInSequence) {
+  Rank a = Join("j", 2, 0), b = Join("j", 2, 1);
+  for (int k = 0; k < 3; ++k) engine_.Submit(a.session, 100 + k, AllReduce(a, 4));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_TRUE(a.sink->events().empty());  // nothing runs with one member present
+  (*a.memory)[0] = 1;
+  (*b.memory)[0] = 2;
+  for (int k = 0; k < 3; ++k) engine_.Submit(b.session, 200 + k, AllReduce(b, 4));
+  ASSERT_TRUE(a.sink->WaitFor(3));
+  ASSERT_TRUE(b.sink->WaitFor(3));
+  const auto events = a.sink->events();
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_TRUE(events[k].status.ok()) << events[k].status;
+    EXPECT_EQ(events[k].tag, 100u + k);
+    EXPECT_EQ(events[k].seq, static_cast<uint64_t>(k));
+  }
+  // Three sums in sequence: 3, then 6, then 12.
+  EXPECT_EQ((*a.memory)[0], 12.0f);
+  EXPECT_EQ((*b.memory)[0], 12.0f);
+}
+
+TEST_F(EngineTest, MismatchNamesBothRanksAndBothFingerprints) {
+  Rank a = Join("j", 2, 0), b = Join("j", 2, 1);
+  engine_.Submit(a.session, 1, AllReduce(a, 4));
+  engine_.Submit(b.session, 2, AllReduce(b, 5));
+  ASSERT_TRUE(a.sink->WaitFor(1));
+  ASSERT_TRUE(b.sink->WaitFor(1));
+  for (const auto& e : {a.sink->events()[0], b.sink->events()[0]}) {
+    EXPECT_EQ(e.status.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(absl::StrContains(e.status.message(),
+                                  "rank 0 submitted all_reduce(sum, float32, count=4")) << e.status;
+    EXPECT_TRUE(absl::StrContains(e.status.message(),
+                                  "rank 1 submitted all_reduce(sum, float32, count=5")) << e.status;
+  }
+}
+
+TEST_F(EngineTest, DeadlineNamesMissingRanksAndLatecomersGetTheSameVerdict) {
+  Rank a = Join("j", 3, 0), b = Join("j", 3, 1), c = Join("j", 3, 2);
+  engine_.Submit(a.session, 1, AllReduce(a, 4, "world", 100));
+  ASSERT_TRUE(a.sink->WaitFor(1, absl::Seconds(5)));
+  const absl::Status verdict = a.sink->events()[0].status;
+  EXPECT_EQ(verdict.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(verdict.message(), "rank(s) 1,2 never submitted it (arrived: 0)"))
+      << verdict;
+  engine_.Submit(b.session, 2, AllReduce(b, 4));
+  engine_.Submit(c.session, 3, AllReduce(c, 4));
+  ASSERT_TRUE(b.sink->WaitFor(1));
+  ASSERT_TRUE(c.sink->WaitFor(1));
+  EXPECT_EQ(b.sink->events()[0].status, verdict);
+  EXPECT_EQ(c.sink->events()[0].status, verdict);
+  // Op 1 works for all three.
+  for (Rank* r : {&a, &b, &c}) engine_.Submit(r->session, 9, AllReduce(*r, 4));
+  for (Rank* r : {&a, &b, &c}) {
+    ASSERT_TRUE(r->sink->WaitFor(2));
+    EXPECT_TRUE(r->sink->events()[1].status.ok()) << r->sink->events()[1].status;
+    EXPECT_EQ(r->sink->events()[1].seq, 1u);
+  }
+}
+
+TEST_F(EngineTest, LeavingRankFailsItsGroupsOnlyAndJobRestartsWhenEmpty) {
+  Rank a = Join("j", 3, 0), b = Join("j", 3, 1), c = Join("j", 3, 2);
+  engine_.Submit(a.session, 1, AllReduce(a, 4));  // waits for 1 and 2
+  engine_.Unregister(*c.session, "killed");
+  ASSERT_TRUE(a.sink->WaitFor(1));
+  EXPECT_EQ(a.sink->events()[0].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(a.sink->events()[0].status.message(), "rank 2 left job j (killed)"));
+  // A group without rank 2 still works.
+  engine_.Submit(a.session, 2, AllReduce(a, 4, "0,1"));
+  engine_.Submit(b.session, 3, AllReduce(b, 4, "0,1"));
+  ASSERT_TRUE(a.sink->WaitFor(2));
+  EXPECT_TRUE(a.sink->events()[1].status.ok()) << a.sink->events()[1].status;
+  // Rank 2 cannot rejoin while the others hold the broken job.
+  v1::RegisterRequest req;
+  req.set_job("j");
+  req.set_world_size(3);
+  req.set_rank(2);
+  req.set_local_rank(2);
+  req.set_local_world_size(3);
+  EXPECT_EQ(engine_.Register(req, std::make_shared<RecordingSink>()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  engine_.Unregister(*a.session, "done");
+  engine_.Unregister(*b.session, "done");
+  {
+    absl::MutexLock lock(&mu_);
+    EXPECT_EQ(ended_, std::vector<std::string>{"j"});
+  }
+  EXPECT_TRUE(engine_.Register(req, std::make_shared<RecordingSink>()).ok());
+}
+
+TEST_F(EngineTest, DeregisteredBufferStaysMappedUntilItsOpFinishes) {
+  Rank a = Join("j", 2, 0), b = Join("j", 2, 1);
+  EXPECT_EQ(importer_.live.load(), 2);
+  engine_.Submit(a.session, 1, AllReduce(a, 4));
+  EXPECT_TRUE(engine_.DeregisterBuffer(*a.session, a.buffer).ok());
+  EXPECT_EQ(importer_.live.load(), 2);  // the pending op pins it
+  EXPECT_EQ(engine_.DeregisterBuffer(*a.session, a.buffer).code(), absl::StatusCode::kNotFound);
+  engine_.Submit(b.session, 2, AllReduce(b, 4));
+  ASSERT_TRUE(a.sink->WaitFor(1));
+  EXPECT_TRUE(a.sink->events()[0].status.ok());
+  for (int i = 0; i < 100 && importer_.live.load() != 1; ++i) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(importer_.live.load(), 1);
+  engine_.Unregister(*b.session, "done");
+  EXPECT_EQ(importer_.live.load(), 0);
+}
+
+TEST_F(EngineTest, ShutdownFailsPendingOpsAndRefusesSessions) {
+  Rank a = Join("j", 2, 0);
+  engine_.Submit(a.session, 1, AllReduce(a, 4));
+  engine_.Shutdown();
+  ASSERT_TRUE(a.sink->WaitFor(1));
+  EXPECT_EQ(a.sink->events()[0].status.code(), absl::StatusCode::kUnavailable);
+  v1::RegisterRequest req;
+  req.set_job("k");
+  req.set_world_size(1);
+  req.set_local_world_size(1);
+  EXPECT_EQ(engine_.Register(req, std::make_shared<RecordingSink>()).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST_F(EngineTest, ManyThreadsManyOpsStayMatched) {
+  constexpr int kWorld = 4, kOps = 200;
+  std::vector<Rank> ranks;
+  for (int r = 0; r < kWorld; ++r) ranks.push_back(Join("j", kWorld, r, 1 << 17));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      for (int k = 0; k < kOps; ++k) {
+        // Alternate small (inline) and large (pool) ops to mix the two paths.
+        engine_.Submit(ranks[r].session, k, AllReduce(ranks[r], k % 2 ? (1 << 17) : 8));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(ranks[r].sink->WaitFor(kOps));
+    const auto events = ranks[r].sink->events();
+    for (int k = 0; k < kOps; ++k) {
+      EXPECT_TRUE(events[k].status.ok()) << events[k].status;
+      EXPECT_EQ(events[k].seq, static_cast<uint64_t>(k));  // completion order = sequence order
+    }
+  }
+}
+
+}  // namespace
+}  // namespace gradsync::core

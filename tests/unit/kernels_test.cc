@@ -1,0 +1,165 @@
+#include "daemon/backend/cpu/kernels.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace gradsync::backend::cpu {
+namespace {
+
+uint16_t Bits(_Float16 h) {
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+_Float16 FromBits(uint16_t b) {
+  _Float16 h;
+  std::memcpy(&h, &b, 2);
+  return h;
+}
+
+TEST(HalfTest, EveryHalfConvertsToTheFloatTheCompilerGives) {
+  for (uint32_t b = 0; b <= 0xffff; ++b) {
+    const float want = static_cast<float>(FromBits(static_cast<uint16_t>(b)));
+    const float got = HalfToFloat(static_cast<uint16_t>(b));
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << b;
+    } else {
+      ASSERT_EQ(got, want) << "bits " << b;
+    }
+  }
+}
+
+TEST(HalfTest, FloatToHalfRoundsToNearestEvenLikeTheCompiler) {
+  std::mt19937 rng(7);
+  std::vector<float> samples = {0.0f, -0.0f, 1.0f, 65504.0f, 65519.99f, 65520.0f, 1e9f, -1e9f,
+                                5.96e-8f, 2.98e-8f, 2.99e-8f, 6.1e-5f, 6.09e-5f, 2049.0f, 2051.0f,
+                                INFINITY, -INFINITY};
+  std::uniform_int_distribution<uint32_t> any;
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t u = any(rng);
+    float f;
+    std::memcpy(&f, &u, 4);
+    if (!std::isnan(f)) samples.push_back(f);
+  }
+  for (float f : samples) {
+    ASSERT_EQ(FloatToHalf(f), Bits(static_cast<_Float16>(f))) << f;
+  }
+  EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(NAN))));
+}
+
+// Nearest bfloat16 by brute force on the two candidates, ties to even.
+uint16_t ReferenceBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t lo = static_cast<uint16_t>(u >> 16);
+  const uint16_t hi = static_cast<uint16_t>(lo + 1);
+  const double dlo = std::fabs(static_cast<double>(BFloat16ToFloat(lo)) - f);
+  const double dhi = std::fabs(static_cast<double>(BFloat16ToFloat(hi)) - f);
+  if ((u & 0xffff) == 0) return lo;
+  if (dlo < dhi) return lo;
+  if (dhi < dlo) return hi;
+  return (lo & 1) == 0 ? lo : hi;
+}
+
+TEST(BFloat16Test, RoundsToNearestEven) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-1e6f, 1e6f);
+  for (int i = 0; i < 200000; ++i) {
+    const float f = dist(rng);
+    ASSERT_EQ(FloatToBFloat16(f), ReferenceBf16(f)) << f;
+  }
+  EXPECT_EQ(BFloat16ToFloat(FloatToBFloat16(1.0f)), 1.0f);
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(NAN))));
+}
+
+core::View Flat(void* p, int64_t n) { return {{static_cast<std::byte*>(p), n}}; }
+
+TEST(ReduceTest, HalfSumIsAccumulatedInFloatAndRoundedOnce) {
+  // Pairwise in half, 2048 + 1 rounds back to 2048 twice; in float the sum is 2050, exact.
+  std::vector<uint16_t> a = {FloatToHalf(2048)}, b = {FloatToHalf(1)}, c = {FloatToHalf(1)};
+  core::View va = Flat(a.data(), 1), vb = Flat(b.data(), 1), vc = Flat(c.data(), 1);
+  std::vector<Slice> all = {{&va, 0}, {&vb, 0}, {&vc, 0}};
+  Reduce(v1::FLOAT16, v1::SUM, 3, all, all, 1);
+  EXPECT_EQ(HalfToFloat(a[0]), 2050.0f);
+  EXPECT_EQ(HalfToFloat(b[0]), 2050.0f);
+  EXPECT_EQ(HalfToFloat(c[0]), 2050.0f);
+}
+
+TEST(ReduceTest, BFloat16MeanMinMax) {
+  std::vector<uint16_t> a = {FloatToBFloat16(1.5f), FloatToBFloat16(-3)};
+  std::vector<uint16_t> b = {FloatToBFloat16(2.5f), FloatToBFloat16(7)};
+  core::View va = Flat(a.data(), 2), vb = Flat(b.data(), 2);
+  std::vector<Slice> all = {{&va, 0}, {&vb, 0}};
+  auto run = [&](v1::ReduceOp op) {
+    std::vector<uint16_t> x = a, y = b;
+    core::View vx = Flat(x.data(), 2), vy = Flat(y.data(), 2);
+    std::vector<Slice> s = {{&vx, 0}, {&vy, 0}};
+    Reduce(v1::BFLOAT16, op, 2, s, s, 2);
+    EXPECT_EQ(x, y);
+    return std::vector<float>{BFloat16ToFloat(x[0]), BFloat16ToFloat(x[1])};
+  };
+  EXPECT_EQ(run(v1::MEAN), (std::vector<float>{2.0f, 2.0f}));
+  EXPECT_EQ(run(v1::MIN), (std::vector<float>{1.5f, -3.0f}));
+  EXPECT_EQ(run(v1::MAX), (std::vector<float>{2.5f, 7.0f}));
+}
+
+TEST(ReduceTest, IntegerMeanTruncatesTowardZero) {
+  std::vector<int32_t> a = {-3, 3, 7}, b = {0, 0, 0};
+  core::View va = Flat(a.data(), 3), vb = Flat(b.data(), 3);
+  std::vector<Slice> all = {{&va, 0}, {&vb, 0}};
+  Reduce(v1::INT32, v1::MEAN, 2, all, all, 3);
+  EXPECT_EQ(a, (std::vector<int32_t>{-1, 1, 3}));
+  EXPECT_EQ(b, a);
+}
+
+TEST(ReduceTest, SegmentBoundariesMayDifferBetweenMembers) {
+  // Member 0 holds 10000 floats in one run; member 1 in runs of 1, 4999, 3 and 4997 elements
+  // scattered through a larger buffer. Offsets into the logical array are honoured too.
+  constexpr int64_t kN = 10000;
+  std::vector<float> a(kN), b(kN + 100);
+  for (int64_t i = 0; i < kN; ++i) a[i] = static_cast<float>(i);
+  core::View va = Flat(a.data(), kN);
+  const int64_t runs[] = {1, 4999, 3, 4997};
+  core::View vb;
+  int64_t phys = 0, logical = 0;
+  for (int64_t len : runs) {
+    vb.push_back({reinterpret_cast<std::byte*>(b.data() + phys), len});
+    for (int64_t i = 0; i < len; ++i) b[phys + i] = 1000.0f * (logical + i);
+    phys += len + 25;  // gaps that must stay untouched
+    logical += len;
+  }
+  std::vector<float> gaps_before = b;
+  std::vector<Slice> s = {{&va, 7}, {&vb, 7}};
+  Reduce(v1::FLOAT32, v1::SUM, 2, s, s, kN - 7);
+  for (int64_t i = 0; i < 7; ++i) EXPECT_EQ(a[i], static_cast<float>(i));  // before the offset
+  for (int64_t i = 7; i < kN; ++i) ASSERT_EQ(a[i], 1001.0f * i) << i;
+  phys = 0;
+  logical = 0;
+  for (int64_t len : runs) {
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t l = logical + i;
+      ASSERT_EQ(b[phys + i], l < 7 ? 1000.0f * l : 1001.0f * l) << l;
+    }
+    for (int64_t g = 0; g < 25 && phys + len + g < static_cast<int64_t>(b.size()); ++g) {
+      ASSERT_EQ(b[phys + len + g], gaps_before[phys + len + g]);
+    }
+    phys += len + 25;
+    logical += len;
+  }
+}
+
+TEST(ReduceTest, OneSourceCopiesToEveryDestination) {
+  std::vector<double> src = {1, 2, 3}, d1(3), d2(3);
+  core::View vs = Flat(src.data(), 3), v1_ = Flat(d1.data(), 3), v2 = Flat(d2.data(), 3);
+  std::vector<Slice> s = {{&vs, 0}}, d = {{&v1_, 0}, {&v2, 0}};
+  Reduce(v1::FLOAT64, v1::REDUCE_OP_UNSPECIFIED, 1, s, d, 3);
+  EXPECT_EQ(d1, src);
+  EXPECT_EQ(d2, src);
+}
+
+}  // namespace
+}  // namespace gradsync::backend::cpu
