@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/store_client.h"
+#include "common/doorbell.h"
 #include "common/dtype.h"
 #include "gradsync/v1/gradsync.grpc.pb.h"
 
@@ -146,6 +147,15 @@ class Client {
   absl::Status Open(absl::string_view target);
   // Queues a request; the returned state completes when its event arrives.
   std::shared_ptr<Op::State> Send(v1::TrainerRequest request, absl::Duration answer_within);
+  // An op through the doorbell ring (waits while the ring is full).
+  std::shared_ptr<Op::State> Ring(v1::TrainerRequest request, absl::Duration answer_within);
+  // Creates and maps the doorbell region; returns its shm name (to unlink once registered).
+  absl::StatusOr<std::string> CreateDoorbell();
+  // Takes every completion off the ring; mu_ held.
+  void DrainRingLocked();
+  // A non-blocking look at the stream (a broken session fails the ring's ops too); mu_ held,
+  // released while polling.
+  void CheckStreamLocked(std::unique_lock<std::mutex>& lock);
   // Drives the stream until `state` completes or `deadline` passes.
   absl::Status Await(Op::State& state, absl::Time deadline);
   bool Poll(Op::State& state);
@@ -176,6 +186,10 @@ class Client {
   absl::Status broken_;  // once not OK, every op fails with it
   uint64_t next_tag_ = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Op::State>> pending_;
+
+  std::byte* doorbell_base_ = nullptr;  // mapped for the client's life
+  std::unique_ptr<doorbell::Doorbell> doorbell_;
+  int ring_in_flight_ = 0;  // ops sent by the ring and not yet completed (<= kCompletionSlots)
 };
 
 }  // namespace gradsync::client

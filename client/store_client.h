@@ -20,6 +20,9 @@ struct ClientOptions {
   /// Deadline of calls that do not wait (Set, Add, List, ...).
   absl::Duration rpc_timeout = absl::Seconds(10);
   int max_message_bytes = 16 << 20;
+  /// Trainer sessions (Client) submit ops through a shared-memory doorbell instead of the
+  /// gRPC stream: no message encoding on the daemon's gRPC threads, no hand-off.
+  bool doorbell = true;
 };
 
 /// "unix:/p" or "host:port" as given; a bare absolute path becomes "unix:<path>".

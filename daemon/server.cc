@@ -42,7 +42,7 @@ DaemonServer::DaemonServer(DaemonConfig config)
               [this](const std::string& job) { store_.DeleteJob(job); }),
       pool_(config_.workers > 0 ? config_.workers
                                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
-      gradsync_service_(&engine_),
+      gradsync_service_(&engine_, &importer_),
       store_service_(&store_, config_.max_wait),
       inspect_service_(&store_),
       health_service_(ServiceNames()) {}

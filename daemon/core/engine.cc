@@ -88,16 +88,13 @@ class Session {
     std::string handle;  // what the trainer registered it by (its shm name)
   };
 
-  Session(std::string id, std::shared_ptr<internal::Job> job, int rank, int local_rank,
-          std::shared_ptr<SessionSink> sink)
-      : id(std::move(id)), job(std::move(job)), rank(rank), local_rank(local_rank),
-        sink(std::move(sink)) {}
+  Session(std::string id, std::shared_ptr<internal::Job> job, int rank, int local_rank)
+      : id(std::move(id)), job(std::move(job)), rank(rank), local_rank(local_rank) {}
 
   const std::string id;
   const std::shared_ptr<internal::Job> job;
   const int rank;
   const int local_rank;
-  const std::shared_ptr<SessionSink> sink;
 
   absl::Mutex mu;
   absl::flat_hash_map<uint64_t, Buffer> buffers ABSL_GUARDED_BY(mu);
@@ -114,6 +111,7 @@ namespace internal {
 // One member's submission of an op, resolved against its session's buffers.
 struct Arrival {
   std::shared_ptr<Session> session;
+  std::shared_ptr<SessionSink> sink;
   uint64_t tag = 0;
   Fingerprint fp;
   std::string group_key;
@@ -141,7 +139,7 @@ struct Pending {
 struct Ready {
   Collective op;
   uint64_t seq = 0;
-  std::vector<std::pair<std::shared_ptr<Session>, uint64_t>> to;  // (session, tag)
+  std::vector<std::pair<std::shared_ptr<SessionSink>, uint64_t>> to;  // (sink, tag)
   std::vector<std::shared_ptr<MappedBuffer>> pins;
   int64_t bytes = 0;
 };
@@ -192,8 +190,7 @@ Engine::Engine(Backend* backend, BufferImporter* importer, WorkerPool* pool,
 
 Engine::~Engine() { Shutdown(); }
 
-absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequest& req,
-                                                          std::shared_ptr<SessionSink> sink) {
+absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequest& req) {
   if (req.job().empty() || req.job().size() > kMaxJobIdLength) {
     return absl::InvalidArgumentError(
         absl::StrCat("job id must have 1 to ", kMaxJobIdLength, " characters"));
@@ -242,7 +239,7 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
   }
   auto session = std::make_shared<Session>(absl::StrCat(job.id, "/", req.rank(), "#",
                                                         next_session_++),
-                                           slot, req.rank(), req.local_rank(), std::move(sink));
+                                           slot, req.rank(), req.local_rank());
   job.ranks[req.rank()] = session.get();
   job.local_ranks[req.local_rank()] = req.rank();
   ++job.attached;
@@ -529,21 +526,23 @@ void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& s
   const int remaining = static_cast<int>(group.members.size()) - p.arrived;
   for (std::optional<Arrival>& a : p.by_member) {
     if (!a.has_value()) continue;
-    out.push_back([s = a->session, tag = a->tag, seq, status] { s->sink->OpDone(tag, seq, status); });
+    out.push_back([s = a->sink, tag = a->tag, seq, status] { s->OpDone(tag, seq, status); });
   }
   group.pending.erase(it);
   if (remaining > 0) group.failed[seq] = Failed{status, remaining};
 }
 
-void Engine::Submit(const std::shared_ptr<Session>& session, uint64_t tag,
+void Engine::Submit(const std::shared_ptr<Session>& session,
+                    const std::shared_ptr<SessionSink>& sink, uint64_t tag,
                     const v1::OpRequest& op) {
   absl::StatusOr<Arrival> resolved = Resolve(*session, op);
   if (!resolved.ok()) {
-    session->sink->OpDone(tag, 0, resolved.status());
+    sink->OpDone(tag, 0, resolved.status());
     return;
   }
   Arrival& a = *resolved;
   a.session = session;
+  a.sink = sink;
   a.tag = tag;
   Job& job = *session->job;
   Completions out;
@@ -565,13 +564,13 @@ void Engine::Submit(const std::shared_ptr<Session>& session, uint64_t tag,
       }
     }
     if (!refused.ok()) {
-      out.push_back([session, tag, refused] { session->sink->OpDone(tag, 0, refused); });
+      out.push_back([sink, tag, refused] { sink->OpDone(tag, 0, refused); });
     } else {
       const uint64_t seq = session->next_seq[group->key]++;
       const int size = static_cast<int>(group->members.size());
       if (auto f = group->failed.find(seq); f != group->failed.end()) {
-        out.push_back([session, tag, seq, status = f->second.status] {
-          session->sink->OpDone(tag, seq, status);
+        out.push_back([sink, tag, seq, status = f->second.status] {
+          sink->OpDone(tag, seq, status);
         });
         if (--f->second.remaining == 0) group->failed.erase(f);
       } else {
@@ -587,7 +586,7 @@ void Engine::Submit(const std::shared_ptr<Session>& session, uint64_t tag,
               p.first_rank, " submitted ", p.fp.Describe(), " but rank ", session->rank,
               " submitted ", a.fp.Describe()));
           Log()->warn("{}", std::string(desync.message()));
-          out.push_back([session, tag, seq, desync] { session->sink->OpDone(tag, seq, desync); });
+          out.push_back([sink, tag, seq, desync] { sink->OpDone(tag, seq, desync); });
           ++p.arrived;  // this one is told here, not by the failed record
           FailPendingLocked(*group, seq, desync, out);
         } else {
@@ -616,7 +615,7 @@ void Engine::Submit(const std::shared_ptr<Session>& session, uint64_t tag,
                                    " seq=", seq);
             for (std::optional<Arrival>& m : p.by_member) {
               c.local.push_back({m->group_rank, std::move(m->input), std::move(m->output)});
-              r.to.emplace_back(std::move(m->session), m->tag);
+              r.to.emplace_back(std::move(m->sink), m->tag);
               for (auto& pin : m->pins) r.pins.push_back(std::move(pin));
               r.bytes = std::max(r.bytes, m->bytes);
             }
@@ -682,7 +681,7 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
     } else {
       Log()->trace("op done {} count={}", r.op.label, r.op.count);
     }
-    for (auto& [session, tag] : r.to) session->sink->OpDone(tag, r.seq, status);
+    for (auto& [sink, tag] : r.to) sink->OpDone(tag, r.seq, status);
   }
 }
 

@@ -29,8 +29,9 @@ struct EngineOptions {
   int64_t inline_bytes = 256 << 10;
 };
 
-/// Where the engine delivers one session's op outcomes. Thread-safe and non-blocking; called
-/// without engine locks held, possibly after the session ended (then it drops the event).
+/// Where the engine delivers op outcomes (the transport an op came by: the gRPC stream or the
+/// shared-memory doorbell). Thread-safe and non-blocking; called without engine locks held,
+/// possibly after the session ended (then it drops the event).
 class SessionSink {
  public:
   virtual ~SessionSink() = default;
@@ -71,8 +72,7 @@ class Engine {
   /// Opens a session for one rank of a job. INVALID_ARGUMENT on bad sizes or ones that disagree
   /// with the job's other ranks; ALREADY_EXISTS when the rank is taken; FAILED_PRECONDITION
   /// when the job lost a rank and still has sessions, or the job spans nodes.
-  absl::StatusOr<std::shared_ptr<Session>> Register(const v1::RegisterRequest& request,
-                                                    std::shared_ptr<SessionSink> sink);
+  absl::StatusOr<std::shared_ptr<Session>> Register(const v1::RegisterRequest& request);
 
   /// Ends a session (idempotent): unmaps its buffers once no running op uses them, fails the
   /// pending ops of its groups on the other ranks with UNAVAILABLE naming the rank and `reason`.
@@ -84,9 +84,11 @@ class Engine {
   /// NOT_FOUND for an unknown id. Ops already submitted keep their mapping until they finish.
   absl::Status DeregisterBuffer(Session& session, uint64_t buffer_id);
 
-  /// Validates and matches an op; its outcome (an invalid request's error too) reaches the
-  /// session's sink with `tag`. An invalid op takes no sequence number.
-  void Submit(const std::shared_ptr<Session>& session, uint64_t tag, const v1::OpRequest& op);
+  /// Validates and matches an op; its outcome (an invalid request's error too) reaches `sink`
+  /// with `tag`. An invalid op takes no sequence number. A session's ops must be submitted
+  /// from one thread at a time, in the order the trainer sent them.
+  void Submit(const std::shared_ptr<Session>& session, const std::shared_ptr<SessionSink>& sink,
+              uint64_t tag, const v1::OpRequest& op);
 
   /// Fails every pending op with UNAVAILABLE and refuses new sessions (the daemon drains).
   void Shutdown();

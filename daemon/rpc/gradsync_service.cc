@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "daemon/ipc/doorbell_server.h"
 #include "common/version.h"
 
 namespace gradsync::rpc {
@@ -84,6 +85,7 @@ class GradSyncService::SessionReactor final
 
   void OnDone() override {
     sink_->Detach();
+    if (doorbell_) doorbell_->Stop();
     if (session_) engine().Unregister(*session_, "connection lost");  // no-op if ended
     service_->Forget(this);
     delete this;
@@ -110,7 +112,19 @@ class GradSyncService::SessionReactor final
           SetStatus(absl::FailedPreconditionError("this stream already has a session"), event);
           break;
         }
-        auto session = engine().Register(request_.register_session(), sink_);
+        auto session = engine().Register(request_.register_session());
+        if (session.ok() && !request_.register_session().doorbell_shm_name().empty()) {
+          auto doorbell = ipc::DoorbellServer::Open(
+              *service_->importer_, request_.register_session().doorbell_shm_name(), &engine(),
+              *session, [this](const absl::Status&) { Cancel(); });
+          if (!doorbell.ok()) {
+            engine().Unregister(**session, "doorbell refused");
+            session = doorbell.status();
+          } else {
+            doorbell_ = *std::move(doorbell);
+            doorbell_->Start();
+          }
+        }
         if (!session.ok()) {
           Log()->info("register refused job={} rank={}: {}", request_.register_session().job(),
                       request_.register_session().rank(), std::string(session.status().message()));
@@ -136,7 +150,7 @@ class GradSyncService::SessionReactor final
           return false;
         }
         if (request_.has_op()) {
-          engine().Submit(session_, tag, request_.op());  // answered through the sink
+          engine().Submit(session_, sink_, tag, request_.op());  // answered through the sink
           return true;
         }
         if (request_.has_register_buffer()) {
@@ -157,6 +171,7 @@ class GradSyncService::SessionReactor final
   }
 
   void EndSession(absl::string_view reason) {
+    if (doorbell_) doorbell_->Stop();
     if (session_) engine().Unregister(*session_, reason);
     absl::MutexLock lock(&mu_);
     finish_when_flushed_ = true;
@@ -199,6 +214,7 @@ class GradSyncService::SessionReactor final
   grpc::CallbackServerContext* const ctx_;
   const std::shared_ptr<Sink> sink_;
   std::shared_ptr<core::Session> session_;  // set once by the reading side
+  std::shared_ptr<ipc::DoorbellServer> doorbell_;  // set with session_ when the trainer has one
   v1::TrainerRequest request_;
   absl::Mutex mu_;
   std::deque<v1::TrainerEvent> queue_ ABSL_GUARDED_BY(mu_);  // front is being written

@@ -2,6 +2,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/core/buffer_importer.h"
 #include "daemon/core/engine.h"
 #include "gradsync/v1/gradsync.grpc.pb.h"
 
@@ -13,8 +14,9 @@ namespace gradsync::rpc {
 /// core; nothing waits for a peer here).
 class GradSyncService final : public v1::GradSync::CallbackService {
  public:
-  /// `engine` must outlive the service.
-  explicit GradSyncService(core::Engine* engine) : engine_(engine) {}
+  /// `engine` and `importer` (which maps doorbell regions) must outlive the service.
+  GradSyncService(core::Engine* engine, core::BufferImporter* importer)
+      : engine_(engine), importer_(importer) {}
 
   /// Ends every open session (UNAVAILABLE) and refuses new ones: the daemon drains.
   void EndSessions();
@@ -27,6 +29,7 @@ class GradSyncService final : public v1::GradSync::CallbackService {
   void Forget(SessionReactor* reactor);
 
   core::Engine* const engine_;
+  core::BufferImporter* const importer_;
   absl::Mutex mu_;
   absl::flat_hash_set<SessionReactor*> reactors_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;

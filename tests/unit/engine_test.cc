@@ -115,7 +115,7 @@ class EngineTest : public ::testing::Test {
     req.set_rank(rank);
     req.set_local_rank(rank);
     req.set_local_world_size(world);
-    auto s = engine_.Register(req, r.sink);
+    auto s = engine_.Register(req);
     EXPECT_TRUE(s.ok()) << s.status();
     r.session = *s;
     const std::string name = job + "/" + std::to_string(rank);
@@ -154,12 +154,12 @@ class EngineTest : public ::testing::Test {
 
 TEST_F(EngineTest, OpRunsOnlyWhenEveryMemberArrivedAndOpsCompleteInSequence) {
   Rank a = Join("j", 2, 0), b = Join("j", 2, 1);
-  for (int k = 0; k < 3; ++k) engine_.Submit(a.session, 100 + k, AllReduce(a, 4));
+  for (int k = 0; k < 3; ++k) engine_.Submit(a.session, a.sink, 100 + k, AllReduce(a, 4));
   absl::SleepFor(absl::Milliseconds(50));
   EXPECT_TRUE(a.sink->events().empty());  // nothing runs with one member present
   (*a.memory)[0] = 1;
   (*b.memory)[0] = 2;
-  for (int k = 0; k < 3; ++k) engine_.Submit(b.session, 200 + k, AllReduce(b, 4));
+  for (int k = 0; k < 3; ++k) engine_.Submit(b.session, b.sink, 200 + k, AllReduce(b, 4));
   ASSERT_TRUE(a.sink->WaitFor(3));
   ASSERT_TRUE(b.sink->WaitFor(3));
   const auto events = a.sink->events();
@@ -175,8 +175,8 @@ TEST_F(EngineTest, OpRunsOnlyWhenEveryMemberArrivedAndOpsCompleteInSequence) {
 
 TEST_F(EngineTest, MismatchNamesBothRanksAndBothFingerprints) {
   Rank a = Join("j", 2, 0), b = Join("j", 2, 1);
-  engine_.Submit(a.session, 1, AllReduce(a, 4));
-  engine_.Submit(b.session, 2, AllReduce(b, 5));
+  engine_.Submit(a.session, a.sink, 1, AllReduce(a, 4));
+  engine_.Submit(b.session, b.sink, 2, AllReduce(b, 5));
   ASSERT_TRUE(a.sink->WaitFor(1));
   ASSERT_TRUE(b.sink->WaitFor(1));
   for (const auto& e : {a.sink->events()[0], b.sink->events()[0]}) {
@@ -190,20 +190,20 @@ TEST_F(EngineTest, MismatchNamesBothRanksAndBothFingerprints) {
 
 TEST_F(EngineTest, DeadlineNamesMissingRanksAndLatecomersGetTheSameVerdict) {
   Rank a = Join("j", 3, 0), b = Join("j", 3, 1), c = Join("j", 3, 2);
-  engine_.Submit(a.session, 1, AllReduce(a, 4, "world", 100));
+  engine_.Submit(a.session, a.sink, 1, AllReduce(a, 4, "world", 100));
   ASSERT_TRUE(a.sink->WaitFor(1, absl::Seconds(5)));
   const absl::Status verdict = a.sink->events()[0].status;
   EXPECT_EQ(verdict.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(absl::StrContains(verdict.message(), "rank(s) 1,2 never submitted it (arrived: 0)"))
       << verdict;
-  engine_.Submit(b.session, 2, AllReduce(b, 4));
-  engine_.Submit(c.session, 3, AllReduce(c, 4));
+  engine_.Submit(b.session, b.sink, 2, AllReduce(b, 4));
+  engine_.Submit(c.session, c.sink, 3, AllReduce(c, 4));
   ASSERT_TRUE(b.sink->WaitFor(1));
   ASSERT_TRUE(c.sink->WaitFor(1));
   EXPECT_EQ(b.sink->events()[0].status, verdict);
   EXPECT_EQ(c.sink->events()[0].status, verdict);
   // Op 1 works for all three.
-  for (Rank* r : {&a, &b, &c}) engine_.Submit(r->session, 9, AllReduce(*r, 4));
+  for (Rank* r : {&a, &b, &c}) engine_.Submit(r->session, r->sink, 9, AllReduce(*r, 4));
   for (Rank* r : {&a, &b, &c}) {
     ASSERT_TRUE(r->sink->WaitFor(2));
     EXPECT_TRUE(r->sink->events()[1].status.ok()) << r->sink->events()[1].status;
@@ -213,14 +213,14 @@ TEST_F(EngineTest, DeadlineNamesMissingRanksAndLatecomersGetTheSameVerdict) {
 
 TEST_F(EngineTest, LeavingRankFailsItsGroupsOnlyAndJobRestartsWhenEmpty) {
   Rank a = Join("j", 3, 0), b = Join("j", 3, 1), c = Join("j", 3, 2);
-  engine_.Submit(a.session, 1, AllReduce(a, 4));  // waits for 1 and 2
+  engine_.Submit(a.session, a.sink, 1, AllReduce(a, 4));  // waits for 1 and 2
   engine_.Unregister(*c.session, "killed");
   ASSERT_TRUE(a.sink->WaitFor(1));
   EXPECT_EQ(a.sink->events()[0].status.code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(absl::StrContains(a.sink->events()[0].status.message(), "rank 2 left job j (killed)"));
   // A group without rank 2 still works.
-  engine_.Submit(a.session, 2, AllReduce(a, 4, "0,1"));
-  engine_.Submit(b.session, 3, AllReduce(b, 4, "0,1"));
+  engine_.Submit(a.session, a.sink, 2, AllReduce(a, 4, "0,1"));
+  engine_.Submit(b.session, b.sink, 3, AllReduce(b, 4, "0,1"));
   ASSERT_TRUE(a.sink->WaitFor(2));
   EXPECT_TRUE(a.sink->events()[1].status.ok()) << a.sink->events()[1].status;
   // Rank 2 cannot rejoin while the others hold the broken job.
@@ -230,7 +230,7 @@ TEST_F(EngineTest, LeavingRankFailsItsGroupsOnlyAndJobRestartsWhenEmpty) {
   req.set_rank(2);
   req.set_local_rank(2);
   req.set_local_world_size(3);
-  EXPECT_EQ(engine_.Register(req, std::make_shared<RecordingSink>()).status().code(),
+  EXPECT_EQ(engine_.Register(req).status().code(),
             absl::StatusCode::kFailedPrecondition);
   engine_.Unregister(*a.session, "done");
   engine_.Unregister(*b.session, "done");
@@ -238,17 +238,17 @@ TEST_F(EngineTest, LeavingRankFailsItsGroupsOnlyAndJobRestartsWhenEmpty) {
     absl::MutexLock lock(&mu_);
     EXPECT_EQ(ended_, std::vector<std::string>{"j"});
   }
-  EXPECT_TRUE(engine_.Register(req, std::make_shared<RecordingSink>()).ok());
+  EXPECT_TRUE(engine_.Register(req).ok());
 }
 
 TEST_F(EngineTest, DeregisteredBufferStaysMappedUntilItsOpFinishes) {
   Rank a = Join("j", 2, 0), b = Join("j", 2, 1);
   EXPECT_EQ(importer_.live.load(), 2);
-  engine_.Submit(a.session, 1, AllReduce(a, 4));
+  engine_.Submit(a.session, a.sink, 1, AllReduce(a, 4));
   EXPECT_TRUE(engine_.DeregisterBuffer(*a.session, a.buffer).ok());
   EXPECT_EQ(importer_.live.load(), 2);  // the pending op pins it
   EXPECT_EQ(engine_.DeregisterBuffer(*a.session, a.buffer).code(), absl::StatusCode::kNotFound);
-  engine_.Submit(b.session, 2, AllReduce(b, 4));
+  engine_.Submit(b.session, b.sink, 2, AllReduce(b, 4));
   ASSERT_TRUE(a.sink->WaitFor(1));
   EXPECT_TRUE(a.sink->events()[0].status.ok());
   for (int i = 0; i < 100 && importer_.live.load() != 1; ++i) absl::SleepFor(absl::Milliseconds(5));
@@ -259,7 +259,7 @@ TEST_F(EngineTest, DeregisteredBufferStaysMappedUntilItsOpFinishes) {
 
 TEST_F(EngineTest, ShutdownFailsPendingOpsAndRefusesSessions) {
   Rank a = Join("j", 2, 0);
-  engine_.Submit(a.session, 1, AllReduce(a, 4));
+  engine_.Submit(a.session, a.sink, 1, AllReduce(a, 4));
   engine_.Shutdown();
   ASSERT_TRUE(a.sink->WaitFor(1));
   EXPECT_EQ(a.sink->events()[0].status.code(), absl::StatusCode::kUnavailable);
@@ -267,7 +267,7 @@ TEST_F(EngineTest, ShutdownFailsPendingOpsAndRefusesSessions) {
   req.set_job("k");
   req.set_world_size(1);
   req.set_local_world_size(1);
-  EXPECT_EQ(engine_.Register(req, std::make_shared<RecordingSink>()).status().code(),
+  EXPECT_EQ(engine_.Register(req).status().code(),
             absl::StatusCode::kUnavailable);
 }
 
@@ -280,7 +280,7 @@ TEST_F(EngineTest, ManyThreadsManyOpsStayMatched) {
     threads.emplace_back([&, r] {
       for (int k = 0; k < kOps; ++k) {
         // Alternate small (inline) and large (pool) ops to mix the two paths.
-        engine_.Submit(ranks[r].session, k, AllReduce(ranks[r], k % 2 ? (1 << 17) : 8));
+        engine_.Submit(ranks[r].session, ranks[r].sink, k, AllReduce(ranks[r], k % 2 ? (1 << 17) : 8));
       }
     });
   }
