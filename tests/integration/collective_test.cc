@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/gradsync_client.h"
 #include "client/store_client.h"
 #include "gradsync/v1/store.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -145,6 +146,15 @@ TEST_F(CollectiveTest, BadInputGetsClearErrorsAndChangesNothing) {
   ExpectAllPassed(RunAll("b2", "badinput", 2), "badinput cases=");
 }
 
+// The same guarantees when ops travel on the gRPC stream instead of the doorbell.
+TEST_F(CollectiveTest, OpsOverTheGrpcStreamToo) {
+  ExpectAllPassed(RunAll("s2", "matrix", 2, {"doorbell=0", "counts=0,7,4099"}), "matrix cases=");
+  ExpectAllPassed(RunAll("s4", "async", 4, {"doorbell=0"}), "async done=128");
+  ExpectAllPassed(RunAll("s3", "deadline", 3, {"doorbell=0"}), "deadline ok");
+  ExpectAllPassed(RunAll("sb", "badinput", 2, {"doorbell=0"}), "badinput cases=");
+  ExpectAllPassed(RunAll("sd", "desync", 2, {"doorbell=0"}), "desync ok");
+}
+
 TEST_F(CollectiveTest, TrainerWrittenInCAgainstTheCAbi) {
   std::vector<pid_t> pids;
   for (int r = 0; r < 2; ++r) {
@@ -174,6 +184,35 @@ TEST_F(CollectiveTest, KilledTrainerFailsOthersReleasesMappingsAndJobRestarts) {
   // The same job id starts afresh with new sessions.
   ExpectAllPassed(RunAll("k4", "matrix", 4, {"counts=0,5,1001"}), "matrix cases=");
   EXPECT_EQ(DaemonShmMappings(), 0);
+}
+
+TEST_F(CollectiveTest, DaemonRestartIsUnavailableAndTrainersCanRegisterAgain) {
+  for (bool doorbell : {true, false}) {
+    client::ClientOptions options;
+    options.doorbell = doorbell;
+    client::Placement one{"r1", 1, 0, 0, 1};
+    auto c = client::Client::Connect(daemon_->unix_target(), one, options);
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto buffer = (*c)->CreateBuffer(64, v1::FLOAT32);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    EXPECT_TRUE((*c)->AllReduce(v1::FLOAT32, v1::SUM, {{(*buffer)->id(), 0, 16}}).ok());
+    auto code = daemon_->Stop(SIGKILL);
+    ASSERT_TRUE(code.ok());
+    const absl::Time start = absl::Now();
+    absl::Status s = (*c)->AllReduce(v1::FLOAT32, v1::SUM, {{(*buffer)->id(), 0, 16}});
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+    DaemonProcess::Options daemon_options;
+    daemon_options.tcp = false;
+    auto daemon = DaemonProcess::Start(dir_.path(), daemon_options);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = *std::move(daemon);
+    auto again = client::Client::Connect(daemon_->unix_target(), one, options);
+    ASSERT_TRUE(again.ok()) << again.status();
+    auto b2 = (*again)->CreateBuffer(64, v1::FLOAT32);
+    ASSERT_TRUE(b2.ok()) << b2.status();
+    EXPECT_TRUE((*again)->AllReduce(v1::FLOAT32, v1::MEAN, {{(*b2)->id(), 0, 16}}).ok());
+  }
 }
 
 }  // namespace

@@ -598,7 +598,9 @@ int main(int argc, char** argv) {
     g_args[kv.first] = kv.second;
   }
   client::Placement placement{job, g_world, g_rank, g_rank, g_world};
-  auto c = client::Client::Connect(target, placement);
+  client::ClientOptions options;
+  options.doorbell = Arg("doorbell", "1") == "1";  // 0: ops over the gRPC stream
+  auto c = client::Client::Connect(target, placement, options);
   if (!c.ok()) {
     std::fprintf(stderr, "rank %d connect: %s\n", g_rank, c.status().ToString().c_str());
     return 2;
