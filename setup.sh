@@ -76,9 +76,20 @@ demo() {
       --world_size=$world &
     pids+=($!)
   done
-  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  # While the trainers stay attached (they wait for 'released'): what an operator sees.
+  local done=0
+  for _ in $(seq 1 600); do
+    done=$($ctl --job=demo --timeout=1s store get done 2>/dev/null || echo 0)
+    [[ $done == "$world" ]] && break
+    kill -0 "${pids[0]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  $ctl sessions || rc=1
   $ctl --job=demo packlist show world || rc=1
-  $ctl --job=demo store list rank/ || rc=1
+  $ctl --job=demo store set released 1 || rc=1
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  echo "after the trainers left (the job's state is gone with it):"
+  $ctl jobs || rc=1
   kill -TERM $daemon
   wait $daemon || rc=1
   echo "--- gradsyncd log ---"

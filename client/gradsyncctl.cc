@@ -31,6 +31,7 @@ constexpr char kUsage[] =
     "gradsyncctl [flags] COMMAND\n"
     "  health [SERVICE]            overall or per-service health\n"
     "  jobs                        jobs held by the daemon's store\n"
+    "  sessions [JOB]              trainer sessions (of every job, or of JOB)\n"
     "  store get KEY               value of KEY (waits up to --timeout)\n"
     "  store set KEY VALUE\n"
     "  store add KEY DELTA         atomic counter\n"
@@ -72,6 +73,7 @@ class Ctl {
     const auto arg = [&](size_t i) { return i < args.size() ? args[i] : std::string(); };
     if (cmd == "health") return Health(arg(1));
     if (cmd == "jobs" && args.size() == 1) return Jobs();
+    if (cmd == "sessions" && args.size() <= 2) return Sessions(arg(1));
     if (cmd == "store" && args.size() >= 2) {
       const std::string& sub = args[1];
       if (sub == "get" && args.size() == 3) return StoreGet(args[2]);
@@ -123,6 +125,23 @@ class Ctl {
     for (const auto& j : resp.jobs()) {
       std::cout << absl::StrFormat("%-32s %8d %12s\n", j.job(), j.keys(),
                                    HumanBytes(j.value_bytes()));
+    }
+    return 0;
+  }
+
+  int Sessions(const std::string& job) {
+    v1::ListSessionsRequest req;
+    req.set_job(job);
+    v1::ListSessionsResponse resp;
+    if (absl::Status s = CallInspect(&v1::Inspect::Stub::ListSessions, req, &resp); !s.ok()) {
+      return Fail(s);
+    }
+    std::cout << absl::StrFormat("%-24s %-16s %5s %5s %5s %7s %12s\n", "SESSION", "JOB", "RANK",
+                                 "LOCAL", "WORLD", "BUFFERS", "MAPPED");
+    for (const auto& s : resp.sessions()) {
+      std::cout << absl::StrFormat("%-24s %-16s %5d %5d %5d %7d %12s\n", s.session_id(), s.job(),
+                                   s.rank(), s.local_rank(), s.world_size(), s.buffers(),
+                                   HumanBytes(s.mapped_bytes()));
     }
     return 0;
   }

@@ -44,7 +44,7 @@ DaemonServer::DaemonServer(DaemonConfig config)
                                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
       gradsync_service_(&engine_, &importer_),
       store_service_(&store_, config_.max_wait),
-      inspect_service_(&store_),
+      inspect_service_(&store_, &engine_),
       health_service_(ServiceNames()) {}
 
 DaemonServer::~DaemonServer() {

@@ -64,4 +64,21 @@ grpc::ServerUnaryReactor* InspectService::GetPackList(grpc::CallbackServerContex
   return Reply(ctx, absl::OkStatus());
 }
 
+grpc::ServerUnaryReactor* InspectService::ListSessions(grpc::CallbackServerContext* ctx,
+                                                       const v1::ListSessionsRequest* req,
+                                                       v1::ListSessionsResponse* resp) {
+  for (const core::Engine::SessionInfo& info : engine_->ListSessions()) {
+    if (!req->job().empty() && info.job != req->job()) continue;
+    v1::SessionSummary* s = resp->add_sessions();
+    s->set_session_id(info.id);
+    s->set_job(info.job);
+    s->set_rank(info.rank);
+    s->set_local_rank(info.local_rank);
+    s->set_world_size(info.world_size);
+    s->set_buffers(info.buffers);
+    s->set_mapped_bytes(info.mapped_bytes);
+  }
+  return Reply(ctx, absl::OkStatus());
+}
+
 }  // namespace gradsync::rpc

@@ -1,16 +1,19 @@
 #pragma once
 
+#include "daemon/core/engine.h"
 #include "daemon/store/memory_store.h"
 #include "gradsync/v1/inspect.grpc.pb.h"
 
 namespace gradsync::rpc {
 
-/// Read-only operator views of the daemon's store: jobs, keys, groups and pack lists.
+/// Read-only operator views of the daemon: the store's jobs, keys, groups and pack lists, and
+/// the engine's trainer sessions.
 /// Never waits: what is missing is NOT_FOUND at once.
 class InspectService final : public v1::Inspect::CallbackService {
  public:
-  /// `store` must outlive the service.
-  explicit InspectService(store::MemoryStore* store) : store_(store) {}
+  /// `store` and `engine` must outlive the service.
+  InspectService(store::MemoryStore* store, const core::Engine* engine)
+      : store_(store), engine_(engine) {}
 
   grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx,
                                      const v1::ListJobsRequest* req,
@@ -24,9 +27,13 @@ class InspectService final : public v1::Inspect::CallbackService {
   grpc::ServerUnaryReactor* GetPackList(grpc::CallbackServerContext* ctx,
                                         const v1::InspectPackListRequest* req,
                                         v1::InspectPackListResponse* resp) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
+                                         const v1::ListSessionsRequest* req,
+                                         v1::ListSessionsResponse* resp) override;
 
  private:
   store::MemoryStore* const store_;
+  const core::Engine* const engine_;
 };
 
 }  // namespace gradsync::rpc

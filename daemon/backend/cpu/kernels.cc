@@ -84,7 +84,7 @@ void ReduceTyped(v1::ReduceOp op, int64_t divisor, absl::Span<const Slice> srcs,
   for (const Slice& s : srcs) in.emplace_back(s, esize);
   for (const Slice& d : dsts) out.emplace_back(d, esize);
   Acc acc[kStep];
-  T result[kStep];
+  T result[std::is_same_v<Acc, T> ? 1 : kStep];
   const bool copy_only = srcs.size() == 1 && op != v1::MEAN;
   while (n > 0) {
     int64_t len = std::min(n, kStep);
@@ -119,8 +119,12 @@ void ReduceTyped(v1::ReduceOp op, int64_t divisor, absl::Span<const Slice> srcs,
         const Acc d = static_cast<Acc>(divisor);
         for (int64_t i = 0; i < len; ++i) acc[i] /= d;
       }
-      for (int64_t i = 0; i < len; ++i) result[i] = Tr::Store(acc[i]);
-      for (const Cursor& c : out) std::memcpy(c.Ptr(), result, len * esize);
+      const void* from = acc;
+      if constexpr (!std::is_same_v<Acc, T>) {
+        for (int64_t i = 0; i < len; ++i) result[i] = Tr::Store(acc[i]);
+        from = result;
+      }
+      for (const Cursor& c : out) std::memcpy(c.Ptr(), from, len * esize);
     }
     for (Cursor& c : in) c.Advance(len);
     for (Cursor& c : out) c.Advance(len);
