@@ -1,6 +1,7 @@
 #include "client/gradsync_client.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -27,6 +28,30 @@ std::string UniqueShmName() {
   static std::atomic<uint64_t> counter{0};
   static const uint32_t salt = std::random_device{}();
   return absl::StrFormat("/gradsync-%d-%08x-%d", ::getpid(), salt, counter.fetch_add(1));
+}
+
+// Creates a shared-memory object (mode 0660). Under systemd the daemon runs as user gradsync;
+// trainers are members of group gradsync, so the object is handed to that group when it
+// exists (a member may do so), letting the daemon map it without making it world-readable.
+absl::StatusOr<int> CreateShm(const std::string& name) {
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0660);
+  if (fd < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
+  }
+  static const gid_t group = [] {
+    struct group entry {};
+    struct group* found = nullptr;
+    char scratch[4096];
+    if (::getgrnam_r("gradsync", &entry, scratch, sizeof(scratch), &found) != 0 || !found) {
+      return static_cast<gid_t>(-1);
+    }
+    return found->gr_gid;
+  }();
+  if (group != static_cast<gid_t>(-1) && group != ::getegid()) {
+    (void)::fchown(fd, static_cast<uid_t>(-1), group);  // not a member: the daemon may be root
+  }
+  return fd;
 }
 
 void AddSegments(const std::vector<Segment>& segments,
@@ -130,11 +155,7 @@ absl::Status Client::Open(absl::string_view target) {
 
 absl::StatusOr<std::string> Client::CreateDoorbell() {
   const std::string name = UniqueShmName();
-  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0660);
-  if (fd < 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
-  }
+  GRADSYNC_ASSIGN_OR_RETURN(const int fd, CreateShm(name));
   const size_t bytes = doorbell::RegionBytes();
   void* p = MAP_FAILED;
   if (::ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
@@ -434,11 +455,7 @@ absl::Status Client::DeregisterBuffer(uint64_t buffer_id) {
 absl::StatusOr<std::unique_ptr<SharedBuffer>> Client::CreateBuffer(int64_t bytes, DType dtype) {
   if (bytes < 0) return absl::InvalidArgumentError("buffer size must not be negative");
   const std::string name = UniqueShmName();
-  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0660);
-  if (fd < 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
-  }
+  GRADSYNC_ASSIGN_OR_RETURN(const int fd, CreateShm(name));
   std::byte* data = nullptr;
   absl::Status status;
   if (::ftruncate(fd, bytes) != 0) {
