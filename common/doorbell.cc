@@ -75,7 +75,7 @@ bool Doorbell::Push(absl::string_view record) {
   std::byte* at = requests() + head % kRequestRingBytes;
   const uint64_t len = record.size();
   std::memcpy(at, &len, 8);
-  std::memcpy(at + 8, record.data(), record.size());
+  if (!record.empty()) std::memcpy(at + 8, record.data(), record.size());
   header_->request_head.store(head + need, std::memory_order_seq_cst);
   if (header_->daemon_sleeping.load(std::memory_order_seq_cst) != 0) WakeDaemon();
   return true;
@@ -152,7 +152,7 @@ bool Doorbell::Complete(uint64_t tag, uint64_t seq, int code, absl::string_view 
   c.seq = seq;
   c.code = code;
   c.message_bytes = static_cast<uint32_t>(std::min<size_t>(message.size(), kMessageBytes));
-  std::memcpy(c.message, message.data(), c.message_bytes);
+  if (c.message_bytes > 0) std::memcpy(c.message, message.data(), c.message_bytes);
   header_->completion_head.store(head + 1, std::memory_order_seq_cst);
   if (header_->trainer_sleeping.load(std::memory_order_seq_cst) != 0) {
     header_->trainer_futex.fetch_add(1, std::memory_order_seq_cst);

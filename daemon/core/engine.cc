@@ -248,6 +248,8 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
   return session;
 }
 
+const std::string& Engine::SessionId(const Session& session) { return session.id; }
+
 void Engine::Unregister(Session& session, absl::string_view reason) {
   Completions out;
   bool job_ended = false;

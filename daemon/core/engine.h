@@ -95,6 +95,9 @@ class Engine {
 
   absl::Duration default_op_timeout() const { return options_.default_op_timeout; }
 
+  /// "job/rank#n": unique for the daemon's life; what logs and ListSessions show.
+  static const std::string& SessionId(const Session& session);
+
   struct SessionInfo {
     std::string id, job;
     int rank, local_rank, world_size;

@@ -133,8 +133,7 @@ class GradSyncService::SessionReactor final
         }
         session_ = *std::move(session);
         v1::RegisterReply& reply = *event.mutable_register_session();
-        reply.set_session_id(absl::StrCat(request_.register_session().job(), "/",
-                                          request_.register_session().rank()));
+        reply.set_session_id(core::Engine::SessionId(*session_));
         reply.set_default_op_timeout_ms(
             absl::ToInt64Milliseconds(engine().default_op_timeout()));
         reply.set_daemon_version(GRADSYNC_VERSION);
