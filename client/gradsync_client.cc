@@ -136,6 +136,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(absl::string_view target
 absl::Status Client::Open(absl::string_view target) {
   channel_ = client::Connect(target, options_);
   stub_ = v1::GradSync::NewStub(channel_);
+  Authorize(ctx_, options_);
   stream_ = stub_->PrepareAsyncSession(&ctx_, &cq_);
   stream_->StartCall(TagOf(kStart));
   void* tag = nullptr;

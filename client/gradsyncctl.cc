@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "client/store_client.h"
+#include "common/token.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "gradsync/v1/inspect.grpc.pb.h"
@@ -23,6 +24,8 @@ ABSL_FLAG(std::string, socket, "/run/gradsync/gradsyncd.sock", "Unix socket of t
 ABSL_FLAG(std::string, address, "", "host:port of a daemon's TCP listener (instead of --socket)");
 ABSL_FLAG(std::string, job, "default", "Job namespace");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "Deadline of each call");
+ABSL_FLAG(std::string, token_file, "",
+          "File with the cluster token (needed with --address when the daemon has one)");
 
 namespace gradsync::ctl {
 namespace {
@@ -58,14 +61,15 @@ int Usage(const std::string& why) {
 
 class Ctl {
  public:
-  Ctl()
+  explicit Ctl(client::ClientOptions options)
       : target_(absl::GetFlag(FLAGS_address).empty() ? absl::GetFlag(FLAGS_socket)
                                                      : absl::GetFlag(FLAGS_address)),
         job_(absl::GetFlag(FLAGS_job)),
         timeout_(absl::GetFlag(FLAGS_timeout)),
+        options_(std::move(options)),
         channel_(client::Connect(target_)),
         inspect_(v1::Inspect::NewStub(channel_)),
-        store_(channel_, client::ClientOptions{timeout_}) {}
+        store_(channel_, options_) {}
 
   int Run(const std::vector<std::string>& args) {
     if (args.empty()) return Usage("no command");
@@ -89,6 +93,7 @@ class Ctl {
 
  private:
   void Prepare(grpc::ClientContext& ctx) const {
+    client::Authorize(ctx, options_);
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
   }
   static int Check(const absl::Status& s) { return s.ok() ? 0 : Fail(s); }
@@ -221,6 +226,7 @@ class Ctl {
   const std::string target_;
   const std::string job_;
   const absl::Duration timeout_;
+  const client::ClientOptions options_;
   const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<v1::Inspect::Stub> inspect_;
   client::StoreClient store_;
@@ -233,5 +239,15 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(gradsync::ctl::kUsage);
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> args(positional.begin() + 1, positional.end());
-  return gradsync::ctl::Ctl().Run(args);
+  gradsync::client::ClientOptions options;
+  options.rpc_timeout = absl::GetFlag(FLAGS_timeout);
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    auto token = gradsync::ReadTokenFile(path);
+    if (!token.ok()) {
+      std::cerr << "gradsyncctl: " << token.status().message() << "\n";
+      return 2;
+    }
+    options.token = *std::move(token);
+  }
+  return gradsync::ctl::Ctl(std::move(options)).Run(args);
 }

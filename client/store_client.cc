@@ -24,6 +24,10 @@ std::shared_ptr<grpc::Channel> Connect(absl::string_view target, const ClientOpt
                                    args);
 }
 
+void Authorize(grpc::ClientContext& ctx, const ClientOptions& options) {
+  if (!options.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options.token);
+}
+
 struct StoreClient::PendingWait {
   grpc::ClientContext ctx;
   std::thread thread;
@@ -41,6 +45,7 @@ struct StoreClient::Session {
   grpc::CompletionQueue cq;
   std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream;
   intptr_t outstanding = 0;
+  bool finish_called = false;
   grpc::Status finish_status;
 
   // Polls until every tag in `want` has completed, on this thread. False if one failed or
@@ -61,6 +66,7 @@ struct StoreClient::Session {
 
 absl::Status StoreClient::OpenSessionLocked() {
   auto session = std::make_unique<Session>();
+  Authorize(session->ctx, options_);
   session->stream = stub_->PrepareAsyncSession(&session->ctx, &session->cq);
   session->stream->StartCall(reinterpret_cast<void*>(Session::kStart));
   session->outstanding = Session::kStart;
@@ -77,8 +83,10 @@ void StoreClient::CloseSessionLocked() {
   if (!session_) return;
   Session& s = *session_;
   s.ctx.TryCancel();  // every outstanding operation now completes promptly
-  s.stream->Finish(&s.finish_status, reinterpret_cast<void*>(Session::kFinish));
-  s.outstanding |= Session::kFinish;
+  if (!s.finish_called) {
+    s.stream->Finish(&s.finish_status, reinterpret_cast<void*>(Session::kFinish));
+    s.outstanding |= Session::kFinish;
+  }
   s.cq.Shutdown();
   void* tag = nullptr;
   bool ok = false;
@@ -104,13 +112,21 @@ std::optional<absl::StatusOr<v1::SessionResponse>> StoreClient::CallSession(
   s.outstanding |= Session::kWrite | Session::kRead;
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   if (!s.Drive(Session::kWrite | Session::kRead, deadline)) {
-    const bool timed_out = absl::Now() >= deadline;
-    CloseSessionLocked();
-    if (timed_out) {
+    if (absl::Now() >= deadline) {
+      CloseSessionLocked();
       return absl::DeadlineExceededError(absl::StrCat("store call got no answer within ",
                                                       absl::FormatDuration(options_.rpc_timeout)));
     }
-    return absl::UnavailableError("store session broke (daemon gone?)");
+    // The daemon may have ended the stream with a reason (UNAUTHENTICATED, draining): fetch it.
+    absl::Status why = absl::UnavailableError("store session broke (daemon gone?)");
+    s.stream->Finish(&s.finish_status, reinterpret_cast<void*>(Session::kFinish));
+    s.finish_called = true;
+    s.outstanding |= Session::kFinish;
+    if (s.Drive(Session::kFinish, absl::Now() + absl::Seconds(1)) && !s.finish_status.ok()) {
+      why = FromGrpcStatus(s.finish_status);
+    }
+    CloseSessionLocked();
+    return why;
   }
   if (resp.code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(resp.code()), resp.message());
@@ -133,6 +149,7 @@ StoreClient::~StoreClient() {
 }
 
 void StoreClient::Prepare(grpc::ClientContext& ctx) const {
+  Authorize(ctx, options_);
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
 }
 
@@ -203,6 +220,7 @@ absl::StatusOr<std::vector<std::string>> StoreClient::WaitBlocking(absl::string_
     }
   }
   grpc::ClientContext ctx;
+  Authorize(ctx, options_);
   ctx.set_deadline(absl::ToChronoTime(deadline));
   v1::WaitRequest req;
   req.set_job(std::string(job));
@@ -228,6 +246,7 @@ Store::WaitId StoreClient::WaitAsync(absl::string_view job, std::vector<std::str
   }
   auto wait = std::make_unique<PendingWait>();
   PendingWait* w = wait.get();
+  Authorize(w->ctx, options_);
   w->ctx.set_deadline(absl::ToChronoTime(deadline));
   pending_[id] = std::move(wait);
   w->thread = std::thread([this, w, req = std::move(req), done = std::move(done)] {
@@ -310,6 +329,7 @@ absl::StatusOr<v1::PackList> StoreClient::GetPackList(absl::string_view job,
                                                       absl::string_view group,
                                                       absl::Time deadline) {
   grpc::ClientContext ctx;
+  Authorize(ctx, options_);
   ctx.set_deadline(absl::ToChronoTime(deadline));
   v1::GetPackListRequest req;
   req.set_job(std::string(job));

@@ -23,7 +23,12 @@ struct ClientOptions {
   /// Trainer sessions (Client) submit ops through a shared-memory doorbell instead of the
   /// gRPC stream: no message encoding on the daemon's gRPC threads, no hand-off.
   bool doorbell = true;
+  /// The cluster token (common/token.h) sent with every call; daemons require it over TCP.
+  std::string token;
 };
+
+/// Adds the cluster token of `options` (if any) to a call.
+void Authorize(grpc::ClientContext& ctx, const ClientOptions& options);
 
 /// "unix:/p" or "host:port" as given; a bare absolute path becomes "unix:<path>".
 std::string NormalizeTarget(absl::string_view target);

@@ -6,6 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "common/token.h"
 
 ABSL_FLAG(std::string, socket, "/run/gradsync/gradsyncd.sock",
           "Unix socket for trainers and local tools; empty disables it");
@@ -29,6 +30,8 @@ ABSL_FLAG(absl::Duration, op_timeout, absl::Minutes(5),
 ABSL_FLAG(absl::Duration, max_op_timeout, absl::Hours(1), "Longest deadline an op may ask for");
 ABSL_FLAG(int, workers, 0, "Threads that run large collectives; 0: one per CPU");
 ABSL_FLAG(int, max_buffers_per_session, 4096, "Most buffers one trainer session may register");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding the cluster token that TCP calls must carry (mode 600/640); empty: none");
 ABSL_FLAG(std::string, log_level, "info", "trace|debug|info|warn|error|off");
 ABSL_FLAG(std::string, log_sink, "auto",
           "stderr|journal|auto (the journal when started by systemd)");
@@ -61,6 +64,11 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.engine.max_op_timeout = absl::GetFlag(FLAGS_max_op_timeout);
   c.engine.max_buffers_per_session = absl::GetFlag(FLAGS_max_buffers_per_session);
   c.workers = absl::GetFlag(FLAGS_workers);
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    auto token = ReadTokenFile(path);
+    if (!token.ok()) return absl::InvalidArgumentError(absl::StrCat("--token_file: ", token.status().message()));
+    c.cluster_token = *std::move(token);
+  }
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.log_sink = absl::GetFlag(FLAGS_log_sink);
   if (absl::Status s = Validate(c); !s.ok()) return s;

@@ -22,6 +22,7 @@ struct DaemonConfig {
   store::MemoryStoreOptions store;
   core::EngineOptions engine;
   int workers = 0;  // threads for large collectives; 0: one per CPU
+  std::string cluster_token;  // TCP calls must carry it (empty: no check); from --token_file
   std::string log_level = "info";
   std::string log_sink = "auto";
 };

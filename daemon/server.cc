@@ -37,14 +37,15 @@ bool SocketIsLive(const std::string& path) {
 DaemonServer::DaemonServer(DaemonConfig config)
     : config_(std::move(config)),
       store_(config_.store),
+      auth_(config_.cluster_token),
       backend_(&pool_),
       engine_(&backend_, &importer_, &pool_, config_.engine,
               [this](const std::string& job) { store_.DeleteJob(job); }),
       pool_(config_.workers > 0 ? config_.workers
                                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
-      gradsync_service_(&engine_, &importer_),
-      store_service_(&store_, config_.max_wait),
-      inspect_service_(&store_, &engine_),
+      gradsync_service_(&engine_, &importer_, &auth_),
+      store_service_(&store_, config_.max_wait, &auth_),
+      inspect_service_(&store_, &engine_, &auth_),
       health_service_(ServiceNames()) {}
 
 DaemonServer::~DaemonServer() {

@@ -54,6 +54,7 @@ class DaemonServer {
 
   const DaemonConfig config_;
   store::MemoryStore store_;
+  rpc::PeerAuth auth_;
   ipc::ShmImporter importer_;
   backend::cpu::CpuBackend backend_;
   core::Engine engine_;

@@ -62,6 +62,9 @@ class GradSyncService::SessionReactor final
 
   void Cancel() { ctx_->TryCancel(); }
 
+  /// Ends the stream before it starts (the caller is not authorized).
+  void Refuse(const absl::Status& status) { FinishNow(ToGrpcStatus(status)); }
+
   void OnReadDone(bool ok) override {
     if (!ok) {  // the trainer closed its side, died, or the call was cancelled
       EndSession(ctx_->IsCancelled() ? "connection lost" : "trainer closed the session");
@@ -226,6 +229,7 @@ class GradSyncService::SessionReactor final
 grpc::ServerBidiReactor<v1::TrainerRequest, v1::TrainerEvent>* GradSyncService::Session(
     grpc::CallbackServerContext* ctx) {
   auto* reactor = new SessionReactor(this, ctx);
+  if (absl::Status s = auth_->Check(ctx); !s.ok()) reactor->Refuse(s);
   absl::MutexLock lock(&mu_);
   reactors_.insert(reactor);
   if (closed_) reactor->Cancel();

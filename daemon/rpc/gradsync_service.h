@@ -4,6 +4,7 @@
 #include "absl/synchronization/mutex.h"
 #include "daemon/core/buffer_importer.h"
 #include "daemon/core/engine.h"
+#include "daemon/rpc/peer_auth.h"
 #include "gradsync/v1/gradsync.grpc.pb.h"
 
 namespace gradsync::rpc {
@@ -14,9 +15,9 @@ namespace gradsync::rpc {
 /// core; nothing waits for a peer here).
 class GradSyncService final : public v1::GradSync::CallbackService {
  public:
-  /// `engine` and `importer` (which maps doorbell regions) must outlive the service.
-  GradSyncService(core::Engine* engine, core::BufferImporter* importer)
-      : engine_(engine), importer_(importer) {}
+  /// `engine`, `importer` (which maps doorbell regions) and `auth` must outlive the service.
+  GradSyncService(core::Engine* engine, core::BufferImporter* importer, const PeerAuth* auth)
+      : engine_(engine), importer_(importer), auth_(auth) {}
 
   /// Ends every open session (UNAVAILABLE) and refuses new ones: the daemon drains.
   void EndSessions();
@@ -30,6 +31,7 @@ class GradSyncService final : public v1::GradSync::CallbackService {
 
   core::Engine* const engine_;
   core::BufferImporter* const importer_;
+  const PeerAuth* const auth_;
   absl::Mutex mu_;
   absl::flat_hash_set<SessionReactor*> reactors_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;

@@ -10,6 +10,7 @@ namespace gradsync::rpc {
 grpc::ServerUnaryReactor* InspectService::ListJobs(grpc::CallbackServerContext* ctx,
                                                    const v1::ListJobsRequest*,
                                                    v1::ListJobsResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   for (const store::JobStats& stats : store_->ListJobs()) {
     v1::JobSummary* job = resp->add_jobs();
     job->set_job(stats.job);
@@ -22,6 +23,7 @@ grpc::ServerUnaryReactor* InspectService::ListJobs(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* InspectService::ListGroups(grpc::CallbackServerContext* ctx,
                                                      const v1::ListGroupsRequest* req,
                                                      v1::ListGroupsResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   auto keys = store_->List(req->job(), kPackListKeyPrefix);
   if (keys.ok()) {
     for (const std::string& key : *keys) resp->add_groups(key.substr(kPackListKeyPrefix.size()));
@@ -32,6 +34,7 @@ grpc::ServerUnaryReactor* InspectService::ListGroups(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* InspectService::ListKeys(grpc::CallbackServerContext* ctx,
                                                    const v1::ListKeysRequest* req,
                                                    v1::ListKeysResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   auto sizes = store_->ListSizes(req->job(), req->prefix());
   if (sizes.ok()) {
     for (const auto& [key, bytes] : *sizes) {
@@ -46,6 +49,7 @@ grpc::ServerUnaryReactor* InspectService::ListKeys(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* InspectService::GetPackList(grpc::CallbackServerContext* ctx,
                                                       const v1::InspectPackListRequest* req,
                                                       v1::InspectPackListResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   if (auto ranks = ParseGroupKey(req->group()); !ranks.ok()) return Reply(ctx, ranks.status());
   auto bytes = store_->Peek(req->job(), PackListKey(req->group()));
   if (!bytes.ok()) {
@@ -67,6 +71,7 @@ grpc::ServerUnaryReactor* InspectService::GetPackList(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* InspectService::ListSessions(grpc::CallbackServerContext* ctx,
                                                        const v1::ListSessionsRequest* req,
                                                        v1::ListSessionsResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   for (const core::Engine::SessionInfo& info : engine_->ListSessions()) {
     if (!req->job().empty() && info.job != req->job()) continue;
     v1::SessionSummary* s = resp->add_sessions();

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "daemon/core/engine.h"
+#include "daemon/rpc/peer_auth.h"
 #include "daemon/store/memory_store.h"
 #include "gradsync/v1/inspect.grpc.pb.h"
 
@@ -11,9 +12,9 @@ namespace gradsync::rpc {
 /// Never waits: what is missing is NOT_FOUND at once.
 class InspectService final : public v1::Inspect::CallbackService {
  public:
-  /// `store` and `engine` must outlive the service.
-  InspectService(store::MemoryStore* store, const core::Engine* engine)
-      : store_(store), engine_(engine) {}
+  /// `store`, `engine` and `auth` must outlive the service.
+  InspectService(store::MemoryStore* store, const core::Engine* engine, const PeerAuth* auth)
+      : store_(store), engine_(engine), auth_(auth) {}
 
   grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx,
                                      const v1::ListJobsRequest* req,
@@ -34,6 +35,7 @@ class InspectService final : public v1::Inspect::CallbackService {
  private:
   store::MemoryStore* const store_;
   const core::Engine* const engine_;
+  const PeerAuth* const auth_;
 };
 
 }  // namespace gradsync::rpc

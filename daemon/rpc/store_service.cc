@@ -90,6 +90,12 @@ class StoreService::SessionReactor final
     ctx_->TryCancel();
   }
 
+  /// Refuses the session before any request: the client reads `status` as the stream's end.
+  void Refuse(const grpc::Status& status) {
+    absl::MutexLock lock(&mu_);
+    EndLocked(status);
+  }
+
   void Unref() {
     if (refs_.fetch_sub(1) == 1) delete this;
   }
@@ -147,14 +153,19 @@ StoreService::~StoreService() = default;
 grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* StoreService::Session(
     grpc::CallbackServerContext* ctx) {
   auto* session = new SessionReactor(this, ctx);
-  bool closed = false;
-  {
+  const absl::Status authorized = auth_->Check(ctx);
+  bool closed = !authorized.ok();
+  if (!closed) {
     absl::MutexLock lock(&sessions_mu_);
     closed = sessions_closed_;
     if (!closed) sessions_.insert(session);
   }
   if (closed) {
-    session->End();
+    if (authorized.ok()) {
+      session->End();
+    } else {
+      session->Refuse(ToGrpcStatus(authorized));
+    }
     session->Unref();  // the registry's reference: it never held the session
   }
   return session;
@@ -249,11 +260,13 @@ absl::Status StoreService::DoSessionOp(const v1::SessionRequest& req, v1::Sessio
 
 grpc::ServerUnaryReactor* StoreService::Set(grpc::CallbackServerContext* ctx,
                                             const v1::SetRequest* req, v1::SetResponse*) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   return Reply(ctx, DoSet(*req));
 }
 
 grpc::ServerUnaryReactor* StoreService::Get(grpc::CallbackServerContext* ctx,
                                             const v1::GetRequest* req, v1::GetResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   auto deadline = WaitDeadline(ctx, "Get", max_wait_);
   if (!deadline.ok()) return Reply(ctx, deadline.status());
   auto* reactor = new WaitReactor(store_, [resp](std::vector<std::string> values) {
@@ -266,6 +279,7 @@ grpc::ServerUnaryReactor* StoreService::Get(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* StoreService::Wait(grpc::CallbackServerContext* ctx,
                                              const v1::WaitRequest* req, v1::WaitResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   auto deadline = WaitDeadline(ctx, "Wait", max_wait_);
   if (!deadline.ok()) return Reply(ctx, deadline.status());
   auto* reactor = new WaitReactor(store_, [resp](std::vector<std::string> values) {
@@ -278,23 +292,27 @@ grpc::ServerUnaryReactor* StoreService::Wait(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* StoreService::Add(grpc::CallbackServerContext* ctx,
                                             const v1::AddRequest* req, v1::AddResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   return Reply(ctx, DoAdd(*req, resp));
 }
 
 grpc::ServerUnaryReactor* StoreService::CompareSet(grpc::CallbackServerContext* ctx,
                                                    const v1::CompareSetRequest* req,
                                                    v1::CompareSetResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   return Reply(ctx, DoCompareSet(*req, resp));
 }
 
 grpc::ServerUnaryReactor* StoreService::Delete(grpc::CallbackServerContext* ctx,
                                                const v1::DeleteRequest* req,
                                                v1::DeleteResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   return Reply(ctx, DoDelete(*req, resp));
 }
 
 grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,
                                              const v1::ListRequest* req, v1::ListResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   auto keys = store_->List(req->job(), req->prefix());
   if (keys.ok()) {
     for (std::string& k : *keys) resp->add_keys(std::move(k));
@@ -305,12 +323,14 @@ grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* StoreService::SetPackList(grpc::CallbackServerContext* ctx,
                                                     const v1::SetPackListRequest* req,
                                                     v1::SetPackListResponse*) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   return Reply(ctx, PutPackList(*store_, req->job(), req->group(), req->pack_list()));
 }
 
 grpc::ServerUnaryReactor* StoreService::GetPackList(grpc::CallbackServerContext* ctx,
                                                     const v1::GetPackListRequest* req,
                                                     v1::GetPackListResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
   if (auto ranks = ParseGroupKey(req->group()); !ranks.ok()) return Reply(ctx, ranks.status());
   auto deadline = WaitDeadline(ctx, "GetPackList", max_wait_);
   if (!deadline.ok()) return Reply(ctx, deadline.status());

@@ -4,6 +4,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/store.h"
+#include "daemon/rpc/peer_auth.h"
 #include "gradsync/v1/store.grpc.pb.h"
 
 namespace gradsync::rpc {
@@ -12,9 +13,9 @@ namespace gradsync::rpc {
 /// thread: waiting calls complete from the store's callback.
 class StoreService final : public v1::Store::CallbackService {
  public:
-  /// `store` must outlive the service.
-  StoreService(gradsync::Store* store, absl::Duration max_wait)
-      : store_(store), max_wait_(max_wait) {}
+  /// `store` and `auth` must outlive the service.
+  StoreService(gradsync::Store* store, absl::Duration max_wait, const PeerAuth* auth)
+      : store_(store), max_wait_(max_wait), auth_(auth) {}
   ~StoreService() override;
 
   /// Ends every open Session with UNAVAILABLE and refuses new ones (the daemon is draining).
@@ -58,6 +59,7 @@ class StoreService final : public v1::Store::CallbackService {
 
   gradsync::Store* const store_;
   const absl::Duration max_wait_;
+  const PeerAuth* const auth_;
   absl::Mutex sessions_mu_;
   absl::flat_hash_set<SessionReactor*> sessions_ ABSL_GUARDED_BY(sessions_mu_);
   bool sessions_closed_ ABSL_GUARDED_BY(sessions_mu_) = false;

@@ -1,0 +1,36 @@
+#include "common/token.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+
+namespace gradsync {
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("token file ", path, ": ", std::strerror(errno)));
+  }
+  if ((st.st_mode & S_IRWXO) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("token file ", path, " is accessible to others; chmod o-rwx it"));
+  }
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line)) {
+    return absl::FailedPreconditionError(absl::StrCat("token file ", path, " cannot be read"));
+  }
+  std::string token(absl::StripAsciiWhitespace(line));
+  if (token.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("token file ", path, " is empty"));
+  }
+  return token;
+}
+
+}  // namespace gradsync

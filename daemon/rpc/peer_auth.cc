@@ -1,0 +1,42 @@
+#include "daemon/rpc/peer_auth.h"
+
+#include "absl/strings/match.h"
+#include "daemon/rpc/call_util.h"
+
+namespace gradsync::rpc {
+namespace {
+
+// Compares without an early exit, so the time taken does not tell how much of a guess matched.
+bool SameSecret(absl::string_view a, absl::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
+
+}  // namespace
+
+absl::Status PeerAuth::Check(const grpc::CallbackServerContext* ctx) const {
+  if (token_.empty() || absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
+  const auto& metadata = ctx->client_metadata();
+  auto it = metadata.find(kAuthMetadataKey);
+  if (it != metadata.end()) {
+    const absl::string_view value(it->second.data(), it->second.size());
+    if (absl::StartsWith(value, kBearerPrefix) &&
+        SameSecret(value.substr(sizeof(kBearerPrefix) - 1), token_)) {
+      return absl::OkStatus();
+    }
+  }
+  return absl::UnauthenticatedError(
+      "missing or wrong cluster token: TCP calls must carry the token of the daemon's "
+      "--token_file (gradsyncctl --token_file)");
+}
+
+grpc::ServerUnaryReactor* PeerAuth::Refuse(grpc::CallbackServerContext* ctx) const {
+  absl::Status status = Check(ctx);
+  if (status.ok()) return nullptr;
+  return Reply(ctx, status);
+}
+
+}  // namespace gradsync::rpc

@@ -1,0 +1,125 @@
+// The cluster token on the TCP listener: calls without it, or with a wrong one, are
+// UNAUTHENTICATED and change nothing; the unix socket, health and the right token pass.
+
+#include <sys/stat.h>
+
+#include <fstream>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "client/gradsync_client.h"
+#include "client/store_client.h"
+#include "common/grpc_status.h"
+#include "gradsync/v1/inspect.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+
+namespace gradsync::testing {
+namespace {
+
+std::string WriteToken(const std::string& dir, const std::string& name, const std::string& text,
+                       mode_t mode) {
+  const std::string path = dir + "/" + name;
+  std::ofstream(path) << text;
+  ::chmod(path.c_str(), mode);
+  return path;
+}
+
+class AuthTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    DaemonProcess::Options options;
+    options.flags = {"--token_file=" + WriteToken(dir_.path(), "token", "s3cret\n", 0600)};
+    auto daemon = DaemonProcess::Start(dir_.path(), options);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = *std::move(daemon);
+  }
+
+  client::StoreClient Store(const std::string& target, const std::string& token) {
+    client::ClientOptions options;
+    options.token = token;
+    options.rpc_timeout = absl::Seconds(5);
+    return client::StoreClient(client::Connect(target, options), options);
+  }
+
+  TempDir dir_;
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_F(AuthTest, TcpCallsWithoutTheRightTokenAreRefusedAndChangeNothing) {
+  for (const std::string token : {"", "wrong", "s3cre", "s3cret!"}) {
+    client::StoreClient store = Store(daemon_->tcp_target(), token);
+    absl::Status s = store.Set("j", "k", "v");
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated) << "token '" << token << "': " << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "cluster token")) << s;
+    EXPECT_EQ(store.Add("j", "n", 1).status().code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(store.Get("j", "k", absl::Now() + absl::Seconds(2)).status().code(),
+              absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(store.List("j", "").status().code(), absl::StatusCode::kUnauthenticated);
+  }
+  // Nothing was written: the unix socket (trusted) sees an empty job.
+  client::StoreClient local = Store(daemon_->unix_target(), "");
+  EXPECT_EQ(local.List("j", "").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(AuthTest, RightTokenUnixSocketAndHealthPass) {
+  client::StoreClient remote = Store(daemon_->tcp_target(), "s3cret");
+  ASSERT_TRUE(remote.Set("j", "k", "v").ok());
+  auto n = remote.Add("j", "n", 5);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, 5);
+  client::StoreClient local = Store(daemon_->unix_target(), "");
+  auto v = local.Get("j", "k", absl::Now() + absl::Seconds(2));
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, "v");
+  // Health stays open over TCP (monitoring needs no secret; it reveals no job data).
+  auto channel = client::Connect(daemon_->tcp_target());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  grpc::health::v1::HealthCheckResponse resp;
+  ASSERT_TRUE(health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok());
+  EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST_F(AuthTest, InspectAndTrainerSessionsOverTcpNeedTheToken) {
+  auto inspect = v1::Inspect::NewStub(client::Connect(daemon_->tcp_target()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::ListJobsResponse jobs;
+  EXPECT_EQ(FromGrpcStatus(inspect->ListJobs(&ctx, v1::ListJobsRequest(), &jobs)).code(),
+            absl::StatusCode::kUnauthenticated);
+
+  client::Placement one{"a", 1, 0, 0, 1};
+  client::ClientOptions options;
+  options.doorbell = false;
+  auto refused = client::Client::Connect(daemon_->tcp_target(), one, options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  options.token = "s3cret";
+  auto accepted = client::Client::Connect(daemon_->tcp_target(), one, options);
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  EXPECT_TRUE((*accepted)->Barrier().ok());
+}
+
+TEST(AuthFlagsTest, DaemonRefusesATokenFileOthersCanReadOrAnEmptyOne) {
+  TempDir dir;
+  for (const auto& [name, text, mode] :
+       {std::tuple<std::string, std::string, mode_t>{"open", "tok", 0644},
+        {"empty", "\n", 0600},
+        {"missing", "", 0}}) {
+    std::string path = dir.path() + "/" + name;
+    if (mode != 0) path = WriteToken(dir.path(), name, text, mode);
+    const std::string err = dir.path() + "/err-" + name;
+    auto pid = Spawn({DaemonBinary(), "--socket=" + dir.path() + "/s.sock", "--port=0",
+                      "--token_file=" + path},
+                     {}, err);
+    ASSERT_TRUE(pid.ok());
+    auto code = WaitExit(*pid, absl::Seconds(10));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 2) << name;
+  }
+}
+
+}  // namespace
+}  // namespace gradsync::testing
