@@ -82,9 +82,9 @@ int Main() {
       if (absl::Status s = once(); !s.ok()) Die("warm-up", s);
     }
     const double each = std::max(1.0, Us(Clock::now() - t0) / 2);
-    *iters_slot = std::clamp<int64_t>(
-        static_cast<int64_t>(absl::GetFlag(FLAGS_seconds) * 1e6 / each),
-        absl::GetFlag(FLAGS_min_iters), absl::GetFlag(FLAGS_max_iters));
+    *iters_slot =
+        std::clamp<int64_t>(static_cast<int64_t>(absl::GetFlag(FLAGS_seconds) * 1e6 / each),
+                            absl::GetFlag(FLAGS_min_iters), absl::GetFlag(FLAGS_max_iters));
     if (absl::Status s = client.Broadcast(v1::INT64, 0, {{(*ctl)->id(), 0, 1}}); !s.ok()) {
       Die("broadcast", s);
     }
@@ -105,7 +105,8 @@ int Main() {
     const int64_t n = bytes / 4;
     // One checked run with real values, then zeros (the sum of zeros stays finite).
     for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(rank + 1);
-    if (absl::Status s = client.AllReduce(v1::FLOAT32, v1::SUM, {{id, 0, n}}); !s.ok()) Die("check", s);
+    if (absl::Status s = client.AllReduce(v1::FLOAT32, v1::SUM, {{id, 0, n}}); !s.ok())
+      Die("check", s);
     const float want = world * (world + 1) / 2.0f;
     if (x[0] != want || x[n - 1] != want) {
       std::fprintf(stderr, "wrong result %g != %g\n", x[0], want);
@@ -121,7 +122,8 @@ int Main() {
   for (int g = 0; g < kGrads; ++g) grads.push_back({id, g * kGradBytes, kGradBytes / 4});
   auto each = timed([&] {
     std::vector<client::Op> ops;
-    for (const client::Segment& s : grads) ops.push_back(client.AllReduceAsync(v1::FLOAT32, v1::SUM, {s}));
+    for (const client::Segment& s : grads)
+      ops.push_back(client.AllReduceAsync(v1::FLOAT32, v1::SUM, {s}));
     absl::Status status;
     for (client::Op& op : ops) status.Update(op.Wait());
     return status;

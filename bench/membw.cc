@@ -99,8 +99,7 @@ float* AllocBuffer(int64_t bytes) {
 
 // Runs fn(thread, begin, end) over [0, bytes) split into `threads` 64-byte-aligned slices;
 // returns the wall time from before the first thread starts to after the last one ends.
-double Parallel(int threads, int64_t bytes,
-                const std::function<void(int, int64_t, int64_t)>& fn) {
+double Parallel(int threads, int64_t bytes, const std::function<void(int, int64_t, int64_t)>& fn) {
   int64_t chunk = (bytes / threads + kAlign - 1) / kAlign * kAlign;
   auto t0 = std::chrono::steady_clock::now();
   std::vector<std::thread> pool;
@@ -175,9 +174,10 @@ int main(int argc, char** argv) {
       return t;
     });
     for (auto [name, gbps] : {std::pair<const char*, double>{"copy", copy}, {"read", read}}) {
-      std::printf("{\"impl\":\"membw\",\"case\":\"%s\",\"threads\":%d,\"bytes\":%lld,"
-                  "\"GBps\":%.2f}\n",
-                  name, threads, static_cast<long long>(o.bytes), gbps);
+      std::printf(
+          "{\"impl\":\"membw\",\"case\":\"%s\",\"threads\":%d,\"bytes\":%lld,"
+          "\"GBps\":%.2f}\n",
+          name, threads, static_cast<long long>(o.bytes), gbps);
     }
     std::fflush(stdout);
   }

@@ -189,11 +189,11 @@ static void RunCase(const Options* o, const char* name, int nbufs, int64_t bytes
 
   if (rank_ == 0) {
     qsort(samples, (size_t)iters, sizeof(double), CompareDouble);
-    printf("{\"impl\":\"openmpi\",\"case\":\"%s\",\"ranks\":%d,\"bytes\":%lld,\"iters\":%d,"
-           "\"median_us\":%.3f,\"p10_us\":%.3f,\"p90_us\":%.3f}\n",
-           name, world_, (long long)(bytes_each * nbufs), iters,
-           Percentile(samples, iters, 0.5) * 1e6, Percentile(samples, iters, 0.1) * 1e6,
-           Percentile(samples, iters, 0.9) * 1e6);
+    printf(
+        "{\"impl\":\"openmpi\",\"case\":\"%s\",\"ranks\":%d,\"bytes\":%lld,\"iters\":%d,"
+        "\"median_us\":%.3f,\"p10_us\":%.3f,\"p90_us\":%.3f}\n",
+        name, world_, (long long)(bytes_each * nbufs), iters, Percentile(samples, iters, 0.5) * 1e6,
+        Percentile(samples, iters, 0.1) * 1e6, Percentile(samples, iters, 0.9) * 1e6);
     fflush(stdout);
   }
   free(samples);

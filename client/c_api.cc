@@ -1,10 +1,9 @@
 // The C ABI of client/gradsync.h over the C++ client. No exception or C++ type crosses it.
-#include "client/gradsync.h"
-
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "client/gradsync.h"
 #include "client/gradsync_client.h"
 
 struct gs_client {
@@ -113,8 +112,7 @@ int gs_broadcast_async(gs_client* client, int dtype, int root, const gs_segment*
   if (int rc = Check(client, "client") + Check(out, "out"); rc != 0) return rc;
   if (n > 0 && data == nullptr) return Check(data, "data");
   return Emit(
-      client->impl->BroadcastAsync(ToDType(dtype), root, Segments(data, n), Options(options)),
-      out);
+      client->impl->BroadcastAsync(ToDType(dtype), root, Segments(data, n), Options(options)), out);
 }
 
 int gs_barrier_async(gs_client* client, const gs_op_options* options, gs_op** out) {
@@ -142,8 +140,8 @@ int gs_reduce_scatter_async(gs_client* client, int dtype, int reduce_op, const g
     return Check(nullptr, "segments");
   }
   return Emit(client->impl->ReduceScatterAsync(ToDType(dtype), ToReduce(reduce_op),
-                                               Segments(input, n_input),
-                                               Segments(output, n_output), Options(options)),
+                                               Segments(input, n_input), Segments(output, n_output),
+                                               Options(options)),
               out);
 }
 

@@ -208,8 +208,8 @@ int main(int argc, char** argv) {
   for (auto& op : ops) {
     if (absl::Status s = op.Wait(); !s.ok()) return Fail("broadcast", s);
   }
-  if (absl::Status s = check(**params, "broadcast",
-                             [](int index, int64_t i) { return Pattern(i + index); });
+  if (absl::Status s =
+          check(**params, "broadcast", [](int index, int64_t i) { return Pattern(i + index); });
       !s.ok()) {
     return Fail("broadcast", s);
   }

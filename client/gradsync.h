@@ -20,8 +20,14 @@ typedef struct gs_op gs_op;
 
 /* Values of gradsync.v1.DType / ReduceOp on the wire. */
 enum gs_dtype {
-  GS_FLOAT32 = 1, GS_FLOAT64 = 2, GS_FLOAT16 = 3, GS_BFLOAT16 = 4,
-  GS_INT32 = 5, GS_INT64 = 6, GS_UINT8 = 7, GS_INT8 = 8
+  GS_FLOAT32 = 1,
+  GS_FLOAT64 = 2,
+  GS_FLOAT16 = 3,
+  GS_BFLOAT16 = 4,
+  GS_INT32 = 5,
+  GS_INT64 = 6,
+  GS_UINT8 = 7,
+  GS_INT8 = 8
 };
 enum gs_reduce_op { GS_SUM = 1, GS_MEAN = 2, GS_MIN = 3, GS_MAX = 4 };
 
@@ -33,9 +39,9 @@ typedef struct gs_segment {
 
 /* Options of one op; NULL means the defaults (WORLD, no name, the daemon's deadline). */
 typedef struct gs_op_options {
-  const char* group;   /* "world" or "0,2,3"; NULL: world */
-  const char* name;    /* NULL: none */
-  int64_t timeout_ms;  /* 0: the daemon's default */
+  const char* group;  /* "world" or "0,2,3"; NULL: world */
+  const char* name;   /* NULL: none */
+  int64_t timeout_ms; /* 0: the daemon's default */
 } gs_op_options;
 
 const char* gs_last_error(void);

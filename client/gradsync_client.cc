@@ -251,10 +251,10 @@ void Client::HandleLocked(intptr_t tag, bool ok) {
         if (it != pending_.end()) {
           Op::State& state = *it->second;
           state.done = true;
-          state.status = event_.code() == 0
-                             ? absl::OkStatus()
-                             : absl::Status(static_cast<absl::StatusCode>(event_.code()),
-                                            event_.message());
+          state.status =
+              event_.code() == 0
+                  ? absl::OkStatus()
+                  : absl::Status(static_cast<absl::StatusCode>(event_.code()), event_.message());
           state.event = std::move(event_);
           pending_.erase(it);
         }
@@ -268,9 +268,8 @@ void Client::HandleLocked(intptr_t tag, bool ok) {
       break;
     case kFinish:
       finish_pending_ = false;
-      BreakLocked(finish_status_.ok()
-                      ? absl::UnavailableError("gradsyncd ended the session")
-                      : FromGrpcStatus(finish_status_));
+      BreakLocked(finish_status_.ok() ? absl::UnavailableError("gradsyncd ended the session")
+                                      : FromGrpcStatus(finish_status_));
       break;
     default:  // kStart, kWritesDone
       break;
@@ -363,8 +362,8 @@ std::shared_ptr<Op::State> Client::Ring(v1::TrainerRequest request, absl::Durati
     }
     if (record.size() + 64 > doorbell::kRequestRingBytes / 2) {
       state->done = true;
-      state->status = absl::InvalidArgumentError(
-          absl::StrCat("op request of ", record.size(), " bytes is larger than the doorbell allows"));
+      state->status = absl::InvalidArgumentError(absl::StrCat(
+          "op request of ", record.size(), " bytes is larger than the doorbell allows"));
       return state;
     }
     DrainRingLocked();
@@ -463,7 +462,8 @@ absl::StatusOr<std::unique_ptr<SharedBuffer>> Client::CreateBuffer(int64_t bytes
     status = absl::ResourceExhaustedError(
         absl::StrCat("cannot size ", name, " to ", bytes, " bytes: ", std::strerror(errno)));
   } else if (bytes > 0) {
-    void* p = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void* p =
+        ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
       status = absl::ResourceExhaustedError(
           absl::StrCat("cannot map ", bytes, " bytes of ", name, ": ", std::strerror(errno)));

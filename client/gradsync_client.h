@@ -36,8 +36,8 @@ struct Segment {
 };
 
 struct OpOptions {
-  std::string group = "world";  // or member ranks ascending joined by ","
-  std::string name;             // part of the fingerprint every rank must match
+  std::string group = "world";                    // or member ranks ascending joined by ","
+  std::string name;                               // part of the fingerprint every rank must match
   absl::Duration timeout = absl::ZeroDuration();  // zero: the daemon's default
 };
 
@@ -60,7 +60,8 @@ class SharedBuffer {
 
  private:
   friend class Client;
-  SharedBuffer(std::byte* data, int64_t size, DType dtype) : data_(data), size_(size), dtype_(dtype) {}
+  SharedBuffer(std::byte* data, int64_t size, DType dtype)
+      : data_(data), size_(size), dtype_(dtype) {}
   std::byte* const data_;
   const int64_t size_;
   const DType dtype_;
@@ -175,8 +176,8 @@ class Client {
   std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::TrainerRequest, v1::TrainerEvent>> stream_;
 
   std::mutex mu_;
-  std::condition_variable cv_;  // a driver handled an event, or stopped driving
-  bool driving_ = false;        // a thread is inside cq_.AsyncNext
+  std::condition_variable cv_;             // a driver handled an event, or stopped driving
+  bool driving_ = false;                   // a thread is inside cq_.AsyncNext
   std::deque<v1::TrainerRequest> writes_;  // front is being written
   bool writing_ = false;
   bool read_pending_ = false;

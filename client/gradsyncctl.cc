@@ -14,9 +14,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "client/store_client.h"
-#include "common/token.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
+#include "common/token.h"
 #include "gradsync/v1/inspect.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 

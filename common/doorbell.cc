@@ -1,8 +1,8 @@
 #include "common/doorbell.h"
 
 #include <linux/futex.h>
-#include <sys/syscall.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,8 +27,7 @@ void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration ti
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 void FutexWakeAll(std::atomic<uint32_t>* word) {
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
-            0);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 // GRADSYNC_SPIN_US in the environment overrides the default watch time (0: sleep at once).
@@ -99,7 +98,8 @@ absl::Status Doorbell::Pop(std::string* record, bool* got) {
     }
     const uint64_t need = 8 + Align8(len);
     if (len > kRequestRingBytes / 2 || need > kRequestRingBytes - pos || need > head - tail) {
-      return absl::InvalidArgumentError(absl::StrCat("doorbell record of ", len, " bytes is corrupt"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("doorbell record of ", len, " bytes is corrupt"));
     }
     record->assign(reinterpret_cast<const char*>(requests() + pos + 8), len);
     header_->request_tail.store(tail + need, std::memory_order_release);
@@ -124,9 +124,12 @@ bool SpinUntil(const std::function<bool()>& ready, absl::Duration spin) {
 }
 
 void Doorbell::DaemonWait(absl::Duration timeout) {
-  if (SpinUntil([&] { return header_->request_head.load(std::memory_order_acquire) !=
-                             header_->request_tail.load(std::memory_order_relaxed); },
-                SpinTime())) {
+  if (SpinUntil(
+          [&] {
+            return header_->request_head.load(std::memory_order_acquire) !=
+                   header_->request_tail.load(std::memory_order_relaxed);
+          },
+          SpinTime())) {
     return;
   }
   const uint32_t seen = header_->daemon_futex.load(std::memory_order_seq_cst);
@@ -175,9 +178,12 @@ bool Doorbell::Next(Completion* out) {
 }
 
 void Doorbell::TrainerWait(absl::Duration timeout) {
-  if (SpinUntil([&] { return header_->completion_head.load(std::memory_order_acquire) !=
-                             header_->completion_tail.load(std::memory_order_relaxed); },
-                SpinTime())) {
+  if (SpinUntil(
+          [&] {
+            return header_->completion_head.load(std::memory_order_acquire) !=
+                   header_->completion_tail.load(std::memory_order_relaxed);
+          },
+          SpinTime())) {
     return;
   }
   const uint32_t seen = header_->trainer_futex.load(std::memory_order_seq_cst);

@@ -66,7 +66,8 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.workers = absl::GetFlag(FLAGS_workers);
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
     auto token = ReadTokenFile(path);
-    if (!token.ok()) return absl::InvalidArgumentError(absl::StrCat("--token_file: ", token.status().message()));
+    if (!token.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--token_file: ", token.status().message()));
     c.cluster_token = *std::move(token);
   }
   c.log_level = absl::GetFlag(FLAGS_log_level);

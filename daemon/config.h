@@ -21,7 +21,7 @@ struct DaemonConfig {
   absl::Duration drain_grace = absl::Seconds(10);
   store::MemoryStoreOptions store;
   core::EngineOptions engine;
-  int workers = 0;  // threads for large collectives; 0: one per CPU
+  int workers = 0;            // threads for large collectives; 0: one per CPU
   std::string cluster_token;  // TCP calls must carry it (empty: no check); from --token_file
   std::string log_level = "info";
   std::string log_sink = "auto";

@@ -5,9 +5,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <algorithm>
 #include <filesystem>
 #include <thread>
 
@@ -41,8 +41,9 @@ DaemonServer::DaemonServer(DaemonConfig config)
       backend_(&pool_),
       engine_(&backend_, &importer_, &pool_, config_.engine,
               [this](const std::string& job) { store_.DeleteJob(job); }),
-      pool_(config_.workers > 0 ? config_.workers
-                                : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
+      pool_(config_.workers > 0
+                ? config_.workers
+                : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
       gradsync_service_(&engine_, &importer_, &auth_),
       store_service_(&store_, config_.max_wait, &auth_),
       inspect_service_(&store_, &engine_, &auth_),

@@ -30,14 +30,14 @@ class DeadlineTimer {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::multimap<absl::Time, Id> by_time_;                     // guarded by mu_
+  std::multimap<absl::Time, Id> by_time_;  // guarded by mu_
   struct Entry {
     std::multimap<absl::Time, Id>::iterator when;
     std::function<void()> fn;
   };
   absl::flat_hash_map<Id, Entry> callbacks_;  // guarded by mu_
-  Id next_id_ = 1;                                            // guarded by mu_
-  bool stopping_ = false;                                     // guarded by mu_
+  Id next_id_ = 1;                            // guarded by mu_
+  bool stopping_ = false;                     // guarded by mu_
   std::thread thread_;
 };
 

@@ -163,14 +163,17 @@ struct Group {
 
 struct Job {
   Job(std::string id, int world_size, int local_world_size)
-      : id(std::move(id)), world_size(world_size), local_world_size(local_world_size),
-        ranks(world_size, nullptr), local_ranks(local_world_size, -1) {}
+      : id(std::move(id)),
+        world_size(world_size),
+        local_world_size(local_world_size),
+        ranks(world_size, nullptr),
+        local_ranks(local_world_size, -1) {}
 
   const std::string id;
   const int world_size;
   const int local_world_size;
   absl::Mutex mu;
-  std::vector<Session*> ranks ABSL_GUARDED_BY(mu);  // attached session by global rank
+  std::vector<Session*> ranks ABSL_GUARDED_BY(mu);   // attached session by global rank
   std::vector<int> local_ranks ABSL_GUARDED_BY(mu);  // global rank by local rank, -1: free
   int attached ABSL_GUARDED_BY(mu) = 0;
   std::vector<int> departed ABSL_GUARDED_BY(mu);  // ranks that left while others stayed
@@ -183,9 +186,12 @@ using internal::Failed;
 using internal::Pending;
 using internal::Ready;
 
-Engine::Engine(Backend* backend, BufferImporter* importer, WorkerPool* pool,
-               EngineOptions options, JobEndCallback on_job_end)
-    : backend_(backend), importer_(importer), pool_(pool), options_(options),
+Engine::Engine(Backend* backend, BufferImporter* importer, WorkerPool* pool, EngineOptions options,
+               JobEndCallback on_job_end)
+    : backend_(backend),
+      importer_(importer),
+      pool_(pool),
+      options_(options),
       on_job_end_(std::move(on_job_end)) {}
 
 Engine::~Engine() { Shutdown(); }
@@ -199,17 +205,17 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
       req.rank() >= req.world_size() || req.local_world_size() < 1 ||
       req.local_world_size() > req.world_size() || req.local_rank() < 0 ||
       req.local_rank() >= req.local_world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bad placement: need 0 <= rank < world_size <= ", kMaxWorldSize,
-        " and 0 <= local_rank < local_world_size <= world_size; got rank=", req.rank(),
-        " world_size=", req.world_size(), " local_rank=", req.local_rank(),
-        " local_world_size=", req.local_world_size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad placement: need 0 <= rank < world_size <= ", kMaxWorldSize,
+                     " and 0 <= local_rank < local_world_size <= world_size; got rank=", req.rank(),
+                     " world_size=", req.world_size(), " local_rank=", req.local_rank(),
+                     " local_world_size=", req.local_world_size()));
   }
   if (req.local_world_size() != req.world_size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", req.job(), " spans nodes (world_size=", req.world_size(),
-        " local_world_size=", req.local_world_size(),
-        "); this daemon has no peer daemons configured, so every rank must be local"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", req.job(), " spans nodes (world_size=", req.world_size(),
+                     " local_world_size=", req.local_world_size(),
+                     "); this daemon has no peer daemons configured, so every rank must be local"));
   }
   absl::MutexLock lock(&mu_);
   if (shutdown_) return absl::UnavailableError("daemon is shutting down");
@@ -219,9 +225,9 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
   absl::MutexLock job_lock(&job.mu);
   if (job.world_size != req.world_size() || job.local_world_size != req.local_world_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "job ", job.id, " has world_size=", job.world_size, " local_world_size=",
-        job.local_world_size, "; rank ", req.rank(), " says world_size=", req.world_size(),
-        " local_world_size=", req.local_world_size()));
+        "job ", job.id, " has world_size=", job.world_size,
+        " local_world_size=", job.local_world_size, "; rank ", req.rank(),
+        " says world_size=", req.world_size(), " local_world_size=", req.local_world_size()));
   }
   if (!job.departed.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -237,9 +243,9 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
     return absl::AlreadyExistsError(absl::StrCat("local_rank ", req.local_rank(), " of job ",
                                                  job.id, " is already taken by rank ", other));
   }
-  auto session = std::make_shared<Session>(absl::StrCat(job.id, "/", req.rank(), "#",
-                                                        next_session_++),
-                                           slot, req.rank(), req.local_rank());
+  auto session =
+      std::make_shared<Session>(absl::StrCat(job.id, "/", req.rank(), "#", next_session_++), slot,
+                                req.rank(), req.local_rank());
   job.ranks[req.rank()] = session.get();
   job.local_ranks[req.local_rank()] = req.rank();
   ++job.attached;
@@ -321,8 +327,8 @@ absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
     }
     for (const auto& [id, buffer] : session.buffers) {
       if (buffer.handle == req.shm_name()) {
-        return absl::AlreadyExistsError(absl::StrCat(req.shm_name(),
-                                                     " is already registered as buffer ", id));
+        return absl::AlreadyExistsError(
+            absl::StrCat(req.shm_name(), " is already registered as buffer ", id));
       }
     }
   }
@@ -351,8 +357,8 @@ absl::StatusOr<Engine::Arrival> Engine::Resolve(Session& session, const v1::OpRe
   Arrival a;
   Fingerprint& fp = a.fp;
   fp.kind = op.kind();
-  const std::string what = absl::StrCat(KindName(op.kind()), " job=", job.id, " group=",
-                                        op.group(), " rank=", session.rank, ": ");
+  const std::string what = absl::StrCat(KindName(op.kind()), " job=", job.id, " group=", op.group(),
+                                        " rank=", session.rank, ": ");
   auto invalid = [&what](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(what, parts...));
   };
@@ -421,22 +427,23 @@ absl::StatusOr<Engine::Arrival> Engine::Resolve(Session& session, const v1::OpRe
   {
     absl::MutexLock lock(&session.mu);
     if (session.ended) return absl::FailedPreconditionError(absl::StrCat(what, "session ended"));
-    auto resolve = [&](const google::protobuf::RepeatedPtrField<v1::Segment>& segments,
-                       View& view, int64_t& total) -> absl::Status {
+    auto resolve = [&](const google::protobuf::RepeatedPtrField<v1::Segment>& segments, View& view,
+                       int64_t& total) -> absl::Status {
       for (const v1::Segment& seg : segments) {
         auto it = session.buffers.find(seg.buffer_id());
         if (it == session.buffers.end()) {
-          return absl::NotFoundError(absl::StrCat(what, "buffer ", seg.buffer_id(),
-                                                  " is not registered in this session"));
+          return absl::NotFoundError(
+              absl::StrCat(what, "buffer ", seg.buffer_id(), " is not registered in this session"));
         }
         const Session::Buffer& buffer = it->second;
         if (buffer.dtype != v1::DTYPE_UNSPECIFIED && buffer.dtype != op.dtype()) {
-          return invalid("buffer ", seg.buffer_id(), " was registered as ",
-                         DTypeName(buffer.dtype), " but the op is ", DTypeName(op.dtype()));
+          return invalid("buffer ", seg.buffer_id(), " was registered as ", DTypeName(buffer.dtype),
+                         " but the op is ", DTypeName(op.dtype()));
         }
         const int64_t size_bytes = buffer.mapping->size();
         if (seg.count() < 0 || seg.byte_offset() < 0 || seg.byte_offset() % esize != 0 ||
-            seg.byte_offset() > size_bytes || seg.count() > (size_bytes - seg.byte_offset()) / esize) {
+            seg.byte_offset() > size_bytes ||
+            seg.count() > (size_bytes - seg.byte_offset()) / esize) {
           return invalid("segment (buffer ", seg.buffer_id(), ", byte_offset ", seg.byte_offset(),
                          ", count ", seg.count(), ") is outside the buffer's ", size_bytes,
                          " bytes or not aligned to the ", esize, "-byte element");
@@ -493,8 +500,8 @@ absl::StatusOr<Engine::Arrival> Engine::Resolve(Session& session, const v1::OpRe
     default:
       break;
   }
-  a.timeout = op.timeout_ms() > 0 ? absl::Milliseconds(op.timeout_ms())
-                                  : options_.default_op_timeout;
+  a.timeout =
+      op.timeout_ms() > 0 ? absl::Milliseconds(op.timeout_ms()) : options_.default_op_timeout;
   a.deadline = absl::Now() + a.timeout;
   return a;
 }
@@ -561,8 +568,7 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
       group = *g;
       if (!group->broken.empty()) {
         refused = absl::UnavailableError(absl::StrCat(KindName(a.fp.kind), " job=", job.id,
-                                                      " group=", group->key, ": ",
-                                                      group->broken));
+                                                      " group=", group->key, ": ", group->broken));
       }
     }
     if (!refused.ok()) {
@@ -571,9 +577,8 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
       const uint64_t seq = session->next_seq[group->key]++;
       const int size = static_cast<int>(group->members.size());
       if (auto f = group->failed.find(seq); f != group->failed.end()) {
-        out.push_back([sink, tag, seq, status = f->second.status] {
-          sink->OpDone(tag, seq, status);
-        });
+        out.push_back(
+            [sink, tag, seq, status = f->second.status] { sink->OpDone(tag, seq, status); });
         if (--f->second.remaining == 0) group->failed.erase(f);
       } else {
         Pending& p = group->pending[seq];
@@ -583,10 +588,10 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
           p.by_member.resize(size);
         }
         if (!(p.fp == a.fp)) {
-          const absl::Status desync = absl::FailedPreconditionError(absl::StrCat(
-              "desync in job=", job.id, " group=", group->key, " seq=", seq, ": rank ",
-              p.first_rank, " submitted ", p.fp.Describe(), " but rank ", session->rank,
-              " submitted ", a.fp.Describe()));
+          const absl::Status desync = absl::FailedPreconditionError(
+              absl::StrCat("desync in job=", job.id, " group=", group->key, " seq=", seq, ": rank ",
+                           p.first_rank, " submitted ", p.fp.Describe(), " but rank ",
+                           session->rank, " submitted ", a.fp.Describe()));
           Log()->warn("{}", std::string(desync.message()));
           out.push_back([sink, tag, seq, desync] { sink->OpDone(tag, seq, desync); });
           ++p.arrived;  // this one is told here, not by the failed record
@@ -595,10 +600,9 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
           if (a.deadline < p.deadline) {
             p.deadline = a.deadline;
             p.timeout = a.timeout;
-            p.timers.push_back(timer_.Schedule(
-                a.deadline, [this, weak = std::weak_ptr<Job>(session->job), group, seq] {
-                  OnDeadline(weak, group, seq);
-                }));
+            p.timers.push_back(
+                timer_.Schedule(a.deadline, [this, weak = std::weak_ptr<Job>(session->job), group,
+                                             seq] { OnDeadline(weak, group, seq); }));
           }
           const int index = a.group_rank;
           p.by_member[index] = std::move(a);
@@ -650,11 +654,11 @@ void Engine::OnDeadline(const std::weak_ptr<Job>& weak, Group* group, uint64_t s
     for (size_t i = 0; i < p.by_member.size(); ++i) {
       (p.by_member[i].has_value() ? arrived : missing).push_back(group->members[i]);
     }
-    const absl::Status status = absl::DeadlineExceededError(absl::StrCat(
-        KindName(p.fp.kind), " job=", job->id, " group=", group->key, " seq=", seq, " name='",
-        p.fp.name, "' timed out after ", absl::FormatDuration(p.timeout), ": rank(s) ",
-        absl::StrJoin(missing, ","), " never submitted it (arrived: ", absl::StrJoin(arrived, ","),
-        ")"));
+    const absl::Status status = absl::DeadlineExceededError(
+        absl::StrCat(KindName(p.fp.kind), " job=", job->id, " group=", group->key, " seq=", seq,
+                     " name='", p.fp.name, "' timed out after ", absl::FormatDuration(p.timeout),
+                     ": rank(s) ", absl::StrJoin(missing, ","),
+                     " never submitted it (arrived: ", absl::StrJoin(arrived, ","), ")"));
     Log()->warn("{}", std::string(status.message()));
     FailPendingLocked(*group, seq, status, out);
   }

@@ -116,8 +116,7 @@ class Engine {
   // The *Locked helpers need the job's mutex held.
   absl::StatusOr<Group*> GetGroupLocked(Job& job, const std::vector<int>& members,
                                         const std::string& key);
-  void FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status,
-                         Completions& out);
+  void FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status, Completions& out);
   void OnDeadline(const std::weak_ptr<Job>& job, Group* group, uint64_t seq);
   // Runs a group's matched ops in order until none is left; large ones move to the pool.
   void Drain(std::shared_ptr<Job> job, Group* group, bool on_pool);

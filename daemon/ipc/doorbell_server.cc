@@ -25,9 +25,8 @@ absl::StatusOr<std::shared_ptr<DoorbellServer>> DoorbellServer::Open(
     return absl::Status(region.status().code(),
                         absl::StrCat("doorbell: ", region.status().message()));
   }
-  std::shared_ptr<DoorbellServer> server(new DoorbellServer(*std::move(region), engine,
-                                                            std::move(session),
-                                                            std::move(on_error)));
+  std::shared_ptr<DoorbellServer> server(
+      new DoorbellServer(*std::move(region), engine, std::move(session), std::move(on_error)));
   if (absl::Status s = server->doorbell_.Validate(); !s.ok()) return s;
   return server;
 }

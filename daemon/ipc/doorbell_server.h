@@ -34,8 +34,11 @@ class DoorbellServer final : public core::SessionSink,
  private:
   DoorbellServer(std::unique_ptr<core::MappedBuffer> region, core::Engine* engine,
                  std::shared_ptr<core::Session> session, std::function<void(absl::Status)> on_error)
-      : region_(std::move(region)), doorbell_(region_->data()), engine_(engine),
-        session_(std::move(session)), on_error_(std::move(on_error)) {}
+      : region_(std::move(region)),
+        doorbell_(region_->data()),
+        engine_(engine),
+        session_(std::move(session)),
+        on_error_(std::move(on_error)) {}
   void Loop();
 
   const std::unique_ptr<core::MappedBuffer> region_;

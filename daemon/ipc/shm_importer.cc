@@ -81,9 +81,8 @@ absl::StatusOr<std::unique_ptr<core::MappedBuffer>> ShmImporter::Import(
     if (p == MAP_FAILED) {
       const int err = errno;
       ::close(fd);
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot map ", request.bytes(), " bytes of ", name, ": ",
-                       std::strerror(err)));
+      return absl::ResourceExhaustedError(absl::StrCat("cannot map ", request.bytes(), " bytes of ",
+                                                       name, ": ", std::strerror(err)));
     }
     data = static_cast<std::byte*>(p);
   }

@@ -7,8 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
-#include "daemon/ipc/doorbell_server.h"
 #include "common/version.h"
+#include "daemon/ipc/doorbell_server.h"
 
 namespace gradsync::rpc {
 namespace {
@@ -137,8 +137,7 @@ class GradSyncService::SessionReactor final
         session_ = *std::move(session);
         v1::RegisterReply& reply = *event.mutable_register_session();
         reply.set_session_id(core::Engine::SessionId(*session_));
-        reply.set_default_op_timeout_ms(
-            absl::ToInt64Milliseconds(engine().default_op_timeout()));
+        reply.set_default_op_timeout_ms(absl::ToInt64Milliseconds(engine().default_op_timeout()));
         reply.set_daemon_version(GRADSYNC_VERSION);
         SetStatus(absl::OkStatus(), event);
         break;
@@ -215,7 +214,7 @@ class GradSyncService::SessionReactor final
   GradSyncService* const service_;
   grpc::CallbackServerContext* const ctx_;
   const std::shared_ptr<Sink> sink_;
-  std::shared_ptr<core::Session> session_;  // set once by the reading side
+  std::shared_ptr<core::Session> session_;         // set once by the reading side
   std::shared_ptr<ipc::DoorbellServer> doorbell_;  // set with session_ when the trainer has one
   v1::TrainerRequest request_;
   absl::Mutex mu_;

@@ -111,9 +111,9 @@ TEST(AuthFlagsTest, DaemonRefusesATokenFileOthersCanReadOrAnEmptyOne) {
     std::string path = dir.path() + "/" + name;
     if (mode != 0) path = WriteToken(dir.path(), name, text, mode);
     const std::string err = dir.path() + "/err-" + name;
-    auto pid = Spawn({DaemonBinary(), "--socket=" + dir.path() + "/s.sock", "--port=0",
-                      "--token_file=" + path},
-                     {}, err);
+    auto pid = Spawn(
+        {DaemonBinary(), "--socket=" + dir.path() + "/s.sock", "--port=0", "--token_file=" + path},
+        {}, err);
     ASSERT_TRUE(pid.ok());
     auto code = WaitExit(*pid, absl::Seconds(10));
     ASSERT_TRUE(code.ok()) << code.status();

@@ -7,14 +7,14 @@
 
 #include "client/gradsync.h"
 
-#define CHECK(cond, ...)                      \
-  do {                                        \
-    if (!(cond)) {                            \
+#define CHECK(cond, ...)                           \
+  do {                                             \
+    if (!(cond)) {                                 \
       fprintf(stderr, "CHECK FAILED %s: ", #cond); \
-      fprintf(stderr, __VA_ARGS__);           \
-      fprintf(stderr, "\n");                  \
-      return 1;                               \
-    }                                         \
+      fprintf(stderr, __VA_ARGS__);                \
+      fprintf(stderr, "\n");                       \
+      return 1;                                    \
+    }                                              \
   } while (0)
 
 int main(int argc, char** argv) {

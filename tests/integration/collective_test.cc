@@ -48,8 +48,11 @@ class CollectiveTest : public ::testing::Test {
     std::vector<pid_t> pids;
     out_.assign(world, "");
     for (int r = 0; r < world; ++r) {
-      std::vector<std::string> argv = {HelperBinary("collective_worker"), daemon_->unix_target(),
-                                       job, std::to_string(world), std::to_string(r),
+      std::vector<std::string> argv = {HelperBinary("collective_worker"),
+                                       daemon_->unix_target(),
+                                       job,
+                                       std::to_string(world),
+                                       std::to_string(r),
                                        scenarios[r]};
       argv.insert(argv.end(), args.begin(), args.end());
       auto pid = Spawn(argv, {}, OutPath(r));
@@ -95,7 +98,8 @@ class CollectiveTest : public ::testing::Test {
   int DaemonShmMappings() {
     std::ifstream maps(absl::StrCat("/proc/", daemon_->pid(), "/maps"));
     int n = 0;
-    for (std::string line; std::getline(maps, line);) n += absl::StrContains(line, "/dev/shm/gradsync-");
+    for (std::string line; std::getline(maps, line);)
+      n += absl::StrContains(line, "/dev/shm/gradsync-");
     return n;
   }
 
@@ -131,7 +135,9 @@ TEST_F(CollectiveTest, FusedPackIsOneOpWhateverTheLayout) {
   ExpectAllPassed(RunAll("f4", "fused", 4), "wrong=0");
 }
 
-TEST_F(CollectiveTest, GroupsAreIndependent) { ExpectAllPassed(RunAll("g4", "groups", 4), "groups ok"); }
+TEST_F(CollectiveTest, GroupsAreIndependent) {
+  ExpectAllPassed(RunAll("g4", "groups", 4), "groups ok");
+}
 
 TEST_F(CollectiveTest, FingerprintMismatchFailsEveryRankNamingBoth) {
   ExpectAllPassed(RunAll("d2", "desync", 2), "desync ok");
@@ -158,8 +164,9 @@ TEST_F(CollectiveTest, OpsOverTheGrpcStreamToo) {
 TEST_F(CollectiveTest, TrainerWrittenInCAgainstTheCAbi) {
   std::vector<pid_t> pids;
   for (int r = 0; r < 2; ++r) {
-    auto pid = Spawn({HelperBinary("c_api_worker"), daemon_->unix_target(), "c2", "2",
-                      std::to_string(r)}, {}, OutPath(r));
+    auto pid =
+        Spawn({HelperBinary("c_api_worker"), daemon_->unix_target(), "c2", "2", std::to_string(r)},
+              {}, OutPath(r));
     ASSERT_TRUE(pid.ok()) << pid.status();
     pids.push_back(*pid);
   }

@@ -37,13 +37,13 @@ using client::SharedBuffer;
 
 int failures = 0;
 
-#define EXPECT_TRUE_OR_REPORT(cond, ...)                                         \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      ++failures;                                                                 \
-      std::fprintf(stderr, "rank %d CHECK FAILED %s: %s\n", g_rank, #cond,        \
-                   absl::StrCat(__VA_ARGS__).c_str());                            \
-    }                                                                             \
+#define EXPECT_TRUE_OR_REPORT(cond, ...)                                   \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      ++failures;                                                          \
+      std::fprintf(stderr, "rank %d CHECK FAILED %s: %s\n", g_rank, #cond, \
+                   absl::StrCat(__VA_ARGS__).c_str());                     \
+    }                                                                      \
   } while (0)
 
 int g_rank = 0;
@@ -133,15 +133,22 @@ int64_t CheckT(const std::byte* base, int64_t count, const std::function<double(
   return bad;
 }
 
-#define DISPATCH(dtype, F, ...)                                  \
-  switch (dtype) {                                               \
-    case v1::FLOAT32: return F<float>(__VA_ARGS__);              \
-    case v1::FLOAT64: return F<double>(__VA_ARGS__);             \
-    case v1::FLOAT16: return F<_Float16>(__VA_ARGS__);           \
-    case v1::BFLOAT16: return F<BF16>(__VA_ARGS__);              \
-    case v1::INT32: return F<int32_t>(__VA_ARGS__);              \
-    case v1::INT64: return F<int64_t>(__VA_ARGS__);              \
-    default: std::abort();                                       \
+#define DISPATCH(dtype, F, ...)        \
+  switch (dtype) {                     \
+    case v1::FLOAT32:                  \
+      return F<float>(__VA_ARGS__);    \
+    case v1::FLOAT64:                  \
+      return F<double>(__VA_ARGS__);   \
+    case v1::FLOAT16:                  \
+      return F<_Float16>(__VA_ARGS__); \
+    case v1::BFLOAT16:                 \
+      return F<BF16>(__VA_ARGS__);     \
+    case v1::INT32:                    \
+      return F<int32_t>(__VA_ARGS__);  \
+    case v1::INT64:                    \
+      return F<int64_t>(__VA_ARGS__);  \
+    default:                           \
+      std::abort();                    \
   }
 
 void Fill(DType d, std::byte* base, int64_t count, int r, int64_t first = 0) {
@@ -152,8 +159,8 @@ int64_t Check(DType d, const std::byte* base, int64_t count,
   DISPATCH(d, CheckT, base, count, want, first_bad);
 }
 
-const std::vector<DType> kDTypes = {v1::FLOAT32, v1::FLOAT64, v1::FLOAT16,
-                                    v1::BFLOAT16, v1::INT32,  v1::INT64};
+const std::vector<DType> kDTypes = {v1::FLOAT32,  v1::FLOAT64, v1::FLOAT16,
+                                    v1::BFLOAT16, v1::INT32,   v1::INT64};
 
 OpOptions Opt(std::string group, std::string name = "",
               absl::Duration timeout = absl::ZeroDuration()) {
@@ -202,8 +209,8 @@ void Matrix(Client& c) {
   std::vector<DType> dtypes;
   for (DType d : kDTypes) {
     const std::string only = Arg("dtypes", "");
-    if (only.empty() || absl::StrContains(absl::StrCat(",", only, ","),
-                                          absl::StrCat(",", DTypeName(d), ","))) {
+    if (only.empty() ||
+        absl::StrContains(absl::StrCat(",", only, ","), absl::StrCat(",", DTypeName(d), ","))) {
       dtypes.push_back(d);
     }
   }
@@ -217,8 +224,8 @@ void Matrix(Client& c) {
         Fill(d, in, n, g_rank);
         absl::Status s = c.AllReduce(d, op, {{b.id(), 0, n}});
         EXPECT_TRUE_OR_REPORT(s.ok(), "all_reduce", where, " ", s.ToString());
-        const int64_t wrong =
-            Check(d, in, n, [&](int64_t i) { return Expected(op, d, world, i); }, &bad);
+        const int64_t wrong = Check(
+            d, in, n, [&](int64_t i) { return Expected(op, d, world, i); }, &bad);
         EXPECT_TRUE_OR_REPORT(wrong == 0, "all_reduce op=", op, where, " wrong=", wrong, " ", bad);
         ++cases;
       }
@@ -226,7 +233,8 @@ void Matrix(Client& c) {
       Fill(d, in, n, g_rank);
       absl::Status s = c.Broadcast(d, root, {{b.id(), 0, n}});
       EXPECT_TRUE_OR_REPORT(s.ok(), "broadcast", where, " ", s.ToString());
-      int64_t wrong = Check(d, in, n, [&](int64_t i) { return Value(root, i); }, &bad);
+      int64_t wrong = Check(
+          d, in, n, [&](int64_t i) { return Value(root, i); }, &bad);
       EXPECT_TRUE_OR_REPORT(wrong == 0, "broadcast", where, " wrong=", wrong, " ", bad);
       // All-gather: block q of the output is rank q's input.
       const int64_t block = std::max<int64_t>(ng, 1);
@@ -241,8 +249,8 @@ void Matrix(Client& c) {
         Fill(d, in, ng * g_world, g_rank);
         s = c.ReduceScatterAsync(d, op, {{b.id(), 0, ng * g_world}}, {{b.id(), area, ng}}).Wait();
         EXPECT_TRUE_OR_REPORT(s.ok(), "reduce_scatter", where, " ", s.ToString());
-        wrong = Check(d, out, ng,
-                      [&](int64_t i) { return Expected(op, d, world, g_rank * ng + i); }, &bad);
+        wrong = Check(
+            d, out, ng, [&](int64_t i) { return Expected(op, d, world, g_rank * ng + i); }, &bad);
         EXPECT_TRUE_OR_REPORT(wrong == 0, "reduce_scatter op=", op, where, " wrong=", wrong, " ",
                               bad);
       }
@@ -255,7 +263,8 @@ void Matrix(Client& c) {
   std::printf("matrix cases=%d\n", cases);
 }
 
-std::unique_ptr<SharedBuffer> MustBuffer(Client& c, int64_t bytes, DType dtype = v1::DTYPE_UNSPECIFIED) {
+std::unique_ptr<SharedBuffer> MustBuffer(Client& c, int64_t bytes,
+                                         DType dtype = v1::DTYPE_UNSPECIFIED) {
   auto buffer = c.CreateBuffer(bytes, dtype);
   if (!buffer.ok()) {
     std::fprintf(stderr, "CreateBuffer: %s\n", buffer.status().ToString().c_str());
@@ -271,7 +280,8 @@ void Async(Client& c) {
   auto b = MustBuffer(c, kOps * kCount * 4, v1::FLOAT32);
   float* p = reinterpret_cast<float*>(b->data());
   for (int k = 0; k < kOps; ++k) {
-    for (int64_t i = 0; i < kCount; ++i) p[k * kCount + i] = static_cast<float>(Value(g_rank, k + i));
+    for (int64_t i = 0; i < kCount; ++i)
+      p[k * kCount + i] = static_cast<float>(Value(g_rank, k + i));
   }
   std::vector<Op> ops;
   for (int k = 0; k < kOps; ++k) {
@@ -282,7 +292,8 @@ void Async(Client& c) {
   for (int k = kOps - 1; k >= 0; --k) {
     absl::Status s = ops[k].Wait();
     EXPECT_TRUE_OR_REPORT(s.ok(), "op ", k, " ", s.ToString());
-    EXPECT_TRUE_OR_REPORT(ops[k].seq() == static_cast<uint64_t>(k), "op ", k, " seq ", ops[k].seq());
+    EXPECT_TRUE_OR_REPORT(ops[k].seq() == static_cast<uint64_t>(k), "op ", k, " seq ",
+                          ops[k].seq());
     done += s.ok();
   }
   const std::vector<int> world = World();
@@ -290,7 +301,8 @@ void Async(Client& c) {
     for (int64_t i = 0; i < kCount; ++i) {
       const double want = Expected(v1::SUM, v1::FLOAT32, world, k + i);
       if (p[k * kCount + i] != want) {
-        EXPECT_TRUE_OR_REPORT(false, "op ", k, " element ", i, " got ", p[k * kCount + i], " want ", want);
+        EXPECT_TRUE_OR_REPORT(false, "op ", k, " element ", i, " got ", p[k * kCount + i], " want ",
+                              want);
         break;
       }
     }
@@ -332,8 +344,9 @@ void Fused(Client& c) {
   for (int g = 0; g < kGrads; ++g) {
     std::string bad;
     const int64_t base = logical;
-    wrong += Check(v1::BFLOAT16, b->data() + offset[g] * 2, sizes[g],
-                   [&](int64_t i) { return Expected(v1::MEAN, v1::BFLOAT16, world, base + i); }, &bad);
+    wrong += Check(
+        v1::BFLOAT16, b->data() + offset[g] * 2, sizes[g],
+        [&](int64_t i) { return Expected(v1::MEAN, v1::BFLOAT16, world, base + i); }, &bad);
     EXPECT_TRUE_OR_REPORT(wrong == 0, "gradient ", g, " ", bad);
     logical += sizes[g];
   }
@@ -352,8 +365,9 @@ void Groups(Client& c) {
     absl::Status s = c.AllReduce(v1::INT64, v1::MEAN, {{b->id(), 0, kCount}}, Opt(key));
     EXPECT_TRUE_OR_REPORT(s.ok(), "group ", key, " ", s.ToString());
     std::string bad;
-    const int64_t wrong = Check(v1::INT64, b->data(), kCount, [&](int64_t i) {
-      return Expected(v1::MEAN, v1::INT64, pair, round + i); }, &bad);
+    const int64_t wrong = Check(
+        v1::INT64, b->data(), kCount,
+        [&](int64_t i) { return Expected(v1::MEAN, v1::INT64, pair, round + i); }, &bad);
     EXPECT_TRUE_OR_REPORT(wrong == 0, "group ", key, " round ", round, " ", bad);
   }
   // Group {0, 2, 3}: rank 1 sits it out; group rank of the broadcast root is 2 (global 3).
@@ -362,7 +376,8 @@ void Groups(Client& c) {
     absl::Status s = c.Broadcast(v1::INT64, 2, {{b->id(), 0, kCount}}, Opt("0,2,3"));
     EXPECT_TRUE_OR_REPORT(s.ok(), "group 0,2,3 ", s.ToString());
     std::string bad;
-    const int64_t wrong = Check(v1::INT64, b->data(), kCount, [&](int64_t i) { return Value(3, i); }, &bad);
+    const int64_t wrong = Check(
+        v1::INT64, b->data(), kCount, [&](int64_t i) { return Value(3, i); }, &bad);
     EXPECT_TRUE_OR_REPORT(wrong == 0, "group 0,2,3 broadcast ", bad);
   }
   absl::Status s = c.Barrier();
@@ -381,15 +396,21 @@ void Desync(Client& c) {
   EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), "desync"), s.ToString());
   EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), "count=16"), s.ToString());
   EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), "count=17"), s.ToString());
-  EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), absl::StrCat("rank ", g_world - 1)), s.ToString());
+  EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), absl::StrCat("rank ", g_world - 1)),
+                        s.ToString());
   std::string bad;
-  EXPECT_TRUE_OR_REPORT(Check(v1::FLOAT32, b->data(), 64, [](int64_t i) { return Value(g_rank, i); }, &bad) == 0,
-                        "buffer changed by a failed op: ", bad);
+  EXPECT_TRUE_OR_REPORT(
+      Check(
+          v1::FLOAT32, b->data(), 64, [](int64_t i) { return Value(g_rank, i); }, &bad) == 0,
+      "buffer changed by a failed op: ", bad);
   s = c.AllReduce(v1::FLOAT32, v1::SUM, {{b->id(), 0, 16}});
   EXPECT_TRUE_OR_REPORT(s.ok(), "op after desync ", s.ToString());
   const std::vector<int> world = World();
-  EXPECT_TRUE_OR_REPORT(Check(v1::FLOAT32, b->data(), 16, [&](int64_t i) {
-    return Expected(v1::SUM, v1::FLOAT32, world, i); }, &bad) == 0, bad);
+  EXPECT_TRUE_OR_REPORT(
+      Check(
+          v1::FLOAT32, b->data(), 16,
+          [&](int64_t i) { return Expected(v1::SUM, v1::FLOAT32, world, i); }, &bad) == 0,
+      bad);
   std::printf("desync ok\n");
 }
 
@@ -404,8 +425,9 @@ void Deadline(Client& c) {
                                Opt("world", "slow", absl::Milliseconds(500)));
   const absl::Duration took = absl::Now() - start;
   EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kDeadlineExceeded, s.ToString());
-  EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), absl::StrCat("rank(s) ", g_world - 1, " never")),
-                        s.ToString());
+  EXPECT_TRUE_OR_REPORT(
+      absl::StrContains(s.message(), absl::StrCat("rank(s) ", g_world - 1, " never")),
+      s.ToString());
   if (!late) EXPECT_TRUE_OR_REPORT(took < absl::Seconds(1.4), "took ", absl::FormatDuration(took));
   // Everybody meets at a barrier (the late rank is there now), then the group works.
   s = c.Barrier(Opt("world", "", absl::Seconds(20)));
@@ -413,7 +435,8 @@ void Deadline(Client& c) {
   Fill(v1::FLOAT32, b->data(), 16, g_rank);
   s = c.AllReduce(v1::FLOAT32, v1::MAX, {{b->id(), 0, 16}});
   EXPECT_TRUE_OR_REPORT(s.ok(), "op after deadline ", s.ToString());
-  std::printf("deadline ok took_ms=%lld\n", static_cast<long long>(absl::ToInt64Milliseconds(took)));
+  std::printf("deadline ok took_ms=%lld\n",
+              static_cast<long long>(absl::ToInt64Milliseconds(took)));
 }
 
 // Kill test, the victim: meets the others at a barrier, then dies without a word.
@@ -434,8 +457,9 @@ void Survivor(Client& c) {
   const absl::Time start = absl::Now();
   s = c.AllReduce(v1::FLOAT32, v1::SUM, {{b->id(), 0, 1024}}, Opt("world", "", absl::Seconds(60)));
   const absl::Duration took = absl::Now() - start;
-  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kUnavailable ||
-                        s.code() == absl::StatusCode::kAborted, s.ToString());
+  EXPECT_TRUE_OR_REPORT(
+      s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kAborted,
+      s.ToString());
   EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), absl::StrCat("rank ", g_world - 1, " left")),
                         s.ToString());
   EXPECT_TRUE_OR_REPORT(took < absl::Seconds(10), "took ", absl::FormatDuration(took));
@@ -448,7 +472,8 @@ void Survivor(Client& c) {
     s = c.Barrier(Opt(key));
     EXPECT_TRUE_OR_REPORT(s.ok(), "barrier of the living ", s.ToString());
   }
-  std::printf("survivor ok took_ms=%lld\n", static_cast<long long>(absl::ToInt64Milliseconds(took)));
+  std::printf("survivor ok took_ms=%lld\n",
+              static_cast<long long>(absl::ToInt64Milliseconds(took)));
 }
 
 // Every kind of bad input gets its specific code and changes nothing: afterwards the buffer
@@ -480,16 +505,23 @@ void BadInput(Client& c, const std::string& target, const std::string& job) {
     return s;
   };
   std::vector<Case> cases;
-  cases.push_back({"unknown buffer", ar({seg(999, 0, 4)}), absl::StatusCode::kNotFound, "buffer 999"});
-  cases.push_back({"offset past end", ar({seg(id, 256, 1)}), absl::StatusCode::kInvalidArgument, "outside"});
-  cases.push_back({"misaligned", ar({seg(id, 2, 4)}), absl::StatusCode::kInvalidArgument, "aligned"});
-  cases.push_back({"count past end", ar({seg(id, 0, 65)}), absl::StatusCode::kInvalidArgument, "outside"});
-  cases.push_back({"negative count", ar({seg(id, 0, -1)}), absl::StatusCode::kInvalidArgument, "outside"});
-  cases.push_back({"overlap", ar({seg(id, 0, 10), seg(id, 20, 10)}), absl::StatusCode::kInvalidArgument, "overlap"});
+  cases.push_back(
+      {"unknown buffer", ar({seg(999, 0, 4)}), absl::StatusCode::kNotFound, "buffer 999"});
+  cases.push_back(
+      {"offset past end", ar({seg(id, 256, 1)}), absl::StatusCode::kInvalidArgument, "outside"});
+  cases.push_back(
+      {"misaligned", ar({seg(id, 2, 4)}), absl::StatusCode::kInvalidArgument, "aligned"});
+  cases.push_back(
+      {"count past end", ar({seg(id, 0, 65)}), absl::StatusCode::kInvalidArgument, "outside"});
+  cases.push_back(
+      {"negative count", ar({seg(id, 0, -1)}), absl::StatusCode::kInvalidArgument, "outside"});
+  cases.push_back({"overlap", ar({seg(id, 0, 10), seg(id, 20, 10)}),
+                   absl::StatusCode::kInvalidArgument, "overlap"});
   {
     v1::OpRequest op = ar({seg(id, 0, 4)});
     op.set_dtype(v1::FLOAT64);
-    cases.push_back({"dtype mismatch", op, absl::StatusCode::kInvalidArgument, "registered as float32"});
+    cases.push_back(
+        {"dtype mismatch", op, absl::StatusCode::kInvalidArgument, "registered as float32"});
     op = ar({seg(id, 0, 4)});
     op.set_group("0,5");
     cases.push_back({"rank out of range", op, absl::StatusCode::kInvalidArgument, "world_size"});
@@ -523,8 +555,8 @@ void BadInput(Client& c, const std::string& target, const std::string& job) {
   }
   for (const Case& k : cases) {
     absl::Status s = c.Submit(k.op).Wait();
-    EXPECT_TRUE_OR_REPORT(s.code() == k.code && absl::StrContains(s.message(), k.needle),
-                          k.what, ": got ", s.ToString());
+    EXPECT_TRUE_OR_REPORT(s.code() == k.code && absl::StrContains(s.message(), k.needle), k.what,
+                          ": got ", s.ToString());
   }
 
   // Buffer registration errors.
@@ -532,10 +564,12 @@ void BadInput(Client& c, const std::string& target, const std::string& job) {
   reg.set_shm_name("/gradsync-test-does-not-exist");
   reg.set_bytes(64);
   auto r = c.RegisterBuffer(reg);
-  EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kNotFound, "missing shm: ", r.status().ToString());
+  EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kNotFound,
+                        "missing shm: ", r.status().ToString());
   reg.set_shm_name("not/a/name");
   r = c.RegisterBuffer(reg);
-  EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kInvalidArgument, "bad name: ", r.status().ToString());
+  EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kInvalidArgument,
+                        "bad name: ", r.status().ToString());
   const std::string name = absl::StrCat("/gradsync-test-small-", ::getpid());
   const int fd = ::shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
   if (fd < 0 || ::ftruncate(fd, 100) != 0) std::exit(2);
@@ -543,16 +577,19 @@ void BadInput(Client& c, const std::string& target, const std::string& job) {
   reg.set_shm_name(name);
   reg.set_bytes(200);
   r = c.RegisterBuffer(reg);
-  EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kFailedPrecondition, "too small: ", r.status().ToString());
+  EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kFailedPrecondition,
+                        "too small: ", r.status().ToString());
   reg.set_bytes(100);
   r = c.RegisterBuffer(reg);
   EXPECT_TRUE_OR_REPORT(r.ok(), "fits: ", r.status().ToString());
   auto again = c.RegisterBuffer(reg);
-  EXPECT_TRUE_OR_REPORT(again.status().code() == absl::StatusCode::kAlreadyExists, "duplicate: ", again.status().ToString());
+  EXPECT_TRUE_OR_REPORT(again.status().code() == absl::StatusCode::kAlreadyExists,
+                        "duplicate: ", again.status().ToString());
   ::shm_unlink(name.c_str());
   if (r.ok()) EXPECT_TRUE_OR_REPORT(c.DeregisterBuffer(*r).ok(), "deregister");
   absl::Status s = c.DeregisterBuffer(12345);
-  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kNotFound, "deregister unknown: ", s.ToString());
+  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kNotFound,
+                        "deregister unknown: ", s.ToString());
 
   // Registration errors (a second session each; this one stays healthy).
   auto try_register = [&](int world, int rank, int local_world) {
@@ -560,24 +597,34 @@ void BadInput(Client& c, const std::string& target, const std::string& job) {
     return Client::Connect(target, p).status();
   };
   s = try_register(g_world, g_rank, g_world);
-  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kAlreadyExists, "same rank twice: ", s.ToString());
+  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kAlreadyExists,
+                        "same rank twice: ", s.ToString());
   s = try_register(g_world, g_world + 3, g_world);
-  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kInvalidArgument, "rank out of range: ", s.ToString());
+  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kInvalidArgument,
+                        "rank out of range: ", s.ToString());
   s = try_register(g_world + 1, g_rank, g_world + 1);
-  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kInvalidArgument, "world mismatch: ", s.ToString());
+  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kInvalidArgument,
+                        "world mismatch: ", s.ToString());
   s = try_register(g_world * 2, g_rank, g_world);
-  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kFailedPrecondition, "spans nodes: ", s.ToString());
+  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kFailedPrecondition,
+                        "spans nodes: ", s.ToString());
 
   // Nothing changed: the buffer is intact and the next valid op is op 0.
   std::string bad;
-  EXPECT_TRUE_OR_REPORT(Check(v1::FLOAT32, b->data(), 64, [](int64_t i) { return Value(g_rank, i); }, &bad) == 0,
-                        "buffer changed: ", bad);
+  EXPECT_TRUE_OR_REPORT(
+      Check(
+          v1::FLOAT32, b->data(), 64, [](int64_t i) { return Value(g_rank, i); }, &bad) == 0,
+      "buffer changed: ", bad);
   Op op = c.AllReduceAsync(v1::FLOAT32, v1::SUM, {{id, 0, 64}});
   s = op.Wait();
-  EXPECT_TRUE_OR_REPORT(s.ok() && op.seq() == 0, "valid op after bad ones: ", s.ToString(), " seq ", op.seq());
+  EXPECT_TRUE_OR_REPORT(s.ok() && op.seq() == 0, "valid op after bad ones: ", s.ToString(), " seq ",
+                        op.seq());
   const std::vector<int> world = World();
-  EXPECT_TRUE_OR_REPORT(Check(v1::FLOAT32, b->data(), 64, [&](int64_t i) {
-    return Expected(v1::SUM, v1::FLOAT32, world, i); }, &bad) == 0, bad);
+  EXPECT_TRUE_OR_REPORT(
+      Check(
+          v1::FLOAT32, b->data(), 64,
+          [&](int64_t i) { return Expected(v1::SUM, v1::FLOAT32, world, i); }, &bad) == 0,
+      bad);
   std::printf("badinput cases=%zu\n", cases.size() + 10);
 }
 
@@ -605,15 +652,24 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rank %d connect: %s\n", g_rank, c.status().ToString().c_str());
     return 2;
   }
-  if (scenario == "matrix") Matrix(**c);
-  else if (scenario == "async") Async(**c);
-  else if (scenario == "fused") Fused(**c);
-  else if (scenario == "groups") Groups(**c);
-  else if (scenario == "desync") Desync(**c);
-  else if (scenario == "deadline") Deadline(**c);
-  else if (scenario == "victim") Victim(**c);
-  else if (scenario == "survivor") Survivor(**c);
-  else if (scenario == "badinput") BadInput(**c, target, job);
+  if (scenario == "matrix")
+    Matrix(**c);
+  else if (scenario == "async")
+    Async(**c);
+  else if (scenario == "fused")
+    Fused(**c);
+  else if (scenario == "groups")
+    Groups(**c);
+  else if (scenario == "desync")
+    Desync(**c);
+  else if (scenario == "deadline")
+    Deadline(**c);
+  else if (scenario == "victim")
+    Victim(**c);
+  else if (scenario == "survivor")
+    Survivor(**c);
+  else if (scenario == "badinput")
+    BadInput(**c, target, job);
   else {
     std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
     return 2;

@@ -88,11 +88,12 @@ class RecordingSink final : public SessionSink {
 class EngineTest : public ::testing::Test {
  protected:
   EngineTest()
-      : pool_(2), backend_(&pool_), engine_(&backend_, &importer_, &pool_, Options(),
-                                            [this](const std::string& job) {
-                                              absl::MutexLock lock(&mu_);
-                                              ended_.push_back(job);
-                                            }) {}
+      : pool_(2),
+        backend_(&pool_),
+        engine_(&backend_, &importer_, &pool_, Options(), [this](const std::string& job) {
+          absl::MutexLock lock(&mu_);
+          ended_.push_back(job);
+        }) {}
 
   static EngineOptions Options() {
     EngineOptions o;
@@ -181,10 +182,12 @@ TEST_F(EngineTest, MismatchNamesBothRanksAndBothFingerprints) {
   ASSERT_TRUE(b.sink->WaitFor(1));
   for (const auto& e : {a.sink->events()[0], b.sink->events()[0]}) {
     EXPECT_EQ(e.status.code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_TRUE(absl::StrContains(e.status.message(),
-                                  "rank 0 submitted all_reduce(sum, float32, count=4")) << e.status;
-    EXPECT_TRUE(absl::StrContains(e.status.message(),
-                                  "rank 1 submitted all_reduce(sum, float32, count=5")) << e.status;
+    EXPECT_TRUE(
+        absl::StrContains(e.status.message(), "rank 0 submitted all_reduce(sum, float32, count=4"))
+        << e.status;
+    EXPECT_TRUE(
+        absl::StrContains(e.status.message(), "rank 1 submitted all_reduce(sum, float32, count=5"))
+        << e.status;
   }
 }
 
@@ -217,7 +220,8 @@ TEST_F(EngineTest, LeavingRankFailsItsGroupsOnlyAndJobRestartsWhenEmpty) {
   engine_.Unregister(*c.session, "killed");
   ASSERT_TRUE(a.sink->WaitFor(1));
   EXPECT_EQ(a.sink->events()[0].status.code(), absl::StatusCode::kUnavailable);
-  EXPECT_TRUE(absl::StrContains(a.sink->events()[0].status.message(), "rank 2 left job j (killed)"));
+  EXPECT_TRUE(
+      absl::StrContains(a.sink->events()[0].status.message(), "rank 2 left job j (killed)"));
   // A group without rank 2 still works.
   engine_.Submit(a.session, a.sink, 2, AllReduce(a, 4, "0,1"));
   engine_.Submit(b.session, b.sink, 3, AllReduce(b, 4, "0,1"));
@@ -230,8 +234,7 @@ TEST_F(EngineTest, LeavingRankFailsItsGroupsOnlyAndJobRestartsWhenEmpty) {
   req.set_rank(2);
   req.set_local_rank(2);
   req.set_local_world_size(3);
-  EXPECT_EQ(engine_.Register(req).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine_.Register(req).status().code(), absl::StatusCode::kFailedPrecondition);
   engine_.Unregister(*a.session, "done");
   engine_.Unregister(*b.session, "done");
   {
@@ -267,8 +270,7 @@ TEST_F(EngineTest, ShutdownFailsPendingOpsAndRefusesSessions) {
   req.set_job("k");
   req.set_world_size(1);
   req.set_local_world_size(1);
-  EXPECT_EQ(engine_.Register(req).status().code(),
-            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(engine_.Register(req).status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(EngineTest, ManyThreadsManyOpsStayMatched) {
@@ -280,7 +282,8 @@ TEST_F(EngineTest, ManyThreadsManyOpsStayMatched) {
     threads.emplace_back([&, r] {
       for (int k = 0; k < kOps; ++k) {
         // Alternate small (inline) and large (pool) ops to mix the two paths.
-        engine_.Submit(ranks[r].session, ranks[r].sink, k, AllReduce(ranks[r], k % 2 ? (1 << 17) : 8));
+        engine_.Submit(ranks[r].session, ranks[r].sink, k,
+                       AllReduce(ranks[r], k % 2 ? (1 << 17) : 8));
       }
     });
   }

@@ -35,9 +35,9 @@ TEST(HalfTest, EveryHalfConvertsToTheFloatTheCompilerGives) {
 
 TEST(HalfTest, FloatToHalfRoundsToNearestEvenLikeTheCompiler) {
   std::mt19937 rng(7);
-  std::vector<float> samples = {0.0f, -0.0f, 1.0f, 65504.0f, 65519.99f, 65520.0f, 1e9f, -1e9f,
-                                5.96e-8f, 2.98e-8f, 2.99e-8f, 6.1e-5f, 6.09e-5f, 2049.0f, 2051.0f,
-                                INFINITY, -INFINITY};
+  std::vector<float> samples = {0.0f,     -0.0f,   1.0f,     65504.0f, 65519.99f, 65520.0f,
+                                1e9f,     -1e9f,   5.96e-8f, 2.98e-8f, 2.99e-8f,  6.1e-5f,
+                                6.09e-5f, 2049.0f, 2051.0f,  INFINITY, -INFINITY};
   std::uniform_int_distribution<uint32_t> any;
   for (int i = 0; i < 200000; ++i) {
     uint32_t u = any(rng);

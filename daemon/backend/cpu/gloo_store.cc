@@ -14,7 +14,9 @@ namespace {
 
 GlooStore::GlooStore(gradsync::Store* store, std::string job, std::string prefix,
                      absl::Duration default_timeout)
-    : store_(store), job_(std::move(job)), prefix_(std::move(prefix)),
+    : store_(store),
+      job_(std::move(job)),
+      prefix_(std::move(prefix)),
       default_timeout_(default_timeout) {}
 
 void GlooStore::set(const std::string& key, const std::vector<char>& data) {
@@ -38,8 +40,7 @@ void GlooStore::wait(const std::vector<std::string>& keys,
   std::vector<std::string> full;
   full.reserve(keys.size());
   for (const std::string& k : keys) full.push_back(Key(k));
-  const absl::Duration limit =
-      timeout.count() > 0 ? absl::FromChrono(timeout) : default_timeout_;
+  const absl::Duration limit = timeout.count() > 0 ? absl::FromChrono(timeout) : default_timeout_;
   auto values = store_->WaitBlocking(job_, std::move(full), absl::Now() + limit);
   if (!values.ok()) Throw(values.status());
 }

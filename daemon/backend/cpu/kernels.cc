@@ -167,7 +167,7 @@ uint16_t FloatToHalf(float f) {
     return sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0);
   }
   if (abs >= 0x477ff000) return sign | 0x7c00;  // rounds to >= 65520: overflow to inf
-  if (abs < 0x38800000) {                      // below the smallest normal half (2^-14)
+  if (abs < 0x38800000) {                       // below the smallest normal half (2^-14)
     // Subnormal half: round abs / 2^-24 to nearest even.
     const float v = BitsFloat(abs) * 16777216.0f;  // exact scaling by 2^24
     const float r = std::nearbyint(v);             // default rounding mode: nearest even
