@@ -119,7 +119,7 @@ class GradSyncService::SessionReactor final
         if (session.ok() && !request_.register_session().doorbell_shm_name().empty()) {
           auto doorbell = ipc::DoorbellServer::Open(
               *service_->importer_, request_.register_session().doorbell_shm_name(), &engine(),
-              *session, [this](const absl::Status&) { Cancel(); });
+              *session, [this](const absl::Status& s) { Refuse(s); });
           if (!doorbell.ok()) {
             engine().Unregister(**session, "doorbell refused");
             session = doorbell.status();

@@ -3,8 +3,12 @@
 // own independent computation; these tests check that every worker passed, and the daemon's
 // side effects (health, released mappings, a fresh session of the same job).
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -14,6 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/gradsync_client.h"
 #include "client/store_client.h"
+#include "common/doorbell.h"
+#include "gradsync/v1/gradsync.grpc.pb.h"
 #include "gradsync/v1/store.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -191,6 +197,52 @@ TEST_F(CollectiveTest, KilledTrainerFailsOthersReleasesMappingsAndJobRestarts) {
   // The same job id starts afresh with new sessions.
   ExpectAllPassed(RunAll("k4", "matrix", 4, {"counts=0,5,1001"}), "matrix cases=");
   EXPECT_EQ(DaemonShmMappings(), 0);
+}
+
+// A trainer that scribbles over its doorbell ring loses its session (the stream ends with
+// INVALID_ARGUMENT); the daemon stays healthy and other jobs go on.
+TEST_F(CollectiveTest, CorruptDoorbellEndsThatSessionOnly) {
+  const std::string name = "/gradsync-test-corrupt-" + std::to_string(::getpid());
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, doorbell::RegionBytes()), 0);
+  void* p = ::mmap(nullptr, doorbell::RegionBytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(p, MAP_FAILED);
+  auto* base = static_cast<std::byte*>(p);
+  doorbell::Doorbell ring(base);
+  ring.Initialize();
+
+  auto stub = v1::GradSync::NewStub(client::Connect(daemon_->unix_target()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  auto stream = stub->Session(&ctx);
+  v1::TrainerRequest reg;
+  reg.set_tag(1);
+  v1::RegisterRequest& r = *reg.mutable_register_session();
+  r.set_job("bad");
+  r.set_world_size(1);
+  r.set_local_world_size(1);
+  r.set_doorbell_shm_name(name);
+  ASSERT_TRUE(stream->Write(reg));
+  v1::TrainerEvent event;
+  ASSERT_TRUE(stream->Read(&event));
+  EXPECT_EQ(event.code(), 0) << event.message();
+  ::shm_unlink(name.c_str());
+
+  // A record whose length runs past the ring.
+  const uint64_t huge = uint64_t{1} << 40;
+  std::memcpy(base + doorbell::kHeaderBytes, &huge, 8);
+  reinterpret_cast<doorbell::Header*>(base)->request_head.store(64);
+  ring.Push("");  // wakes the daemon's doorbell thread
+  EXPECT_FALSE(stream->Read(&event));  // the daemon ends the session
+  stream->WritesDone();
+  const grpc::Status end = stream->Finish();
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << end.error_message();
+  ::munmap(p, doorbell::RegionBytes());
+
+  EXPECT_TRUE(Serving());
+  ExpectAllPassed(RunAll("after", "desync", 2), "desync ok");
 }
 
 TEST_F(CollectiveTest, DaemonRestartIsUnavailableAndTrainersCanRegisterAgain) {
