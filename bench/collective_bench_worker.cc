@@ -63,7 +63,7 @@ int Main() {
   int64_t max_bytes = kGrads * kGradBytes;
   for (int64_t s : sizes) max_bytes = std::max(max_bytes, s);
 
-  client::Placement placement{absl::GetFlag(FLAGS_job), world, rank, rank, world};
+  client::Placement placement{absl::GetFlag(FLAGS_job), world, rank, rank, world, ""};
   auto c = client::Client::Connect(absl::GetFlag(FLAGS_socket), placement);
   if (!c.ok()) Die("connect", c.status());
   client::Client& client = **c;

@@ -70,7 +70,7 @@ const char* gs_last_error(void) { return last_error.c_str(); }
 int gs_connect(const char* target, const char* job, int world_size, int rank, int local_rank,
                int local_world_size, gs_client** out) {
   if (int rc = Check(target, "target") + Check(job, "job") + Check(out, "out"); rc != 0) return rc;
-  gradsync::client::Placement placement{job, world_size, rank, local_rank, local_world_size};
+  gradsync::client::Placement placement{job, world_size, rank, local_rank, local_world_size, ""};
   auto client = gradsync::client::Client::Connect(target, placement);
   if (!client.ok()) return Fail(client.status());
   *out = new gs_client{*std::move(client)};

@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
   }
 
   // A session with the daemon; parameters and gradients in shared memory it maps once.
-  gradsync::client::Placement placement{job, world, rank, rank, world};
+  gradsync::client::Placement placement{job, world, rank, rank, world, ""};
   auto session = gradsync::client::Client::Connect(absl::GetFlag(FLAGS_socket), placement);
   if (!session.ok()) return Fail("register", session.status());
   gradsync::client::Client& client = **session;

@@ -123,6 +123,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(absl::string_view target
   reg.set_rank(placement.rank);
   reg.set_local_rank(placement.local_rank);
   reg.set_local_world_size(placement.local_world_size);
+  reg.set_root_address(placement.root_address);
   absl::StatusOr<v1::TrainerEvent> registered = client->Call(std::move(request));
   if (!doorbell_name.empty()) ::shm_unlink(doorbell_name.c_str());  // both sides mapped it
   GRADSYNC_ASSIGN_OR_RETURN(v1::TrainerEvent event, std::move(registered));

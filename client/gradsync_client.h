@@ -26,6 +26,8 @@ struct Placement {
   int rank = 0;
   int local_rank = 0;
   int local_world_size = 1;
+  /// Jobs spanning nodes: "host:port" of the daemon on rank 0's node (its TCP listener).
+  std::string root_address;
 };
 
 /// `count` elements starting `byte_offset` bytes into a registered buffer.

@@ -40,7 +40,8 @@ DaemonServer::DaemonServer(DaemonConfig config)
       auth_(config_.cluster_token),
       backend_(&pool_),
       engine_(&backend_, &importer_, &pool_, config_.engine,
-              [this](const std::string& job) { store_.DeleteJob(job); }),
+              [this](const std::string& job) { store_.DeleteJob(job); },
+              [this](const std::string& address) { return PeerStore(address); }),
       pool_(config_.workers > 0
                 ? config_.workers
                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
@@ -121,6 +122,14 @@ absl::Status DaemonServer::Start() {
     }
     socket_inode_ = st.st_ino;
   }
+  if (config_.port >= 0) {
+    const std::string node = absl::StrCat(config_.bind_address, ":", tcp_port_);
+    {
+      absl::MutexLock lock(&peers_mu_);
+      node_address_ = node;
+    }
+    engine_.SetNodeAddress(node);
+  }
   health_service_.SetServing(true);
   Log()->info("serving {} max_message_bytes={} max_concurrent_streams={}", Endpoints(),
               config_.max_message_bytes, config_.max_concurrent_streams);
@@ -152,6 +161,18 @@ void DaemonServer::Shutdown(absl::Duration grace) {
     ::unlink(config_.unix_socket.c_str());
   }
   Log()->info("stopped");
+}
+
+absl::StatusOr<gradsync::Store*> DaemonServer::PeerStore(const std::string& address) {
+  absl::MutexLock lock(&peers_mu_);
+  if (address == node_address_) return &store_;
+  auto& peer = peer_stores_[address];
+  if (!peer) {
+    client::ClientOptions options;
+    options.token = config_.cluster_token;
+    peer = std::make_unique<client::StoreClient>(client::Connect(address, options), options);
+  }
+  return peer.get();
 }
 
 std::string DaemonServer::Endpoints() const {

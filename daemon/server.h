@@ -5,6 +5,8 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "absl/container/flat_hash_map.h"
+#include "client/store_client.h"
 #include "common/worker_pool.h"
 #include "daemon/backend/cpu/cpu_backend.h"
 #include "daemon/config.h"
@@ -51,6 +53,8 @@ class DaemonServer {
 
  private:
   absl::Status PrepareSocketPath();
+  // The job store at a root daemon's address: ours, or a (cached) client of the peer's.
+  absl::StatusOr<gradsync::Store*> PeerStore(const std::string& address);
 
   const DaemonConfig config_;
   store::MemoryStore store_;
@@ -65,6 +69,10 @@ class DaemonServer {
   rpc::InspectService inspect_service_;
   rpc::HealthService health_service_;
   std::unique_ptr<grpc::Server> server_;
+  absl::Mutex peers_mu_;
+  std::string node_address_ ABSL_GUARDED_BY(peers_mu_);
+  absl::flat_hash_map<std::string, std::unique_ptr<client::StoreClient>> peer_stores_
+      ABSL_GUARDED_BY(peers_mu_);
   int tcp_port_ = -1;
   bool draining_ = false;
   ino_t socket_inode_ = 0;  // of the socket file we created, to remove only our own

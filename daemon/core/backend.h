@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/dtype.h"
+#include "common/store.h"
 #include "gradsync/v1/gradsync.pb.h"
 
 namespace gradsync::core {
@@ -51,6 +52,11 @@ struct CommunicatorSpec {
   std::string group;
   std::vector<int> members;        // global ranks, ascending
   std::vector<int> local_members;  // the subset attached to this daemon, ascending
+  // Jobs spanning nodes only: the node (daemon TCP address) of each member, this daemon's own,
+  // and the job's store through which the daemons of the group rendezvous.
+  std::vector<std::string> member_nodes;
+  std::string node;
+  gradsync::Store* rendezvous = nullptr;
 };
 
 /// Runs collectives for one group. Calls for one group never overlap (the core runs a group's

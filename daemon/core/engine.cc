@@ -137,6 +137,7 @@ struct Pending {
 
 // Op k of a group, matched, waiting for op k-1 to finish.
 struct Ready {
+  bool remote = false;  // waits on other daemons: never run on the submitting thread
   Collective op;
   uint64_t seq = 0;
   std::vector<std::pair<std::shared_ptr<SessionSink>, uint64_t>> to;  // (sink, tag)
@@ -153,6 +154,8 @@ struct Failed {
 struct Group {
   std::string key;
   std::vector<int> members;
+  std::vector<int> local_group_ranks;  // group ranks of the members attached here, ascending
+  bool spans_nodes = false;
   std::shared_ptr<Communicator> comm;
   std::map<uint64_t, Pending> pending;
   std::map<uint64_t, Failed> failed;
@@ -162,21 +165,42 @@ struct Group {
 };
 
 struct Job {
-  Job(std::string id, int world_size, int local_world_size)
+  Job(std::string id, int world_size, int local_world_size, std::string root_address,
+      gradsync::Store* root_store)
       : id(std::move(id)),
         world_size(world_size),
         local_world_size(local_world_size),
+        spans_nodes(local_world_size < world_size),
+        root_address(std::move(root_address)),
+        root_store(root_store),
         ranks(world_size, nullptr),
         local_ranks(local_world_size, -1) {}
 
   const std::string id;
   const int world_size;
   const int local_world_size;
+  // Jobs spanning nodes: the daemons find each other through the root daemon's store, where
+  // each publishes which ranks it holds; ops wait (parked, in order) until all have.
+  const bool spans_nodes;
+  const std::string root_address;
+  gradsync::Store* const root_store;
+  enum class Formation { kLocal, kForming, kReplaying, kFormed, kFailed };
+  struct Parked {
+    std::shared_ptr<Session> session;
+    std::shared_ptr<SessionSink> sink;
+    uint64_t tag;
+    v1::OpRequest op;
+  };
   absl::Mutex mu;
   std::vector<Session*> ranks ABSL_GUARDED_BY(mu);   // attached session by global rank
   std::vector<int> local_ranks ABSL_GUARDED_BY(mu);  // global rank by local rank, -1: free
   int attached ABSL_GUARDED_BY(mu) = 0;
   std::vector<int> departed ABSL_GUARDED_BY(mu);  // ranks that left while others stayed
+  Formation formation ABSL_GUARDED_BY(mu) = Formation::kLocal;
+  absl::Status formation_error ABSL_GUARDED_BY(mu);
+  std::vector<std::string> node_of_rank ABSL_GUARDED_BY(mu);  // once formed
+  std::string node ABSL_GUARDED_BY(mu);                       // this daemon's, once formed
+  std::deque<Parked> parked ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<std::string, std::unique_ptr<Group>> groups ABSL_GUARDED_BY(mu);
 };
 
@@ -187,12 +211,18 @@ using internal::Pending;
 using internal::Ready;
 
 Engine::Engine(Backend* backend, BufferImporter* importer, WorkerPool* pool, EngineOptions options,
-               JobEndCallback on_job_end)
+               JobEndCallback on_job_end, StoreResolver resolve_store)
     : backend_(backend),
       importer_(importer),
       pool_(pool),
       options_(options),
-      on_job_end_(std::move(on_job_end)) {}
+      on_job_end_(std::move(on_job_end)),
+      resolve_store_(std::move(resolve_store)) {}
+
+void Engine::SetNodeAddress(std::string address) {
+  absl::MutexLock lock(&mu_);
+  node_address_ = std::move(address);
+}
 
 Engine::~Engine() { Shutdown(); }
 
@@ -211,18 +241,46 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
                      " world_size=", req.world_size(), " local_rank=", req.local_rank(),
                      " local_world_size=", req.local_world_size()));
   }
-  if (req.local_world_size() != req.world_size()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job ", req.job(), " spans nodes (world_size=", req.world_size(),
-                     " local_world_size=", req.local_world_size(),
-                     "); this daemon has no peer daemons configured, so every rank must be local"));
+  const bool spans = req.local_world_size() != req.world_size();
+  if (spans && req.root_address().empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", req.job(), " spans nodes (world_size=", req.world_size(),
+        " local_world_size=", req.local_world_size(),
+        ") but names no root_address (host:port of the daemon holding rank 0)"));
   }
+  bool start_formation = false;
+  std::shared_ptr<Job> started;
   absl::MutexLock lock(&mu_);
   if (shutdown_) return absl::UnavailableError("daemon is shutting down");
+  if (spans && node_address_.empty()) {
+    return absl::FailedPreconditionError(
+        "this daemon has no TCP listener (--port=-1), so it cannot join a job spanning nodes");
+  }
+  if (!jobs_.contains(req.job())) {
+    gradsync::Store* root_store = nullptr;
+    if (spans) {
+      absl::StatusOr<gradsync::Store*> store =
+          resolve_store_ ? resolve_store_(req.root_address())
+                         : absl::StatusOr<gradsync::Store*>(
+                               absl::FailedPreconditionError("this daemon reaches no peers"));
+      if (!store.ok()) {
+        return absl::Status(store.status().code(),
+                            absl::StrCat("job store at ", req.root_address(), ": ",
+                                         store.status().message()));
+      }
+      root_store = *store;
+    }
+    jobs_[req.job()] = std::make_shared<Job>(req.job(), req.world_size(), req.local_world_size(),
+                                             spans ? req.root_address() : "", root_store);
+  }
   std::shared_ptr<Job>& slot = jobs_[req.job()];
-  if (!slot) slot = std::make_shared<Job>(req.job(), req.world_size(), req.local_world_size());
   Job& job = *slot;
   absl::MutexLock job_lock(&job.mu);
+  if (job.spans_nodes && job.root_address != req.root_address()) {
+    return absl::InvalidArgumentError(absl::StrCat("job ", job.id, " has root_address ",
+                                                   job.root_address, "; rank ", req.rank(),
+                                                   " says ", req.root_address()));
+  }
   if (job.world_size != req.world_size() || job.local_world_size != req.local_world_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "job ", job.id, " has world_size=", job.world_size,
@@ -249,8 +307,17 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
   job.ranks[req.rank()] = session.get();
   job.local_ranks[req.local_rank()] = req.rank();
   ++job.attached;
+  if (job.spans_nodes && job.attached == job.local_world_size &&
+      job.formation == Job::Formation::kLocal) {
+    job.formation = Job::Formation::kForming;
+    start_formation = true;
+    started = slot;
+  }
   Log()->info("session opened job={} rank={} local_rank={} world_size={} session={}", job.id,
               req.rank(), req.local_rank(), req.world_size(), session->id);
+  if (start_formation) {
+    pool_->Schedule([this, started, node = node_address_] { StartFormation(started, node); });
+  }
   return session;
 }
 
@@ -510,9 +577,31 @@ absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vecto
                                                       const std::string& key) {
   auto it = job.groups.find(key);
   if (it != job.groups.end()) return it->second.get();
-  CommunicatorSpec spec{job.id, key, members, members};  // every rank is local (see Register)
-  GRADSYNC_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, backend_->CreateCommunicator(spec));
+  CommunicatorSpec spec;
+  spec.job = job.id;
+  spec.group = key;
+  spec.members = members;
+  spec.local_members = members;
   auto group = std::make_unique<Group>();
+  if (job.spans_nodes) {  // formed: every rank's node is known
+    spec.local_members.clear();
+    for (size_t i = 0; i < members.size(); ++i) {
+      const std::string& node = job.node_of_rank[members[i]];
+      spec.member_nodes.push_back(node);
+      if (node == job.node) {
+        spec.local_members.push_back(members[i]);
+        group->local_group_ranks.push_back(static_cast<int>(i));
+      }
+    }
+    spec.node = job.node;
+    spec.rendezvous = job.root_store;
+    group->spans_nodes = spec.local_members.size() != members.size();
+  } else {
+    for (size_t i = 0; i < members.size(); ++i) {
+      group->local_group_ranks.push_back(static_cast<int>(i));
+    }
+  }
+  GRADSYNC_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, backend_->CreateCommunicator(spec));
   group->key = key;
   group->members = members;
   group->comm = std::move(comm);
@@ -532,7 +621,7 @@ void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& s
   if (it == group.pending.end()) return;
   Pending& p = it->second;
   for (DeadlineTimer::Id id : p.timers) timer_.Cancel(id);
-  const int remaining = static_cast<int>(group.members.size()) - p.arrived;
+  const int remaining = static_cast<int>(group.local_group_ranks.size()) - p.arrived;
   for (std::optional<Arrival>& a : p.by_member) {
     if (!a.has_value()) continue;
     out.push_back([s = a->sink, tag = a->tag, seq, status] { s->OpDone(tag, seq, status); });
@@ -544,6 +633,29 @@ void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& s
 void Engine::Submit(const std::shared_ptr<Session>& session,
                     const std::shared_ptr<SessionSink>& sink, uint64_t tag,
                     const v1::OpRequest& op) {
+  Job& job = *session->job;
+  if (job.spans_nodes) {
+    absl::Status failed;
+    {
+      absl::MutexLock lock(&job.mu);
+      if (job.formation == Job::Formation::kFailed) {
+        failed = job.formation_error;
+      } else if (job.formation != Job::Formation::kFormed) {
+        job.parked.push_back({session, sink, tag, op});  // replayed in order once formed
+        return;
+      }
+    }
+    if (!failed.ok()) {
+      sink->OpDone(tag, 0, failed);
+      return;
+    }
+  }
+  SubmitNow(session, sink, tag, op);
+}
+
+void Engine::SubmitNow(const std::shared_ptr<Session>& session,
+                       const std::shared_ptr<SessionSink>& sink, uint64_t tag,
+                       const v1::OpRequest& op) {
   absl::StatusOr<Arrival> resolved = Resolve(*session, op);
   if (!resolved.ok()) {
     sink->OpDone(tag, 0, resolved.status());
@@ -576,6 +688,7 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
     } else {
       const uint64_t seq = session->next_seq[group->key]++;
       const int size = static_cast<int>(group->members.size());
+      const int local = static_cast<int>(group->local_group_ranks.size());
       if (auto f = group->failed.find(seq); f != group->failed.end()) {
         out.push_back(
             [sink, tag, seq, status = f->second.status] { sink->OpDone(tag, seq, status); });
@@ -585,7 +698,7 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
         if (p.arrived == 0) {
           p.fp = a.fp;
           p.first_rank = session->rank;
-          p.by_member.resize(size);
+          p.by_member.resize(local);
         }
         if (!(p.fp == a.fp)) {
           const absl::Status desync = absl::FailedPreconditionError(
@@ -604,10 +717,14 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
                 timer_.Schedule(a.deadline, [this, weak = std::weak_ptr<Job>(session->job), group,
                                              seq] { OnDeadline(weak, group, seq); }));
           }
-          const int index = a.group_rank;
+          const int index = static_cast<int>(std::lower_bound(group->local_group_ranks.begin(),
+                                                              group->local_group_ranks.end(),
+                                                              a.group_rank) -
+                                             group->local_group_ranks.begin());
           p.by_member[index] = std::move(a);
-          if (++p.arrived == size) {
+          if (++p.arrived == local) {
             Ready r;
+            r.remote = group->spans_nodes;
             r.seq = seq;
             Collective& c = r.op;
             c.kind = p.fp.kind;
@@ -641,6 +758,83 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
   if (drain) Drain(session->job, group, /*on_pool=*/false);
 }
 
+void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
+  std::vector<int> mine;
+  {
+    absl::MutexLock lock(&job->mu);
+    for (int r = 0; r < job->world_size; ++r) {
+      if (job->ranks[r] != nullptr) mine.push_back(r);
+    }
+  }
+  for (int r : mine) {
+    absl::Status s = job->root_store->Set(job->id, absl::StrCat("daemon/rank/", r), node);
+    if (!s.ok()) {
+      OnFormed(job, absl::Status(s.code(), absl::StrCat("publishing rank ", r, ": ", s.message())));
+      return;
+    }
+  }
+  std::vector<std::string> keys;
+  for (int r = 0; r < job->world_size; ++r) keys.push_back(absl::StrCat("daemon/rank/", r));
+  Log()->info("job forming job={} node={} local_ranks={} world_size={}", job->id, node,
+              absl::StrJoin(mine, ","), job->world_size);
+  job->root_store->WaitAsync(
+      job->id, std::move(keys), absl::Now() + options_.default_op_timeout,
+      [this, weak = std::weak_ptr<Job>(job), node](absl::StatusOr<std::vector<std::string>> v) {
+        // Off the store's thread: replaying parked ops may compute.
+        pool_->Schedule([this, weak, node, v = std::move(v)]() mutable {
+          if (auto job = weak.lock()) {
+            absl::MutexLock lock(&job->mu);
+            job->node = node;
+          }
+          OnFormed(weak, std::move(v));
+        });
+      });
+}
+
+void Engine::OnFormed(const std::weak_ptr<Job>& weak,
+                      absl::StatusOr<std::vector<std::string>> nodes) {
+  std::shared_ptr<Job> job = weak.lock();
+  if (!job) return;
+  std::deque<Job::Parked> failed;
+  absl::Status error;
+  {
+    absl::MutexLock lock(&job->mu);
+    if (!nodes.ok()) {
+      job->formation = Job::Formation::kFailed;
+      job->formation_error = absl::Status(
+          nodes.status().code() == absl::StatusCode::kDeadlineExceeded
+              ? absl::StatusCode::kDeadlineExceeded
+              : absl::StatusCode::kUnavailable,
+          absl::StrCat("job ", job->id, " did not form across nodes (root ", job->root_address,
+                       "): ", nodes.status().message()));
+      error = job->formation_error;
+      failed.swap(job->parked);
+    } else {
+      job->node_of_rank = *std::move(nodes);
+      job->formation = Job::Formation::kReplaying;
+    }
+  }
+  if (!error.ok()) {
+    Log()->warn("{}", std::string(error.message()));
+    for (Job::Parked& p : failed) p.sink->OpDone(p.tag, 0, error);
+    return;
+  }
+  Log()->info("job formed job={} nodes={}", job->id, absl::StrJoin(job->node_of_rank, ","));
+  for (;;) {  // parked ops first, in order; new ones park behind them until the queue is empty
+    Job::Parked p;
+    {
+      absl::MutexLock lock(&job->mu);
+      if (job->parked.empty()) {
+        job->formation = Job::Formation::kFormed;
+        return;
+      }
+      p = std::move(job->parked.front());
+      job->parked.pop_front();
+    }
+    SubmitNow(p.session, p.sink, p.tag, p.op);
+  }
+}
+
 void Engine::OnDeadline(const std::weak_ptr<Job>& weak, Group* group, uint64_t seq) {
   std::shared_ptr<Job> job = weak.lock();
   if (!job) return;
@@ -652,7 +846,8 @@ void Engine::OnDeadline(const std::weak_ptr<Job>& weak, Group* group, uint64_t s
     const Pending& p = it->second;
     std::vector<int> arrived, missing;
     for (size_t i = 0; i < p.by_member.size(); ++i) {
-      (p.by_member[i].has_value() ? arrived : missing).push_back(group->members[i]);
+      (p.by_member[i].has_value() ? arrived : missing)
+          .push_back(group->members[group->local_group_ranks[i]]);
     }
     const absl::Status status = absl::DeadlineExceededError(
         absl::StrCat(KindName(p.fp.kind), " job=", job->id, " group=", group->key, " seq=", seq,
@@ -674,7 +869,8 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
         group->running = false;
         return;
       }
-      if (!on_pool && group->ready.front().bytes > options_.inline_bytes) {
+      if (!on_pool &&
+          (group->ready.front().remote || group->ready.front().bytes > options_.inline_bytes)) {
         pool_->Schedule([this, job, group] { Drain(job, group, /*on_pool=*/true); });
         return;
       }

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/store.h"
 #include "common/worker_pool.h"
 #include "daemon/core/backend.h"
 #include "daemon/core/buffer_importer.h"
@@ -63,10 +64,17 @@ struct Arrival;
 class Engine {
  public:
   using JobEndCallback = std::function<void(const std::string& job)>;
+  /// The job store at a root daemon's address (this daemon's own store when the address is its
+  /// own). The pointer must stay valid for the engine's life.
+  using StoreResolver = std::function<absl::StatusOr<gradsync::Store*>(const std::string&)>;
 
   /// Everything passed must outlive the engine. `on_job_end` runs when a job's last session ends.
   Engine(Backend* backend, BufferImporter* importer, WorkerPool* pool, EngineOptions options,
-         JobEndCallback on_job_end);
+         JobEndCallback on_job_end, StoreResolver resolve_store = nullptr);
+
+  /// This daemon's TCP address as other daemons reach it ("host:port"); set once serving.
+  /// Without it, jobs spanning nodes are refused.
+  void SetNodeAddress(std::string address);
   ~Engine();
 
   /// Opens a session for one rank of a job. INVALID_ARGUMENT on bad sizes or ones that disagree
@@ -120,16 +128,24 @@ class Engine {
   void OnDeadline(const std::weak_ptr<Job>& job, Group* group, uint64_t seq);
   // Runs a group's matched ops in order until none is left; large ones move to the pool.
   void Drain(std::shared_ptr<Job> job, Group* group, bool on_pool);
+  // Jobs spanning nodes: publish this node's ranks in the root store, wait for everyone's.
+  void StartFormation(std::shared_ptr<Job> job, std::string node);
+  void OnFormed(const std::weak_ptr<Job>& job, absl::StatusOr<std::vector<std::string>> nodes);
+  // Submit past the formation check.
+  void SubmitNow(const std::shared_ptr<Session>& session, const std::shared_ptr<SessionSink>& sink,
+                 uint64_t tag, const v1::OpRequest& op);
 
   Backend* const backend_;
   BufferImporter* const importer_;
   WorkerPool* const pool_;
   const EngineOptions options_;
   const JobEndCallback on_job_end_;
+  const StoreResolver resolve_store_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::string node_address_ ABSL_GUARDED_BY(mu_);
   DeadlineTimer timer_;  // last: destroyed (its thread joined) before the state it touches
 };
 

@@ -91,7 +91,7 @@ TEST_F(AuthTest, InspectAndTrainerSessionsOverTcpNeedTheToken) {
   EXPECT_EQ(FromGrpcStatus(inspect->ListJobs(&ctx, v1::ListJobsRequest(), &jobs)).code(),
             absl::StatusCode::kUnauthenticated);
 
-  client::Placement one{"a", 1, 0, 0, 1};
+  client::Placement one{"a", 1, 0, 0, 1, ""};
   client::ClientOptions options;
   options.doorbell = false;
   auto refused = client::Client::Connect(daemon_->tcp_target(), one, options);

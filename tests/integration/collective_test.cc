@@ -249,7 +249,7 @@ TEST_F(CollectiveTest, DaemonRestartIsUnavailableAndTrainersCanRegisterAgain) {
   for (bool doorbell : {true, false}) {
     client::ClientOptions options;
     options.doorbell = doorbell;
-    client::Placement one{"r1", 1, 0, 0, 1};
+    client::Placement one{"r1", 1, 0, 0, 1, ""};
     auto c = client::Client::Connect(daemon_->unix_target(), one, options);
     ASSERT_TRUE(c.ok()) << c.status();
     auto buffer = (*c)->CreateBuffer(64, v1::FLOAT32);

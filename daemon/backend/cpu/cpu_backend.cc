@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/backend/cpu/gloo_communicator.h"
 #include "daemon/backend/cpu/kernels.h"
 
 namespace gradsync::backend::cpu {
@@ -102,6 +103,14 @@ class LocalCommunicator final : public core::Communicator {
 
 absl::StatusOr<std::shared_ptr<core::Communicator>> CpuBackend::CreateCommunicator(
     const core::CommunicatorSpec& spec) {
+  if (!spec.member_nodes.empty() && spec.local_members != spec.members) {
+    if (spec.rendezvous == nullptr || spec.node.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("group ", spec.group, " of job ", spec.job, " spans nodes but this "
+                       "daemon has no job store or TCP address to reach its peers"));
+    }
+    return std::make_shared<GlooCommunicator>(spec, pool_);
+  }
   if (spec.local_members != spec.members) {
     return absl::FailedPreconditionError(absl::StrCat(
         "group ", spec.group, " of job ", spec.job, " has members [",

@@ -1,0 +1,167 @@
+#include "daemon/backend/cpu/gloo_communicator.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/backend/cpu/gloo_store.h"
+#include "daemon/backend/cpu/kernels.h"
+#include "gloo/allreduce.h"
+#include "gloo/barrier.h"
+#include "gloo/broadcast.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/transport/tcp/device.h"
+
+namespace gradsync::backend::cpu {
+namespace {
+
+std::chrono::milliseconds Left(absl::Time deadline) {
+  return std::chrono::milliseconds(
+      std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
+}
+
+// Element type Gloo is told about: only the size matters, our function does the arithmetic.
+template <typename F>
+void WithElementType(int64_t esize, F&& f) {
+  switch (esize) {
+    case 1:
+      return f(uint8_t{});
+    case 2:
+      return f(uint16_t{});
+    case 4:
+      return f(uint32_t{});
+    default:
+      return f(uint64_t{});
+  }
+}
+
+}  // namespace
+
+GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool)
+    : spec_(std::move(spec)), pool_(pool) {
+  nodes_ = spec_.member_nodes;
+  std::sort(nodes_.begin(), nodes_.end());
+  nodes_.erase(std::unique(nodes_.begin(), nodes_.end()), nodes_.end());
+  for (const std::string& n : spec_.member_nodes) {
+    node_of_group_rank_.push_back(
+        static_cast<int>(std::lower_bound(nodes_.begin(), nodes_.end(), n) - nodes_.begin()));
+  }
+  my_node_ = static_cast<int>(std::lower_bound(nodes_.begin(), nodes_.end(), spec_.node) -
+                              nodes_.begin());
+}
+
+GlooCommunicator::~GlooCommunicator() = default;
+
+absl::Status GlooCommunicator::Connect(absl::Time deadline) {
+  if (context_) return absl::OkStatus();
+  const std::string what = absl::StrCat("gloo connect job=", spec_.job, " group=", spec_.group,
+                                        " nodes=", nodes_.size());
+  try {
+    ::gloo::transport::tcp::attr attr;
+    attr.hostname = spec_.node.substr(0, spec_.node.rfind(':'));  // "host:port" -> host
+    auto device = ::gloo::transport::tcp::CreateDevice(attr);
+    auto context = std::make_shared<::gloo::rendezvous::Context>(
+        my_node_, static_cast<int>(nodes_.size()));
+    context->setTimeout(Left(deadline));
+    GlooStore store(spec_.rendezvous, spec_.job, absl::StrCat("gloo/", spec_.group, "/"),
+                    deadline - absl::Now());
+    context->connectFullMesh(store, device);
+    context_ = std::move(context);
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(what, ": ", e.what()));
+  }
+}
+
+absl::Status GlooCommunicator::Run(const core::Collective& op) {
+  if (absl::Status s = Connect(op.deadline); !s.ok()) return s;
+  try {
+    return RunLocked(op);
+  } catch (const std::exception& e) {
+    // A peer daemon died or stalled: this context is unusable; the next op reconnects.
+    context_.reset();
+    return absl::UnavailableError(absl::StrCat(op.label, " across ", nodes_.size(),
+                                               " nodes failed: ", e.what()));
+  }
+}
+
+absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
+  const int64_t esize = DTypeSize(op.dtype);
+  const int64_t n = op.count;
+  switch (op.kind) {
+    case v1::BARRIER: {
+      ::gloo::BarrierOptions opts(context_);
+      opts.setTimeout(Left(op.deadline));
+      ::gloo::barrier(opts);
+      return absl::OkStatus();
+    }
+    case v1::ALL_REDUCE: {
+      scratch_.resize(static_cast<size_t>(n * esize));
+      const core::View scratch = {{scratch_.data(), n}};
+      const Slice out{&scratch, 0};
+      std::vector<Slice> locals;
+      for (const core::LocalMember& m : op.local) locals.push_back({&m.input, 0});
+      // MEAN sums everywhere and divides once at the end, by the group size.
+      const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
+      Reduce(op.dtype, partial, 1, locals, {&out, 1}, n);
+      if (n > 0) {
+        ::gloo::AllreduceOptions opts(context_);
+        opts.setTimeout(Left(op.deadline));
+        WithElementType(esize, [&](auto t) {
+          using T = decltype(t);
+          opts.setOutput(reinterpret_cast<T*>(scratch_.data()), static_cast<size_t>(n));
+        });
+        const DType dtype = op.dtype;
+        opts.setReduceFunction([dtype, partial](void* c, const void* a, const void* b,
+                                                size_t count) {
+          const int64_t es = DTypeSize(dtype);
+          const core::View va = {{static_cast<std::byte*>(const_cast<void*>(a)),
+                                  static_cast<int64_t>(count)}};
+          const core::View vb = {{static_cast<std::byte*>(const_cast<void*>(b)),
+                                  static_cast<int64_t>(count)}};
+          const core::View vc = {{static_cast<std::byte*>(c), static_cast<int64_t>(count)}};
+          const Slice srcs[] = {{&va, 0}, {&vb, 0}};
+          const Slice dst{&vc, 0};
+          (void)es;
+          Reduce(dtype, partial, 1, srcs, {&dst, 1}, static_cast<int64_t>(count));
+        });
+        ::gloo::allreduce(opts);
+      }
+      const Slice from{&scratch, 0};
+      Reduce(op.dtype, op.reduce_op, op.group_size, {&from, 1}, locals, n);
+      return absl::OkStatus();
+    }
+    case v1::BROADCAST: {
+      scratch_.resize(static_cast<size_t>(n * esize));
+      const core::View scratch = {{scratch_.data(), n}};
+      const Slice buf{&scratch, 0};
+      const int root_node = node_of_group_rank_[op.root];
+      std::vector<Slice> locals;
+      for (const core::LocalMember& m : op.local) {
+        locals.push_back({&m.input, 0});
+        if (m.group_rank == op.root) {
+          const Slice src{&m.input, 0};
+          Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&src, 1}, {&buf, 1}, n);
+        }
+      }
+      if (n > 0) {
+        ::gloo::BroadcastOptions opts(context_);
+        opts.setTimeout(Left(op.deadline));
+        opts.setRoot(root_node);
+        WithElementType(esize, [&](auto t) {
+          using T = decltype(t);
+          opts.setOutput(reinterpret_cast<T*>(scratch_.data()), static_cast<size_t>(n));
+        });
+        ::gloo::broadcast(opts);
+      }
+      Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&buf, 1}, locals, n);
+      return absl::OkStatus();
+    }
+    default:
+      return absl::UnimplementedError(
+          absl::StrCat(op.label, ": all_gather and reduce_scatter across nodes are not "
+                                 "implemented yet (groups within one node have them)"));
+  }
+}
+
+}  // namespace gradsync::backend::cpu

@@ -1,0 +1,42 @@
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "common/worker_pool.h"
+#include "daemon/core/backend.h"
+
+namespace gloo {
+class Context;
+}
+
+namespace gradsync::backend::cpu {
+
+/// Collectives of a group whose members sit on several nodes, hierarchically: the local
+/// members' buffers are reduced inside the daemon into one scratch buffer, one Gloo collective
+/// runs among the group's nodes (one Gloo rank per node), and the result is written back to
+/// every local member. MEAN divides by the group size, not the node count.
+///
+/// The Gloo context is connected at the first op (rendezvous through the job's store), bounded
+/// by that op's deadline. Gloo's exceptions stop here: a lost peer is UNAVAILABLE naming the op.
+/// AllGather and ReduceScatter across nodes are not there yet (UNIMPLEMENTED, said plainly).
+class GlooCommunicator final : public core::Communicator {
+ public:
+  GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool);
+  ~GlooCommunicator() override;
+  absl::Status Run(const core::Collective& op) override;
+
+ private:
+  absl::Status Connect(absl::Time deadline);
+  absl::Status RunLocked(const core::Collective& op);
+
+  const core::CommunicatorSpec spec_;
+  WorkerPool* const pool_;
+  std::vector<std::string> nodes_;  // the group's nodes, sorted: Gloo rank = index
+  std::vector<int> node_of_group_rank_;
+  int my_node_ = -1;
+  std::shared_ptr<::gloo::Context> context_;
+  std::vector<std::byte> scratch_;
+};
+
+}  // namespace gradsync::backend::cpu
