@@ -481,6 +481,44 @@ void Survivor(Client& c) {
               static_cast<long long>(absl::ToInt64Milliseconds(took)));
 }
 
+// Jobs spanning daemons whose other ranks never come: the op fails once the formation deadline
+// (the daemon's --op_timeout) passes, naming the ranks nobody published.
+void NoForm(Client& c) {
+  absl::Status s = c.Barrier();
+  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kDeadlineExceeded, s.ToString());
+  EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), "did not form"), s.ToString());
+  EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), absl::StrCat("daemon/rank/", g_world - 1)),
+                        s.ToString());
+  std::printf("noform ok\n");
+}
+
+// Waits at a barrier with everyone, then idles (bounded) while the test kills its daemon.
+void Idle(Client& c) {
+  absl::Status s = c.Barrier(Opt("world", "", absl::Seconds(30)));
+  if (!s.ok()) std::exit(2);
+  std::printf("idle ok\n");
+  std::fflush(stdout);
+  // A group of this rank alone completes at once while the daemon lives (bounded: 20 s).
+  for (int i = 0; i < 200 && c.Barrier(Opt(std::to_string(g_rank))).ok(); ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
+// Another node's daemon dies while this rank's op waits on it: UNAVAILABLE well before the
+// op's deadline, naming the op; this node's daemon stays up.
+void NodeSurvivor(Client& c) {
+  auto b = MustBuffer(c, 1 << 20, v1::FLOAT32);
+  absl::Status s = c.Barrier(Opt("world", "", absl::Seconds(30)));
+  EXPECT_TRUE_OR_REPORT(s.ok(), "barrier ", s.ToString());
+  const absl::Time start = absl::Now();
+  s = c.AllReduce(v1::FLOAT32, v1::SUM, {{b->id(), 0, 1 << 18}}, Opt("world", "", absl::Seconds(60)));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kUnavailable, s.ToString());
+  EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), "all_reduce job="), s.ToString());
+  EXPECT_TRUE_OR_REPORT(took < absl::Seconds(20), "took ", absl::FormatDuration(took));
+  std::printf("node survivor ok took_ms=%lld\n", static_cast<long long>(absl::ToInt64Milliseconds(took)));
+}
+
 // Every kind of bad input gets its specific code and changes nothing: afterwards the buffer
 // is as it was and the first valid op is still op 0 of the group.
 void BadInput(Client& c, const std::string& target, const std::string& job) {
@@ -678,6 +716,12 @@ int main(int argc, char** argv) {
     Survivor(**c);
   else if (scenario == "badinput")
     BadInput(**c, target, job);
+  else if (scenario == "noform")
+    NoForm(**c);
+  else if (scenario == "idle")
+    Idle(**c);
+  else if (scenario == "nodesurvivor")
+    NodeSurvivor(**c);
   else {
     std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
     return 2;

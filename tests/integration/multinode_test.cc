@@ -3,8 +3,10 @@
 // and carry the bytes between them with Gloo.
 
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -26,27 +28,34 @@ std::string ReadAll(const std::string& path) {
 
 class MultiNodeTest : public ::testing::Test {
  protected:
-  void StartDaemons(int n) {
+  void StartDaemons(int n, std::vector<std::string> flags = {}) {
     for (int i = 0; i < n; ++i) {
       dirs_.push_back(std::make_unique<TempDir>());
-      auto daemon = DaemonProcess::Start(dirs_.back()->path());
+      DaemonProcess::Options options;
+      options.flags = flags;
+      auto daemon = DaemonProcess::Start(dirs_.back()->path(), options);
       ASSERT_TRUE(daemon.ok()) << daemon.status();
       daemons_.push_back(*std::move(daemon));
     }
   }
 
   // One worker per rank; rank r attaches to daemon node_of[r]. Returns exit codes.
-  std::vector<int> Run(const std::string& job, const std::vector<int>& node_of,
-                       const std::string& scenario, const std::vector<std::string>& args) {
+  // scenario "-" for a rank: that rank is not started.
+  std::vector<pid_t> Start(const std::string& job, const std::vector<int>& node_of,
+                           const std::vector<std::string>& scenarios,
+                           const std::vector<std::string>& args) {
     const int world = static_cast<int>(node_of.size());
     std::vector<pid_t> pids;
-    out_.assign(world, "");
     for (int r = 0; r < world; ++r) {
+      if (scenarios[r] == "-") {
+        pids.push_back(-1);
+        continue;
+      }
       int local_world = 0;
       for (int n : node_of) local_world += n == node_of[r];
       std::vector<std::string> argv = {
           HelperBinary("collective_worker"), daemons_[node_of[r]]->unix_target(), job,
-          std::to_string(world), std::to_string(r), scenario,
+          std::to_string(world), std::to_string(r), scenarios[r],
           "local_world_size=" + std::to_string(local_world),
           "root=" + daemons_[node_of[0]]->tcp_target()};
       argv.insert(argv.end(), args.begin(), args.end());
@@ -54,9 +63,19 @@ class MultiNodeTest : public ::testing::Test {
       EXPECT_TRUE(pid.ok()) << pid.status();
       pids.push_back(pid.ok() ? *pid : -1);
     }
+    return pids;
+  }
+
+  std::vector<int> Wait(const std::vector<pid_t>& pids) {
+    const int world = static_cast<int>(pids.size());
+    out_.assign(world, "");
     std::vector<int> codes;
     const absl::Time deadline = absl::Now() + absl::Seconds(150);
     for (int r = 0; r < world; ++r) {
+      if (pids[r] < 0) {
+        codes.push_back(0);
+        continue;
+      }
       auto code = WaitExit(pids[r], std::max(deadline - absl::Now(), absl::Seconds(1)));
       if (!code.ok()) {
         ::kill(pids[r], SIGKILL);
@@ -69,8 +88,14 @@ class MultiNodeTest : public ::testing::Test {
     return codes;
   }
 
+  std::vector<int> Run(const std::string& job, const std::vector<int>& node_of,
+                       const std::string& scenario, const std::vector<std::string>& args) {
+    return Wait(Start(job, node_of, std::vector<std::string>(node_of.size(), scenario), args));
+  }
+
   void ExpectAllPassed(const std::vector<int>& codes, const std::string& needle) {
     for (size_t r = 0; r < codes.size(); ++r) {
+      if (out_[r].empty() && codes[r] == 0) continue;  // not started
       EXPECT_EQ(codes[r], 0) << "rank " << r << ": " << out_[r];
       EXPECT_TRUE(absl::StrContains(out_[r], needle)) << "rank " << r << ": " << out_[r];
     }
@@ -93,6 +118,55 @@ TEST_F(MultiNodeTest, ThreeDaemonsUnevenRanksAndFusedPacks) {
   ExpectAllPassed(Run("mn3", {0, 0, 1, 2}, "matrix", {"ops=reduce", "counts=3,4099"}),
                   "matrix cases=");
   ExpectAllPassed(Run("mn3f", {0, 0, 1, 2}, "fused", {}), "wrong=0");
+}
+
+TEST_F(MultiNodeTest, JobThatNeverFormsFailsAtTheDeadlineNamingTheMissingRanks) {
+  StartDaemons(2, {"--op_timeout=2s"});
+  // Ranks 2 and 3 (daemon 1) never come.
+  const absl::Time start = absl::Now();
+  ExpectAllPassed(Wait(Start("nf", {0, 0, 1, 1}, {"noform", "noform", "-", "-"}, {})),
+                  "noform ok");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+}
+
+TEST_F(MultiNodeTest, WrongClusterTokenKeepsADaemonOutOfTheJob) {
+  TempDir secrets;
+  const std::string good = secrets.path() + "/good", bad = secrets.path() + "/bad";
+  std::ofstream(good) << "right";
+  std::ofstream(bad) << "wrong";
+  ::chmod(good.c_str(), 0600);
+  ::chmod(bad.c_str(), 0600);
+  dirs_.push_back(std::make_unique<TempDir>());
+  dirs_.push_back(std::make_unique<TempDir>());
+  for (int i = 0; i < 2; ++i) {
+    DaemonProcess::Options options;
+    options.flags = {"--token_file=" + (i == 0 ? good : bad), "--op_timeout=3s"};
+    auto daemon = DaemonProcess::Start(dirs_[i]->path(), options);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemons_.push_back(*std::move(daemon));
+  }
+  // Daemon 1 cannot publish its ranks in the root's store (UNAUTHENTICATED), so the job
+  // never forms: its ranks are told why, the root's ranks time out naming them.
+  const std::vector<int> codes =
+      Wait(Start("tok", {0, 0, 1, 1}, {"noform", "noform", "-", "-"}, {}));
+  ExpectAllPassed(codes, "noform ok");
+}
+
+TEST_F(MultiNodeTest, KilledDaemonFailsTheOtherNodesOpsAndTheRestStaysHealthy) {
+  StartDaemons(2);
+  const std::vector<pid_t> pids =
+      Start("kd", {0, 0, 1, 1}, {"idle", "idle", "nodesurvivor", "nodesurvivor"}, {});
+  absl::SleepFor(absl::Milliseconds(1500));  // everyone passed the barrier; 2,3 wait in the op
+  auto code = daemons_[0]->Stop(SIGKILL);
+  ASSERT_TRUE(code.ok());
+  const std::vector<int> codes = Wait(pids);
+  for (int r = 2; r < 4; ++r) {
+    std::cout << "rank " << r << ": " << out_[r];
+    EXPECT_EQ(codes[r], 0) << out_[r];
+    EXPECT_TRUE(absl::StrContains(out_[r], "node survivor ok")) << out_[r];
+  }
+  // Daemon 1 serves a new job (single node) at once.
+  ExpectAllPassed(Wait(Start("after", {1, 1}, {"desync", "desync"}, {})), "desync ok");
 }
 
 }  // namespace
