@@ -74,14 +74,24 @@ absl::Status GlooCommunicator::Connect(absl::Time deadline) {
 }
 
 absl::Status GlooCommunicator::Run(const core::Collective& op) {
-  if (absl::Status s = Connect(op.deadline); !s.ok()) return s;
+  if (!broken_.ok()) {
+    return absl::Status(broken_.code(), absl::StrCat(op.label, ": the group's link to its other ",
+                                                     "nodes failed earlier: ", broken_.message()));
+  }
+  if (absl::Status s = Connect(op.deadline); !s.ok()) {
+    broken_ = s;
+    return s;
+  }
   try {
     return RunLocked(op);
   } catch (const std::exception& e) {
-    // A peer daemon died or stalled: this context is unusable; the next op reconnects.
+    // A peer daemon died or stalled mid-op. The nodes may now disagree on where the group's
+    // sequence stands, so the group stays failed (its ranks re-form the job) rather than
+    // reconnecting to stale rendezvous keys.
     context_.reset();
-    return absl::UnavailableError(absl::StrCat(op.label, " across ", nodes_.size(),
-                                               " nodes failed: ", e.what()));
+    broken_ = absl::UnavailableError(absl::StrCat(op.label, " across ", nodes_.size(),
+                                                  " nodes failed: ", e.what()));
+    return broken_;
   }
 }
 

@@ -18,7 +18,8 @@ namespace gradsync::backend::cpu {
 /// every local member. MEAN divides by the group size, not the node count.
 ///
 /// The Gloo context is connected at the first op (rendezvous through the job's store), bounded
-/// by that op's deadline. Gloo's exceptions stop here: a lost peer is UNAVAILABLE naming the op.
+/// by that op's deadline. Gloo's exceptions stop here: a lost peer is UNAVAILABLE naming the op,
+/// and the group's later ops fail the same way (the job must be formed again).
 /// AllGather and ReduceScatter across nodes are not there yet (UNIMPLEMENTED, said plainly).
 class GlooCommunicator final : public core::Communicator {
  public:
@@ -37,6 +38,7 @@ class GlooCommunicator final : public core::Communicator {
   int my_node_ = -1;
   std::shared_ptr<::gloo::Context> context_;
   std::vector<std::byte> scratch_;
+  absl::Status broken_;  // once a cross-node op failed, every later op fails with it
 };
 
 }  // namespace gradsync::backend::cpu
