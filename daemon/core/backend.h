@@ -44,6 +44,13 @@ struct Collective {
   std::vector<LocalMember> local;  // ascending group rank
   absl::Time deadline = absl::InfiniteFuture();
   std::string label;  // "all_reduce job=j group=0,1 seq=17" for errors and logs
+  /// What every member agreed on ("all_reduce(sum, float32, count=16, name='w')" and seq):
+  /// communicators spanning nodes compare it across nodes before moving data.
+  std::string fingerprint;
+  /// Not OK: the op already failed on this node (desync, deadline, a rank gone; `local` is
+  /// empty). A communicator spanning nodes still takes part in the op's cross-node exchange,
+  /// so the other nodes fail it at once with this reason instead of waiting out their deadline.
+  absl::Status local_failure;
 };
 
 /// What a communicator is built for: one group of one job, and which of its members are local.

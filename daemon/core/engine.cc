@@ -152,6 +152,7 @@ struct Failed {
 };
 
 struct Group {
+  Job* job = nullptr;  // owner
   std::string key;
   std::vector<int> members;
   std::vector<int> local_group_ranks;  // group ranks of the members attached here, ascending
@@ -164,7 +165,7 @@ struct Group {
   std::string broken;    // non-empty once a member left: every op fails with it
 };
 
-struct Job {
+struct Job : std::enable_shared_from_this<Job> {
   Job(std::string id, int world_size, int local_world_size, std::string root_address,
       gradsync::Store* root_store)
       : id(std::move(id)),
@@ -358,7 +359,7 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
         group->broken = "job ended";
         while (!group->pending.empty()) {
           FailPendingLocked(*group, group->pending.begin()->first,
-                            absl::UnavailableError("job ended"), out);
+                            absl::UnavailableError("job ended"), out, /*tell_peers=*/false);
         }
       }
       auto it = jobs_.find(job.id);
@@ -602,6 +603,7 @@ absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vecto
     }
   }
   GRADSYNC_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, backend_->CreateCommunicator(spec));
+  group->job = &job;
   group->key = key;
   group->members = members;
   group->comm = std::move(comm);
@@ -616,7 +618,7 @@ absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vecto
 }
 
 void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status,
-                               Completions& out) {
+                               Completions& out, bool tell_peers) {
   auto it = group.pending.find(seq);
   if (it == group.pending.end()) return;
   Pending& p = it->second;
@@ -625,6 +627,27 @@ void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& s
   for (std::optional<Arrival>& a : p.by_member) {
     if (!a.has_value()) continue;
     out.push_back([s = a->sink, tag = a->tag, seq, status] { s->OpDone(tag, seq, status); });
+  }
+  if (group.spans_nodes && tell_peers) {
+    // The other nodes learn of it through the op's cross-node exchange (see Collective).
+    Ready r;
+    r.remote = true;
+    r.seq = seq;
+    r.op.kind = p.fp.kind;
+    r.op.dtype = p.fp.dtype;
+    r.op.group_size = static_cast<int>(group.members.size());
+    r.op.deadline = p.deadline;
+    r.op.label = absl::StrCat(KindName(p.fp.kind), " job=", group.job->id, " group=", group.key,
+                              " seq=", seq);
+    r.op.fingerprint = absl::StrCat(p.fp.Describe(), " seq=", seq);
+    r.op.local_failure = status;
+    group.ready.push_back(std::move(r));
+    if (!group.running) {
+      group.running = true;
+      std::shared_ptr<Job> job = group.job->shared_from_this();
+      Group* g = &group;
+      out.push_back([this, job, g] { pool_->Schedule([this, job, g] { Drain(job, g, true); }); });
+    }
   }
   group.pending.erase(it);
   if (remaining > 0) group.failed[seq] = Failed{status, remaining};
@@ -736,6 +759,7 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
             c.deadline = p.deadline;
             c.label = absl::StrCat(KindName(c.kind), " job=", job.id, " group=", group->key,
                                    " seq=", seq);
+            c.fingerprint = absl::StrCat(p.fp.Describe(), " seq=", seq);
             for (std::optional<Arrival>& m : p.by_member) {
               c.local.push_back({m->group_rank, std::move(m->input), std::move(m->output)});
               r.to.emplace_back(std::move(m->sink), m->tag);
@@ -898,7 +922,8 @@ void Engine::Shutdown() {
         group->broken = "daemon is shutting down";
         while (!group->pending.empty()) {
           FailPendingLocked(*group, group->pending.begin()->first,
-                            absl::UnavailableError("daemon is shutting down"), out);
+                            absl::UnavailableError("daemon is shutting down"), out,
+                            /*tell_peers=*/false);
         }
       }
     }

@@ -124,7 +124,10 @@ class Engine {
   // The *Locked helpers need the job's mutex held.
   absl::StatusOr<Group*> GetGroupLocked(Job& job, const std::vector<int>& members,
                                         const std::string& key);
-  void FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status, Completions& out);
+  // `tell_peers`: a group spanning nodes also sends the failure through the op's cross-node
+  // exchange (not when the job or the daemon is ending).
+  void FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status, Completions& out,
+                         bool tell_peers = true);
   void OnDeadline(const std::weak_ptr<Job>& job, Group* group, uint64_t seq);
   // Runs a group's matched ops in order until none is left; large ones move to the pool.
   void Drain(std::shared_ptr<Job> job, Group* group, bool on_pool);

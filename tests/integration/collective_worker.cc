@@ -395,14 +395,18 @@ void Groups(Client& c) {
 void Desync(Client& c) {
   auto b = MustBuffer(c, 64 * 4, v1::FLOAT32);
   Fill(v1::FLOAT32, b->data(), 64, g_rank);
-  const int64_t n = g_rank == g_world - 1 ? 17 : 16;
+  // across=1: every rank of the upper half (another daemon) submits the other count.
+  const bool across = Arg("across", "0") == "1";
+  const int64_t n = (across ? g_rank >= g_world / 2 : g_rank == g_world - 1) ? 17 : 16;
   absl::Status s = c.AllReduce(v1::FLOAT32, v1::SUM, {{b->id(), 0, n}}, Opt("world", "w"));
   EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kFailedPrecondition, s.ToString());
   EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), "desync"), s.ToString());
   EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), "count=16"), s.ToString());
   EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), "count=17"), s.ToString());
-  EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), absl::StrCat("rank ", g_world - 1)),
-                        s.ToString());
+  if (!across) {
+    EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), absl::StrCat("rank ", g_world - 1)),
+                          s.ToString());
+  }
   std::string bad;
   EXPECT_TRUE_OR_REPORT(
       Check(
@@ -479,6 +483,27 @@ void Survivor(Client& c) {
   }
   std::printf("survivor ok took_ms=%lld\n",
               static_cast<long long>(absl::ToInt64Milliseconds(took)));
+}
+
+// Jobs spanning daemons: the last rank, alone on its daemon, comes after the op's deadline.
+// The op fails on every node (DEADLINE_EXCEEDED naming the late node's ranks), with one verdict
+// everywhere, so the group goes on.
+void DeadlineAcross(Client& c) {
+  auto b = MustBuffer(c, 16 * 4, v1::FLOAT32);
+  const bool late = g_rank == g_world - 1;
+  if (late) absl::SleepFor(absl::Milliseconds(1500));
+  absl::Status s = c.AllReduce(v1::FLOAT32, v1::SUM, {{b->id(), 0, 16}},
+                               Opt("world", "slow", absl::Milliseconds(500)));
+  EXPECT_TRUE_OR_REPORT(!s.ok(), "late op succeeded");
+  if (!late) {
+    EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kDeadlineExceeded, s.ToString());
+    EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), absl::StrCat("ranks ", g_world - 1, ")")),
+                          s.ToString());
+  }
+  // Every node gave the same verdict for the op, so the group goes on.
+  s = c.Barrier(Opt("world", "", absl::Seconds(20)));
+  EXPECT_TRUE_OR_REPORT(s.ok(), "barrier after deadline ", s.ToString());
+  std::printf("deadline across ok\n");
 }
 
 // Jobs spanning daemons whose other ranks never come: the op fails once the formation deadline
@@ -716,6 +741,8 @@ int main(int argc, char** argv) {
     Survivor(**c);
   else if (scenario == "badinput")
     BadInput(**c, target, job);
+  else if (scenario == "deadlineacross")
+    DeadlineAcross(**c);
   else if (scenario == "noform")
     NoForm(**c);
   else if (scenario == "idle")

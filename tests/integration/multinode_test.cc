@@ -120,6 +120,19 @@ TEST_F(MultiNodeTest, ThreeDaemonsUnevenRanksAndFusedPacks) {
   ExpectAllPassed(Run("mn3f", {0, 0, 1, 2}, "fused", {}), "wrong=0");
 }
 
+// A mismatch inside one node, and one between nodes, fail the op on every node naming both
+// fingerprints, and the group goes on with its next op. A rank missing on one node fails the op
+// everywhere at the deadline, naming it.
+TEST_F(MultiNodeTest, DesyncAndDeadlineReachEveryNode) {
+  StartDaemons(2);
+  ExpectAllPassed(Run("d1", {0, 0, 1, 1}, "desync", {}), "desync ok");
+  ExpectAllPassed(Run("d2", {0, 0, 1, 1}, "desync", {"across=1"}), "desync ok");
+  // A rank missing on a node with others present: that node's deadline verdict reaches all.
+  ExpectAllPassed(Run("d3", {0, 0, 1, 1}, "deadline", {}), "deadline ok");
+  // A node that does not reach the op at all: the others' deadline names its ranks.
+  ExpectAllPassed(Run("d4", {0, 0, 1}, "deadlineacross", {}), "deadline across ok");
+}
+
 TEST_F(MultiNodeTest, JobThatNeverFormsFailsAtTheDeadlineNamingTheMissingRanks) {
   StartDaemons(2, {"--op_timeout=2s"});
   // Ranks 2 and 3 (daemon 1) never come.

@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/backend/cpu/gloo_store.h"
 #include "daemon/backend/cpu/kernels.h"
+#include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/barrier.h"
 #include "gloo/broadcast.h"
@@ -14,6 +17,9 @@
 
 namespace gradsync::backend::cpu {
 namespace {
+
+// How long past an op's deadline a node waits for its peers' verdicts (and connections).
+constexpr absl::Duration kGrace = absl::Seconds(10);
 
 std::chrono::milliseconds Left(absl::Time deadline) {
   return std::chrono::milliseconds(
@@ -52,6 +58,22 @@ GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool
 
 GlooCommunicator::~GlooCommunicator() = default;
 
+std::string GlooCommunicator::PeersWithRanks() const {
+  std::string out;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    if (static_cast<int>(i) == my_node_) continue;
+    absl::StrAppend(&out, out.empty() ? "node " : "; node ", nodes_[i], " (ranks ");
+    bool first = true;
+    for (size_t m = 0; m < spec_.members.size(); ++m) {
+      if (node_of_group_rank_[m] != static_cast<int>(i)) continue;
+      absl::StrAppend(&out, first ? "" : ",", spec_.members[m]);
+      first = false;
+    }
+    absl::StrAppend(&out, ")");
+  }
+  return out;
+}
+
 absl::Status GlooCommunicator::Connect(absl::Time deadline) {
   if (context_) return absl::OkStatus();
   const std::string what = absl::StrCat("gloo connect job=", spec_.job, " group=", spec_.group,
@@ -78,24 +100,79 @@ absl::Status GlooCommunicator::Run(const core::Collective& op) {
     return absl::Status(broken_.code(), absl::StrCat(op.label, ": the group's link to its other ",
                                                      "nodes failed earlier: ", broken_.message()));
   }
-  if (absl::Status s = Connect(op.deadline); !s.ok()) {
-    broken_ = s;
-    return s;
+  // Connecting is a rendezvous with every node of the group, which each starts at its first op
+  // of the group: allow the peers kGrace past this op's deadline (the op still fails if late).
+  absl::Status status = Connect(std::max(op.deadline, absl::Now() + kGrace));
+  if (status.ok()) {
+    try {
+      return RunLocked(op);
+    } catch (const std::exception& e) {
+      context_.reset();
+      status = absl::UnavailableError(
+          absl::StrCat(op.label, " across ", nodes_.size(), " nodes failed: ", e.what()));
+    }
   }
-  try {
-    return RunLocked(op);
-  } catch (const std::exception& e) {
-    // A peer daemon died or stalled mid-op. The nodes may now disagree on where the group's
-    // sequence stands, so the group stays failed (its ranks re-form the job) rather than
-    // reconnecting to stale rendezvous keys.
-    context_.reset();
-    broken_ = absl::UnavailableError(absl::StrCat(op.label, " across ", nodes_.size(),
-                                                  " nodes failed: ", e.what()));
-    return broken_;
+  // A peer daemon died, or did not reach the op by its deadline. The nodes may now disagree
+  // on where the group's sequence stands, so the group stays failed (its ranks form the job
+  // again) rather than reconnecting to stale rendezvous keys.
+  if (absl::Now() >= op.deadline) {
+    status = absl::DeadlineExceededError(absl::StrCat(op.label, " did not complete by its deadline: ",
+                                                      "it waited for ", PeersWithRanks(), " (",
+                                                      status.message(), ")"));
   }
+  broken_ = status;
+  return status;
+}
+
+// Every node's view of the op, exchanged before any data moves: an op that failed on one node
+// (or that nodes disagree on) fails on all of them at once, the same way, and no node is left
+// inside a collective its peers will never enter.
+struct Verdict {
+  int32_t code;
+  char fingerprint[244];
+  char message[256];
+};
+static_assert(sizeof(Verdict) == 504);
+
+absl::Status GlooCommunicator::Agree(const core::Collective& op) {
+  absl::Status local = op.local_failure;
+  if (local.ok() && absl::Now() > op.deadline) {
+    local = absl::DeadlineExceededError(absl::StrCat(
+        op.label, " did not complete by its deadline: it waited for ", PeersWithRanks()));
+  }
+  Verdict mine{};
+  mine.code = static_cast<int32_t>(local.code());
+  std::snprintf(mine.fingerprint, sizeof(mine.fingerprint), "%s", op.fingerprint.c_str());
+  std::snprintf(mine.message, sizeof(mine.message), "%s", std::string(local.message()).c_str());
+  std::vector<Verdict> all(nodes_.size());
+  ::gloo::AllgatherOptions opts(context_);
+  // Peers whose op failed at their own deadline (a rank missing there) come a moment later.
+  opts.setTimeout(std::max(Left(op.deadline), absl::ToChronoMilliseconds(kGrace)));
+  opts.setInput(reinterpret_cast<uint8_t*>(&mine), sizeof(Verdict));
+  opts.setOutput(reinterpret_cast<uint8_t*>(all.data()), sizeof(Verdict) * all.size());
+  ::gloo::allgather(opts);
+  if (!op.local_failure.ok()) return op.local_failure;
+  // A peer's own failure says more than our "we waited for the peers".
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (static_cast<int>(i) != my_node_ && all[i].code != 0) {
+      return absl::Status(static_cast<absl::StatusCode>(all[i].code),
+                          absl::StrCat(op.label, " failed on node ", nodes_[i], ": ",
+                                       all[i].message));
+    }
+  }
+  if (!local.ok()) return local;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (std::strncmp(all[i].fingerprint, mine.fingerprint, sizeof(mine.fingerprint)) != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("desync across nodes in ", op.label, ": node ", spec_.node, " has ",
+                       mine.fingerprint, " but node ", nodes_[i], " has ", all[i].fingerprint));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
+  if (absl::Status s = Agree(op); !s.ok()) return s;
   const int64_t esize = DTypeSize(op.dtype);
   const int64_t n = op.count;
   switch (op.kind) {

@@ -30,6 +30,8 @@ class GlooCommunicator final : public core::Communicator {
  private:
   absl::Status Connect(absl::Time deadline);
   absl::Status RunLocked(const core::Collective& op);
+  absl::Status Agree(const core::Collective& op);
+  std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..." 
 
   const core::CommunicatorSpec spec_;
   WorkerPool* const pool_;
