@@ -24,7 +24,7 @@ absl::StatusOr<absl::Time> WaitDeadline(const grpc::CallbackServerContext* ctx,
   const absl::Time now = absl::Now();
   const absl::Time deadline = std::min(absl::FromChrono(ctx->deadline()), now + max_wait);
   const absl::Duration margin =
-      std::clamp((deadline - now) / 20, absl::Milliseconds(1), absl::Milliseconds(200));
+      std::clamp((deadline - now) / 4, absl::Milliseconds(1), absl::Milliseconds(200));
   return deadline - margin;
 }
 

@@ -16,7 +16,8 @@ namespace gradsync::rpc {
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status);
 
 /// The deadline a waiting call waits until: the call's gRPC deadline, capped at now + max_wait,
-/// less a small margin so that our DEADLINE_EXCEEDED (which names what is missing) reaches the
+/// less a margin (a quarter of the wait, at most 200 ms) so that our DEADLINE_EXCEEDED (which
+/// names what is missing) reaches the
 /// client before its own. InvalidArgument when the call carries no deadline.
 absl::StatusOr<absl::Time> WaitDeadline(const grpc::CallbackServerContext* ctx,
                                         absl::string_view what, absl::Duration max_wait);
