@@ -25,6 +25,7 @@ Run with Debian's interpreter (torch lives there; the driver itself only uses th
 import argparse
 import json
 import os
+import re
 import platform
 import shutil
 import signal
@@ -145,41 +146,61 @@ def run_gradsync(args, n, tmp):
     worker_bin = need(os.path.join(build, "bench", "collective_bench_worker"))
     sizes = sorted(set(args.sizes) | {FLAT_GRADS_BYTES})
     job = f"cbench-{os.getpid()}-{n}-{time.time_ns()}"
-    sock = os.path.join(tmp, f"{job}.sock")
-    daemon_log = os.path.join(tmp, f"{job}-gradsyncd.log")
-    with open(daemon_log, "w") as err:
-        daemon = subprocess.Popen([daemon_bin, f"--socket={sock}", "--port=-1",
-                                   "--log_sink=stderr", "--log_level=warning"], stderr=err)
+    nodes = args.nodes
+    if n % nodes:
+        raise Skip(f"{n} ranks do not split evenly over {nodes} nodes")
+    socks = [os.path.join(tmp, f"{job}-{i}.sock") for i in range(nodes)]
+    logs = [os.path.join(tmp, f"{job}-gradsyncd{i}.log") for i in range(nodes)]
+    daemon_log = logs[0]
+    daemons, addresses = [], []
+    for sock, path in zip(socks, logs):
+        with open(path, "w") as err:
+            # One node: no TCP. Several: each daemon on its own loopback port (logged at info).
+            daemons.append(subprocess.Popen(
+                [daemon_bin, f"--socket={sock}", "--port=-1" if nodes == 1 else "--port=0",
+                 "--log_sink=stderr", "--log_level=warning" if nodes == 1 else "--log_level=info"],
+                stderr=err))
+    daemon = daemons[0]
     try:
-        deadline = time.monotonic() + 10
-        while not os.path.exists(sock):
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gradsyncd did not create {sock}:\n{tail_file(daemon_log)}")
-            time.sleep(0.02)
-        while True:
-            try:
-                h = subprocess.run([ctl_bin, f"--socket={sock}", "--timeout=2s", "health"],
-                                   capture_output=True, text=True, timeout=10)
-                rc, why = h.returncode, tail(h.stderr or h.stdout)
-            except subprocess.TimeoutExpired:
-                rc, why = None, "gradsyncctl hung"
-            if rc == 0:
-                break
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gradsyncctl health: exit {rc}: {why}\n"
-                                   f"{tail_file(daemon_log)}")
-            time.sleep(0.1)
+        for sock, path, d in zip(socks, logs, daemons):
+            deadline = time.monotonic() + 10
+            while not os.path.exists(sock):
+                if d.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gradsyncd did not create {sock}:\n{tail_file(path)}")
+                time.sleep(0.02)
+            while True:
+                try:
+                    h = subprocess.run([ctl_bin, f"--socket={sock}", "--timeout=2s", "health"],
+                                       capture_output=True, text=True, timeout=10)
+                    rc, why = h.returncode, tail(h.stderr or h.stdout)
+                except subprocess.TimeoutExpired:
+                    rc, why = None, "gradsyncctl hung"
+                if rc == 0:
+                    break
+                if d.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gradsyncctl health: exit {rc}: {why}\n"
+                                       f"{tail_file(path)}")
+                time.sleep(0.1)
+            if nodes > 1:
+                with open(path) as f:
+                    m = re.search(r"tcp=(\S+:\d+)", f.read())
+                if not m:
+                    raise RuntimeError(f"no tcp address in {path}")
+                addresses.append(m.group(1))
 
         procs, outs = [], []
+        local = n // nodes
         for r in range(n):
             out_path = os.path.join(tmp, f"{job}-rank{r}.out")
             outs.append(out_path)
+            extra = [] if nodes == 1 else [f"--local_world_size={local}",
+                                           f"--root_address={addresses[0]}"]
             with open(out_path, "w") as out, open(out_path[:-4] + ".err", "w") as err:
                 procs.append(subprocess.Popen(
-                    [worker_bin, f"--socket={sock}", f"--job={job}", f"--world_size={n}",
-                     f"--rank={r}", "--sizes=" + ",".join(map(str, sizes)),
+                    [worker_bin, f"--socket={socks[r // local]}", f"--job={job}",
+                     f"--world_size={n}", f"--rank={r}", "--sizes=" + ",".join(map(str, sizes)),
                      f"--min_iters={args.min_iters}", f"--max_iters={args.max_iters}",
-                     f"--seconds={args.seconds:g}"], stdout=out, stderr=err))
+                     f"--seconds={args.seconds:g}"] + extra, stdout=out, stderr=err))
         try:
             wait_all(procs, args.timeout)
         except RuntimeError as e:
@@ -191,14 +212,15 @@ def run_gradsync(args, n, tmp):
         with open(outs[0]) as f:
             return parse_lines(f.read(), "gradsync")
     finally:
-        if daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                log("gradsyncd did not exit 30 s after SIGTERM; killed")
-                daemon.kill()
-                daemon.wait(10)
+        for daemon in daemons:
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+                try:
+                    daemon.wait(30)
+                except subprocess.TimeoutExpired:
+                    log("gradsyncd did not exit 30 s after SIGTERM; killed")
+                    daemon.kill()
+                    daemon.wait(10)
 
 
 def run_torch_gloo(args, n):
@@ -220,8 +242,12 @@ def run_openmpi(args, n):
         raise Skip("mpirun not on PATH")
     # Shared memory only (btl self,vader), the launcher's own channel on loopback, no binding
     # (like the other peers), more ranks than cores allowed; root needs explicit permission.
+    # With --nodes > 1 the byte path is TCP on loopback (btl self,tcp), as between nodes.
+    btl = "self,vader" if args.nodes == 1 else "self,tcp"
     cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(n),
-           "--mca", "btl", "self,vader", "--mca", "oob_tcp_if_include", "lo"]
+           "--mca", "btl", btl, "--mca", "oob_tcp_if_include", "lo"]
+    if args.nodes > 1:
+        cmd += ["--mca", "btl_tcp_if_include", "lo"]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     cmd += [binary, "--sizes", ",".join(map(str, args.sizes)), "--min-iters",
@@ -347,6 +373,9 @@ def main():
     ap.add_argument("--timeout", type=float, default=0,
                     help="bound on each subprocess in seconds (default: from sizes and seconds)")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="gradsync daemons to spread the ranks over (loopback TCP between them, "
+                         "Gloo); Open MPI then uses btl tcp instead of shared memory")
     args = ap.parse_args()
     try:
         ranks = list(dict.fromkeys(int(r) for r in args.ranks.split(",")))

@@ -25,6 +25,8 @@ ABSL_FLAG(std::string, sizes, "4096,67108864", "bytes per all-reduce, comma sepa
 ABSL_FLAG(int, min_iters, 5, "fewest timed iterations per size");
 ABSL_FLAG(int, max_iters, 200, "most timed iterations per size");
 ABSL_FLAG(double, seconds, 2.0, "target time per size");
+ABSL_FLAG(int, local_world_size, 0, "ranks on this node (0: all); a smaller value spans daemons");
+ABSL_FLAG(std::string, root_address, "", "host:port of rank 0's daemon (jobs spanning daemons)");
 
 namespace gradsync {
 namespace {
@@ -63,7 +65,10 @@ int Main() {
   int64_t max_bytes = kGrads * kGradBytes;
   for (int64_t s : sizes) max_bytes = std::max(max_bytes, s);
 
-  client::Placement placement{absl::GetFlag(FLAGS_job), world, rank, rank, world, ""};
+  const int local_world =
+      absl::GetFlag(FLAGS_local_world_size) > 0 ? absl::GetFlag(FLAGS_local_world_size) : world;
+  client::Placement placement{absl::GetFlag(FLAGS_job), world, rank, rank % local_world,
+                              local_world, absl::GetFlag(FLAGS_root_address)};
   auto c = client::Client::Connect(absl::GetFlag(FLAGS_socket), placement);
   if (!c.ok()) Die("connect", c.status());
   client::Client& client = **c;
