@@ -113,6 +113,7 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::s
                                    "--log_sink=stderr", "--log_level=debug"};
   argv.push_back(options.tcp ? "--port=0" : "--port=-1");
   argv.insert(argv.end(), options.flags.begin(), options.flags.end());
+  argv.insert(argv.begin(), options.wrapper.begin(), options.wrapper.end());
   std::vector<std::string> env = {"NOTIFY_SOCKET=" + notify_path};
   if (options.watchdog > absl::ZeroDuration()) {
     env.push_back(absl::StrCat("WATCHDOG_USEC=", absl::ToInt64Microseconds(options.watchdog)));
@@ -133,9 +134,12 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::s
     absl::SleepFor(absl::Milliseconds(5));
   }
   for (const std::string& n : d->Notifications()) {
-    const size_t at = n.find("tcp=127.0.0.1:");
+    // "tcp=<bind address>:<port>"
+    const size_t at = n.find("tcp=");
     if (at == std::string::npos) continue;
-    absl::string_view rest = absl::string_view(n).substr(at + std::strlen("tcp=127.0.0.1:"));
+    absl::string_view rest = absl::string_view(n).substr(at);
+    rest = rest.substr(0, rest.find_first_of(" \n"));
+    rest = rest.substr(rest.rfind(':') + 1);
     rest = rest.substr(0, rest.find_first_not_of("0123456789"));
     if (!absl::SimpleAtoi(rest, &d->tcp_port_)) return absl::InternalError("bad STATUS= port");
   }

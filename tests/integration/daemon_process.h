@@ -47,6 +47,7 @@ class DaemonProcess {
     std::vector<std::string> flags;                  // extra gradsyncd flags
     absl::Duration watchdog = absl::ZeroDuration();  // WATCHDOG_USEC when positive
     bool tcp = true;
+    std::vector<std::string> wrapper;  // argv prefix, e.g. {"/usr/sbin/ip", "netns", "exec", "n"}
     absl::Duration ready_timeout = absl::Seconds(20);
   };
 
