@@ -123,6 +123,13 @@ TEST_F(MultiNodeTest, ThreeDaemonsUnevenRanksAndFusedPacks) {
   ExpectAllPassed(Run("mn3f", {0, 0, 1, 2}, "fused", {}), "wrong=0");
 }
 
+TEST_F(MultiNodeTest, AsyncOpsInFlightAndGroupsAcrossAndWithinNodes) {
+  StartDaemons(2);
+  ExpectAllPassed(Run("mna", {0, 0, 1, 1}, "async", {}), "async done=128");
+  // Groups 0,1 and 2,3 stay inside one node each; 0,2,3 spans both.
+  ExpectAllPassed(Run("mng", {0, 0, 1, 1}, "groups", {}), "groups ok");
+}
+
 // A mismatch inside one node, and one between nodes, fail the op on every node naming both
 // fingerprints, and the group goes on with its next op. A rank missing on one node fails the op
 // everywhere at the deadline, naming it.

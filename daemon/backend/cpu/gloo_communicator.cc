@@ -108,8 +108,9 @@ absl::Status GlooCommunicator::Run(const core::Collective& op) {
       return RunLocked(op);
     } catch (const std::exception& e) {
       context_.reset();
-      status = absl::UnavailableError(
-          absl::StrCat(op.label, " across ", nodes_.size(), " nodes failed: ", e.what()));
+      status = absl::UnavailableError(absl::StrCat(op.label, " across ", nodes_.size(),
+                                                   " nodes failed (peers: ", PeersWithRanks(),
+                                                   "): ", e.what()));
     }
   }
   // A peer daemon died, or did not reach the op by its deadline. The nodes may now disagree
