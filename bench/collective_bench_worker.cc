@@ -67,8 +67,9 @@ int Main() {
 
   const int local_world =
       absl::GetFlag(FLAGS_local_world_size) > 0 ? absl::GetFlag(FLAGS_local_world_size) : world;
-  client::Placement placement{absl::GetFlag(FLAGS_job), world, rank, rank % local_world,
-                              local_world, absl::GetFlag(FLAGS_root_address)};
+  client::Placement placement{
+      absl::GetFlag(FLAGS_job), world,       rank,
+      rank % local_world,       local_world, absl::GetFlag(FLAGS_root_address)};
   auto c = client::Client::Connect(absl::GetFlag(FLAGS_socket), placement);
   if (!c.ok()) Die("connect", c.status());
   client::Client& client = **c;

@@ -39,9 +39,10 @@ DaemonServer::DaemonServer(DaemonConfig config)
       store_(config_.store),
       auth_(config_.cluster_token),
       backend_(&pool_),
-      engine_(&backend_, &importer_, &pool_, config_.engine,
-              [this](const std::string& job) { store_.DeleteJob(job); },
-              [this](const std::string& address) { return PeerStore(address); }),
+      engine_(
+          &backend_, &importer_, &pool_, config_.engine,
+          [this](const std::string& job) { store_.DeleteJob(job); },
+          [this](const std::string& address) { return PeerStore(address); }),
       pool_(config_.workers > 0
                 ? config_.workers
                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),

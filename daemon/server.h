@@ -3,9 +3,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "absl/container/flat_hash_map.h"
 #include "client/store_client.h"
 #include "common/worker_pool.h"
 #include "daemon/backend/cpu/cpu_backend.h"

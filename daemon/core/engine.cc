@@ -244,10 +244,10 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
   }
   const bool spans = req.local_world_size() != req.world_size();
   if (spans && req.root_address().empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", req.job(), " spans nodes (world_size=", req.world_size(),
-        " local_world_size=", req.local_world_size(),
-        ") but names no root_address (host:port of the daemon holding rank 0)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", req.job(), " spans nodes (world_size=", req.world_size(),
+                     " local_world_size=", req.local_world_size(),
+                     ") but names no root_address (host:port of the daemon holding rank 0)"));
   }
   bool start_formation = false;
   std::shared_ptr<Job> started;
@@ -265,9 +265,8 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
                          : absl::StatusOr<gradsync::Store*>(
                                absl::FailedPreconditionError("this daemon reaches no peers"));
       if (!store.ok()) {
-        return absl::Status(store.status().code(),
-                            absl::StrCat("job store at ", req.root_address(), ": ",
-                                         store.status().message()));
+        return absl::Status(store.status().code(), absl::StrCat("job store at ", req.root_address(),
+                                                                ": ", store.status().message()));
       }
       root_store = *store;
     }
@@ -740,10 +739,10 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
                 timer_.Schedule(a.deadline, [this, weak = std::weak_ptr<Job>(session->job), group,
                                              seq] { OnDeadline(weak, group, seq); }));
           }
-          const int index = static_cast<int>(std::lower_bound(group->local_group_ranks.begin(),
-                                                              group->local_group_ranks.end(),
-                                                              a.group_rank) -
-                                             group->local_group_ranks.begin());
+          const int index =
+              static_cast<int>(std::lower_bound(group->local_group_ranks.begin(),
+                                                group->local_group_ranks.end(), a.group_rank) -
+                               group->local_group_ranks.begin());
           p.by_member[index] = std::move(a);
           if (++p.arrived == local) {
             Ready r;
@@ -825,12 +824,12 @@ void Engine::OnFormed(const std::weak_ptr<Job>& weak,
     absl::MutexLock lock(&job->mu);
     if (!nodes.ok()) {
       job->formation = Job::Formation::kFailed;
-      job->formation_error = absl::Status(
-          nodes.status().code() == absl::StatusCode::kDeadlineExceeded
-              ? absl::StatusCode::kDeadlineExceeded
-              : absl::StatusCode::kUnavailable,
-          absl::StrCat("job ", job->id, " did not form across nodes (root ", job->root_address,
-                       "): ", nodes.status().message()));
+      job->formation_error =
+          absl::Status(nodes.status().code() == absl::StatusCode::kDeadlineExceeded
+                           ? absl::StatusCode::kDeadlineExceeded
+                           : absl::StatusCode::kUnavailable,
+                       absl::StrCat("job ", job->id, " did not form across nodes (root ",
+                                    job->root_address, "): ", nodes.status().message()));
       error = job->formation_error;
       failed.swap(job->parked);
     } else {

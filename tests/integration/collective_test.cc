@@ -234,7 +234,7 @@ TEST_F(CollectiveTest, CorruptDoorbellEndsThatSessionOnly) {
   const uint64_t huge = uint64_t{1} << 40;
   std::memcpy(base + doorbell::kHeaderBytes, &huge, 8);
   reinterpret_cast<doorbell::Header*>(base)->request_head.store(64);
-  ring.Push("");  // wakes the daemon's doorbell thread
+  ring.Push("");                       // wakes the daemon's doorbell thread
   EXPECT_FALSE(stream->Read(&event));  // the daemon ends the session
   stream->WritesDone();
   const grpc::Status end = stream->Finish();

@@ -536,12 +536,14 @@ void NodeSurvivor(Client& c) {
   absl::Status s = c.Barrier(Opt("world", "", absl::Seconds(30)));
   EXPECT_TRUE_OR_REPORT(s.ok(), "barrier ", s.ToString());
   const absl::Time start = absl::Now();
-  s = c.AllReduce(v1::FLOAT32, v1::SUM, {{b->id(), 0, 1 << 18}}, Opt("world", "", absl::Seconds(60)));
+  s = c.AllReduce(v1::FLOAT32, v1::SUM, {{b->id(), 0, 1 << 18}},
+                  Opt("world", "", absl::Seconds(60)));
   const absl::Duration took = absl::Now() - start;
   EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kUnavailable, s.ToString());
   EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), "all_reduce job="), s.ToString());
   EXPECT_TRUE_OR_REPORT(took < absl::Seconds(20), "took ", absl::FormatDuration(took));
-  std::printf("node survivor ok took_ms=%lld\n", static_cast<long long>(absl::ToInt64Milliseconds(took)));
+  std::printf("node survivor ok took_ms=%lld\n",
+              static_cast<long long>(absl::ToInt64Milliseconds(took)));
 }
 
 // Every kind of bad input gets its specific code and changes nothing: afterwards the buffer
@@ -714,8 +716,8 @@ int main(int argc, char** argv) {
   }
   // Jobs spanning daemons: local_world_size=L (ranks are placed in blocks of L) and root=ADDR.
   const int local_world = std::stoi(Arg("local_world_size", std::to_string(g_world)));
-  client::Placement placement{job,          g_world, g_rank, g_rank % local_world, local_world,
-                              Arg("root", "")};
+  client::Placement placement{job,         g_world,        g_rank, g_rank % local_world,
+                              local_world, Arg("root", "")};
   client::ClientOptions options;
   options.doorbell = Arg("doorbell", "1") == "1";  // 0: ops over the gRPC stream
   auto c = client::Client::Connect(target, placement, options);

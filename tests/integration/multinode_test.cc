@@ -3,8 +3,8 @@
 // and carry the bytes between them with Gloo.
 
 #include <signal.h>
-#include <unistd.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -56,11 +56,14 @@ class MultiNodeTest : public ::testing::Test {
       }
       int local_world = 0;
       for (int n : node_of) local_world += n == node_of[r];
-      std::vector<std::string> argv = {
-          HelperBinary("collective_worker"), daemons_[node_of[r]]->unix_target(), job,
-          std::to_string(world), std::to_string(r), scenarios[r],
-          "local_world_size=" + std::to_string(local_world),
-          "root=" + daemons_[node_of[0]]->tcp_target()};
+      std::vector<std::string> argv = {HelperBinary("collective_worker"),
+                                       daemons_[node_of[r]]->unix_target(),
+                                       job,
+                                       std::to_string(world),
+                                       std::to_string(r),
+                                       scenarios[r],
+                                       "local_world_size=" + std::to_string(local_world),
+                                       "root=" + daemons_[node_of[0]]->tcp_target()};
       argv.insert(argv.end(), args.begin(), args.end());
       auto pid = Spawn(argv, {}, absl::StrCat(dirs_[0]->path(), "/out.", r));
       EXPECT_TRUE(pid.ok()) << pid.status();
@@ -147,8 +150,7 @@ TEST_F(MultiNodeTest, JobThatNeverFormsFailsAtTheDeadlineNamingTheMissingRanks) 
   StartDaemons(2, {"--op_timeout=2s"});
   // Ranks 2 and 3 (daemon 1) never come.
   const absl::Time start = absl::Now();
-  ExpectAllPassed(Wait(Start("nf", {0, 0, 1, 1}, {"noform", "noform", "-", "-"}, {})),
-                  "noform ok");
+  ExpectAllPassed(Wait(Start("nf", {0, 0, 1, 1}, {"noform", "noform", "-", "-"}, {})), "noform ok");
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
 }
 
@@ -214,10 +216,11 @@ TEST_F(MultiNodeTest, TwoDaemonsInSeparateNetworkNamespacesOverVeth) {
   const std::string va = "gva" + tag, vb = "gvb" + tag;
   for (const std::string& cmd :
        {"ip link add " + va + " type veth peer name " + vb, "ip link set " + va + " netns " + ns_a,
-        "ip link set " + vb + " netns " + ns_b, "ip -n " + ns_a + " addr add 10.77.0.1/24 dev " + va,
-        "ip -n " + ns_b + " addr add 10.77.0.2/24 dev " + vb, "ip -n " + ns_a + " link set " + va + " up",
-        "ip -n " + ns_b + " link set " + vb + " up", "ip -n " + ns_a + " link set lo up",
-        "ip -n " + ns_b + " link set lo up"}) {
+        "ip link set " + vb + " netns " + ns_b,
+        "ip -n " + ns_a + " addr add 10.77.0.1/24 dev " + va,
+        "ip -n " + ns_b + " addr add 10.77.0.2/24 dev " + vb,
+        "ip -n " + ns_a + " link set " + va + " up", "ip -n " + ns_b + " link set " + vb + " up",
+        "ip -n " + ns_a + " link set lo up", "ip -n " + ns_b + " link set lo up"}) {
     ASSERT_EQ(sh(cmd), 0) << cmd;
   }
   const std::vector<std::pair<std::string, std::string>> nodes = {{ns_a, "10.77.0.1"},

@@ -106,7 +106,8 @@ absl::StatusOr<std::shared_ptr<core::Communicator>> CpuBackend::CreateCommunicat
   if (!spec.member_nodes.empty() && spec.local_members != spec.members) {
     if (spec.rendezvous == nullptr || spec.node.empty()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("group ", spec.group, " of job ", spec.job, " spans nodes but this "
+          absl::StrCat("group ", spec.group, " of job ", spec.job,
+                       " spans nodes but this "
                        "daemon has no job store or TCP address to reach its peers"));
     }
     return std::make_shared<GlooCommunicator>(spec, pool_);

@@ -52,8 +52,8 @@ GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool
     node_of_group_rank_.push_back(
         static_cast<int>(std::lower_bound(nodes_.begin(), nodes_.end(), n) - nodes_.begin()));
   }
-  my_node_ = static_cast<int>(std::lower_bound(nodes_.begin(), nodes_.end(), spec_.node) -
-                              nodes_.begin());
+  my_node_ =
+      static_cast<int>(std::lower_bound(nodes_.begin(), nodes_.end(), spec_.node) - nodes_.begin());
 }
 
 GlooCommunicator::~GlooCommunicator() = default;
@@ -82,8 +82,8 @@ absl::Status GlooCommunicator::Connect(absl::Time deadline) {
     ::gloo::transport::tcp::attr attr;
     attr.hostname = spec_.node.substr(0, spec_.node.rfind(':'));  // "host:port" -> host
     auto device = ::gloo::transport::tcp::CreateDevice(attr);
-    auto context = std::make_shared<::gloo::rendezvous::Context>(
-        my_node_, static_cast<int>(nodes_.size()));
+    auto context =
+        std::make_shared<::gloo::rendezvous::Context>(my_node_, static_cast<int>(nodes_.size()));
     context->setTimeout(Left(deadline));
     GlooStore store(spec_.rendezvous, spec_.job, absl::StrCat("gloo/", spec_.group, "/"),
                     deadline - absl::Now());
@@ -117,9 +117,9 @@ absl::Status GlooCommunicator::Run(const core::Collective& op) {
   // on where the group's sequence stands, so the group stays failed (its ranks form the job
   // again) rather than reconnecting to stale rendezvous keys.
   if (absl::Now() >= op.deadline) {
-    status = absl::DeadlineExceededError(absl::StrCat(op.label, " did not complete by its deadline: ",
-                                                      "it waited for ", PeersWithRanks(), " (",
-                                                      status.message(), ")"));
+    status = absl::DeadlineExceededError(
+        absl::StrCat(op.label, " did not complete by its deadline: ", "it waited for ",
+                     PeersWithRanks(), " (", status.message(), ")"));
   }
   broken_ = status;
   return status;
@@ -156,9 +156,9 @@ absl::Status GlooCommunicator::Agree(const core::Collective& op) {
   // A peer's own failure says more than our "we waited for the peers".
   for (size_t i = 0; i < all.size(); ++i) {
     if (static_cast<int>(i) != my_node_ && all[i].code != 0) {
-      return absl::Status(static_cast<absl::StatusCode>(all[i].code),
-                          absl::StrCat(op.label, " failed on node ", nodes_[i], ": ",
-                                       all[i].message));
+      return absl::Status(
+          static_cast<absl::StatusCode>(all[i].code),
+          absl::StrCat(op.label, " failed on node ", nodes_[i], ": ", all[i].message));
     }
   }
   if (!local.ok()) return local;
@@ -200,19 +200,19 @@ absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
           opts.setOutput(reinterpret_cast<T*>(scratch_.data()), static_cast<size_t>(n));
         });
         const DType dtype = op.dtype;
-        opts.setReduceFunction([dtype, partial](void* c, const void* a, const void* b,
-                                                size_t count) {
-          const int64_t es = DTypeSize(dtype);
-          const core::View va = {{static_cast<std::byte*>(const_cast<void*>(a)),
-                                  static_cast<int64_t>(count)}};
-          const core::View vb = {{static_cast<std::byte*>(const_cast<void*>(b)),
-                                  static_cast<int64_t>(count)}};
-          const core::View vc = {{static_cast<std::byte*>(c), static_cast<int64_t>(count)}};
-          const Slice srcs[] = {{&va, 0}, {&vb, 0}};
-          const Slice dst{&vc, 0};
-          (void)es;
-          Reduce(dtype, partial, 1, srcs, {&dst, 1}, static_cast<int64_t>(count));
-        });
+        opts.setReduceFunction(
+            [dtype, partial](void* c, const void* a, const void* b, size_t count) {
+              const int64_t es = DTypeSize(dtype);
+              const core::View va = {
+                  {static_cast<std::byte*>(const_cast<void*>(a)), static_cast<int64_t>(count)}};
+              const core::View vb = {
+                  {static_cast<std::byte*>(const_cast<void*>(b)), static_cast<int64_t>(count)}};
+              const core::View vc = {{static_cast<std::byte*>(c), static_cast<int64_t>(count)}};
+              const Slice srcs[] = {{&va, 0}, {&vb, 0}};
+              const Slice dst{&vc, 0};
+              (void)es;
+              Reduce(dtype, partial, 1, srcs, {&dst, 1}, static_cast<int64_t>(count));
+            });
         ::gloo::allreduce(opts);
       }
       const Slice from{&scratch, 0};
@@ -247,8 +247,9 @@ absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
     }
     default:
       return absl::UnimplementedError(
-          absl::StrCat(op.label, ": all_gather and reduce_scatter across nodes are not "
-                                 "implemented yet (groups within one node have them)"));
+          absl::StrCat(op.label,
+                       ": all_gather and reduce_scatter across nodes are not "
+                       "implemented yet (groups within one node have them)"));
   }
 }
 

@@ -31,7 +31,7 @@ class GlooCommunicator final : public core::Communicator {
   absl::Status Connect(absl::Time deadline);
   absl::Status RunLocked(const core::Collective& op);
   absl::Status Agree(const core::Collective& op);
-  std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..." 
+  std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..."
 
   const core::CommunicatorSpec spec_;
   WorkerPool* const pool_;
