@@ -66,6 +66,12 @@ class GradSyncService::SessionReactor final
   void Refuse(const absl::Status& status) { FinishNow(ToGrpcStatus(status)); }
 
   void OnReadDone(bool ok) override {
+    {
+      // Finished already (refused before the first request, or the doorbell was corrupt):
+      // whatever was read is not acted on.
+      absl::MutexLock lock(&mu_);
+      if (finished_ && !session_) return;
+    }
     if (!ok) {  // the trainer closed its side, died, or the call was cancelled
       EndSession(ctx_->IsCancelled() ? "connection lost" : "trainer closed the session");
       return;

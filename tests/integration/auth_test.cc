@@ -96,6 +96,13 @@ TEST_F(AuthTest, InspectAndTrainerSessionsOverTcpNeedTheToken) {
   options.doorbell = false;
   auto refused = client::Client::Connect(daemon_->tcp_target(), one, options);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  // Nothing was registered: no session exists, so the same rank can register right away.
+  auto sessions = v1::Inspect::NewStub(client::Connect(daemon_->unix_target()));
+  grpc::ClientContext ctx2;
+  ctx2.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::ListSessionsResponse listed;
+  ASSERT_TRUE(sessions->ListSessions(&ctx2, v1::ListSessionsRequest(), &listed).ok());
+  EXPECT_EQ(listed.sessions_size(), 0);
   options.token = "s3cret";
   auto accepted = client::Client::Connect(daemon_->tcp_target(), one, options);
   ASSERT_TRUE(accepted.ok()) << accepted.status();
