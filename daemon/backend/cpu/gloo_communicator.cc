@@ -9,6 +9,7 @@
 #include "daemon/backend/cpu/gloo_store.h"
 #include "daemon/backend/cpu/kernels.h"
 #include "gloo/allgather.h"
+#include "gloo/allgatherv.h"
 #include "gloo/allreduce.h"
 #include "gloo/barrier.h"
 #include "gloo/broadcast.h"
@@ -172,6 +173,29 @@ absl::Status GlooCommunicator::Agree(const core::Collective& op) {
   return absl::OkStatus();
 }
 
+void GlooCommunicator::AllReduceScratch(const core::Collective& op, v1::ReduceOp partial,
+                                        int64_t n) {
+  const int64_t esize = DTypeSize(op.dtype);
+  ::gloo::AllreduceOptions opts(context_);
+  opts.setTimeout(Left(op.deadline));
+  WithElementType(esize, [&](auto t) {
+    using T = decltype(t);
+    opts.setOutput(reinterpret_cast<T*>(scratch_.data()), static_cast<size_t>(n));
+  });
+  const DType dtype = op.dtype;
+  opts.setReduceFunction([dtype, partial](void* c, const void* a, const void* b, size_t count) {
+    const core::View va = {{static_cast<std::byte*>(const_cast<void*>(a)),
+                            static_cast<int64_t>(count)}};
+    const core::View vb = {{static_cast<std::byte*>(const_cast<void*>(b)),
+                            static_cast<int64_t>(count)}};
+    const core::View vc = {{static_cast<std::byte*>(c), static_cast<int64_t>(count)}};
+    const Slice srcs[] = {{&va, 0}, {&vb, 0}};
+    const Slice dst{&vc, 0};
+    Reduce(dtype, partial, 1, srcs, {&dst, 1}, static_cast<int64_t>(count));
+  });
+  ::gloo::allreduce(opts);
+}
+
 absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
   if (absl::Status s = Agree(op); !s.ok()) return s;
   const int64_t esize = DTypeSize(op.dtype);
@@ -192,29 +216,7 @@ absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
       // MEAN sums everywhere and divides once at the end, by the group size.
       const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
       Reduce(op.dtype, partial, 1, locals, {&out, 1}, n);
-      if (n > 0) {
-        ::gloo::AllreduceOptions opts(context_);
-        opts.setTimeout(Left(op.deadline));
-        WithElementType(esize, [&](auto t) {
-          using T = decltype(t);
-          opts.setOutput(reinterpret_cast<T*>(scratch_.data()), static_cast<size_t>(n));
-        });
-        const DType dtype = op.dtype;
-        opts.setReduceFunction(
-            [dtype, partial](void* c, const void* a, const void* b, size_t count) {
-              const int64_t es = DTypeSize(dtype);
-              const core::View va = {
-                  {static_cast<std::byte*>(const_cast<void*>(a)), static_cast<int64_t>(count)}};
-              const core::View vb = {
-                  {static_cast<std::byte*>(const_cast<void*>(b)), static_cast<int64_t>(count)}};
-              const core::View vc = {{static_cast<std::byte*>(c), static_cast<int64_t>(count)}};
-              const Slice srcs[] = {{&va, 0}, {&vb, 0}};
-              const Slice dst{&vc, 0};
-              (void)es;
-              Reduce(dtype, partial, 1, srcs, {&dst, 1}, static_cast<int64_t>(count));
-            });
-        ::gloo::allreduce(opts);
-      }
+      if (n > 0) AllReduceScratch(op, partial, n);
       const Slice from{&scratch, 0};
       Reduce(op.dtype, op.reduce_op, op.group_size, {&from, 1}, locals, n);
       return absl::OkStatus();
@@ -245,11 +247,71 @@ absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
       Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&buf, 1}, locals, n);
       return absl::OkStatus();
     }
+    case v1::REDUCE_SCATTER: {
+      // The whole input reduced across nodes, then each local member takes its block.
+      const int64_t total = n * op.group_size;
+      scratch_.resize(static_cast<size_t>(total * esize));
+      const core::View scratch = {{scratch_.data(), total}};
+      const Slice out{&scratch, 0};
+      std::vector<Slice> locals;
+      for (const core::LocalMember& m : op.local) locals.push_back({&m.input, 0});
+      const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
+      Reduce(op.dtype, partial, 1, locals, {&out, 1}, total);
+      if (total > 0) AllReduceScratch(op, partial, total);
+      for (const core::LocalMember& m : op.local) {
+        const Slice from{&scratch, m.group_rank * n};
+        const Slice to{&m.output, 0};
+        Reduce(op.dtype, op.reduce_op, op.group_size, {&from, 1}, {&to, 1}, n);
+      }
+      return absl::OkStatus();
+    }
+    case v1::ALL_GATHER: {
+      // Each node contributes its members' inputs (ascending group rank); Gloo's allgatherv
+      // lays the nodes' parts out in node order; every block is then copied to its place.
+      std::vector<size_t> per_node(nodes_.size(), 0);
+      for (int node : node_of_group_rank_) per_node[node] += static_cast<size_t>(n);
+      std::vector<int64_t> next(nodes_.size(), 0);
+      for (size_t i = 1; i < nodes_.size(); ++i) {
+        next[i] = next[i - 1] + static_cast<int64_t>(per_node[i - 1]);
+      }
+      std::vector<int64_t> block_start(op.group_size);
+      for (int q = 0; q < op.group_size; ++q) {
+        block_start[q] = next[node_of_group_rank_[q]];
+        next[node_of_group_rank_[q]] += n;
+      }
+      const int64_t total = n * op.group_size;
+      const int64_t mine = static_cast<int64_t>(per_node[my_node_]);
+      std::vector<std::byte> input(static_cast<size_t>(mine * esize));
+      scratch_.resize(static_cast<size_t>(total * esize));
+      const core::View in_view = {{input.data(), mine}};
+      int64_t at = 0;
+      for (const core::LocalMember& m : op.local) {  // ascending group rank
+        const Slice from{&m.input, 0};
+        const Slice to{&in_view, at};
+        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&from, 1}, {&to, 1}, n);
+        at += n;
+      }
+      if (total > 0) {
+        ::gloo::AllgathervOptions opts(context_);
+        opts.setTimeout(Left(op.deadline));
+        WithElementType(esize, [&](auto t) {
+          using T = decltype(t);
+          opts.setInput(reinterpret_cast<T*>(input.data()), static_cast<size_t>(mine));
+          opts.setOutput(reinterpret_cast<T*>(scratch_.data()), per_node);
+        });
+        ::gloo::allgatherv(opts);
+      }
+      const core::View gathered = {{scratch_.data(), total}};
+      for (int q = 0; q < op.group_size; ++q) {
+        const Slice from{&gathered, block_start[q]};
+        std::vector<Slice> dsts;
+        for (const core::LocalMember& m : op.local) dsts.push_back({&m.output, q * n});
+        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&from, 1}, dsts, n);
+      }
+      return absl::OkStatus();
+    }
     default:
-      return absl::UnimplementedError(
-          absl::StrCat(op.label,
-                       ": all_gather and reduce_scatter across nodes are not "
-                       "implemented yet (groups within one node have them)"));
+      return absl::InvalidArgumentError(absl::StrCat(op.label, ": unknown op kind"));
   }
 }
 

@@ -20,7 +20,8 @@ namespace gradsync::backend::cpu {
 /// The Gloo context is connected at the first op (rendezvous through the job's store), bounded
 /// by that op's deadline. Gloo's exceptions stop here: a lost peer is UNAVAILABLE naming the op,
 /// and the group's later ops fail the same way (the job must be formed again).
-/// AllGather and ReduceScatter across nodes are not there yet (UNIMPLEMENTED, said plainly).
+/// ReduceScatter reduces the whole input across nodes and hands each member its block;
+/// AllGather uses Gloo's allgatherv over the nodes' parts.
 class GlooCommunicator final : public core::Communicator {
  public:
   GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool);
@@ -31,6 +32,8 @@ class GlooCommunicator final : public core::Communicator {
   absl::Status Connect(absl::Time deadline);
   absl::Status RunLocked(const core::Collective& op);
   absl::Status Agree(const core::Collective& op);
+  // Gloo all-reduce of scratch_[0, n) with our kernel as the reduce function. Throws (Gloo).
+  void AllReduceScratch(const core::Collective& op, v1::ReduceOp partial, int64_t n);
   std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..."
 
   const core::CommunicatorSpec spec_;
