@@ -208,6 +208,27 @@ struct Job : std::enable_shared_from_this<Job> {
 }  // namespace internal
 
 using internal::Failed;
+
+namespace {
+
+// An op that failed on this node before it could run, as the other nodes of its group must
+// hear of it (the local members are told directly).
+internal::Ready FailedOp(const internal::Group& group, uint64_t seq, const Fingerprint& fp,
+                         absl::Time deadline, const absl::Status& status) {
+  internal::Ready r;
+  r.seq = seq;
+  r.op.kind = fp.kind;
+  r.op.dtype = fp.dtype;
+  r.op.group_size = static_cast<int>(group.members.size());
+  r.op.deadline = deadline;
+  r.op.label = absl::StrCat(KindName(fp.kind), " job=", group.job->id, " group=", group.key,
+                            " seq=", seq);
+  r.op.fingerprint = absl::StrCat(fp.Describe(), " seq=", seq);
+  r.op.local_failure = status;
+  return r;
+}
+
+}  // namespace
 using internal::Pending;
 using internal::Ready;
 
@@ -616,6 +637,17 @@ absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vecto
   return job.groups.emplace(key, std::move(group)).first->second.get();
 }
 
+void Engine::EnqueueRemoteLocked(Group& group, Ready ready, Completions& out) {
+  ready.remote = true;
+  group.ready.push_back(std::move(ready));
+  if (!group.running) {
+    group.running = true;
+    std::shared_ptr<Job> job = group.job->shared_from_this();
+    Group* g = &group;
+    out.push_back([this, job, g] { pool_->Schedule([this, job, g] { Drain(job, g, true); }); });
+  }
+}
+
 void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status,
                                Completions& out, bool tell_peers) {
   auto it = group.pending.find(seq);
@@ -629,24 +661,7 @@ void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& s
   }
   if (group.spans_nodes && tell_peers) {
     // The other nodes learn of it through the op's cross-node exchange (see Collective).
-    Ready r;
-    r.remote = true;
-    r.seq = seq;
-    r.op.kind = p.fp.kind;
-    r.op.dtype = p.fp.dtype;
-    r.op.group_size = static_cast<int>(group.members.size());
-    r.op.deadline = p.deadline;
-    r.op.label = absl::StrCat(KindName(p.fp.kind), " job=", group.job->id, " group=", group.key,
-                              " seq=", seq);
-    r.op.fingerprint = absl::StrCat(p.fp.Describe(), " seq=", seq);
-    r.op.local_failure = status;
-    group.ready.push_back(std::move(r));
-    if (!group.running) {
-      group.running = true;
-      std::shared_ptr<Job> job = group.job->shared_from_this();
-      Group* g = &group;
-      out.push_back([this, job, g] { pool_->Schedule([this, job, g] { Drain(job, g, true); }); });
-    }
+    EnqueueRemoteLocked(group, FailedOp(group, seq, p.fp, p.deadline, status), out);
   }
   group.pending.erase(it);
   if (remaining > 0) group.failed[seq] = Failed{status, remaining};
@@ -705,7 +720,25 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
                                                       " group=", group->key, ": ", group->broken));
       }
     }
-    if (!refused.ok()) {
+    if (!refused.ok() && group != nullptr && group->spans_nodes && !group->broken.empty() &&
+        session->attached) {
+      // A member left: this node refuses the group's ops, and the other nodes, which may not
+      // know yet, hear it through the op's exchange. The op takes its sequence number so
+      // every node's count stays aligned; the first local member's submission tells the peers.
+      const uint64_t seq = session->next_seq[group->key]++;
+      if (auto f = group->failed.find(seq); f != group->failed.end()) {
+        out.push_back([sink, tag, seq, status = f->second.status] {
+          sink->OpDone(tag, seq, status);
+        });
+        if (--f->second.remaining == 0) group->failed.erase(f);
+      } else {
+        int others = -1;  // attached local members besides this one
+        for (int gr : group->local_group_ranks) others += job.ranks[group->members[gr]] != nullptr;
+        if (others > 0) group->failed[seq] = Failed{refused, others};
+        out.push_back([sink, tag, seq, refused] { sink->OpDone(tag, seq, refused); });
+        EnqueueRemoteLocked(*group, FailedOp(*group, seq, a.fp, a.deadline, refused), out);
+      }
+    } else if (!refused.ok()) {
       out.push_back([sink, tag, refused] { sink->OpDone(tag, 0, refused); });
     } else {
       const uint64_t seq = session->next_seq[group->key]++;

@@ -46,6 +46,7 @@ namespace internal {
 struct Job;
 struct Group;
 struct Arrival;
+struct Ready;
 }  // namespace internal
 
 /// The daemon's core: sessions, buffer registry, groups, the op matcher, deadlines and faults
@@ -118,6 +119,7 @@ class Engine {
   using Job = internal::Job;
   using Group = internal::Group;
   using Arrival = internal::Arrival;
+  using Ready = internal::Ready;
   using Completions = std::vector<std::function<void()>>;
 
   absl::StatusOr<Arrival> Resolve(Session& session, const v1::OpRequest& op);
@@ -128,6 +130,9 @@ class Engine {
   // exchange (not when the job or the daemon is ending).
   void FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status, Completions& out,
                          bool tell_peers = true);
+  // Queues an op that runs on other nodes' daemons too (a failed op's verdict, or data) and
+  // makes sure a Drain runs it on the pool.
+  void EnqueueRemoteLocked(Group& group, Ready ready, Completions& out);
   void OnDeadline(const std::weak_ptr<Job>& job, Group* group, uint64_t seq);
   // Runs a group's matched ops in order until none is left; large ones move to the pool.
   void Drain(std::shared_ptr<Job> job, Group* group, bool on_pool);

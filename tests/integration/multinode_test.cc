@@ -184,6 +184,20 @@ TEST_F(MultiNodeTest, WrongClusterTokenKeepsADaemonOutOfTheJob) {
   ExpectAllPassed(codes, "noform ok");
 }
 
+// A trainer killed on one node: its pending op fails on every node naming it, and so do the
+// group's later ops (the other nodes hear it through each op's exchange); a group without it
+// still works across nodes.
+TEST_F(MultiNodeTest, KilledTrainerFailsItsGroupsOnEveryNode) {
+  StartDaemons(2);
+  const std::vector<int> codes =
+      Wait(Start("kt", {0, 0, 1, 1}, {"survivor", "survivor", "survivor", "victim"}, {}));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(codes[r], 0) << "rank " << r << ": " << out_[r];
+    EXPECT_TRUE(absl::StrContains(out_[r], "survivor ok")) << out_[r];
+  }
+  EXPECT_EQ(codes[3], 128 + SIGKILL);
+}
+
 TEST_F(MultiNodeTest, KilledDaemonFailsTheOtherNodesOpsAndTheRestStaysHealthy) {
   StartDaemons(2);
   const std::vector<pid_t> pids =
