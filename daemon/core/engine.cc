@@ -221,8 +221,8 @@ internal::Ready FailedOp(const internal::Group& group, uint64_t seq, const Finge
   r.op.dtype = fp.dtype;
   r.op.group_size = static_cast<int>(group.members.size());
   r.op.deadline = deadline;
-  r.op.label = absl::StrCat(KindName(fp.kind), " job=", group.job->id, " group=", group.key,
-                            " seq=", seq);
+  r.op.label =
+      absl::StrCat(KindName(fp.kind), " job=", group.job->id, " group=", group.key, " seq=", seq);
   r.op.fingerprint = absl::StrCat(fp.Describe(), " seq=", seq);
   r.op.local_failure = status;
   return r;
@@ -727,9 +727,8 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
       // every node's count stays aligned; the first local member's submission tells the peers.
       const uint64_t seq = session->next_seq[group->key]++;
       if (auto f = group->failed.find(seq); f != group->failed.end()) {
-        out.push_back([sink, tag, seq, status = f->second.status] {
-          sink->OpDone(tag, seq, status);
-        });
+        out.push_back(
+            [sink, tag, seq, status = f->second.status] { sink->OpDone(tag, seq, status); });
         if (--f->second.remaining == 0) group->failed.erase(f);
       } else {
         int others = -1;  // attached local members besides this one

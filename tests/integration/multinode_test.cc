@@ -115,22 +115,19 @@ class MultiNodeTest : public ::testing::Test {
 // Ranks laid out in blocks (0,1 | 2,3): all-reduce (every op and dtype), broadcast, barrier.
 TEST_F(MultiNodeTest, TwoDaemonsTwoRanksEach) {
   StartDaemons(2);
-  ExpectAllPassed(Run("mn2", {0, 0, 1, 1}, "matrix", {"counts=0,1,7,1023,65537"}),
-                  "matrix cases=");
+  ExpectAllPassed(Run("mn2", {0, 0, 1, 1}, "matrix", {"counts=0,1,7,1023,65537"}), "matrix cases=");
 }
 
 TEST_F(MultiNodeTest, ThreeDaemonsUnevenRanksAndFusedPacks) {
   StartDaemons(3);
-  ExpectAllPassed(Run("mn3", {0, 0, 1, 2}, "matrix", {"counts=3,4099"}),
-                  "matrix cases=");
+  ExpectAllPassed(Run("mn3", {0, 0, 1, 2}, "matrix", {"counts=3,4099"}), "matrix cases=");
   ExpectAllPassed(Run("mn3f", {0, 0, 1, 2}, "fused", {}), "wrong=0");
 }
 
 TEST_F(MultiNodeTest, SixtyFourMiBEveryOpAcrossTwoDaemons) {
   StartDaemons(2);
-  ExpectAllPassed(
-      Run("mnl", {0, 0, 1, 1}, "matrix", {"bytes=67108864", "dtypes=float32,bfloat16"}),
-      "matrix cases=16");
+  ExpectAllPassed(Run("mnl", {0, 0, 1, 1}, "matrix", {"bytes=67108864", "dtypes=float32,bfloat16"}),
+                  "matrix cases=16");
 }
 
 TEST_F(MultiNodeTest, AsyncOpsInFlightAndGroupsAcrossAndWithinNodes) {

@@ -184,10 +184,10 @@ void GlooCommunicator::AllReduceScratch(const core::Collective& op, v1::ReduceOp
   });
   const DType dtype = op.dtype;
   opts.setReduceFunction([dtype, partial](void* c, const void* a, const void* b, size_t count) {
-    const core::View va = {{static_cast<std::byte*>(const_cast<void*>(a)),
-                            static_cast<int64_t>(count)}};
-    const core::View vb = {{static_cast<std::byte*>(const_cast<void*>(b)),
-                            static_cast<int64_t>(count)}};
+    const core::View va = {
+        {static_cast<std::byte*>(const_cast<void*>(a)), static_cast<int64_t>(count)}};
+    const core::View vb = {
+        {static_cast<std::byte*>(const_cast<void*>(b)), static_cast<int64_t>(count)}};
     const core::View vc = {{static_cast<std::byte*>(c), static_cast<int64_t>(count)}};
     const Slice srcs[] = {{&va, 0}, {&vb, 0}};
     const Slice dst{&vc, 0};
