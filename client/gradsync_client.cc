@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -188,27 +189,11 @@ Client::~Client() {
   std::unique_lock<std::mutex> lock(mu_);
   // Let queued requests go out, then close our side; the daemon ends the session and the
   // stream finishes. If it does not in time, cancel.
-  auto drive = [&](auto done) {
-    while (!done() && absl::Now() < deadline) {
-      if (driving_) {
-        cv_.wait_until(lock, absl::ToChronoTime(deadline));
-        continue;
-      }
-      void* tag = nullptr;
-      bool ok = false;
-      driving_ = true;
-      lock.unlock();
-      const auto r = cq_.AsyncNext(&tag, &ok, absl::ToChronoTime(deadline));
-      lock.lock();
-      driving_ = false;
-      if (r == grpc::CompletionQueue::GOT_EVENT) HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
-      cv_.notify_all();
-    }
-  };
-  drive([&] { return !broken_.ok() || (!writing_ && writes_.empty()); });
+  DriveUntilLocked(lock, [&] { return !broken_.ok() || (!writing_ && writes_.empty()); },
+                   deadline);
   if (broken_.ok()) {
     stream_->WritesDone(TagOf(kWritesDone));
-    drive([&] { return !broken_.ok(); });
+    DriveUntilLocked(lock, [&] { return !broken_.ok(); }, deadline);
   }
   if (read_pending_ || finish_pending_ || writing_) ctx_.TryCancel();
   lock.unlock();
@@ -299,19 +284,36 @@ std::shared_ptr<Op::State> Client::Send(v1::TrainerRequest request, absl::Durati
 bool Client::Poll(Op::State& state) {
   std::unique_lock<std::mutex> lock(mu_);
   DrainRingLocked();
-  while (!state.done && !driving_) {
-    void* tag = nullptr;
-    bool ok = false;
-    driving_ = true;
-    lock.unlock();
-    const auto r = cq_.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
-    lock.lock();
-    driving_ = false;
-    if (r == grpc::CompletionQueue::GOT_EVENT) HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
-    cv_.notify_all();
-    if (r != grpc::CompletionQueue::GOT_EVENT) break;
-  }
+  if (!state.done) CheckStreamLocked(lock);
   return state.done;
+}
+
+grpc::CompletionQueue::NextStatus Client::DriveOnceLocked(std::unique_lock<std::mutex>& lock,
+                                                          absl::Time deadline) {
+  void* tag = nullptr;
+  bool ok = false;
+  driving_ = true;
+  lock.unlock();
+  const auto r = cq_.AsyncNext(&tag, &ok, absl::ToChronoTime(deadline));
+  lock.lock();
+  driving_ = false;
+  if (r == grpc::CompletionQueue::GOT_EVENT) HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
+  if (r == grpc::CompletionQueue::SHUTDOWN) BreakLocked(absl::UnavailableError("client closed"));
+  cv_.notify_all();
+  return r;
+}
+
+bool Client::DriveUntilLocked(std::unique_lock<std::mutex>& lock,
+                              const std::function<bool()>& done, absl::Time deadline) {
+  while (!done()) {
+    if (absl::Now() >= deadline) return false;
+    if (driving_) {  // another thread polls; it wakes us after each event
+      cv_.wait_until(lock, absl::ToChronoTime(deadline));
+    } else {
+      DriveOnceLocked(lock, deadline);
+    }
+  }
+  return true;
 }
 
 void Client::DrainRingLocked() {
@@ -332,17 +334,10 @@ void Client::DrainRingLocked() {
 }
 
 void Client::CheckStreamLocked(std::unique_lock<std::mutex>& lock) {
-  while (!driving_) {
-    void* tag = nullptr;
-    bool ok = false;
-    driving_ = true;
-    lock.unlock();
-    const auto r = cq_.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
-    lock.lock();
-    driving_ = false;
-    if (r == grpc::CompletionQueue::GOT_EVENT) HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
-    cv_.notify_all();
-    if (r != grpc::CompletionQueue::GOT_EVENT) return;
+  // A deadline in the past: take the events already there, never wait. (The epoch, not
+  // InfinitePast: gRPC reads a time before the epoch as no deadline at all.)
+  while (!driving_ &&
+         DriveOnceLocked(lock, absl::UnixEpoch()) == grpc::CompletionQueue::GOT_EVENT) {
   }
 }
 
@@ -410,25 +405,9 @@ absl::Status Client::Await(Op::State& state, absl::Time deadline) {
       lock.lock();
     }
   }
-  while (!state.done) {
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          "no answer from gradsyncd by the op's deadline (plus margin); is the daemon stuck?");
-    }
-    if (driving_) {  // another thread polls; it wakes us after each event
-      cv_.wait_until(lock, absl::ToChronoTime(deadline));
-      continue;
-    }
-    void* tag = nullptr;
-    bool ok = false;
-    driving_ = true;
-    lock.unlock();
-    const auto r = cq_.AsyncNext(&tag, &ok, absl::ToChronoTime(deadline));
-    lock.lock();
-    driving_ = false;
-    if (r == grpc::CompletionQueue::GOT_EVENT) HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
-    if (r == grpc::CompletionQueue::SHUTDOWN) BreakLocked(absl::UnavailableError("client closed"));
-    cv_.notify_all();
+  if (!DriveUntilLocked(lock, [&] { return state.done; }, deadline)) {
+    return absl::DeadlineExceededError(
+        "no answer from gradsyncd by the op's deadline (plus margin); is the daemon stuck?");
   }
   return state.status;
 }

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -162,6 +163,13 @@ class Client {
   // Drives the stream until `state` completes or `deadline` passes.
   absl::Status Await(Op::State& state, absl::Time deadline);
   bool Poll(Op::State& state);
+  // One completion-queue event, waited for until `deadline` (in the past: only those already
+  // there). mu_ held on entry and exit, released while waiting; the caller checked !driving_.
+  grpc::CompletionQueue::NextStatus DriveOnceLocked(std::unique_lock<std::mutex>& lock,
+                                                    absl::Time deadline);
+  // Drives (or waits for the thread that does) until `done` or `deadline`; false at the deadline.
+  bool DriveUntilLocked(std::unique_lock<std::mutex>& lock, const std::function<bool()>& done,
+                        absl::Time deadline);
   // One completion-queue event; mu_ held. Issues the next read/write.
   void HandleLocked(intptr_t tag, bool ok);
   void StartWriteLocked();
