@@ -10,7 +10,6 @@
 
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -27,13 +26,6 @@
 
 namespace gradsync::testing {
 namespace {
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 class CollectiveTest : public ::testing::Test {
  protected:
@@ -65,18 +57,8 @@ class CollectiveTest : public ::testing::Test {
       EXPECT_TRUE(pid.ok()) << pid.status();
       pids.push_back(pid.ok() ? *pid : -1);
     }
-    std::vector<int> codes;
-    const absl::Time deadline = absl::Now() + timeout;
-    for (int r = 0; r < world; ++r) {
-      auto code = WaitExit(pids[r], std::max(deadline - absl::Now(), absl::Seconds(1)));
-      if (!code.ok()) {
-        ::kill(pids[r], SIGKILL);
-        code = WaitExit(pids[r], absl::Seconds(10));
-        ADD_FAILURE() << "rank " << r << " did not finish in time";
-      }
-      codes.push_back(code.ok() ? *code : -1);
-      out_[r] = ReadAll(OutPath(r));
-    }
+    const std::vector<int> codes = WaitAll(pids, timeout);
+    for (int r = 0; r < world; ++r) out_[r] = ReadFile(OutPath(r));
     return codes;
   }
 
@@ -179,8 +161,8 @@ TEST_F(CollectiveTest, TrainerWrittenInCAgainstTheCAbi) {
   for (int r = 0; r < 2; ++r) {
     auto code = WaitExit(pids[r], absl::Seconds(60));
     ASSERT_TRUE(code.ok()) << code.status();
-    EXPECT_EQ(*code, 0) << ReadAll(OutPath(r));
-    EXPECT_TRUE(absl::StrContains(ReadAll(OutPath(r)), "c api ok"));
+    EXPECT_EQ(*code, 0) << ReadFile(OutPath(r));
+    EXPECT_TRUE(absl::StrContains(ReadFile(OutPath(r)), "c api ok"));
   }
 }
 

@@ -12,11 +12,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
 
 extern char** environ;
 
@@ -81,6 +84,33 @@ absl::StatusOr<int> WaitExit(pid_t pid, absl::Duration timeout) {
     }
     absl::SleepFor(absl::Milliseconds(5));
   }
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<int> WaitAll(const std::vector<pid_t>& pids, absl::Duration timeout) {
+  std::vector<int> codes;
+  const absl::Time deadline = absl::Now() + timeout;
+  for (size_t i = 0; i < pids.size(); ++i) {
+    if (pids[i] < 0) {
+      codes.push_back(0);
+      continue;
+    }
+    auto code = WaitExit(pids[i], std::max(deadline - absl::Now(), absl::Seconds(1)));
+    if (!code.ok()) {
+      ::kill(pids[i], SIGKILL);
+      (void)WaitExit(pids[i], absl::Seconds(10));
+      ADD_FAILURE() << "process " << i << " (pid " << pids[i] << ") did not finish in time";
+      code = -1;
+    }
+    codes.push_back(*code);
+  }
+  return codes;
 }
 
 TempDir::TempDir() {

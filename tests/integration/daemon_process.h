@@ -30,6 +30,13 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv,
 /// DeadlineExceeded if it is still running (then it is left running).
 absl::StatusOr<int> WaitExit(pid_t pid, absl::Duration timeout);
 
+/// The whole file ("" when it cannot be read).
+std::string ReadFile(const std::string& path);
+
+/// Waits for every process until one shared `timeout`; a process still running then is killed
+/// and reported as a test failure (exit code -1). A pid < 0 (never started) counts as exit 0.
+std::vector<int> WaitAll(const std::vector<pid_t>& pids, absl::Duration timeout);
+
 /// A fresh temporary directory, removed by the destructor.
 class TempDir {
  public:

@@ -9,7 +9,6 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,13 +43,6 @@ absl::StatusOr<HealthCheckResponse::ServingStatus> Health(const std::string& tar
   HealthCheckResponse resp;
   if (absl::Status s = FromGrpcStatus(stub->Check(&ctx, req, &resp)); !s.ok()) return s;
   return resp.status();
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 class DaemonTest : public ::testing::Test {

@@ -10,7 +10,6 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -21,13 +20,6 @@
 
 namespace gradsync::testing {
 namespace {
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 class MultiNodeTest : public ::testing::Test {
  protected:
@@ -75,21 +67,9 @@ class MultiNodeTest : public ::testing::Test {
   std::vector<int> Wait(const std::vector<pid_t>& pids) {
     const int world = static_cast<int>(pids.size());
     out_.assign(world, "");
-    std::vector<int> codes;
-    const absl::Time deadline = absl::Now() + absl::Seconds(150);
+    const std::vector<int> codes = WaitAll(pids, absl::Seconds(150));
     for (int r = 0; r < world; ++r) {
-      if (pids[r] < 0) {
-        codes.push_back(0);
-        continue;
-      }
-      auto code = WaitExit(pids[r], std::max(deadline - absl::Now(), absl::Seconds(1)));
-      if (!code.ok()) {
-        ::kill(pids[r], SIGKILL);
-        code = WaitExit(pids[r], absl::Seconds(10));
-        ADD_FAILURE() << "rank " << r << " did not finish in time";
-      }
-      codes.push_back(code.ok() ? *code : -1);
-      out_[r] = ReadAll(absl::StrCat(dirs_[0]->path(), "/out.", r));
+      if (pids[r] >= 0) out_[r] = ReadFile(absl::StrCat(dirs_[0]->path(), "/out.", r));
     }
     return codes;
   }
