@@ -228,6 +228,18 @@ internal::Ready FailedOp(const internal::Group& group, uint64_t seq, const Finge
   return r;
 }
 
+// If op `seq` of the group failed before this member came, answers the member with that
+// verdict (using up its part of the failed record) and returns true.
+bool AnswerFailedLocked(internal::Group& group, uint64_t seq,
+                        const std::shared_ptr<SessionSink>& sink, uint64_t tag,
+                        std::vector<std::function<void()>>& out) {
+  auto f = group.failed.find(seq);
+  if (f == group.failed.end()) return false;
+  out.push_back([sink, tag, seq, status = f->second.status] { sink->OpDone(tag, seq, status); });
+  if (--f->second.remaining == 0) group.failed.erase(f);
+  return true;
+}
+
 }  // namespace
 using internal::Pending;
 using internal::Ready;
@@ -726,11 +738,7 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
       // know yet, hear it through the op's exchange. The op takes its sequence number so
       // every node's count stays aligned; the first local member's submission tells the peers.
       const uint64_t seq = session->next_seq[group->key]++;
-      if (auto f = group->failed.find(seq); f != group->failed.end()) {
-        out.push_back(
-            [sink, tag, seq, status = f->second.status] { sink->OpDone(tag, seq, status); });
-        if (--f->second.remaining == 0) group->failed.erase(f);
-      } else {
+      if (!AnswerFailedLocked(*group, seq, sink, tag, out)) {
         int others = -1;  // attached local members besides this one
         for (int gr : group->local_group_ranks) others += job.ranks[group->members[gr]] != nullptr;
         if (others > 0) group->failed[seq] = Failed{refused, others};
@@ -743,11 +751,7 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
       const uint64_t seq = session->next_seq[group->key]++;
       const int size = static_cast<int>(group->members.size());
       const int local = static_cast<int>(group->local_group_ranks.size());
-      if (auto f = group->failed.find(seq); f != group->failed.end()) {
-        out.push_back(
-            [sink, tag, seq, status = f->second.status] { sink->OpDone(tag, seq, status); });
-        if (--f->second.remaining == 0) group->failed.erase(f);
-      } else {
+      if (!AnswerFailedLocked(*group, seq, sink, tag, out)) {
         Pending& p = group->pending[seq];
         if (p.arrived == 0) {
           p.fp = a.fp;
