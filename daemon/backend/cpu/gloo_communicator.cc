@@ -173,9 +173,17 @@ absl::Status GlooCommunicator::Agree(const core::Collective& op) {
   return absl::OkStatus();
 }
 
-void GlooCommunicator::AllReduceScratch(const core::Collective& op, v1::ReduceOp partial,
-                                        int64_t n) {
+void GlooCommunicator::ReduceAcrossNodes(const core::Collective& op, int64_t n) {
   const int64_t esize = DTypeSize(op.dtype);
+  // MEAN sums everywhere; the caller divides once at the end, by the group size.
+  const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
+  scratch_.resize(static_cast<size_t>(n * esize));
+  const core::View scratch = {{scratch_.data(), n}};
+  const Slice out{&scratch, 0};
+  std::vector<Slice> locals;
+  for (const core::LocalMember& m : op.local) locals.push_back({&m.input, 0});
+  Reduce(op.dtype, partial, 1, locals, {&out, 1}, n);
+  if (n == 0) return;
   ::gloo::AllreduceOptions opts(context_);
   opts.setTimeout(Left(op.deadline));
   WithElementType(esize, [&](auto t) {
@@ -208,16 +216,11 @@ absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
       return absl::OkStatus();
     }
     case v1::ALL_REDUCE: {
-      scratch_.resize(static_cast<size_t>(n * esize));
+      ReduceAcrossNodes(op, n);
       const core::View scratch = {{scratch_.data(), n}};
-      const Slice out{&scratch, 0};
+      const Slice from{&scratch, 0};
       std::vector<Slice> locals;
       for (const core::LocalMember& m : op.local) locals.push_back({&m.input, 0});
-      // MEAN sums everywhere and divides once at the end, by the group size.
-      const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
-      Reduce(op.dtype, partial, 1, locals, {&out, 1}, n);
-      if (n > 0) AllReduceScratch(op, partial, n);
-      const Slice from{&scratch, 0};
       Reduce(op.dtype, op.reduce_op, op.group_size, {&from, 1}, locals, n);
       return absl::OkStatus();
     }
@@ -250,14 +253,8 @@ absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
     case v1::REDUCE_SCATTER: {
       // The whole input reduced across nodes, then each local member takes its block.
       const int64_t total = n * op.group_size;
-      scratch_.resize(static_cast<size_t>(total * esize));
+      ReduceAcrossNodes(op, total);
       const core::View scratch = {{scratch_.data(), total}};
-      const Slice out{&scratch, 0};
-      std::vector<Slice> locals;
-      for (const core::LocalMember& m : op.local) locals.push_back({&m.input, 0});
-      const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
-      Reduce(op.dtype, partial, 1, locals, {&out, 1}, total);
-      if (total > 0) AllReduceScratch(op, partial, total);
       for (const core::LocalMember& m : op.local) {
         const Slice from{&scratch, m.group_rank * n};
         const Slice to{&m.output, 0};

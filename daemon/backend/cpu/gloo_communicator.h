@@ -32,8 +32,9 @@ class GlooCommunicator final : public core::Communicator {
   absl::Status Connect(absl::Time deadline);
   absl::Status RunLocked(const core::Collective& op);
   absl::Status Agree(const core::Collective& op);
-  // Gloo all-reduce of scratch_[0, n) with our kernel as the reduce function. Throws (Gloo).
-  void AllReduceScratch(const core::Collective& op, v1::ReduceOp partial, int64_t n);
+  // Reduces the local members' inputs [0, n) into scratch_, then all-reduces scratch_ across
+  // the nodes with our kernel as Gloo's reduce function (MEAN as SUM). Throws (Gloo).
+  void ReduceAcrossNodes(const core::Collective& op, int64_t n);
   std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..."
 
   const core::CommunicatorSpec spec_;
