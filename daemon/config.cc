@@ -13,6 +13,9 @@ ABSL_FLAG(std::string, socket, "/run/gradsync/gradsyncd.sock",
 ABSL_FLAG(std::string, socket_mode, "0660", "Octal file mode of the unix socket");
 ABSL_FLAG(std::string, bind_address, "127.0.0.1",
           "Address of the TCP listener for other daemons; 0.0.0.0 only when you mean it");
+ABSL_FLAG(std::string, advertise_address, "",
+          "Host other daemons reach this one at: its node address in a job, and where its Gloo "
+          "links listen; empty: --bind_address (required when that is a wildcard)");
 ABSL_FLAG(int, port, 7451, "TCP port for other daemons; 0 picks a free port, -1 disables TCP");
 ABSL_FLAG(int, max_message_bytes, 16 << 20, "Largest gRPC message accepted or sent");
 ABSL_FLAG(int, max_concurrent_streams, 256, "HTTP/2 concurrent streams per connection");
@@ -50,6 +53,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   }
   c.socket_mode = static_cast<int>(parsed);
   c.bind_address = absl::GetFlag(FLAGS_bind_address);
+  c.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   c.port = absl::GetFlag(FLAGS_port);
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
@@ -94,6 +98,12 @@ absl::Status Validate(const DaemonConfig& c) {
   }
   if (c.port >= 0 && c.bind_address.empty()) {
     return absl::InvalidArgumentError("--bind_address is empty; use --port=-1 to disable TCP");
+  }
+  if (c.port >= 0 && c.advertise_address.empty() &&
+      (c.bind_address == "0.0.0.0" || c.bind_address == "::" || c.bind_address == "[::]")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--bind_address=", c.bind_address,
+        " listens on every interface; set --advertise_address to the one other daemons use"));
   }
   if (c.max_message_bytes < 4096) {
     return absl::InvalidArgumentError("--max_message_bytes must be at least 4096");

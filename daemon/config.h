@@ -14,6 +14,7 @@ struct DaemonConfig {
   std::string unix_socket = "/run/gradsync/gradsyncd.sock";  // empty: no unix listener
   int socket_mode = 0660;
   std::string bind_address = "127.0.0.1";
+  std::string advertise_address;  // host other daemons use; empty: bind_address
   int port = 7451;  // -1: no TCP listener; 0: a free port, reported in STATUS= and the log
   int max_message_bytes = 16 << 20;
   int max_concurrent_streams = 256;
@@ -25,6 +26,11 @@ struct DaemonConfig {
   std::string cluster_token;  // TCP calls must carry it (empty: no check); from --token_file
   std::string log_level = "info";
   std::string log_sink = "auto";
+
+  // The host part of this daemon's node address ("host:port") in a job.
+  const std::string& node_host() const {
+    return advertise_address.empty() ? bind_address : advertise_address;
+  }
 };
 
 /// Reads the flags (after absl::ParseCommandLine) and validates them.

@@ -124,7 +124,7 @@ absl::Status DaemonServer::Start() {
     socket_inode_ = st.st_ino;
   }
   if (config_.port >= 0) {
-    const std::string node = absl::StrCat(config_.bind_address, ":", tcp_port_);
+    const std::string node = absl::StrCat(config_.node_host(), ":", tcp_port_);
     {
       absl::MutexLock lock(&peers_mu_);
       node_address_ = node;
@@ -182,6 +182,9 @@ std::string DaemonServer::Endpoints() const {
   if (config_.port >= 0) {
     absl::StrAppend(&out, out.empty() ? "" : " ", "tcp=", config_.bind_address, ":",
                     tcp_port_ > 0 ? tcp_port_ : config_.port);
+    if (!config_.advertise_address.empty()) {
+      absl::StrAppend(&out, " advertised=", config_.advertise_address);
+    }
   }
   return out;
 }

@@ -74,6 +74,19 @@ TEST(DaemonConfigTest, RejectsBadSettings) {
   EXPECT_EQ(bad([](auto& c) { c.max_wait = absl::ZeroDuration(); }),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad([](auto& c) { c.bind_address = ""; }), absl::StatusCode::kInvalidArgument);
+  // A wildcard listener does not say which address peers should use.
+  EXPECT_EQ(bad([](auto& c) { c.bind_address = "0.0.0.0"; }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) { c.bind_address = "::"; }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) {
+              c.bind_address = "0.0.0.0";
+              c.advertise_address = "10.0.0.7";
+            }),
+            absl::StatusCode::kOk);
+  EXPECT_EQ(bad([](auto& c) {
+              c.bind_address = "0.0.0.0";
+              c.port = -1;
+            }),
+            absl::StatusCode::kOk);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "common/worker_pool.h"
 #include "daemon/core/backend.h"
 
@@ -32,9 +33,13 @@ class GlooCommunicator final : public core::Communicator {
   absl::Status Connect(absl::Time deadline);
   absl::Status RunLocked(const core::Collective& op);
   absl::Status Agree(const core::Collective& op);
-  // Reduces the local members' inputs [0, n) into scratch_, then all-reduces scratch_ across
-  // the nodes with our kernel as Gloo's reduce function (MEAN as SUM). Throws (Gloo).
-  void ReduceAcrossNodes(const core::Collective& op, int64_t n);
+  // One Gloo all-reduce of n elements across the nodes, our kernel as its reduce function
+  // (MEAN as SUM: the caller divides). Gloo first reduces `buffers` into buffers[0], segment by
+  // segment, and leaves the result in every one of them. Throws (Gloo).
+  void AllreduceAcrossNodes(const core::Collective& op, int64_t n,
+                            absl::Span<std::byte* const> buffers);
+  // Reduces the local members' inputs [0, n) into scratch_, then all-reduces it.
+  void ReduceIntoScratch(const core::Collective& op, int64_t n);
   std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..."
 
   const core::CommunicatorSpec spec_;
