@@ -548,7 +548,8 @@ void NodeSurvivor(Client& c) {
 
 // Every kind of bad input gets its specific code and changes nothing: afterwards the buffer
 // is as it was and the first valid op is still op 0 of the group.
-void BadInput(Client& c, const std::string& target, const std::string& job) {
+void BadInput(Client& c, const std::string& target, const client::Placement& me) {
+  const std::string& job = me.job;
   auto b = MustBuffer(c, 256, v1::FLOAT32);
   Fill(v1::FLOAT32, b->data(), 64, g_rank);
   const uint64_t id = b->id();
@@ -662,20 +663,22 @@ void BadInput(Client& c, const std::string& target, const std::string& job) {
                         "deregister unknown: ", s.ToString());
 
   // Registration errors (a second session each; this one stays healthy).
-  auto try_register = [&](int world, int rank, int local_world) {
-    client::Placement p{job, world, rank, rank % local_world, local_world, ""};
+  const int local_world = me.local_world_size;
+  const bool one_node = local_world == g_world;
+  auto try_register = [&](int world, int rank, int local_world, std::string root) {
+    client::Placement p{job, world, rank, rank % local_world, local_world, std::move(root)};
     return Client::Connect(target, p).status();
   };
-  s = try_register(g_world, g_rank, g_world);
+  s = try_register(g_world, g_rank, local_world, me.root_address);
   EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kAlreadyExists,
                         "same rank twice: ", s.ToString());
-  s = try_register(g_world, g_world + 3, g_world);
+  s = try_register(g_world, g_world + 3, local_world, me.root_address);
   EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kInvalidArgument,
                         "rank out of range: ", s.ToString());
-  s = try_register(g_world + 1, g_rank, g_world + 1);
+  s = try_register(g_world + 1, g_rank, one_node ? g_world + 1 : local_world, me.root_address);
   EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kInvalidArgument,
                         "world mismatch: ", s.ToString());
-  s = try_register(g_world * 2, g_rank, g_world);
+  s = try_register(g_world * 2, g_rank, local_world, "");
   EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kFailedPrecondition,
                         "spans nodes: ", s.ToString());
 
@@ -742,7 +745,7 @@ int main(int argc, char** argv) {
   else if (scenario == "survivor")
     Survivor(**c);
   else if (scenario == "badinput")
-    BadInput(**c, target, job);
+    BadInput(**c, target, placement);
   else if (scenario == "deadlineacross")
     DeadlineAcross(**c);
   else if (scenario == "noform")

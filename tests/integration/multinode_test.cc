@@ -106,6 +106,13 @@ TEST_F(MultiNodeTest, ThreeDaemonsUnevenRanksAndFusedPacks) {
   ExpectAllPassed(Run("mn3f", {0, 0, 1, 2}, "fused", {}), "wrong=0");
 }
 
+// Bad input is refused by each rank's own daemon before anything crosses nodes, and the job
+// goes on across both daemons afterwards (the worker checks an all-reduce after the cases).
+TEST_F(MultiNodeTest, BadInputIsRefusedAndTheJobGoesOnAcrossNodes) {
+  StartDaemons(2);
+  ExpectAllPassed(Run("mnb", {0, 0, 1, 1}, "badinput", {}), "badinput cases=");
+}
+
 TEST_F(MultiNodeTest, SixtyFourMiBEveryOpAcrossTwoDaemons) {
   StartDaemons(2);
   ExpectAllPassed(Run("mnl", {0, 0, 1, 1}, "matrix", {"bytes=67108864", "dtypes=float32,bfloat16"}),
