@@ -1,0 +1,160 @@
+"""Fixtures for the Python package's tests: real gradsyncd processes, real trainer processes.
+
+Run with Debian's interpreter (torch lives there) after building:
+    GRADSYNC_BUILD_DIR=$PWD/build /usr/bin/python3 -m pytest -q tests/python
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.path.abspath(os.environ.get("GRADSYNC_BUILD_DIR", os.path.join(ROOT, "build")))
+PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+EXAMPLE = os.path.join(ROOT, "client", "python", "examples", "train.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+PROCESS_TIMEOUT = 120  # seconds any trainer process may take
+
+
+def _need(path):
+    if not os.path.exists(path):
+        pytest.fail(f"{path} is missing: build first (./setup.sh build)")
+    return path
+
+
+class Daemon:
+    """One real gradsyncd on a private unix socket (and a loopback TCP port when tcp=True)."""
+
+    def __init__(self, tmp, name, tcp=False):
+        self.dir = tmp
+        self.socket = os.path.join(tmp, f"{name}.sock")
+        self.log = os.path.join(tmp, f"{name}.log")
+        self.tcp = None
+        args = [_need(os.path.join(BUILD, "daemon", "gradsyncd")), f"--socket={self.socket}",
+                "--port=0" if tcp else "--port=-1", "--log_sink=stderr", "--log_level=info"]
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen(args, stderr=err)
+        deadline = time.monotonic() + 20
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"gradsyncd exited: {open(self.log).read()[-2000:]}")
+            if os.path.exists(self.socket) and self.ctl("health").returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"gradsyncd not healthy in 20 s: {open(self.log).read()[-2000:]}")
+            time.sleep(0.05)
+        if tcp:
+            m = re.search(r"tcp=(\S+:\d+)", open(self.log).read())
+            assert m, open(self.log).read()
+            self.tcp = m.group(1)
+
+    def ctl(self, *args):
+        return subprocess.run([_need(os.path.join(BUILD, "client", "gradsyncctl")),
+                               f"--socket={self.socket}", "--timeout=5s", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def tmp():
+    d = tempfile.mkdtemp(prefix="gradsync-py-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(tmp):
+    d = Daemon(tmp, "gradsyncd")
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def two_daemons(tmp):
+    ds = [Daemon(tmp, f"node{i}", tcp=True) for i in range(2)]
+    yield ds
+    for d in ds:
+        d.stop()
+
+
+def env_for(daemon, job, rank, world, local_rank=None, local_world=None, root=None):
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": os.path.join(BUILD, "python"),
+        "GRADSYNC_SOCKET": daemon.socket, "GRADSYNC_JOB": job,
+        "RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+        "LOCAL_WORLD_SIZE": str(world if local_world is None else local_world),
+        "OMP_NUM_THREADS": "1",
+    })
+    if root:
+        env["GRADSYNC_ROOT_ADDRESS"] = root
+    return env
+
+
+class Ranks:
+    """W real trainer processes; wait() returns their parsed JSON summary lines."""
+
+    def __init__(self, tmp, commands, envs):
+        self.outs, self.procs = [], []
+        for i, (cmd, env) in enumerate(zip(commands, envs)):
+            out = os.path.join(tmp, f"rank{i}-{time.monotonic_ns()}.out")
+            self.outs.append(out)
+            with open(out, "w") as f:
+                self.procs.append(subprocess.Popen([PYTHON, *cmd], env=env, stdout=f,
+                                                   stderr=subprocess.STDOUT))
+
+    def output(self, i):
+        with open(self.outs[i]) as f:
+            return f.read()
+
+    def wait(self, expect_ok=True, timeout=PROCESS_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in self.procs:
+                    q.kill()
+                pytest.fail("trainers still running after %d s:\n%s" % (
+                    timeout, "\n".join(self.output(i)[-1500:] for i in range(len(self.procs)))))
+        results = []
+        for i, p in enumerate(self.procs):
+            text = self.output(i)
+            if expect_ok:
+                assert p.returncode == 0, f"rank {i} exited {p.returncode}:\n{text[-3000:]}"
+            lines = [json.loads(l) for l in text.splitlines() if l.startswith("{")]
+            results.append({"rc": p.returncode, "json": lines, "text": text})
+        return results
+
+
+def launch(tmp, daemon_of_rank, job, args_of_rank, local=None, root=None, extra_env=None):
+    """Starts len(daemon_of_rank) ranks; rank r talks to daemon_of_rank[r]."""
+    world = len(daemon_of_rank)
+    envs, cmds = [], []
+    for r, d in enumerate(daemon_of_rank):
+        lw = world if local is None else local
+        envs.append(env_for(d, job, r, world, r % lw, lw, root))
+        envs[-1].update(extra_env or {})
+        cmds.append(args_of_rank(r))
+    return Ranks(tmp, cmds, envs)
+
+
+def max_diff(a, b):
+    import torch
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))

@@ -1,0 +1,162 @@
+"""The gradsync Python package against real daemons and real trainer processes."""
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import EXAMPLE, WORKER, PYTHON, launch, max_diff
+
+
+def example(tmp, name, *flags):
+    return [EXAMPLE, "--out", os.path.join(tmp, name), *flags]
+
+
+def single(tmp, *flags):
+    """The example trainer as one process on the whole batch."""
+    import subprocess
+    out = os.path.join(tmp, "single.pt")
+    subprocess.run([PYTHON, EXAMPLE, "--mode", "single", "--out", out, *flags], check=True,
+                   capture_output=True, timeout=120)
+    return torch.load(out)
+
+
+def ddp(tmp, world, port, *flags):
+    import subprocess
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [PYTHON, EXAMPLE, "--mode", "ddp", "--out", os.path.join(tmp, f"ddp{r}.pt"), *flags],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()[-2000:]
+    return [torch.load(os.path.join(tmp, f"ddp{r}.pt")) for r in range(world)]
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_collectives_on_tensors(tmp, daemon):
+    ranks = launch(tmp, [daemon] * 4, "coll", lambda r: [WORKER, "collectives"])
+    for res in ranks.wait():
+        checks = res["json"][-1]["checks"]
+        assert checks and all(checks.values()), checks
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_mean_matches_one_process_and_ddp(tmp, daemon, world):
+    flags = ["--steps", "20", "--batch", "32"]
+    want = single(tmp, *flags)
+    ranks = launch(tmp, [daemon] * world, f"eq{world}",
+                   lambda r: example(tmp, f"gs{r}.pt", *flags))
+    ranks.wait()
+    ddp_params = ddp(tmp, world, free_port(), *flags)
+    for r in range(world):
+        got = torch.load(os.path.join(tmp, f"gs{r}.pt"))
+        assert max_diff(got, want) <= 1e-5
+        assert max_diff(got, ddp_params[r]) <= 1e-5
+
+
+def test_param_pack_on_and_off_give_the_same_parameters(tmp, daemon):
+    flags = ["--steps", "15", "--batch", "32", "--reduce_method", "sum"]
+    runs = {}
+    for pack in (False, True):
+        extra = ["--param_pack", "--param_pack_thd", "2048"] if pack else []
+        name = "pack" if pack else "nopack"
+        ranks = launch(tmp, [daemon] * 2, f"pk-{name}",
+                       lambda r: example(tmp, f"{name}{r}.pt", *flags, *extra))
+        results = ranks.wait()
+        if pack:
+            assert results[0]["json"][-1]["packs"] > 1  # several packs, not one
+        runs[name] = [torch.load(os.path.join(tmp, f"{name}{r}.pt")) for r in range(2)]
+    for r in range(2):
+        assert max_diff(runs["pack"][r], runs["nopack"][r]) <= 1e-6
+    assert max_diff(runs["pack"][0], single(tmp, *flags)) <= 1e-5
+
+
+@pytest.mark.parametrize("period,expect", [
+    (3, [True, False, False, True, False, False, True]),
+    (0, [True, False, False, False, False, False, False]),
+    (-1, [False, False, False, False, False, False, False]),
+])
+def test_bcast_period_resynchronises_at_its_steps_only(tmp, daemon, period, expect):
+    ranks = launch(tmp, [daemon] * 2, f"bc{period + 1}",
+                   lambda r: [WORKER, "bcast", str(period), "6"])
+    for res in ranks.wait():
+        assert res["json"][-1]["equal"] == expect
+
+
+def test_pack_plan_in_the_store_equals_rank0s(tmp, daemon):
+    release = os.path.join(tmp, "release")
+    ranks = launch(tmp, [daemon] * 2, "plan", lambda r: [WORKER, "plan", release])
+    try:
+        import time
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and '"plan"' not in ranks.output(0):
+            time.sleep(0.05)
+        import json
+        plan = next(json.loads(l) for l in ranks.output(0).splitlines()
+                    if l.startswith("{"))["plan"]
+        shown = daemon.ctl("--job=plan", "packlist", "show", "world")
+        assert shown.returncode == 0, shown.stderr
+        rows = [l.split() for l in shown.stdout.splitlines()[2:] if l.strip()]
+        assert [(row[1], [int(i) for i in row[-1].split(",")]) for row in rows] == \
+            [(p["dtype"], p["indices"]) for p in plan["packs"]]
+        assert len(plan["packs"]) > 1
+        assert f"packs={len(plan['packs'])}" in shown.stdout
+    finally:
+        open(release, "w").close()
+    results = ranks.wait()
+    assert results[1]["json"][-1]["plan"] == plan  # fetched, not recomputed
+
+
+def test_gradient_order_differs_is_a_desync_not_a_hang(tmp, daemon):
+    ranks = launch(tmp, [daemon] * 2, "order", lambda r: [WORKER, "order"])
+    for res in ranks.wait(timeout=90):
+        out = res["json"][-1]
+        assert out["error"] == "FAILED_PRECONDITION", out
+        assert "desync" in out["message"] and re.search(r"grad\d", out["message"]), out
+        assert out["took"] < 25  # reported at once, well before the op's 30 s deadline
+
+
+def test_state_dict_round_trips_the_wrapped_optimizer_only(tmp, daemon):
+    ranks = launch(tmp, [daemon] * 2, "state", lambda r: [WORKER, "state"])
+    for res in ranks.wait():
+        out = res["json"][-1]
+        assert out["keys"] == ["param_groups", "state"]
+        assert "dist_group" not in out["group_keys"] and "pack_list" not in out["group_keys"]
+        assert out["equal_inner"] and out["restored"]
+        assert out["lr"] == 0.01 and out["fresh_lr"] == 0.01
+
+
+def test_ddp_comm_hook_sends_buckets_through_gradsync(tmp, daemon):
+    port = free_port()
+    ranks = launch(tmp, [daemon] * 2, "ddph",
+                   lambda r: [WORKER, "ddp_hook", os.path.join(tmp, f"hook{r}.pt")],
+                   extra_env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    results = ranks.wait()
+    for res in results:
+        out = res["json"][-1]
+        # Every bucket of every step went through the hook (small buckets: several per step).
+        assert out["done"] and out["buckets"] > 1 and out["hook_calls"] >= 30 * out["buckets"]
+    want = single(tmp, "--steps", "30", "--batch", "64")
+    for r in range(2):
+        assert max_diff(torch.load(os.path.join(tmp, f"hook{r}.pt")), want) <= 1e-5
+
+
+def test_two_daemons_two_ranks_each_match_one_process(tmp, two_daemons):
+    flags = ["--steps", "15", "--batch", "32", "--param_pack", "--param_pack_thd", "4096"]
+    want = single(tmp, *flags)
+    d0, d1 = two_daemons
+    ranks = launch(tmp, [d0, d0, d1, d1], "nodes2",
+                   lambda r: example(tmp, f"n{r}.pt", *flags), local=2, root=d0.tcp)
+    ranks.wait()
+    for r in range(4):
+        assert max_diff(torch.load(os.path.join(tmp, f"n{r}.pt")), want) <= 1e-5
