@@ -333,6 +333,13 @@ PYBIND11_MODULE(_gradsync, m) {
           },
           py::arg("key"), py::arg("value"))
       .def(
+          "store_add",
+          [](const std::shared_ptr<Session>& s, const std::string& key, int64_t delta) {
+            py::gil_scoped_release release;
+            return ValueOrThrow(s->store->Add(s->job, key, delta));
+          },
+          py::arg("key"), py::arg("delta"))
+      .def(
           "store_get",
           [](const std::shared_ptr<Session>& s, const std::string& key, double timeout_s) {
             std::vector<std::string> v;

@@ -54,7 +54,10 @@ def main(argv=None):
     ap.add_argument("--param_pack_thd", type=int, default=10 * 1024 * 1024)
     ap.add_argument("--bcast_period", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    ap.add_argument("--out", help="write the final parameters here (torch.save)")
+    ap.add_argument("--out", help="write the final parameters here (torch.save; {rank} expands)")
+    ap.add_argument("--hold", metavar="KEY",
+                    help="after training, add 1 to 'done' in the job's store and stay attached "
+                         "until KEY is set there (at most 120 s), so an operator can look")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dims = [int(d) for d in args.dims.split(",")]
@@ -101,7 +104,7 @@ def main(argv=None):
     elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
     timed = args.steps - args.warmup
     if args.out:
-        torch.save([p.detach().clone() for p in model.parameters()], args.out)
+        torch.save([p.detach().clone() for p in model.parameters()], args.out.format(rank=rank))
     summary = {"mode": args.mode, "rank": rank, "world": world, "steps": args.steps,
                "loss": float(loss.detach()) / scale,
                "steps_per_s": timed / elapsed if timed > 0 and elapsed > 0 else None,
@@ -109,6 +112,9 @@ def main(argv=None):
     if args.mode == "gradsync" and opt.pack_plan is not None:
         summary["packs"] = len(opt.pack_plan["packs"])
     print(json.dumps(summary), flush=True)
+    if args.hold and args.mode == "gradsync":
+        gradsync.client().store_add("done", 1)
+        gradsync.client().store_get(args.hold, 120.0)
     if args.mode == "ddp":
         torch.distributed.destroy_process_group()
 
