@@ -115,6 +115,6 @@ case ${1:-install} in
   test) install_packages && build && run_tests ;;
   demo) install_packages && build && demo ;;
   bench) install_packages && build && $PY bench/collective_bench.py --build "$build_dir" &&
-    $PY bench/store_bench.py --build "$build_dir" ;;
+    $PY bench/store_bench.py --build "$build_dir" && $PY bench/train_bench.py --build "$build_dir" ;;
   *) sed -n '2,12p' "$0"; exit 2 ;;
 esac
