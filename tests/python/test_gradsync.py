@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from conftest import EXAMPLE, WORKER, PYTHON, launch, max_diff
+from conftest import BUILD, EXAMPLE, WORKER, PYTHON, launch, max_diff
 
 
 def example(tmp, name, *flags):
@@ -160,3 +160,43 @@ def test_two_daemons_two_ranks_each_match_one_process(tmp, two_daemons):
     ranks.wait()
     for r in range(4):
         assert max_diff(torch.load(os.path.join(tmp, f"n{r}.pt")), want) <= 1e-5
+
+
+def torchrun(tmp, daemon, nnodes, node_rank, port, out, flags, root=None):
+    import subprocess
+    env = dict(os.environ, GRADSYNC_SOCKET=daemon.socket, GRADSYNC_JOB="trun",
+               PYTHONPATH=os.path.join(BUILD, "python"),
+               OMP_NUM_THREADS="1")
+    if root:
+        env["GRADSYNC_ROOT_ADDRESS"] = root
+    env.pop("RANK", None)
+    # --redirects 1 --tee 1: Debian's torchrun 1.13 cannot parse its default "0" on Python 3.11.
+    cmd = [PYTHON, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=2",
+           "--redirects", "1", "--tee", "1", "--log_dir", os.path.join(tmp, f"tr{node_rank}")]
+    if nnodes == 1:
+        cmd += ["--standalone"]
+    else:
+        cmd += [f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    return subprocess.Popen(cmd + [EXAMPLE, "--out", out, *flags], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_torchrun_one_node_and_across_two_daemons(tmp, two_daemons):
+    flags = ["--steps", "10", "--batch", "32", "--param_pack"]
+    want = single(tmp, *flags)
+    d0, d1 = two_daemons
+    # One node: torchrun's environment is all gradsync.init() needs.
+    p = torchrun(tmp, d0, 1, 0, 0, os.path.join(tmp, "one{rank}.pt"), flags)
+    out, _ = p.communicate(timeout=180)
+    assert p.returncode == 0, out[-3000:]
+    for r in range(2):
+        assert max_diff(torch.load(os.path.join(tmp, f"one{r}.pt")), want) <= 1e-5
+    # Two "nodes": one torchrun per daemon, ranks 0,1 on d0 and 2,3 on d1.
+    port = free_port()
+    procs = [torchrun(tmp, d, 2, n, port, os.path.join(tmp, "two{rank}.pt"), flags, root=d0.tcp)
+             for n, d in enumerate(two_daemons)]
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0, out[-3000:]
+    for r in range(4):
+        assert max_diff(torch.load(os.path.join(tmp, f"two{r}.pt")), want) <= 1e-5
