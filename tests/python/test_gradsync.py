@@ -109,7 +109,8 @@ def test_pack_plan_in_the_store_equals_rank0s(tmp, daemon):
         rows = [l.split() for l in shown.stdout.splitlines()[2:] if l.strip()]
         assert [(row[1], [int(i) for i in row[-1].split(",")]) for row in rows] == \
             [(p["dtype"], p["indices"]) for p in plan["packs"]]
-        assert len(plan["packs"]) > 1
+        assert len(plan["packs"]) > 2 and len(plan["packs"][0]["indices"]) == 1  # first alone
+        assert plan["first_alone"] == 1
         assert f"packs={len(plan['packs'])}" in shown.stdout
     finally:
         open(release, "w").close()

@@ -69,6 +69,28 @@ def collectives():
         gradsync.all_reduce(t, group=evens)
         checks["group"] = t.tolist() == [float(evens.size)] * 3
     gradsync.barrier()
+    # Waits release the GIL: while rank 0 waits for a rank that comes 0.5 s late, another
+    # Python thread of rank 0 keeps running.
+    import threading
+    ticks, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    if r == 0:
+        th = threading.Thread(target=spin)
+        th.start()
+        time.sleep(0.05)
+        before = ticks[0]
+        gradsync.all_reduce(torch.ones(2), name="late")
+        during = ticks[0] - before
+        stop.set()
+        th.join()
+        checks["gil_released"] = during > 10000
+    else:
+        time.sleep(0.5)
+        gradsync.all_reduce(torch.ones(2), name="late")
     # Bad input: a clear error, nothing changed, the next op still works.
     t = torch.ones(3)
     try:
@@ -128,7 +150,8 @@ def plan(release):
     dims = [16, 32, 32, 32, 4]
     model = train.build_model(dims, seed=1)
     opt = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                  reduce_method="mean", param_pack=True, param_pack_thd=4096)
+                                  reduce_method="mean", param_pack=True, param_pack_thd=4096,
+                                  param_pack_first_alone=1)
     for step in range(3):
         x, y = train.batch(step, 8, dims, seed=1)
         opt.zero_grad()

@@ -61,11 +61,14 @@ class DistributedOptimizer:
     param_pack:    after the first iteration, gradients travel in packs of about
                    param_pack_thd bytes, one collective each, on a plan rank 0 computes from
                    the order its gradients became ready and shares through the job's store.
+                   The first param_pack_first_alone gradients in that order go alone, so the
+                   first reductions start while backward is still running.
+    timeout:       seconds each reduction may wait for the other ranks (None: the daemon's).
     """
 
     def __init__(self, optimizer, reduce_method=None, dist_group=WORLD, bcast_period=0,
-                 param_pack=False, param_pack_thd=10 * 1024 * 1024, optimizer_class=None,
-                 timeout=None, **optimizer_kwargs):
+                 param_pack=False, param_pack_thd=10 * 1024 * 1024, param_pack_first_alone=0,
+                 optimizer_class=None, timeout=None, **optimizer_kwargs):
         if not isinstance(optimizer, torch.optim.Optimizer):
             if optimizer_class is None:
                 raise TypeError("pass a torch.optim.Optimizer, or params and optimizer_class=")
@@ -85,6 +88,7 @@ class DistributedOptimizer:
         self._bcast_period = bcast_period
         self._param_pack = param_pack
         self._param_pack_thd = int(param_pack_thd)
+        self._param_pack_first_alone = int(param_pack_first_alone)
         self._timeout = timeout
         self._params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self._iteration = 0
@@ -213,7 +217,7 @@ class DistributedOptimizer:
         if group.rank == 0:
             grads = [(i, gradsync.dtype_name(self._params[i].dtype), list(self._params[i].shape))
                      for i in self._order]
-            plan = gradsync.plan_packs(grads, self._param_pack_thd)
+            plan = gradsync.plan_packs(grads, self._param_pack_thd, self._param_pack_first_alone)
             gradsync.set_pack_list(plan, group)
         else:
             plan = gradsync.get_pack_list(group, self._timeout or 300.0)
