@@ -38,6 +38,9 @@ DaemonServer::DaemonServer(DaemonConfig config)
     : config_(std::move(config)),
       store_(config_.store),
       auth_(config_.cluster_token),
+      gpu_(gpu::NewGpuApi()),
+      cuda_importer_(gpu_.get()),
+      importer_(&shm_importer_, &cuda_importer_),
       backend_(&pool_),
       engine_(
           &backend_, &importer_, &pool_, config_.engine,

@@ -11,6 +11,8 @@
 #include "daemon/backend/cpu/cpu_backend.h"
 #include "daemon/config.h"
 #include "daemon/core/engine.h"
+#include "daemon/backend/nccl/gpu_api.h"
+#include "daemon/ipc/cuda_importer.h"
 #include "daemon/ipc/shm_importer.h"
 #include "daemon/rpc/gradsync_service.h"
 #include "daemon/rpc/health_service.h"
@@ -59,7 +61,10 @@ class DaemonServer {
   const DaemonConfig config_;
   store::MemoryStore store_;
   rpc::PeerAuth auth_;
-  ipc::ShmImporter importer_;
+  ipc::ShmImporter shm_importer_;
+  std::unique_ptr<gpu::GpuApi> gpu_;
+  ipc::CudaImporter cuda_importer_;
+  ipc::DispatchImporter importer_;  // shared memory or CUDA, by the registration
   backend::cpu::CpuBackend backend_;
   core::Engine engine_;
   // After the engine and backend that use it: destroyed (its queued ops run) before them.

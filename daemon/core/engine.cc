@@ -6,6 +6,7 @@
 #include <optional>
 #include <tuple>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/group.h"
@@ -418,6 +419,12 @@ absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
   if (req.dtype() != v1::DTYPE_UNSPECIFIED && DTypeSize(req.dtype()) == 0) {
     return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", req.dtype()));
   }
+  // What names the memory: the shm object, or the CUDA allocation and the offset in it.
+  const std::string handle =
+      req.has_cuda() ? absl::StrCat("cuda:dev", req.cuda().device(), ":",
+                                    absl::BytesToHexString(req.cuda().mem_handle()), "+",
+                                    req.cuda().offset())
+                     : req.shm_name();
   {
     absl::MutexLock lock(&session.mu);
     if (session.ended) return absl::FailedPreconditionError("session has ended");
@@ -426,9 +433,9 @@ absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
           absl::StrCat("session has ", session.buffers.size(), " buffers, the most allowed"));
     }
     for (const auto& [id, buffer] : session.buffers) {
-      if (buffer.handle == req.shm_name()) {
+      if (buffer.handle == handle) {
         return absl::AlreadyExistsError(
-            absl::StrCat(req.shm_name(), " is already registered as buffer ", id));
+            absl::StrCat(handle, " is already registered as buffer ", id));
       }
     }
   }
@@ -438,7 +445,7 @@ absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
   if (session.ended) return absl::FailedPreconditionError("session has ended");
   const uint64_t id = session.next_buffer_id++;
   Log()->debug("buffer registered session={} id={} {}", session.id, id, mapping->Describe());
-  session.buffers.emplace(id, Session::Buffer{std::move(mapping), req.dtype(), req.shm_name()});
+  session.buffers.emplace(id, Session::Buffer{std::move(mapping), req.dtype(), handle});
   return id;
 }
 

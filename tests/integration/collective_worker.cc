@@ -662,6 +662,25 @@ void BadInput(Client& c, const std::string& target, const client::Placement& me)
   EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kNotFound,
                         "deregister unknown: ", s.ToString());
 
+  // A CUDA buffer: without a usable GPU (this daemon's machine) FAILED_PRECONDITION with CUDA's
+  // reason; with one, a made-up handle is INVALID_ARGUMENT. Either way nothing is registered.
+  {
+    v1::RegisterBufferRequest cuda;
+    cuda.set_bytes(64);
+    v1::CudaIpcBuffer* h = cuda.mutable_cuda();
+    h->set_mem_handle(std::string(64, 'x'));
+    h->set_ready_event(std::string(64, 'r'));
+    h->set_done_event(std::string(64, 'd'));
+    h->set_pid(::getpid());
+    auto rc = c.RegisterBuffer(cuda);
+    const bool gpu = ::access("/dev/nvidia0", F_OK) == 0;
+    EXPECT_TRUE_OR_REPORT(
+        gpu ? rc.status().code() == absl::StatusCode::kInvalidArgument
+            : rc.status().code() == absl::StatusCode::kFailedPrecondition &&
+                  absl::StrContains(rc.status().message(), "cannot map CUDA buffers"),
+        "cuda buffer: ", rc.status().ToString());
+  }
+
   // Registration errors (a second session each; this one stays healthy).
   const int local_world = me.local_world_size;
   const bool one_node = local_world == g_world;
@@ -698,7 +717,7 @@ void BadInput(Client& c, const std::string& target, const client::Placement& me)
           v1::FLOAT32, b->data(), 64,
           [&](int64_t i) { return Expected(v1::SUM, v1::FLOAT32, world, i); }, &bad) == 0,
       bad);
-  std::printf("badinput cases=%zu\n", cases.size() + 10);
+  std::printf("badinput cases=%zu\n", cases.size() + 11);
 }
 
 }  // namespace

@@ -1,0 +1,25 @@
+// GpuApi of a daemon built without CUDA: every call says so.
+#include "daemon/backend/nccl/gpu_api.h"
+
+namespace gradsync::gpu {
+namespace {
+
+absl::Status NoCuda() {
+  return absl::FailedPreconditionError("gradsyncd was built without CUDA (GRADSYNC_WITH_CUDA)");
+}
+
+class NoGpuApi final : public GpuApi {
+ public:
+  absl::StatusOr<int> DeviceCount() override { return NoCuda(); }
+  absl::StatusOr<void*> OpenMemHandle(int, absl::string_view) override { return NoCuda(); }
+  absl::Status CloseMemHandle(int, void*) override { return NoCuda(); }
+  absl::StatusOr<int64_t> AllocationBytes(int, void*) override { return NoCuda(); }
+  absl::StatusOr<Event> OpenEventHandle(int, absl::string_view) override { return NoCuda(); }
+  absl::Status DestroyEvent(int, Event) override { return NoCuda(); }
+};
+
+}  // namespace
+
+std::unique_ptr<GpuApi> NewGpuApi() { return std::make_unique<NoGpuApi>(); }
+
+}  // namespace gradsync::gpu

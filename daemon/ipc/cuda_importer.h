@@ -1,0 +1,67 @@
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/backend/nccl/gpu_api.h"
+#include "daemon/core/buffer_importer.h"
+
+namespace gradsync::ipc {
+
+/// Maps trainers' CUDA device buffers from their IPC handles (RegisterBufferRequest.cuda).
+///
+/// CUDA lets a process open an allocation's handle only once, so mappings are cached per
+/// (device, handle) and shared by every buffer that lies in the same allocation (PyTorch hands
+/// out blocks of one caching-allocator segment); the mapping is closed when the last of them is
+/// dropped (deregistration, session end). Refused with a clear status, changing nothing:
+/// a malformed handle or event (INVALID_ARGUMENT), a handle from the daemon's own process
+/// (INVALID_ARGUMENT: CUDA cannot open those), a device this daemon does not have
+/// (INVALID_ARGUMENT), a buffer beyond its allocation (INVALID_ARGUMENT), no usable GPU at all
+/// (FAILED_PRECONDITION, with CUDA's reason). Thread-safe.
+class CudaImporter final : public core::BufferImporter {
+ public:
+  explicit CudaImporter(gpu::GpuApi* api) : api_(api) {}
+  ~CudaImporter() override;
+
+  absl::StatusOr<std::unique_ptr<core::MappedBuffer>> Import(
+      const v1::RegisterBufferRequest& request) override;
+
+  /// Allocations mapped now (for tests and inspection).
+  int open_allocations() const;
+
+ private:
+  struct Allocation {
+    void* base = nullptr;
+    int64_t bytes = 0;
+    int refs = 0;
+  };
+  using Key = std::pair<int, std::string>;  // (device, mem handle)
+  class Mapping;
+
+  // Takes a reference on the (device, handle) mapping, opening it if needed.
+  absl::StatusOr<Allocation> Acquire(const Key& key);
+  void Release(const Key& key);
+
+  gpu::GpuApi* const api_;
+  mutable absl::Mutex mu_;
+  std::map<Key, Allocation> open_ ABSL_GUARDED_BY(mu_);
+};
+
+/// Sends each registration to the importer of its kind: shared memory or CUDA.
+class DispatchImporter final : public core::BufferImporter {
+ public:
+  DispatchImporter(core::BufferImporter* shm, core::BufferImporter* cuda)
+      : shm_(shm), cuda_(cuda) {}
+  absl::StatusOr<std::unique_ptr<core::MappedBuffer>> Import(
+      const v1::RegisterBufferRequest& request) override;
+
+ private:
+  core::BufferImporter* const shm_;
+  core::BufferImporter* const cuda_;
+};
+
+}  // namespace gradsync::ipc

@@ -1,0 +1,192 @@
+// The CUDA IPC importer against a fake GpuApi: handle cache, refusals, nothing left open.
+#include "daemon/ipc/cuda_importer.h"
+
+#include <unistd.h>
+
+#include <map>
+#include <set>
+
+#include "gtest/gtest.h"
+
+namespace gradsync::ipc {
+namespace {
+
+// Allocations the "other process" exported: handle -> size. Opening maps them at a fake base.
+class FakeGpu final : public gpu::GpuApi {
+ public:
+  int devices = 2;
+  absl::Status device_error;  // not OK: DeviceCount fails (no driver)
+  absl::Status open_error;    // not OK: OpenMemHandle fails
+  absl::Status event_error;   // not OK: OpenEventHandle fails
+  std::map<std::string, int64_t> exported;
+  std::map<std::pair<int, std::string>, std::byte*> mapped;  // what is open now
+  int opens = 0, closes = 0, events_open = 0;
+
+  absl::StatusOr<int> DeviceCount() override {
+    if (!device_error.ok()) return device_error;
+    return devices;
+  }
+  absl::StatusOr<void*> OpenMemHandle(int device, absl::string_view handle) override {
+    if (!open_error.ok()) return open_error;
+    const std::string h(handle);
+    if (!exported.count(h)) return absl::InvalidArgumentError("invalid resource handle");
+    if (mapped.count({device, h})) return absl::AlreadyExistsError("already mapped");
+    ++opens;
+    std::byte* base = reinterpret_cast<std::byte*>(0x7000'0000'0000) + opens * (1 << 30);
+    mapped[{device, h}] = base;
+    return base;
+  }
+  absl::Status CloseMemHandle(int device, void* base) override {
+    for (auto it = mapped.begin(); it != mapped.end(); ++it) {
+      if (it->first.first == device && it->second == base) {
+        mapped.erase(it);
+        ++closes;
+        return absl::OkStatus();
+      }
+    }
+    return absl::InvalidArgumentError("not mapped");
+  }
+  absl::StatusOr<int64_t> AllocationBytes(int device, void* base) override {
+    for (const auto& [key, b] : mapped) {
+      if (key.first == device && b == base) return exported.at(key.second);
+    }
+    return absl::InvalidArgumentError("unknown base");
+  }
+  absl::StatusOr<gpu::Event> OpenEventHandle(int, absl::string_view) override {
+    if (!event_error.ok()) return event_error;
+    ++events_open;
+    return reinterpret_cast<gpu::Event>(static_cast<uintptr_t>(events_open));
+  }
+  absl::Status DestroyEvent(int, gpu::Event) override {
+    --events_open;
+    return absl::OkStatus();
+  }
+};
+
+std::string Handle(char c) { return std::string(gpu::kIpcHandleBytes, c); }
+
+v1::RegisterBufferRequest Cuda(const std::string& handle, int64_t offset, int64_t bytes,
+                               int device = 0) {
+  v1::RegisterBufferRequest r;
+  r.set_bytes(bytes);
+  v1::CudaIpcBuffer* c = r.mutable_cuda();
+  c->set_mem_handle(handle);
+  c->set_offset(offset);
+  c->set_device(device);
+  c->set_ready_event(Handle('r'));
+  c->set_done_event(Handle('d'));
+  c->set_pid(::getpid() + 1);  // "another process"
+  return r;
+}
+
+class CudaImporterTest : public ::testing::Test {
+ protected:
+  void SetUp() override { gpu_.exported[Handle('a')] = 1 << 20; }
+  // Everything opened was closed again.
+  void ExpectNothingOpen() {
+    EXPECT_EQ(importer_.open_allocations(), 0);
+    EXPECT_TRUE(gpu_.mapped.empty());
+    EXPECT_EQ(gpu_.opens, gpu_.closes);
+    EXPECT_EQ(gpu_.events_open, 0);
+  }
+  FakeGpu gpu_;
+  CudaImporter importer_{&gpu_};
+};
+
+TEST_F(CudaImporterTest, BuffersOfOneAllocationShareOneMappingUntilTheLastGoes) {
+  auto a = importer_.Import(Cuda(Handle('a'), 0, 4096));
+  auto b = importer_.Import(Cuda(Handle('a'), 4096, 8192));
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(gpu_.opens, 1);  // CUDA allows one open per handle and process
+  EXPECT_EQ((*b)->data() - (*a)->data(), 4096);
+  EXPECT_EQ((*b)->size(), 8192);
+  EXPECT_NE((*a)->Describe().find("cuda:dev0"), std::string::npos) << (*a)->Describe();
+  EXPECT_EQ(gpu_.events_open, 4);
+  a->reset();
+  EXPECT_EQ(importer_.open_allocations(), 1);
+  EXPECT_EQ(gpu_.closes, 0);
+  b->reset();
+  ExpectNothingOpen();
+}
+
+TEST_F(CudaImporterTest, TheSameHandleOnAnotherDeviceIsAnotherMapping) {
+  auto a = importer_.Import(Cuda(Handle('a'), 0, 16, 0));
+  auto b = importer_.Import(Cuda(Handle('a'), 0, 16, 1));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(importer_.open_allocations(), 2);
+  a->reset();
+  b->reset();
+  ExpectNothingOpen();
+}
+
+TEST_F(CudaImporterTest, RefusesWhatCannotWorkAndLeavesNothingOpen) {
+  auto code = [&](v1::RegisterBufferRequest r, const std::string& needle) {
+    auto m = importer_.Import(r);
+    EXPECT_FALSE(m.ok());
+    EXPECT_NE(m.status().message().find(needle), std::string::npos) << m.status();
+    return m.status().code();
+  };
+  using absl::StatusCode;
+  EXPECT_EQ(code(Cuda("short", 0, 16), "mem_handle has 5 bytes"), StatusCode::kInvalidArgument);
+  auto no_event = Cuda(Handle('a'), 0, 16);
+  no_event.mutable_cuda()->clear_ready_event();
+  EXPECT_EQ(code(no_event, "ready_event has 0 bytes"), StatusCode::kInvalidArgument);
+  auto own = Cuda(Handle('a'), 0, 16);
+  own.mutable_cuda()->set_pid(::getpid());
+  EXPECT_EQ(code(own, "daemon's own process"), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(Cuda(Handle('a'), 0, 16, 2), "device 2 does not exist here: this daemon sees 2"),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(Cuda(Handle('a'), -1, 16), "must not be negative"),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(Cuda(Handle('a'), (1 << 20) - 8, 16), "beyond its allocation of 1048576"),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(Cuda(Handle('z'), 0, 16), "invalid resource handle"),
+            StatusCode::kInvalidArgument);
+  gpu_.event_error = absl::InternalError("event boom");
+  EXPECT_EQ(code(Cuda(Handle('a'), 0, 16), "event boom"), StatusCode::kInternal);
+  gpu_.event_error = absl::OkStatus();
+  gpu_.device_error = absl::FailedPreconditionError("cudaGetDeviceCount: no CUDA driver");
+  EXPECT_EQ(code(Cuda(Handle('a'), 0, 16), "cannot map CUDA buffers: cudaGetDeviceCount"),
+            StatusCode::kFailedPrecondition);
+  ExpectNothingOpen();
+}
+
+TEST_F(CudaImporterTest, AFailureOfOneBufferDoesNotCloseItsNeighbours) {
+  auto a = importer_.Import(Cuda(Handle('a'), 0, 16));
+  ASSERT_TRUE(a.ok());
+  EXPECT_FALSE(importer_.Import(Cuda(Handle('a'), 1 << 20, 16)).ok());  // beyond
+  EXPECT_EQ(importer_.open_allocations(), 1);
+  EXPECT_EQ(gpu_.closes, 0);
+  a->reset();
+  ExpectNothingOpen();
+}
+
+class CountingImporter final : public core::BufferImporter {
+ public:
+  int calls = 0;
+  absl::StatusOr<std::unique_ptr<core::MappedBuffer>> Import(
+      const v1::RegisterBufferRequest&) override {
+    ++calls;
+    return absl::UnimplementedError("counted");
+  }
+};
+
+TEST(DispatchImporterTest, SendsEachRegistrationToItsKind) {
+  CountingImporter shm, cuda;
+  DispatchImporter dispatch(&shm, &cuda);
+  v1::RegisterBufferRequest r;
+  r.set_shm_name("/x");
+  (void)dispatch.Import(r);
+  EXPECT_EQ(shm.calls, 1);
+  r.mutable_cuda()->set_offset(0);
+  auto both = dispatch.Import(r);
+  EXPECT_EQ(both.status().code(), absl::StatusCode::kInvalidArgument);
+  r.clear_shm_name();
+  (void)dispatch.Import(r);
+  EXPECT_EQ(cuda.calls, 1);
+  EXPECT_EQ(shm.calls, 1);
+}
+
+}  // namespace
+}  // namespace gradsync::ipc
