@@ -42,9 +42,14 @@ DaemonServer::DaemonServer(DaemonConfig config)
       cuda_importer_(gpu_.get()),
       importer_(&shm_importer_, &cuda_importer_),
       backend_(&pool_),
+      nccl_backend_(gpu_.get()),
+      dispatch_backend_(&backend_, &nccl_backend_),
       engine_(
-          &backend_, &importer_, &pool_, config_.engine,
-          [this](const std::string& job) { store_.DeleteJob(job); },
+          &dispatch_backend_, &importer_, &pool_, config_.engine,
+          [this](const std::string& job) {
+            store_.DeleteJob(job);
+            nccl_backend_.JobEnded(job);
+          },
           [this](const std::string& address) { return PeerStore(address); }),
       pool_(config_.workers > 0
                 ? config_.workers

@@ -9,9 +9,10 @@
 #include "client/store_client.h"
 #include "common/worker_pool.h"
 #include "daemon/backend/cpu/cpu_backend.h"
+#include "daemon/backend/nccl/gpu_api.h"
+#include "daemon/backend/nccl/nccl_backend.h"
 #include "daemon/config.h"
 #include "daemon/core/engine.h"
-#include "daemon/backend/nccl/gpu_api.h"
 #include "daemon/ipc/cuda_importer.h"
 #include "daemon/ipc/shm_importer.h"
 #include "daemon/rpc/gradsync_service.h"
@@ -66,6 +67,8 @@ class DaemonServer {
   ipc::CudaImporter cuda_importer_;
   ipc::DispatchImporter importer_;  // shared memory or CUDA, by the registration
   backend::cpu::CpuBackend backend_;
+  backend::nccl::NcclBackend nccl_backend_;
+  backend::nccl::DispatchBackend dispatch_backend_;  // host buffers to backend_, device to NCCL
   core::Engine engine_;
   // After the engine and backend that use it: destroyed (its queued ops run) before them.
   WorkerPool pool_;

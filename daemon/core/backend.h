@@ -10,14 +10,19 @@
 #include "absl/time/time.h"
 #include "common/dtype.h"
 #include "common/store.h"
+#include "daemon/core/buffer_importer.h"
 #include "gradsync/v1/gradsync.pb.h"
 
 namespace gradsync::core {
+
+class MappedBuffer;
 
 /// A contiguous run of elements inside a mapped buffer.
 struct Run {
   std::byte* data;
   int64_t count;
+  /// The buffer it lies in (its device and events, on GPU nodes); null in unit-test views.
+  const MappedBuffer* buffer = nullptr;
 };
 
 /// One logical array of elements spread over runs, in order (a fused op's segments).
@@ -43,6 +48,7 @@ struct Collective {
   int group_size = 0;
   std::vector<LocalMember> local;  // ascending group rank
   absl::Time deadline = absl::InfiniteFuture();
+  uint64_t seq = 0;   // the op's sequence number in its group (the same on every node)
   std::string label;  // "all_reduce job=j group=0,1 seq=17" for errors and logs
   /// What every member agreed on ("all_reduce(sum, float32, count=16, name='w')" and seq):
   /// communicators spanning nodes compare it across nodes before moving data.

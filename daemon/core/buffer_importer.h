@@ -20,6 +20,12 @@ class MappedBuffer {
   virtual int64_t size() const = 0;
   /// "shm:/gradsync-1234-0 bytes=4096" for logs and errors.
   virtual std::string Describe() const = 0;
+  /// CUDA device ordinal of device memory; -1 for host memory (data() is then CPU-addressable).
+  virtual int device() const { return -1; }
+  /// Device buffers: the trainer's "ready" event (the daemon's stream waits on it before
+  /// reading) and "done" event (recorded after writing; the trainer's stream waits on it).
+  virtual void* ready_event() const { return nullptr; }
+  virtual void* done_event() const { return nullptr; }
 };
 
 /// Turns a handle a trainer sent (shared-memory name; CUDA IPC handle on GPU nodes) into a

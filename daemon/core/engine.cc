@@ -421,10 +421,10 @@ absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
   }
   // What names the memory: the shm object, or the CUDA allocation and the offset in it.
   const std::string handle =
-      req.has_cuda() ? absl::StrCat("cuda:dev", req.cuda().device(), ":",
-                                    absl::BytesToHexString(req.cuda().mem_handle()), "+",
-                                    req.cuda().offset())
-                     : req.shm_name();
+      req.has_cuda()
+          ? absl::StrCat("cuda:dev", req.cuda().device(), ":",
+                         absl::BytesToHexString(req.cuda().mem_handle()), "+", req.cuda().offset())
+          : req.shm_name();
   {
     absl::MutexLock lock(&session.mu);
     if (session.ended) return absl::FailedPreconditionError("session has ended");
@@ -556,7 +556,8 @@ absl::StatusOr<Engine::Arrival> Engine::Resolve(Session& session, const v1::OpRe
                          " bytes or not aligned to the ", esize, "-byte element");
         }
         if (seg.count() == 0) continue;
-        view.push_back({buffer.mapping->data() + seg.byte_offset(), seg.count()});
+        view.push_back(
+            {buffer.mapping->data() + seg.byte_offset(), seg.count(), buffer.mapping.get()});
         extents.push_back(
             {seg.buffer_id(), seg.byte_offset(), seg.byte_offset() + seg.count() * esize});
         if (a.pins.empty() || a.pins.back() != buffer.mapping) a.pins.push_back(buffer.mapping);
@@ -798,6 +799,7 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
             c.count = p.fp.count;
             c.root = p.fp.root;
             c.group_size = size;
+            c.seq = seq;
             c.deadline = p.deadline;
             c.label = absl::StrCat(KindName(c.kind), " job=", job.id, " group=", group->key,
                                    " seq=", seq);

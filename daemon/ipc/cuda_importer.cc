@@ -49,6 +49,9 @@ class CudaImporter::Mapping final : public core::MappedBuffer {
   std::byte* data() const override { return data_; }
   int64_t size() const override { return size_; }
   std::string Describe() const override { return describe_; }
+  int device() const override { return key_.first; }
+  void* ready_event() const override { return ready_; }
+  void* done_event() const override { return done_; }
 
  private:
   CudaImporter* const owner_;
@@ -114,9 +117,9 @@ absl::StatusOr<std::unique_ptr<core::MappedBuffer>> CudaImporter::Import(
   if (absl::Status s = CheckHandle("ready_event", c.ready_event()); !s.ok()) return s;
   if (absl::Status s = CheckHandle("done_event", c.done_event()); !s.ok()) return s;
   if (c.pid() == ::getpid()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the CUDA IPC handle comes from the daemon's own process (pid ", c.pid(),
-        "): CUDA cannot open a handle in the process that exported it"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the CUDA IPC handle comes from the daemon's own process (pid ", c.pid(),
+                     "): CUDA cannot open a handle in the process that exported it"));
   }
   if (c.offset() < 0 || request.bytes() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("cuda buffer offset ", c.offset(), " and bytes ",

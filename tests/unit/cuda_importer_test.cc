@@ -7,61 +7,12 @@
 #include <set>
 
 #include "gtest/gtest.h"
+#include "tests/unit/fake_gpu.h"
 
 namespace gradsync::ipc {
 namespace {
 
-// Allocations the "other process" exported: handle -> size. Opening maps them at a fake base.
-class FakeGpu final : public gpu::GpuApi {
- public:
-  int devices = 2;
-  absl::Status device_error;  // not OK: DeviceCount fails (no driver)
-  absl::Status open_error;    // not OK: OpenMemHandle fails
-  absl::Status event_error;   // not OK: OpenEventHandle fails
-  std::map<std::string, int64_t> exported;
-  std::map<std::pair<int, std::string>, std::byte*> mapped;  // what is open now
-  int opens = 0, closes = 0, events_open = 0;
-
-  absl::StatusOr<int> DeviceCount() override {
-    if (!device_error.ok()) return device_error;
-    return devices;
-  }
-  absl::StatusOr<void*> OpenMemHandle(int device, absl::string_view handle) override {
-    if (!open_error.ok()) return open_error;
-    const std::string h(handle);
-    if (!exported.count(h)) return absl::InvalidArgumentError("invalid resource handle");
-    if (mapped.count({device, h})) return absl::AlreadyExistsError("already mapped");
-    ++opens;
-    std::byte* base = reinterpret_cast<std::byte*>(0x7000'0000'0000) + opens * (1 << 30);
-    mapped[{device, h}] = base;
-    return base;
-  }
-  absl::Status CloseMemHandle(int device, void* base) override {
-    for (auto it = mapped.begin(); it != mapped.end(); ++it) {
-      if (it->first.first == device && it->second == base) {
-        mapped.erase(it);
-        ++closes;
-        return absl::OkStatus();
-      }
-    }
-    return absl::InvalidArgumentError("not mapped");
-  }
-  absl::StatusOr<int64_t> AllocationBytes(int device, void* base) override {
-    for (const auto& [key, b] : mapped) {
-      if (key.first == device && b == base) return exported.at(key.second);
-    }
-    return absl::InvalidArgumentError("unknown base");
-  }
-  absl::StatusOr<gpu::Event> OpenEventHandle(int, absl::string_view) override {
-    if (!event_error.ok()) return event_error;
-    ++events_open;
-    return reinterpret_cast<gpu::Event>(static_cast<uintptr_t>(events_open));
-  }
-  absl::Status DestroyEvent(int, gpu::Event) override {
-    --events_open;
-    return absl::OkStatus();
-  }
-};
+using testing::FakeGpu;
 
 std::string Handle(char c) { return std::string(gpu::kIpcHandleBytes, c); }
 
@@ -137,8 +88,7 @@ TEST_F(CudaImporterTest, RefusesWhatCannotWorkAndLeavesNothingOpen) {
   EXPECT_EQ(code(own, "daemon's own process"), StatusCode::kInvalidArgument);
   EXPECT_EQ(code(Cuda(Handle('a'), 0, 16, 2), "device 2 does not exist here: this daemon sees 2"),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(code(Cuda(Handle('a'), -1, 16), "must not be negative"),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(Cuda(Handle('a'), -1, 16), "must not be negative"), StatusCode::kInvalidArgument);
   EXPECT_EQ(code(Cuda(Handle('a'), (1 << 20) - 8, 16), "beyond its allocation of 1048576"),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(code(Cuda(Handle('z'), 0, 16), "invalid resource handle"),

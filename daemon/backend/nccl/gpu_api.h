@@ -13,13 +13,31 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/dtype.h"
+#include "gradsync/v1/gradsync.pb.h"
 
 namespace gradsync::gpu {
 
-inline constexpr size_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t, cudaIpcEventHandle_t
+inline constexpr size_t kIpcHandleBytes = 64;      // cudaIpcMemHandle_t, cudaIpcEventHandle_t
+inline constexpr size_t kNcclUniqueIdBytes = 128;  // ncclUniqueId
 
 /// An event opened from another process's interprocess event handle (cudaEvent_t).
 using Event = void*;
+using Stream = void*;  // cudaStream_t
+using Comm = void*;    // ncclComm_t
+
+/// One NCCL collective on one communicator (in place for ALL_REDUCE and BROADCAST).
+struct NcclCall {
+  v1::OpKind kind = v1::OP_KIND_UNSPECIFIED;
+  v1::ReduceOp reduce_op = v1::REDUCE_OP_UNSPECIFIED;  // MEAN is ncclAvg
+  DType dtype = v1::DTYPE_UNSPECIFIED;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  int64_t count = 0;  // elements per rank: of send (ALL_GATHER) or recv (REDUCE_SCATTER)
+  int root = 0;       // BROADCAST
+  Comm comm = nullptr;
+  Stream stream = nullptr;
+};
 
 class GpuApi {
  public:
@@ -35,6 +53,31 @@ class GpuApi {
   /// cudaIpcOpenEventHandle on `device`.
   virtual absl::StatusOr<Event> OpenEventHandle(int device, absl::string_view handle) = 0;
   virtual absl::Status DestroyEvent(int device, Event event) = 0;
+
+  // ---- streams and events ----
+  virtual absl::StatusOr<Stream> CreateStream(int device) = 0;
+  virtual absl::Status DestroyStream(int device, Stream stream) = 0;
+  /// The stream's later work waits for `event` (cudaStreamWaitEvent).
+  virtual absl::Status StreamWaitEvent(int device, Stream stream, Event event) = 0;
+  /// Records `event` after the stream's work so far (cudaEventRecord).
+  virtual absl::Status RecordEvent(int device, Event event, Stream stream) = 0;
+  /// True once all the stream's work has finished (cudaStreamQuery); an error if it failed.
+  virtual absl::StatusOr<bool> StreamDone(int device, Stream stream) = 0;
+
+  // ---- NCCL (non-blocking communicators) ----
+  virtual absl::StatusOr<std::string> NcclUniqueId() = 0;
+  /// ncclCommInitRankConfig with blocking=0 on `device`: returns at once; the communicator is
+  /// usable once NcclCommReady says so.
+  virtual absl::StatusOr<Comm> NcclCommInitRank(int device, int nranks, absl::string_view id,
+                                                int rank) = 0;
+  /// ncclCommGetAsyncError: true when ready, false while still in progress, an error status
+  /// when the communicator failed (then abort it).
+  virtual absl::StatusOr<bool> NcclCommReady(Comm comm) = 0;
+  virtual absl::Status NcclCommAbort(Comm comm) = 0;
+  virtual absl::Status NcclGroupStart() = 0;
+  /// May leave the group's work in progress (non-blocking communicators): poll NcclCommReady.
+  virtual absl::Status NcclGroupEnd() = 0;
+  virtual absl::Status NcclCollective(const NcclCall& call) = 0;
 };
 
 /// The real CUDA runtime when the daemon was built with CUDA; otherwise an API whose every call

@@ -2,6 +2,7 @@
 // through cudaGetDriverEntryPointByVersion, so the daemon starts on machines without one).
 // The one place where CUDA's error codes become absl::Status.
 #include <cuda_runtime_api.h>
+#include <nccl.h>
 
 #include <cstring>
 #include <mutex>
@@ -41,10 +42,72 @@ absl::StatusCode CodeOf(cudaError_t e) {
 absl::Status FromCuda(cudaError_t e, absl::string_view call, int device) {
   if (e == cudaSuccess) return absl::OkStatus();
   cudaGetLastError();  // clear the sticky non-fatal error so later calls do not report it
-  return absl::Status(CodeOf(e), absl::StrCat(call, device >= 0 ? " (device " : "",
-                                              device >= 0 ? absl::StrCat(device, ")") : "", ": ",
-                                              cudaGetErrorString(e), " (", cudaGetErrorName(e),
-                                              ")"));
+  return absl::Status(CodeOf(e),
+                      absl::StrCat(call, device >= 0 ? " (device " : "",
+                                   device >= 0 ? absl::StrCat(device, ")") : "", ": ",
+                                   cudaGetErrorString(e), " (", cudaGetErrorName(e), ")"));
+}
+
+absl::StatusCode CodeOf(ncclResult_t r) {
+  switch (r) {
+    case ncclInvalidArgument:
+    case ncclInvalidUsage:
+      return absl::StatusCode::kInvalidArgument;
+    case ncclSystemError:
+    case ncclRemoteError:
+      return absl::StatusCode::kUnavailable;  // a peer or the network went away
+    case ncclUnhandledCudaError:
+    case ncclInternalError:
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+// "ncclAllReduce: remote process exited or there was a network error (ncclRemoteError): <last>"
+absl::Status FromNccl(ncclResult_t r, absl::string_view call, ncclComm_t comm = nullptr) {
+  if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
+  const char* last = ncclGetLastError(comm);
+  return absl::Status(
+      CodeOf(r), absl::StrCat(call, ": ", ncclGetErrorString(r),
+                              last != nullptr && *last ? ": " : "", last != nullptr ? last : ""));
+}
+
+absl::StatusOr<ncclDataType_t> NcclType(DType dtype) {
+  switch (dtype) {
+    case v1::FLOAT32:
+      return ncclFloat32;
+    case v1::FLOAT64:
+      return ncclFloat64;
+    case v1::FLOAT16:
+      return ncclFloat16;
+    case v1::BFLOAT16:
+      return ncclBfloat16;
+    case v1::INT32:
+      return ncclInt32;
+    case v1::INT64:
+      return ncclInt64;
+    case v1::UINT8:
+      return ncclUint8;
+    case v1::INT8:
+      return ncclInt8;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("no NCCL type for dtype ", dtype));
+  }
+}
+
+absl::StatusOr<ncclRedOp_t> NcclOp(v1::ReduceOp op) {
+  switch (op) {
+    case v1::SUM:
+      return ncclSum;
+    case v1::MEAN:
+      return ncclAvg;
+    case v1::MIN:
+      return ncclMin;
+    case v1::MAX:
+      return ncclMax;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("no NCCL reduction for op ", op));
+  }
 }
 
 template <typename Handle>
@@ -119,6 +182,120 @@ class CudaGpuApi final : public GpuApi {
     return FromCuda(cudaEventDestroy(static_cast<cudaEvent_t>(event)), "cudaEventDestroy", device);
   }
 
+  absl::StatusOr<Stream> CreateStream(int device) override {
+    if (absl::Status s = Use(device); !s.ok()) return s;
+    cudaStream_t stream = nullptr;
+    absl::Status s = FromCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                              "cudaStreamCreateWithFlags", device);
+    if (!s.ok()) return s;
+    return static_cast<Stream>(stream);
+  }
+
+  absl::Status DestroyStream(int device, Stream stream) override {
+    if (absl::Status s = Use(device); !s.ok()) return s;
+    return FromCuda(cudaStreamDestroy(static_cast<cudaStream_t>(stream)), "cudaStreamDestroy",
+                    device);
+  }
+
+  absl::Status StreamWaitEvent(int device, Stream stream, Event event) override {
+    if (absl::Status s = Use(device); !s.ok()) return s;
+    return FromCuda(
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0),
+        "cudaStreamWaitEvent", device);
+  }
+
+  absl::Status RecordEvent(int device, Event event, Stream stream) override {
+    if (absl::Status s = Use(device); !s.ok()) return s;
+    return FromCuda(
+        cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)),
+        "cudaEventRecord", device);
+  }
+
+  absl::StatusOr<bool> StreamDone(int device, Stream stream) override {
+    if (absl::Status s = Use(device); !s.ok()) return s;
+    const cudaError_t e = cudaStreamQuery(static_cast<cudaStream_t>(stream));
+    if (e == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    if (absl::Status s = FromCuda(e, "cudaStreamQuery", device); !s.ok()) return s;
+    return true;
+  }
+
+  absl::StatusOr<std::string> NcclUniqueId() override {
+    ncclUniqueId id;
+    if (absl::Status s = FromNccl(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;
+    static_assert(sizeof(id) == kNcclUniqueIdBytes);
+    return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+  }
+
+  absl::StatusOr<Comm> NcclCommInitRank(int device, int nranks, absl::string_view id,
+                                        int rank) override {
+    if (id.size() != kNcclUniqueIdBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("NCCL unique id of ", id.size(), " bytes"));
+    }
+    if (absl::Status s = Use(device); !s.ok()) return s;
+    ncclUniqueId uid;
+    std::memcpy(&uid, id.data(), sizeof(uid));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // returns at once; the daemon polls, bounded by the op's deadline
+    ncclComm_t comm = nullptr;
+    absl::Status s = FromNccl(ncclCommInitRankConfig(&comm, nranks, uid, rank, &config),
+                              absl::StrCat("ncclCommInitRankConfig (device ", device, ", rank ",
+                                           rank, " of ", nranks, ")"));
+    if (!s.ok()) return s;
+    return static_cast<Comm>(comm);
+  }
+
+  absl::StatusOr<bool> NcclCommReady(Comm comm) override {
+    ncclResult_t async = ncclSuccess;
+    auto c = static_cast<ncclComm_t>(comm);
+    if (absl::Status s = FromNccl(ncclCommGetAsyncError(c, &async), "ncclCommGetAsyncError", c);
+        !s.ok()) {
+      return s;
+    }
+    if (async == ncclInProgress) return false;
+    if (absl::Status s = FromNccl(async, "NCCL communicator", c); !s.ok()) return s;
+    return true;
+  }
+
+  absl::Status NcclCommAbort(Comm comm) override {
+    return FromNccl(ncclCommAbort(static_cast<ncclComm_t>(comm)), "ncclCommAbort");
+  }
+
+  absl::Status NcclGroupStart() override { return FromNccl(ncclGroupStart(), "ncclGroupStart"); }
+  absl::Status NcclGroupEnd() override { return FromNccl(ncclGroupEnd(), "ncclGroupEnd"); }
+
+  absl::Status NcclCollective(const NcclCall& call) override {
+    absl::StatusOr<ncclDataType_t> type = NcclType(call.dtype);
+    if (!type.ok()) return type.status();
+    auto comm = static_cast<ncclComm_t>(call.comm);
+    auto stream = static_cast<cudaStream_t>(call.stream);
+    const auto n = static_cast<size_t>(call.count);
+    switch (call.kind) {
+      case v1::ALL_REDUCE: {
+        absl::StatusOr<ncclRedOp_t> op = NcclOp(call.reduce_op);
+        if (!op.ok()) return op.status();
+        return FromNccl(ncclAllReduce(call.send, call.recv, n, *type, *op, comm, stream),
+                        "ncclAllReduce", comm);
+      }
+      case v1::BROADCAST:
+        return FromNccl(ncclBroadcast(call.send, call.recv, n, *type, call.root, comm, stream),
+                        "ncclBroadcast", comm);
+      case v1::ALL_GATHER:
+        return FromNccl(ncclAllGather(call.send, call.recv, n, *type, comm, stream),
+                        "ncclAllGather", comm);
+      case v1::REDUCE_SCATTER: {
+        absl::StatusOr<ncclRedOp_t> op = NcclOp(call.reduce_op);
+        if (!op.ok()) return op.status();
+        return FromNccl(ncclReduceScatter(call.send, call.recv, n, *type, *op, comm, stream),
+                        "ncclReduceScatter", comm);
+      }
+      default:
+        return absl::InvalidArgumentError(absl::StrCat("no NCCL collective for kind ", call.kind));
+    }
+  }
+
  private:
   static absl::Status Use(int device) {
     return FromCuda(cudaSetDevice(device), "cudaSetDevice", device);
@@ -128,8 +305,8 @@ class CudaGpuApi final : public GpuApi {
     std::call_once(range_once_, [this] {
       void* fn = nullptr;
       cudaDriverEntryPointQueryResult found{};
-      if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
-                                           cudaEnableDefault, &found) == cudaSuccess &&
+      if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                           &found) == cudaSuccess &&
           found == cudaDriverEntryPointSuccess) {
         range_ = reinterpret_cast<GetAddressRange>(fn);
       }

@@ -16,6 +16,20 @@ class NoGpuApi final : public GpuApi {
   absl::StatusOr<int64_t> AllocationBytes(int, void*) override { return NoCuda(); }
   absl::StatusOr<Event> OpenEventHandle(int, absl::string_view) override { return NoCuda(); }
   absl::Status DestroyEvent(int, Event) override { return NoCuda(); }
+  absl::StatusOr<Stream> CreateStream(int) override { return NoCuda(); }
+  absl::Status DestroyStream(int, Stream) override { return NoCuda(); }
+  absl::Status StreamWaitEvent(int, Stream, Event) override { return NoCuda(); }
+  absl::Status RecordEvent(int, Event, Stream) override { return NoCuda(); }
+  absl::StatusOr<bool> StreamDone(int, Stream) override { return NoCuda(); }
+  absl::StatusOr<std::string> NcclUniqueId() override { return NoCuda(); }
+  absl::StatusOr<Comm> NcclCommInitRank(int, int, absl::string_view, int) override {
+    return NoCuda();
+  }
+  absl::StatusOr<bool> NcclCommReady(Comm) override { return NoCuda(); }
+  absl::Status NcclCommAbort(Comm) override { return NoCuda(); }
+  absl::Status NcclGroupStart() override { return NoCuda(); }
+  absl::Status NcclGroupEnd() override { return NoCuda(); }
+  absl::Status NcclCollective(const NcclCall&) override { return NoCuda(); }
 };
 
 }  // namespace

@@ -1,0 +1,85 @@
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/backend/nccl/gpu_api.h"
+#include "daemon/core/backend.h"
+
+namespace gradsync::backend::nccl {
+
+/// The GPU data plane: collectives on trainers' CUDA buffers with NCCL communicators the daemon
+/// owns. One NCCL communicator per local member of a group (NCCL rank = group rank), all of a
+/// node's members driven inside one ncclGroupStart/End. The unique id travels through the job's
+/// store under a key named by the op that builds the communicator, so every node agrees on it.
+/// Communicators are created non-blocking and polled, bounded by the op's deadline.
+///
+/// Communicators are kept per (job, group) by the backend, not by the engine's Communicator
+/// objects, so they outlive a trainer's restart while the job and its rank layout (group size,
+/// local members, devices) stay the same; they go when the job ends (JobEnded).
+///
+/// Health: while an op runs, the daemon polls its streams and ncclCommGetAsyncError. On an
+/// error or at the deadline it aborts every NCCL communicator of the job on this node together
+/// (a communicator's local ranks must abort together), fails the op with the reason, and the
+/// next op of each aborted group builds its communicators again. Thread-safe.
+class NcclBackend final : public core::Backend {
+ public:
+  explicit NcclBackend(gpu::GpuApi* api) : api_(api) {}
+  ~NcclBackend() override;
+
+  absl::StatusOr<std::shared_ptr<core::Communicator>> CreateCommunicator(
+      const core::CommunicatorSpec& spec) override;
+
+  /// Aborts every communicator of `job` on this node (see above).
+  void AbortJob(const std::string& job, const absl::Status& reason);
+  /// Drops the job's communicators (after aborting any still live).
+  void JobEnded(const std::string& job);
+
+  /// NCCL communicators created so far (ncclCommInitRankConfig calls), for tests.
+  int comm_inits() const { return comm_inits_.load(); }
+
+ private:
+  friend class NcclCommunicator;
+  /// The NCCL state of one (job, group) on this node.
+  struct Comms {
+    absl::Mutex mu;                                    // held while an op of the group runs
+    std::vector<gpu::Comm> comms ABSL_GUARDED_BY(mu);  // per local member, ascending group rank
+    std::vector<int> devices ABSL_GUARDED_BY(mu);      // the device of each
+    int group_size ABSL_GUARDED_BY(mu) = 0;
+    std::map<int, gpu::Stream> streams ABSL_GUARDED_BY(mu);  // the daemon's stream per device
+    std::atomic<bool> abort_requested{false};
+    absl::Mutex reason_mu;
+    absl::Status abort_reason ABSL_GUARDED_BY(reason_mu);
+  };
+  std::shared_ptr<Comms> CommsFor(const std::string& job, const std::string& group);
+  // Aborts `c`'s communicators (its mu held); they are rebuilt at the next op.
+  void AbortLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  void DestroyStreamsLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+
+  gpu::GpuApi* const api_;
+  std::atomic<int> comm_inits_{0};
+  absl::Mutex mu_;
+  std::map<std::pair<std::string, std::string>, std::shared_ptr<Comms>> comms_ ABSL_GUARDED_BY(mu_);
+};
+
+/// Routes each op of a group to the data plane its buffers live on: host memory to `cpu`,
+/// device memory to `gpu`. Ops without buffers (barrier, empty ops) go to `cpu`. An op mixing
+/// both is INVALID_ARGUMENT.
+class DispatchBackend final : public core::Backend {
+ public:
+  DispatchBackend(core::Backend* cpu, core::Backend* gpu) : cpu_(cpu), gpu_(gpu) {}
+  absl::StatusOr<std::shared_ptr<core::Communicator>> CreateCommunicator(
+      const core::CommunicatorSpec& spec) override;
+
+ private:
+  core::Backend* const cpu_;
+  core::Backend* const gpu_;
+};
+
+}  // namespace gradsync::backend::nccl

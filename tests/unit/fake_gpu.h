@@ -1,0 +1,163 @@
+#pragma once
+
+// A fake GpuApi for unit tests of the GPU data plane on machines without a GPU: IPC mappings of
+// "exported" allocations, events, streams and NCCL communicators, with every call that orders
+// work logged ("wait s0 e1", "allreduce c2 s0 n=16", ...) and failures injectable.
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/backend/nccl/gpu_api.h"
+
+namespace gradsync::testing {
+
+class FakeGpu final : public gpu::GpuApi {
+ public:
+  // ---- knobs ----
+  int devices = 2;
+  absl::Status device_error;                // not OK: DeviceCount fails (no driver)
+  absl::Status open_error;                  // not OK: OpenMemHandle fails
+  absl::Status event_error;                 // not OK: OpenEventHandle fails
+  std::map<std::string, int64_t> exported;  // mem handle -> allocation bytes
+  int init_polls = 0;         // NcclCommReady says "in progress" this many times per comm
+  bool never_ready = false;   // communicators never finish initialising
+  bool streams_hang = false;  // StreamDone never true
+  absl::Status async_error;   // not OK: NcclCommReady reports it once comms are ready
+
+  // ---- what happened ----
+  std::map<std::pair<int, std::string>, std::byte*> mapped;
+  int opens = 0, closes = 0, events_open = 0, streams_open = 0, aborts = 0;
+  std::vector<std::string> ids;  // unique id of every NcclCommInitRank
+  std::vector<std::string> log;  // ordered calls on streams, events and NCCL
+
+  absl::StatusOr<int> DeviceCount() override {
+    if (!device_error.ok()) return device_error;
+    return devices;
+  }
+  absl::StatusOr<void*> OpenMemHandle(int device, absl::string_view handle) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!open_error.ok()) return open_error;
+    const std::string h(handle);
+    if (!exported.count(h)) return absl::InvalidArgumentError("invalid resource handle");
+    if (mapped.count({device, h})) return absl::AlreadyExistsError("already mapped");
+    ++opens;
+    std::byte* base = reinterpret_cast<std::byte*>(0x7000'0000'0000) + opens * (1 << 30);
+    mapped[{device, h}] = base;
+    return base;
+  }
+  absl::Status CloseMemHandle(int device, void* base) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = mapped.begin(); it != mapped.end(); ++it) {
+      if (it->first.first == device && it->second == base) {
+        mapped.erase(it);
+        ++closes;
+        return absl::OkStatus();
+      }
+    }
+    return absl::InvalidArgumentError("not mapped");
+  }
+  absl::StatusOr<int64_t> AllocationBytes(int device, void* base) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [key, b] : mapped) {
+      if (key.first == device && b == base) return exported.at(key.second);
+    }
+    return absl::InvalidArgumentError("unknown base");
+  }
+  absl::StatusOr<gpu::Event> OpenEventHandle(int, absl::string_view) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!event_error.ok()) return event_error;
+    ++events_open;
+    return Handle(++next_);
+  }
+  absl::Status DestroyEvent(int, gpu::Event) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    --events_open;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<gpu::Stream> CreateStream(int device) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++streams_open;
+    gpu::Stream s = Handle(++next_);
+    log.push_back(absl::StrCat("stream d", device, " ", Name(s)));
+    return s;
+  }
+  absl::Status DestroyStream(int, gpu::Stream) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    --streams_open;
+    return absl::OkStatus();
+  }
+  absl::Status StreamWaitEvent(int, gpu::Stream stream, gpu::Event event) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    log.push_back(absl::StrCat("wait ", Name(stream), " ", Name(event)));
+    return absl::OkStatus();
+  }
+  absl::Status RecordEvent(int, gpu::Event event, gpu::Stream stream) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    log.push_back(absl::StrCat("record ", Name(event), " ", Name(stream)));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> StreamDone(int, gpu::Stream) override { return !streams_hang; }
+  absl::StatusOr<std::string> NcclUniqueId() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::string(gpu::kNcclUniqueIdBytes, static_cast<char>('A' + ids.size() % 26));
+  }
+  absl::StatusOr<gpu::Comm> NcclCommInitRank(int device, int nranks, absl::string_view id,
+                                             int rank) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ids.emplace_back(id);
+    gpu::Comm c = Handle(++next_);
+    polls_[c] = init_polls;
+    log.push_back(absl::StrCat("init ", Name(c), " d", device, " rank ", rank, "/", nranks));
+    return c;
+  }
+  absl::StatusOr<bool> NcclCommReady(gpu::Comm comm) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (never_ready) return false;
+    if (polls_[comm] > 0) {
+      --polls_[comm];
+      return false;
+    }
+    if (!async_error.ok()) return async_error;
+    return true;
+  }
+  absl::Status NcclCommAbort(gpu::Comm comm) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++aborts;
+    log.push_back(absl::StrCat("abort ", Name(comm)));
+    return absl::OkStatus();
+  }
+  absl::Status NcclGroupStart() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    log.push_back("group_start");
+    return absl::OkStatus();
+  }
+  absl::Status NcclGroupEnd() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    log.push_back("group_end");
+    return absl::OkStatus();
+  }
+  absl::Status NcclCollective(const gpu::NcclCall& call) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    log.push_back(absl::StrCat("coll", call.kind, " ", Name(call.comm), " ", Name(call.stream),
+                               " n=", call.count, call.send == call.recv ? " inplace" : ""));
+    return absl::OkStatus();
+  }
+
+  /// "e7": the short name of a fake handle.
+  static std::string Name(void* h) {
+    return absl::StrCat("h", reinterpret_cast<uintptr_t>(h) & 0xffff);
+  }
+  static void* Handle(uint64_t n) { return reinterpret_cast<void*>(0x5000'0000 + n); }
+
+ private:
+  std::mutex mu_;
+  uint64_t next_ = 0;
+  std::map<gpu::Comm, int> polls_;
+};
+
+}  // namespace gradsync::testing

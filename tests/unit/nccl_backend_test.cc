@@ -1,0 +1,264 @@
+// The NCCL backend's logic against a fake GpuApi: stream and event order, communicators kept
+// across Communicator objects, rebuild on a layout change, abort on errors and deadlines, the
+// unique id through the job's store, and the host/device dispatch.
+#include "daemon/backend/nccl/nccl_backend.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "daemon/store/memory_store.h"
+#include "gtest/gtest.h"
+#include "tests/unit/fake_gpu.h"
+
+namespace gradsync::backend::nccl {
+namespace {
+
+using testing::FakeGpu;
+
+// A registered device buffer as the CUDA importer makes it.
+class DeviceBuffer final : public core::MappedBuffer {
+ public:
+  DeviceBuffer(int device, uintptr_t address, void* ready, void* done)
+      : device_(device), data_(reinterpret_cast<std::byte*>(address)), ready_(ready), done_(done) {}
+  std::byte* data() const override { return data_; }
+  int64_t size() const override { return 1 << 20; }
+  std::string Describe() const override { return "fake device buffer"; }
+  int device() const override { return device_; }
+  void* ready_event() const override { return ready_; }
+  void* done_event() const override { return done_; }
+
+ private:
+  int device_;
+  std::byte* data_;
+  void* ready_;
+  void* done_;
+};
+
+class NcclBackendTest : public ::testing::Test {
+ protected:
+  // Member r of the group: its buffer on `device`, events e(10r+1) ready and e(10r+2) done.
+  const DeviceBuffer& Buffer(int r, int device) {
+    buffers_.push_back(std::make_unique<DeviceBuffer>(device, 0x9000'0000 + r * 0x10000,
+                                                      FakeGpu::Handle(1000 + 10 * r + 1),
+                                                      FakeGpu::Handle(1000 + 10 * r + 2)));
+    return *buffers_.back();
+  }
+  core::Collective AllReduce(const std::vector<std::pair<int, int>>& rank_device, int size,
+                             uint64_t seq = 0, absl::Duration timeout = absl::Seconds(5)) {
+    core::Collective op;
+    op.kind = v1::ALL_REDUCE;
+    op.reduce_op = v1::MEAN;
+    op.dtype = v1::FLOAT32;
+    op.count = 16;
+    op.group_size = size;
+    op.seq = seq;
+    op.deadline = absl::Now() + timeout;
+    op.label = absl::StrCat("all_reduce job=j group=world seq=", seq);
+    for (auto [rank, device] : rank_device) {
+      const DeviceBuffer& b = Buffer(rank, device);
+      op.local.push_back({rank, {{b.data(), 16, &b}}, {}});
+    }
+    return op;
+  }
+  core::CommunicatorSpec Spec(std::vector<int> local, int size, const std::string& group = "world",
+                              gradsync::Store* store = nullptr) {
+    core::CommunicatorSpec spec;
+    spec.job = "j";
+    spec.group = group;
+    for (int r = 0; r < size; ++r) spec.members.push_back(r);
+    spec.local_members = std::move(local);
+    spec.rendezvous = store;
+    return spec;
+  }
+  std::shared_ptr<core::Communicator> Make(const core::CommunicatorSpec& spec) {
+    auto c = backend_.CreateCommunicator(spec);
+    EXPECT_TRUE(c.ok());
+    return *c;
+  }
+  int Count(const std::string& prefix) {
+    return static_cast<int>(std::count_if(gpu_.log.begin(), gpu_.log.end(),
+                                          [&](auto& l) { return absl::StartsWith(l, prefix); }));
+  }
+
+  FakeGpu gpu_;
+  NcclBackend backend_{&gpu_};
+  std::vector<std::unique_ptr<DeviceBuffer>> buffers_;
+};
+
+TEST_F(NcclBackendTest, WaitsForTheTrainersThenRunsLocalRanksInOneGroupThenRecordsDone) {
+  auto comm = Make(Spec({0, 1}, 2));
+  ASSERT_TRUE(comm->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  // Communicators: one per local rank, in one NCCL group; then the op.
+  const std::vector<std::string> want = {"group_start",
+                                         "init h1 d0 rank 0/2",
+                                         "init h2 d1 rank 1/2",
+                                         "group_end",
+                                         "stream d0 h3",
+                                         "stream d1 h4",
+                                         "wait h3 h1001",
+                                         "wait h4 h1011",  // the daemon's streams wait for "ready"
+                                         "group_start",
+                                         "coll1 h1 h3 n=16 inplace",
+                                         "coll1 h2 h4 n=16 inplace",
+                                         "group_end",
+                                         "record h1002 h3",
+                                         "record h1012 h4"};  // then "done" for the trainers
+  EXPECT_EQ(gpu_.log, want);
+  EXPECT_EQ(gpu_.ids[0], gpu_.ids[1]);  // one unique id, made here (rank 0 is local)
+}
+
+TEST_F(NcclBackendTest, CommunicatorsOutliveTheEnginesCommunicatorObject) {
+  ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  EXPECT_EQ(backend_.comm_inits(), 2);
+  // A trainer restarted: the engine makes a new Communicator for the same job and group.
+  ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 1}}, 2, 1)).ok());
+  EXPECT_EQ(backend_.comm_inits(), 2);
+  EXPECT_EQ(gpu_.aborts, 0);
+  // The restarted trainer came back on another device: rebuilt.
+  ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 0}}, 2, 2)).ok());
+  EXPECT_EQ(backend_.comm_inits(), 4);
+  EXPECT_EQ(gpu_.aborts, 2);
+}
+
+TEST_F(NcclBackendTest, AnAsyncErrorAbortsTheJobsCommunicatorsAndTheNextOpRebuilds) {
+  auto world = Make(Spec({0, 1}, 2));
+  auto pair = Make(Spec({0, 1}, 2, "0,1"));
+  ASSERT_TRUE(world->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  ASSERT_TRUE(pair->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  EXPECT_EQ(backend_.comm_inits(), 4);
+  gpu_.streams_hang = true;
+  gpu_.async_error = absl::UnavailableError("ncclAllReduce: remote process exited");
+  absl::Status s = world->Run(AllReduce({{0, 0}, {1, 1}}, 2, 1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(s.message(), "all_reduce job=j group=world seq=1")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "remote process exited")) << s;
+  EXPECT_EQ(gpu_.aborts, 4);  // both groups' communicators on this node, together
+  gpu_.streams_hang = false;
+  gpu_.async_error = absl::OkStatus();
+  ASSERT_TRUE(pair->Run(AllReduce({{0, 0}, {1, 1}}, 2, 1)).ok());
+  EXPECT_EQ(backend_.comm_inits(), 6);  // rebuilt
+  ASSERT_TRUE(world->Run(AllReduce({{0, 0}, {1, 1}}, 2, 2)).ok());
+  // And the other way round: the pair fails, the world group goes with it.
+  gpu_.streams_hang = true;
+  gpu_.async_error = absl::InternalError("ncclAllReduce: unhandled cuda error");
+  EXPECT_EQ(pair->Run(AllReduce({{0, 0}, {1, 1}}, 2, 2)).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(gpu_.aborts, 8);
+}
+
+TEST_F(NcclBackendTest, AHungOpFailsAtItsDeadlineAndAborts) {
+  auto comm = Make(Spec({0, 1}, 2));
+  ASSERT_TRUE(comm->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  gpu_.streams_hang = true;
+  const absl::Time start = absl::Now();
+  absl::Status s = comm->Run(AllReduce({{0, 0}, {1, 1}}, 2, 1, absl::Milliseconds(200)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "deadline")) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_EQ(gpu_.aborts, 2);
+}
+
+TEST_F(NcclBackendTest, CommunicatorsThatNeverInitialiseFailAtTheDeadline) {
+  gpu_.never_ready = true;
+  auto comm = Make(Spec({0, 1}, 2));
+  absl::Status s = comm->Run(AllReduce({{0, 0}, {1, 1}}, 2, 0, absl::Milliseconds(100)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "not ready by the deadline")) << s;
+  EXPECT_EQ(gpu_.aborts, 2);
+  EXPECT_EQ(Count("coll"), 0);
+}
+
+TEST_F(NcclBackendTest, SlowInitialisationIsPolledUntilReady) {
+  gpu_.init_polls = 5;
+  ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  EXPECT_EQ(Count("coll"), 2);
+}
+
+TEST_F(NcclBackendTest, TheUniqueIdTravelsThroughTheJobsStoreBetweenNodes) {
+  store::MemoryStore store;
+  FakeGpu gpu_b;
+  NcclBackend node_b(&gpu_b);
+  auto a = Make(Spec({0}, 2, "world", &store));  // this node: rank 0
+  auto b = *node_b.CreateCommunicator(Spec({1}, 2, "world", &store));
+  absl::Status sb;
+  std::thread t([&] { sb = b->Run(AllReduce({{1, 0}}, 2, 7)); });
+  absl::SleepFor(absl::Milliseconds(50));  // node B waits for the id
+  absl::Status sa = a->Run(AllReduce({{0, 0}}, 2, 7));
+  t.join();
+  ASSERT_TRUE(sa.ok()) << sa;
+  ASSERT_TRUE(sb.ok()) << sb;
+  ASSERT_EQ(gpu_.ids.size(), 1u);
+  ASSERT_EQ(gpu_b.ids.size(), 1u);
+  EXPECT_EQ(gpu_.ids[0], gpu_b.ids[0]);
+  EXPECT_EQ(gpu_b.log[1], "init h1 d0 rank 1/2");
+}
+
+TEST_F(NcclBackendTest, AMissingRootNodeIsNamedAtTheDeadline) {
+  store::MemoryStore store;
+  auto b = Make(Spec({1}, 2, "world", &store));
+  absl::Status s = b->Run(AllReduce({{1, 0}}, 2, 0, absl::Milliseconds(100)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "never came from the node of rank 0")) << s;
+}
+
+TEST_F(NcclBackendTest, RefusesFusedAndMixedDeviceOps) {
+  auto comm = Make(Spec({0, 1}, 2));
+  core::Collective fused = AllReduce({{0, 0}, {1, 1}}, 2);
+  fused.local[0].input.push_back(fused.local[0].input[0]);
+  EXPECT_EQ(comm->Run(fused).code(), absl::StatusCode::kUnimplemented);
+  core::Collective host = AllReduce({{0, 0}, {1, 1}}, 2);
+  host.local[1].input[0].buffer = nullptr;
+  EXPECT_EQ(comm->Run(host).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(backend_.comm_inits(), 0);
+}
+
+TEST_F(NcclBackendTest, JobEndDropsItsCommunicatorsAndStreams) {
+  ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  EXPECT_EQ(gpu_.streams_open, 2);
+  backend_.JobEnded("j");
+  EXPECT_EQ(gpu_.aborts, 2);
+  EXPECT_EQ(gpu_.streams_open, 0);
+  ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  EXPECT_EQ(backend_.comm_inits(), 4);  // a new job with the same id starts afresh
+}
+
+// A backend whose communicators count their ops.
+class CountingBackend final : public core::Backend {
+ public:
+  struct Comm final : core::Communicator {
+    int* runs;
+    absl::Status Run(const core::Collective&) override {
+      ++*runs;
+      return absl::OkStatus();
+    }
+  };
+  int runs = 0;
+  absl::StatusOr<std::shared_ptr<core::Communicator>> CreateCommunicator(
+      const core::CommunicatorSpec&) override {
+    auto c = std::make_shared<Comm>();
+    c->runs = &runs;
+    return c;
+  }
+};
+
+TEST_F(NcclBackendTest, DispatchSendsHostOpsToTheCpuPlaneAndDeviceOpsToNccl) {
+  CountingBackend cpu, gpu;
+  DispatchBackend dispatch(&cpu, &gpu);
+  auto comm = *dispatch.CreateCommunicator(Spec({0, 1}, 2));
+  std::vector<std::byte> host_memory(64);
+  core::Collective host;
+  host.local.push_back({0, {{host_memory.data(), 16}}, {}});
+  EXPECT_TRUE(comm->Run(host).ok());
+  core::Collective barrier;  // no buffers at all
+  EXPECT_TRUE(comm->Run(barrier).ok());
+  EXPECT_EQ(cpu.runs, 2);
+  core::Collective device = AllReduce({{0, 0}, {1, 1}}, 2);
+  EXPECT_TRUE(comm->Run(device).ok());
+  EXPECT_EQ(gpu.runs, 1);
+  device.local[1].input[0].buffer = nullptr;  // a host buffer among device ones
+  EXPECT_EQ(comm->Run(device).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cpu.runs + gpu.runs, 3);
+}
+
+}  // namespace
+}  // namespace gradsync::backend::nccl
