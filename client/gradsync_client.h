@@ -71,6 +71,39 @@ class SharedBuffer {
   uint64_t id_ = 0;
 };
 
+/// A CUDA device buffer of this process registered with the daemon (GPU nodes), exported the
+/// way PyTorch shares caching-allocator blocks: the IPC handle of the allocation it lies in,
+/// its offset there, and two interprocess events. The memory stays the caller's; it must stay
+/// allocated while registered. Ops name it like any buffer ({id(), byte_offset, count}).
+class CudaBuffer {
+ public:
+  ~CudaBuffer();  // destroys the events (deregister first: Client::DestroyCudaBuffer)
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
+
+  uint64_t id() const { return id_; }
+  void* data() const { return data_; }
+  int64_t size() const { return size_; }
+  int device() const { return device_; }
+  /// The daemon's next op on the buffer starts after `stream`'s work so far (records "ready").
+  /// Call it before submitting the op. `stream` is a cudaStream_t (null: the legacy stream).
+  absl::Status Ready(void* stream = nullptr);
+  /// `stream`'s later work waits for the daemon's last write of the buffer ("done"). An op's
+  /// Wait() returning OK means the write is enqueued on the daemon's stream; call this (or
+  /// synchronise) before reading the result on the device.
+  absl::Status WaitDone(void* stream = nullptr);
+
+ private:
+  friend class Client;
+  CudaBuffer() = default;
+  uint64_t id_ = 0;
+  void* data_ = nullptr;
+  int64_t size_ = 0;
+  int device_ = -1;
+  void* ready_ = nullptr;  // cudaEvent_t
+  void* done_ = nullptr;
+};
+
 class Client;
 
 /// An op in flight: a future. Waiting drives the connection on the caller's thread (no
@@ -113,6 +146,11 @@ class Client {
                                                              DType dtype = v1::DTYPE_UNSPECIFIED);
   /// Deregisters a buffer from the daemon (ops already submitted keep it until they finish).
   absl::Status DestroyBuffer(std::unique_ptr<SharedBuffer> buffer);
+  /// Registers `bytes` of device memory at `device_ptr` (GPU nodes; FAILED_PRECONDITION in a
+  /// build without CUDA or where CUDA cannot run).
+  absl::StatusOr<std::unique_ptr<CudaBuffer>> RegisterCudaBuffer(
+      void* device_ptr, int64_t bytes, DType dtype = v1::DTYPE_UNSPECIFIED);
+  absl::Status DestroyCudaBuffer(std::unique_ptr<CudaBuffer> buffer);
   /// Registers a shared-memory object by name (for callers that manage their own memory).
   absl::StatusOr<uint64_t> RegisterBuffer(const v1::RegisterBufferRequest& request);
   absl::Status DeregisterBuffer(uint64_t buffer_id);

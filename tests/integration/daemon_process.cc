@@ -25,9 +25,15 @@ extern char** environ;
 
 namespace gradsync::testing {
 
-std::string DaemonBinary() { return GRADSYNC_DAEMON_PATH; }
+// The build's paths, unless the environment moves them (tests/gpu/run.sh runs a bundle of the
+// binaries on another machine).
+std::string DaemonBinary() {
+  const char* env = std::getenv("GRADSYNC_DAEMON_PATH");
+  return env != nullptr && *env ? env : GRADSYNC_DAEMON_PATH;
+}
 std::string HelperBinary(const std::string& name) {
-  return absl::StrCat(GRADSYNC_TEST_BIN_DIR, "/", name);
+  const char* env = std::getenv("GRADSYNC_TEST_BIN_DIR");
+  return absl::StrCat(env != nullptr && *env ? env : GRADSYNC_TEST_BIN_DIR, "/", name);
 }
 
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv,

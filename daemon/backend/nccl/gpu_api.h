@@ -3,8 +3,9 @@
 // The thin seam between the GPU data plane and CUDA (and, with the NCCL backend, NCCL): every
 // call the daemon makes goes through GpuApi, so the logic above it (handle cache, refusals,
 // stream and event order, abort and rebuild) is unit-tested on machines without a GPU against a
-// fake. The real implementation (gpu_api_cuda.cc, built when CUDA is found) is the one place
-// where CUDA's error codes become absl::Status, with the call's context in the message.
+// fake. The real implementation (gpu_api_cuda.cc, built when CUDA is found) turns every CUDA
+// and NCCL result into absl::Status with the call's context (CUDA's through
+// common/cuda_util.h, the conversion the client shares).
 
 #include <cstdint>
 #include <memory>

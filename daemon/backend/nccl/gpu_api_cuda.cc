@@ -1,51 +1,20 @@
 // GpuApi over the CUDA runtime (libcudart only: the driver library is reached, where needed,
 // through cudaGetDriverEntryPointByVersion, so the daemon starts on machines without one).
-// The one place where CUDA's error codes become absl::Status.
+// NCCL results become absl::Status here (CUDA errors in common/cuda_util.cc), with context.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <cstring>
-#include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda_util.h"
 #include "daemon/backend/nccl/gpu_api.h"
 
 namespace gradsync::gpu {
 namespace {
 
-absl::StatusCode CodeOf(cudaError_t e) {
-  switch (e) {
-    case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-    case cudaErrorInitializationError:
-    case cudaErrorNotPermitted:
-    case cudaErrorNotSupported:
-    case cudaErrorSystemDriverMismatch:
-    case cudaErrorCallRequiresNewerDriver:
-    case cudaErrorDevicesUnavailable:
-      return absl::StatusCode::kFailedPrecondition;
-    case cudaErrorInvalidValue:
-    case cudaErrorInvalidDevice:
-    case cudaErrorInvalidResourceHandle:
-    case cudaErrorInvalidDevicePointer:
-      return absl::StatusCode::kInvalidArgument;
-    case cudaErrorMemoryAllocation:
-      return absl::StatusCode::kResourceExhausted;
-    case cudaErrorAlreadyMapped:
-      return absl::StatusCode::kAlreadyExists;
-    default:
-      return absl::StatusCode::kInternal;
-  }
-}
-
-// "cudaIpcOpenMemHandle (device 0): invalid resource handle (cudaErrorInvalidResourceHandle)"
 absl::Status FromCuda(cudaError_t e, absl::string_view call, int device) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();  // clear the sticky non-fatal error so later calls do not report it
-  return absl::Status(CodeOf(e),
-                      absl::StrCat(call, device >= 0 ? " (device " : "",
-                                   device >= 0 ? absl::StrCat(device, ")") : "", ": ",
-                                   cudaGetErrorString(e), " (", cudaGetErrorName(e), ")"));
+  return cuda::FromCuda(static_cast<int>(e), call, device);
 }
 
 absl::StatusCode CodeOf(ncclResult_t r) {
@@ -118,9 +87,6 @@ Handle HandleFrom(absl::string_view bytes) {
   return h;
 }
 
-// cuMemGetAddressRange from the driver, without linking it.
-using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
-
 class CudaGpuApi final : public GpuApi {
  public:
   absl::StatusOr<int> DeviceCount() override {
@@ -148,23 +114,14 @@ class CudaGpuApi final : public GpuApi {
 
   absl::StatusOr<int64_t> AllocationBytes(int device, void* base) override {
     if (absl::Status s = Use(device); !s.ok()) return s;
-    GetAddressRange range = AddressRange();
-    if (range == nullptr) {
-      return absl::FailedPreconditionError("the CUDA driver has no cuMemGetAddressRange");
-    }
-    unsigned long long start = 0;
-    size_t size = 0;
-    const int rc = range(&start, &size, reinterpret_cast<unsigned long long>(base));
-    if (rc != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("cuMemGetAddressRange (device ", device, ") failed: CUresult ", rc));
-    }
+    absl::StatusOr<std::pair<uintptr_t, size_t>> range = cuda::AllocationRange(base);
+    if (!range.ok()) return range.status();
     // The handle was taken at the allocation's base; anything else is a client bug.
-    if (start != reinterpret_cast<unsigned long long>(base)) {
+    if (range->first != reinterpret_cast<uintptr_t>(base)) {
       return absl::InvalidArgumentError(
           "the CUDA IPC handle was not taken at its allocation's base address");
     }
-    return static_cast<int64_t>(size);
+    return static_cast<int64_t>(range->second);
   }
 
   absl::StatusOr<Event> OpenEventHandle(int device, absl::string_view handle) override {
@@ -300,22 +257,6 @@ class CudaGpuApi final : public GpuApi {
   static absl::Status Use(int device) {
     return FromCuda(cudaSetDevice(device), "cudaSetDevice", device);
   }
-
-  GetAddressRange AddressRange() {
-    std::call_once(range_once_, [this] {
-      void* fn = nullptr;
-      cudaDriverEntryPointQueryResult found{};
-      if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
-                                           &found) == cudaSuccess &&
-          found == cudaDriverEntryPointSuccess) {
-        range_ = reinterpret_cast<GetAddressRange>(fn);
-      }
-    });
-    return range_;
-  }
-
-  std::once_flag range_once_;
-  GetAddressRange range_ = nullptr;
 };
 
 }  // namespace

@@ -1,0 +1,136 @@
+// Client::RegisterCudaBuffer and CudaBuffer: exporting device memory to the daemon.
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "client/gradsync_client.h"
+
+#if GRADSYNC_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "common/cuda_util.h"
+#endif
+
+namespace gradsync::client {
+
+#if GRADSYNC_WITH_CUDA
+
+namespace {
+
+absl::Status Cuda(cudaError_t e, absl::string_view call, int device) {
+  return cuda::FromCuda(static_cast<int>(e), call, device);
+}
+
+// An interprocess event (no timing) and its handle.
+absl::StatusOr<std::string> NewEvent(int device, void** event) {
+  cudaEvent_t e = nullptr;
+  if (absl::Status s =
+          Cuda(cudaEventCreateWithFlags(&e, cudaEventInterprocess | cudaEventDisableTiming),
+               "cudaEventCreateWithFlags", device);
+      !s.ok()) {
+    return s;
+  }
+  *event = e;
+  cudaIpcEventHandle_t h;
+  if (absl::Status s = Cuda(cudaIpcGetEventHandle(&h, e), "cudaIpcGetEventHandle", device);
+      !s.ok()) {
+    return s;
+  }
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+}  // namespace
+
+CudaBuffer::~CudaBuffer() {
+  if (device_ < 0) return;
+  cudaSetDevice(device_);
+  for (void* e : {ready_, done_}) {
+    if (e != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  }
+}
+
+absl::Status CudaBuffer::Ready(void* stream) {
+  if (absl::Status s = Cuda(cudaSetDevice(device_), "cudaSetDevice", device_); !s.ok()) return s;
+  return Cuda(cudaEventRecord(static_cast<cudaEvent_t>(ready_), static_cast<cudaStream_t>(stream)),
+              "cudaEventRecord", device_);
+}
+
+absl::Status CudaBuffer::WaitDone(void* stream) {
+  if (absl::Status s = Cuda(cudaSetDevice(device_), "cudaSetDevice", device_); !s.ok()) return s;
+  return Cuda(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(done_), 0),
+      "cudaStreamWaitEvent", device_);
+}
+
+absl::StatusOr<std::unique_ptr<CudaBuffer>> Client::RegisterCudaBuffer(void* device_ptr,
+                                                                       int64_t bytes, DType dtype) {
+  if (device_ptr == nullptr || bytes < 0) {
+    return absl::InvalidArgumentError("RegisterCudaBuffer: null pointer or negative size");
+  }
+  cudaPointerAttributes attr{};
+  if (absl::Status s =
+          Cuda(cudaPointerGetAttributes(&attr, device_ptr), "cudaPointerGetAttributes", -1);
+      !s.ok()) {
+    return s;
+  }
+  if (attr.type != cudaMemoryTypeDevice) {
+    return absl::InvalidArgumentError("RegisterCudaBuffer: not device memory (cudaMalloc'd)");
+  }
+  auto buffer = std::unique_ptr<CudaBuffer>(new CudaBuffer());
+  buffer->device_ = attr.device;
+  buffer->data_ = device_ptr;
+  buffer->size_ = bytes;
+  if (absl::Status s = Cuda(cudaSetDevice(attr.device), "cudaSetDevice", attr.device); !s.ok()) {
+    return s;
+  }
+  // The handle of the allocation's base, and the buffer's offset in it (PyTorch's way).
+  absl::StatusOr<std::pair<uintptr_t, size_t>> range = cuda::AllocationRange(device_ptr);
+  if (!range.ok()) return range.status();
+  cudaIpcMemHandle_t mem;
+  if (absl::Status s = Cuda(cudaIpcGetMemHandle(&mem, reinterpret_cast<void*>(range->first)),
+                            "cudaIpcGetMemHandle", attr.device);
+      !s.ok()) {
+    return s;
+  }
+  v1::RegisterBufferRequest req;
+  req.set_bytes(bytes);
+  req.set_dtype(dtype);
+  v1::CudaIpcBuffer* c = req.mutable_cuda();
+  c->set_mem_handle(std::string(reinterpret_cast<const char*>(&mem), sizeof(mem)));
+  c->set_offset(static_cast<int64_t>(reinterpret_cast<uintptr_t>(device_ptr) - range->first));
+  c->set_device(attr.device);
+  c->set_pid(::getpid());
+  absl::StatusOr<std::string> ready = NewEvent(attr.device, &buffer->ready_);
+  if (!ready.ok()) return ready.status();
+  c->set_ready_event(*ready);
+  absl::StatusOr<std::string> done = NewEvent(attr.device, &buffer->done_);
+  if (!done.ok()) return done.status();
+  c->set_done_event(*done);
+  absl::StatusOr<uint64_t> id = RegisterBuffer(req);
+  if (!id.ok()) return id.status();
+  buffer->id_ = *id;
+  return buffer;
+}
+
+#else  // without CUDA
+
+CudaBuffer::~CudaBuffer() = default;
+absl::Status CudaBuffer::Ready(void*) {
+  return absl::FailedPreconditionError("built without CUDA");
+}
+absl::Status CudaBuffer::WaitDone(void*) {
+  return absl::FailedPreconditionError("built without CUDA");
+}
+absl::StatusOr<std::unique_ptr<CudaBuffer>> Client::RegisterCudaBuffer(void*, int64_t, DType) {
+  return absl::FailedPreconditionError("gradsync was built without CUDA (GRADSYNC_WITH_CUDA)");
+}
+
+#endif
+
+absl::Status Client::DestroyCudaBuffer(std::unique_ptr<CudaBuffer> buffer) {
+  if (!buffer) return absl::OkStatus();
+  return DeregisterBuffer(buffer->id());
+}
+
+}  // namespace gradsync::client

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds the GPU binaries here (Debian 12, the CUDA toolkit and NCCL under /usr/local/cuda) and
+# bundles them, with the Debian libraries they need, into build-gpu-bundle/ for a GPU machine
+# that has CUDA and NCCL but not Debian's gRPC, protobuf, Abseil, spdlog or Gloo:
+#   tests/gpu/bundle.sh            then   (device tool) run tests/gpu/run.sh, carry build-gpu-bundle
+# The C library, libstdc++, libcudart and libnccl are the GPU machine's own.
+set -euo pipefail
+cd "$(dirname "$(readlink -f "$0")")/../.."
+build=build-gpu
+out=build-gpu-bundle
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DGRADSYNC_WITH_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DPython3_EXECUTABLE=/usr/bin/python3 >/dev/null
+cmake --build "$build" -j"$(nproc)" --target gradsyncd gradsyncctl gradsync_gpu_tests gpu_worker gpu_bench
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+bins=("$build/daemon/gradsyncd" "$build/client/gradsyncctl" "$build/tests/gradsync_gpu_tests"
+      "$build/tests/gpu_worker" "$build/bench/gpu_bench")
+cp "${bins[@]}" "$out/bin/"
+for b in "${bins[@]}"; do ldd "$b"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
+  grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libcudart|libnccl|libpthread|libdl|librt)\.so' |
+  xargs -r -I{} cp -L {} "$out/lib/"
+du -sh "$out"
