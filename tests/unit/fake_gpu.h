@@ -46,7 +46,7 @@ class FakeGpu final : public gpu::GpuApi {
     if (!exported.count(h)) return absl::InvalidArgumentError("invalid resource handle");
     if (mapped.count({device, h})) return absl::AlreadyExistsError("already mapped");
     ++opens;
-    std::byte* base = reinterpret_cast<std::byte*>(0x7000'0000'0000) + opens * (1 << 30);
+    std::byte* base = reinterpret_cast<std::byte*>(0x7000'0000'0000) + (int64_t{opens} << 30);
     mapped[{device, h}] = base;
     return base;
   }

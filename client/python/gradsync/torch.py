@@ -91,6 +91,9 @@ class DistributedOptimizer:
         self._param_pack_first_alone = int(param_pack_first_alone)
         self._timeout = timeout
         self._params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if self._distributed and any(p.device.type != "cpu" for p in self._params):
+            raise ValueError("DistributedOptimizer reduces CPU parameters; GPU parameters need "
+                             "the CUDA IPC path, which the Python package does not have yet")
         self._iteration = 0
         self._lock = threading.Lock()
         self._works = []           # this iteration's reductions in flight
