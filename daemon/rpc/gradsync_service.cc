@@ -1,6 +1,7 @@
 #include "daemon/rpc/gradsync_service.h"
 
 #include <deque>
+#include <iterator>
 #include <memory>
 #include <optional>
 
@@ -82,12 +83,11 @@ class GradSyncService::SessionReactor final
   void OnWriteDone(bool ok) override {
     absl::MutexLock lock(&mu_);
     writing_ = false;
+    if (!queue_.empty()) queue_.pop_front();  // the event just written (gRPC is done with it)
     if (!ok) {
       // The trainer is gone; the read side sees it too and ends the session.
       queue_.clear();
       finish_when_flushed_ = true;
-    } else {
-      queue_.pop_front();
     }
     FlushLocked();
   }
@@ -189,10 +189,12 @@ class GradSyncService::SessionReactor final
     absl::MutexLock lock(&mu_);
     if (finished_) return;
     finished_ = true;
-    queue_.clear();
     if (writing_) {
+      // The front event belongs to gRPC until OnWriteDone: drop only the ones behind it.
+      queue_.erase(std::next(queue_.begin()), queue_.end());
       pending_finish_ = status;
     } else {
+      queue_.clear();
       Finish(status);
     }
   }
