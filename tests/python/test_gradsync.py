@@ -127,6 +127,16 @@ def test_gradient_order_differs_is_a_desync_not_a_hang(tmp, daemon):
         assert out["took"] < 25  # reported at once, well before the op's 30 s deadline
 
 
+def test_no_sync_accumulates_micro_batches_like_one_process(tmp, daemon):
+    ranks = launch(tmp, [daemon] * 2, "acc",
+                   lambda r: [WORKER, "accumulate", os.path.join(tmp, f"acc{r}.pt")])
+    ranks.wait()
+    # One process, whole batch of 48 per step, the same model and optimizer.
+    want = single(tmp, "--steps", "10", "--batch", "48", "--warmup", "0")
+    for r in range(2):
+        assert max_diff(torch.load(os.path.join(tmp, f"acc{r}.pt")), want) <= 1e-5
+
+
 def test_state_dict_round_trips_the_wrapped_optimizer_only(tmp, daemon):
     ranks = launch(tmp, [daemon] * 2, "state", lambda r: [WORKER, "state"])
     for res in ranks.wait():

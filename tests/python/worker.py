@@ -184,6 +184,30 @@ def order():
         emit(rank=r, error=e.code, message=str(e), took=time.monotonic() - t0)
 
 
+def accumulate(out):
+    """Each step: two micro-batches under no_sync, then one more; compared with one process."""
+    gradsync.init()
+    r, w = gradsync.get_rank(), gradsync.get_world_size()
+    dims = [32, 64, 64, 8]
+    model = train.build_model(dims, seed=1)
+    opt = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                  reduce_method="mean", param_pack=True, param_pack_thd=4096)
+    shard = 48 // w
+    for step in range(10):
+        x, y = train.batch(step, 48, dims, seed=1)
+        x, y = x[r * shard:(r + 1) * shard], y[r * shard:(r + 1) * shard]
+        micro = shard // 3
+        opt.zero_grad()
+        with opt.no_sync():
+            for k in range(2):
+                xs, ys = x[k * micro:(k + 1) * micro], y[k * micro:(k + 1) * micro]
+                (torch.nn.functional.mse_loss(model(xs), ys) / 3).backward()
+        (torch.nn.functional.mse_loss(model(x[2 * micro:]), y[2 * micro:]) / 3).backward()
+        opt.step()
+    torch.save([p.detach().clone() for p in model.parameters()], out)
+    emit(rank=r, done=True)
+
+
 def state():
     gradsync.init()
     r = gradsync.get_rank()
@@ -243,7 +267,7 @@ if __name__ == "__main__":
     scenario, rest = sys.argv[1], sys.argv[2:]
     if scenario == "bcast":
         bcast(int(rest[0]), int(rest[1]))
-    elif scenario in ("plan", "ddp_hook"):
+    elif scenario in ("plan", "ddp_hook", "accumulate"):
         globals()[scenario](rest[0])
     else:
         globals()[scenario]()

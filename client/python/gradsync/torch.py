@@ -12,6 +12,7 @@ DistributedOptimizer gives PyTorch what MegEngine's DistributedOptimizer gave it
 Every gradient lives in gradsync shared memory (param.grad is a view into a registered buffer),
 so the daemon reduces it where it is: nothing is copied in or out.
 """
+import contextlib
 import threading
 
 import torch
@@ -104,6 +105,7 @@ class DistributedOptimizer:
         self._pending = []         # per pack: gradients still to come this iteration
         self._layout = None
         self._hooks = []
+        self._no_sync = False
         if not self._distributed:
             return
         self._layout = _Layout(self._params, range(len(self._params)))
@@ -144,6 +146,22 @@ class DistributedOptimizer:
     def load_state_dict(self, state_dict):
         self._opt.load_state_dict(state_dict)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside accumulate locally and start no
+        reduction; the first backward after the block reduces the accumulated gradients.
+
+            with opt.no_sync():
+                loss_fn(model(x1), y1).backward()
+            loss_fn(model(x2), y2).backward()   # reduces the sum of both
+            opt.step()
+        """
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
     def zero_grad(self, set_to_none=False):
         """Zeroes the gradients in place: they live in shared memory, so never None."""
         if not self._distributed:
@@ -166,6 +184,8 @@ class DistributedOptimizer:
         return hook
 
     def _grad_ready(self, i):
+        if self._no_sync:
+            return  # accumulating: the backward after no_sync() reduces
         p = self._params[i]
         view = self._layout.view(self._params, i)
         if p.grad is None or p.grad.data_ptr() != view.data_ptr():
