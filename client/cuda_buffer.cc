@@ -22,6 +22,24 @@ absl::Status Cuda(cudaError_t e, absl::string_view call, int device) {
   return cuda::FromCuda(static_cast<int>(e), call, device);
 }
 
+// Makes `device` current for a scope and restores the caller's device after: a trainer's
+// current device is its own (PyTorch keeps state on it).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    status_ = Cuda(cudaSetDevice(device), "cudaSetDevice", device);
+  }
+  ~DeviceScope() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  absl::Status status_;
+};
+
 // An interprocess event (no timing) and its handle.
 absl::StatusOr<std::string> NewEvent(int device, void** event) {
   cudaEvent_t e = nullptr;
@@ -44,20 +62,22 @@ absl::StatusOr<std::string> NewEvent(int device, void** event) {
 
 CudaBuffer::~CudaBuffer() {
   if (device_ < 0) return;
-  cudaSetDevice(device_);
+  DeviceScope scope(device_);
   for (void* e : {ready_, done_}) {
     if (e != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(e));
   }
 }
 
 absl::Status CudaBuffer::Ready(void* stream) {
-  if (absl::Status s = Cuda(cudaSetDevice(device_), "cudaSetDevice", device_); !s.ok()) return s;
+  DeviceScope scope(device_);
+  if (!scope.status().ok()) return scope.status();
   return Cuda(cudaEventRecord(static_cast<cudaEvent_t>(ready_), static_cast<cudaStream_t>(stream)),
               "cudaEventRecord", device_);
 }
 
 absl::Status CudaBuffer::WaitDone(void* stream) {
-  if (absl::Status s = Cuda(cudaSetDevice(device_), "cudaSetDevice", device_); !s.ok()) return s;
+  DeviceScope scope(device_);
+  if (!scope.status().ok()) return scope.status();
   return Cuda(
       cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(done_), 0),
       "cudaStreamWaitEvent", device_);
@@ -81,9 +101,8 @@ absl::StatusOr<std::unique_ptr<CudaBuffer>> Client::RegisterCudaBuffer(void* dev
   buffer->device_ = attr.device;
   buffer->data_ = device_ptr;
   buffer->size_ = bytes;
-  if (absl::Status s = Cuda(cudaSetDevice(attr.device), "cudaSetDevice", attr.device); !s.ok()) {
-    return s;
-  }
+  DeviceScope scope(attr.device);
+  if (!scope.status().ok()) return scope.status();
   // The handle of the allocation's base, and the buffer's offset in it (PyTorch's way).
   absl::StatusOr<std::pair<uintptr_t, size_t>> range = cuda::AllocationRange(device_ptr);
   if (!range.ok()) return range.status();

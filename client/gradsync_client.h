@@ -77,7 +77,7 @@ class SharedBuffer {
 /// allocated while registered. Ops name it like any buffer ({id(), byte_offset, count}).
 class CudaBuffer {
  public:
-  ~CudaBuffer();  // destroys the events (deregister first: Client::DestroyCudaBuffer)
+  ~CudaBuffer();  // destroys the events: deregister first (Client::DestroyCudaBuffer does)
   CudaBuffer(const CudaBuffer&) = delete;
   CudaBuffer& operator=(const CudaBuffer&) = delete;
 
@@ -86,7 +86,8 @@ class CudaBuffer {
   int64_t size() const { return size_; }
   int device() const { return device_; }
   /// The daemon's next op on the buffer starts after `stream`'s work so far (records "ready").
-  /// Call it before submitting the op. `stream` is a cudaStream_t (null: the legacy stream).
+  /// Call it before submitting the op. `stream` is a cudaStream_t (null: the legacy stream of
+  /// the buffer's device). The caller's current device is left as it was.
   absl::Status Ready(void* stream = nullptr);
   /// `stream`'s later work waits for the daemon's last write of the buffer ("done"). An op's
   /// Wait() returning OK means the write is enqueued on the daemon's stream; call this (or

@@ -57,7 +57,7 @@ TEST_F(GpuTest, OneRankNcclOpsThroughTheDaemonOnIpcBuffersWithEvents) {
   ASSERT_NE(d, nullptr);
   for (const auto& [code, out] : Workers({{d->unix_target(), "g1", "1", "0", "allreduce"}})) {
     EXPECT_EQ(code, 0) << out;
-    EXPECT_TRUE(absl::StrContains(out, "ok checks=4")) << out;
+    EXPECT_TRUE(absl::StrContains(out, "ok checks=5")) << out;
   }
 }
 
@@ -69,7 +69,7 @@ TEST_F(GpuTest, TwoTrainerProcessesShareTheGpuAndTheDaemon) {
   for (const auto& [code, out] : Workers({{d->unix_target(), "ga", "1", "0", "allreduce"},
                                           {d->unix_target(), "gb", "1", "0", "allreduce"}})) {
     EXPECT_EQ(code, 0) << out;
-    EXPECT_TRUE(absl::StrContains(out, "ok checks=4")) << out;
+    EXPECT_TRUE(absl::StrContains(out, "ok checks=5")) << out;
   }
 }
 

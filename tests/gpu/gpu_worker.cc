@@ -2,8 +2,8 @@
 //
 //   gpu_worker TARGET JOB WORLD RANK SCENARIO [key=value...]
 //     allreduce   two buffers in one cudaMalloc allocation (so the daemon maps one allocation
-//                 for both); sum, mean and max on float32 and a broadcast, each checked on the
-//                 device result after WaitDone
+//                 for both); sum, mean and max on float32, a broadcast and (one rank) an
+//                 out-of-place all-gather, each checked on the device result after WaitDone
 //     hold        registers a buffer, prints "mapped", then sleeps (the test kills it)
 //     once        one all-reduce with timeout_ms=T; prints "status CODE message"
 // Prints "ok ..." on success; exit code 1 on any mismatch.
@@ -132,6 +132,23 @@ int main(int argc, char** argv) {
   expect(
       alloc + n, [&](int64_t) { return static_cast<float>(2 * (world - 1) + 1); }, "broadcast");
   ++checks;
+  // Out of place, so a daemon that wrote nothing cannot pass (with one rank the in-place ops
+  // above leave a correct buffer unchanged): all-gather a into b, b holding a sentinel first.
+  fill(alloc, [&](int64_t i) { return static_cast<float>(3 * rank + i % 5); });
+  fill(alloc + n, [&](int64_t) { return -1.0f; });
+  if (world == 1) {
+    Check((*a)->Ready(), "ready a");
+    Check((*b)->Ready(), "ready b");
+    Check((*client)
+              ->AllGatherAsync(gradsync::v1::FLOAT32, {{(*a)->id(), 0, n}}, {{(*b)->id(), 0, n}})
+              .Wait(),
+          "all_gather");
+    Check((*b)->WaitDone(), "wait done b");
+    Check(cudaDeviceSynchronize(), "sync");
+    expect(
+        alloc + n, [&](int64_t i) { return static_cast<float>(i % 5); }, "all_gather");
+    ++checks;
+  }
   Check((*client)->DestroyCudaBuffer(std::move(*a)), "destroy a");
   Check((*client)->DestroyCudaBuffer(std::move(*b)), "destroy b");
   cudaFree(alloc);

@@ -27,7 +27,11 @@ fi
 bin=$(readlink -f "$bin")
 # CUDA and NCCL of this machine: the toolkit's, else the pip wheels' (nvidia-nccl-cu13).
 nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
-export LD_LIBRARY_PATH=${libs}:${nccl}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+path=
+for d in "$libs" "$nccl" /usr/local/cuda/lib64 ${LD_LIBRARY_PATH:+"$LD_LIBRARY_PATH"}; do
+  [[ -n $d ]] && path=${path:+$path:}$d  # no empty entries (they mean the current directory)
+done
+export LD_LIBRARY_PATH=$path
 export GRADSYNC_DAEMON_PATH=$bin/gradsyncd GRADSYNC_TEST_BIN_DIR=$bin
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1 | tee "$out/gpu.txt"
 

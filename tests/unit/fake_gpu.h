@@ -25,6 +25,7 @@ class FakeGpu final : public gpu::GpuApi {
   absl::Status event_error;                 // not OK: OpenEventHandle fails
   std::map<std::string, int64_t> exported;  // mem handle -> allocation bytes
   int init_polls = 0;         // NcclCommReady says "in progress" this many times per comm
+  int launch_polls = 0;       // ... and this many times after each collective (enqueueing)
   bool never_ready = false;   // communicators never finish initialising
   bool streams_hang = false;  // StreamDone never true
   absl::Status async_error;   // not OK: NcclCommReady reports it once comms are ready
@@ -120,6 +121,7 @@ class FakeGpu final : public gpu::GpuApi {
     if (never_ready) return false;
     if (polls_[comm] > 0) {
       --polls_[comm];
+      log.push_back(absl::StrCat("inprogress ", Name(comm)));
       return false;
     }
     if (!async_error.ok()) return async_error;
@@ -145,6 +147,7 @@ class FakeGpu final : public gpu::GpuApi {
     std::lock_guard<std::mutex> lock(mu_);
     log.push_back(absl::StrCat("coll", call.kind, " ", Name(call.comm), " ", Name(call.stream),
                                " n=", call.count, call.send == call.recv ? " inplace" : ""));
+    polls_[call.comm] = launch_polls;
     return absl::OkStatus();
   }
 

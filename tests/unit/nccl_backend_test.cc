@@ -121,6 +121,35 @@ TEST_F(NcclBackendTest, CommunicatorsOutliveTheEnginesCommunicatorObject) {
   EXPECT_EQ(gpu_.aborts, 2);
 }
 
+TEST_F(NcclBackendTest, DoneIsRecordedOnlyOnceNcclHasEnqueuedTheOp) {
+  gpu_.launch_polls = 2;  // non-blocking communicators: ncclGroupEnd returned in progress
+  ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  const auto at = [&](const std::string& prefix) {
+    return std::find_if(gpu_.log.begin(), gpu_.log.end(),
+                        [&](auto& l) { return absl::StartsWith(l, prefix); }) -
+           gpu_.log.begin();
+  };
+  const auto last_in_progress =
+      gpu_.log.rend() -
+      std::find_if(gpu_.log.rbegin(), gpu_.log.rend(),
+                   [](auto& l) { return absl::StartsWith(l, "inprogress"); }) -
+      1;
+  EXPECT_GT(at("inprogress"), at("coll"));
+  EXPECT_LT(last_in_progress, at("record"));
+}
+
+TEST_F(NcclBackendTest, OtherLocalRanksOnTheSameDevicesGetTheirOwnCommunicators) {
+  store::MemoryStore store;
+  ASSERT_TRUE(Make(Spec({0, 1}, 4, "world", &store))->Run(AllReduce({{0, 0}, {1, 1}}, 4)).ok());
+  // Same job, group, size and devices, but ranks 2 and 3 are the local ones now: the
+  // communicators of ranks 0 and 1 are not reused; new ones wait for rank 0's id for this op.
+  absl::Status s = Make(Spec({2, 3}, 4, "world", &store))
+                       ->Run(AllReduce({{2, 0}, {3, 1}}, 4, 1, absl::Milliseconds(50)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_EQ(gpu_.aborts, 2);
+  EXPECT_EQ(Count("coll"), 2);  // op 0's only
+}
+
 TEST_F(NcclBackendTest, AnAsyncErrorAbortsTheJobsCommunicatorsAndTheNextOpRebuilds) {
   auto world = Make(Spec({0, 1}, 2));
   auto pair = Make(Spec({0, 1}, 2, "0,1"));

@@ -73,9 +73,13 @@ class NcclCommunicator final : public core::Communicator {
     std::shared_ptr<NcclBackend::Comms> c = backend_->CommsFor(spec_.job, spec_.group);
     absl::MutexLock lock(&c->mu);
     if (c->abort_requested.exchange(false)) backend_->AbortLocked(*c);  // aborted while idle
-    std::vector<int> devices;
-    for (const Member& m : *members) devices.push_back(m.device);
-    if (!c->comms.empty() && (c->devices != devices || c->group_size != op.group_size)) {
+    std::vector<int> devices, ranks;
+    for (const Member& m : *members) {
+      devices.push_back(m.device);
+      ranks.push_back(m.group_rank);
+    }
+    if (!c->comms.empty() &&
+        (c->devices != devices || c->ranks != ranks || c->group_size != op.group_size)) {
       Log()->info("nccl layout changed job={} group={}: rebuilding", spec_.job, spec_.group);
       backend_->AbortLocked(*c);
     }
@@ -104,6 +108,9 @@ class NcclCommunicator final : public core::Communicator {
       backend_->AbortLocked(*c);
       return Context(op, s);
     }
+    // Non-blocking communicators may still be putting the kernels on the streams after
+    // ncclGroupEnd: until they are, neither the "done" events nor the streams say anything.
+    if (absl::Status e = WaitEnqueuedLocked(*c, op); !e.ok()) return e;
     // The trainers' streams may wait for this: record "done" on every written buffer.
     for (const Member& m : *members) {
       const core::Run& written = HasOutput(op.kind) ? m.out : m.in;
@@ -111,7 +118,7 @@ class NcclCommunicator final : public core::Communicator {
       if (absl::Status e =
               api_->RecordEvent(m.device, written.buffer->done_event(), c->streams[m.device]);
           !e.ok()) {
-        return Context(op, e);
+        return Fail(*c, op, e);  // the kernels are queued: abort them before buffers go
       }
     }
     return WaitLocked(*c, op, devices);
@@ -192,6 +199,8 @@ class NcclCommunicator final : public core::Communicator {
     }
     c.comms = std::move(comms);
     c.devices = devices;
+    c.ranks.clear();
+    for (const Member& m : members) c.ranks.push_back(m.group_rank);
     c.group_size = op.group_size;
     Log()->info("nccl communicators ready job={} group={} ranks={} local={} devices={}", spec_.job,
                 spec_.group, op.group_size, members.size(), absl::StrJoin(devices, ","));
@@ -217,6 +226,25 @@ class NcclCommunicator final : public core::Communicator {
     }
     if (absl::Status end = api_->NcclGroupEnd(); s.ok()) s = end;
     return s;
+  }
+
+  // Until every communicator has left ncclInProgress (its part of the op is on its stream).
+  absl::Status WaitEnqueuedLocked(NcclBackend::Comms& c, const core::Collective& op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
+    while (true) {
+      bool ready = true;
+      for (gpu::Comm comm : c.comms) {
+        absl::StatusOr<bool> r = api_->NcclCommReady(comm);
+        if (!r.ok()) return Fail(c, op, r.status());
+        ready = ready && *r;
+      }
+      if (ready) return absl::OkStatus();
+      if (absl::Now() > op.deadline) {
+        return Fail(c, op,
+                    absl::DeadlineExceededError("NCCL did not enqueue the op by its deadline"));
+      }
+      absl::SleepFor(kPoll);
+    }
   }
 
   // Until the streams have run the op: an async NCCL error, a job-wide abort or the deadline
@@ -301,6 +329,7 @@ void NcclBackend::AbortLocked(Comms& c) {
   }
   c.comms.clear();
   c.devices.clear();
+  c.ranks.clear();
   c.group_size = 0;
 }
 

@@ -51,6 +51,7 @@ class NcclBackend final : public core::Backend {
     absl::Mutex mu;                                    // held while an op of the group runs
     std::vector<gpu::Comm> comms ABSL_GUARDED_BY(mu);  // per local member, ascending group rank
     std::vector<int> devices ABSL_GUARDED_BY(mu);      // the device of each
+    std::vector<int> ranks ABSL_GUARDED_BY(mu);        // and its group rank (NCCL rank)
     int group_size ABSL_GUARDED_BY(mu) = 0;
     std::map<int, gpu::Stream> streams ABSL_GUARDED_BY(mu);  // the daemon's stream per device
     std::atomic<bool> abort_requested{false};
