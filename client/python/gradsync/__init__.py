@@ -312,12 +312,19 @@ def _in_place(tensors, submit, result, async_op):
         for buf in staged:
             _unstage(buf)
 
+    return _start(lambda: submit(segments), finish if copies else None, result, release,
+                  async_op)
+
+
+def _start(submit, finish, result, release, async_op):
+    """Submits an op. Its Work copies staged results out (`finish`) and hands the staging back
+    (`release`), which also happens at once if the submission itself fails."""
     try:
-        handle = submit(segments)
+        handle = submit()
     except BaseException:
         release()
         raise
-    work = Work(handle, finish if copies else None, result, release)
+    work = Work(handle, finish, result, release)
     return work if async_op else work.wait()
 
 
@@ -375,15 +382,11 @@ def all_gather(tensor_list, tensor, group=WORLD, async_op=False, name="", timeou
         for out, view in zip(tensor_list, views[1:]):
             out.copy_(view.view_as(out))
 
-    try:
-        handle = c.all_gather(dtype_name(tensor.dtype), [(buf.id, 0, n)],
-                              [(buf.id, n * esize, n * group.size)], group.key, name,
-                              _timeout(timeout))
-    except BaseException:
-        _unstage(buf)
-        raise
-    work = Work(handle, finish, tensor_list, lambda: _unstage(buf))
-    return work if async_op else work.wait()
+    return _start(
+        lambda: c.all_gather(dtype_name(tensor.dtype), [(buf.id, 0, n)],
+                             [(buf.id, n * esize, n * group.size)], group.key, name,
+                             _timeout(timeout)),
+        finish, tensor_list, lambda: _unstage(buf), async_op)
 
 
 def reduce_scatter(output, input_list, op="sum", group=WORLD, async_op=False, name="",
@@ -401,15 +404,11 @@ def reduce_scatter(output, input_list, op="sum", group=WORLD, async_op=False, na
     def finish():
         output.copy_(views[-1].view_as(output))
 
-    try:
-        handle = c.reduce_scatter(dtype_name(output.dtype), op, [(buf.id, 0, n * group.size)],
-                                  [(buf.id, n * group.size * esize, n)], group.key, name,
-                                  _timeout(timeout))
-    except BaseException:
-        _unstage(buf)
-        raise
-    work = Work(handle, finish, output, lambda: _unstage(buf))
-    return work if async_op else work.wait()
+    return _start(
+        lambda: c.reduce_scatter(dtype_name(output.dtype), op, [(buf.id, 0, n * group.size)],
+                                 [(buf.id, n * group.size * esize, n)], group.key, name,
+                                 _timeout(timeout)),
+        finish, output, lambda: _unstage(buf), async_op)
 
 
 def set_pack_list(plan, group=WORLD):

@@ -187,9 +187,10 @@ class DistributedOptimizer:
         if self._no_sync:
             return  # accumulating: the backward after no_sync() reduces
         p = self._params[i]
-        view = self._layout.view(self._params, i)
-        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+        buf, offset, _ = self._layout.place[i]
+        if p.grad is None or p.grad.data_ptr() != buf.address + offset:
             # The gradient was replaced (zero_grad(set_to_none=True) elsewhere): take it back in.
+            view = self._layout.view(self._params, i)
             view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
             p.grad = view
         with self._lock:

@@ -173,25 +173,10 @@ class NcclCommunicator final : public core::Communicator {
       }
     }
     if (absl::Status end = api_->NcclGroupEnd(); s.ok()) s = end;
-    // Non-blocking init: poll every communicator until ready, an error, or the deadline.
-    while (s.ok()) {
-      bool ready = true;
-      for (gpu::Comm comm : comms) {
-        absl::StatusOr<bool> r = api_->NcclCommReady(comm);
-        if (!r.ok()) {
-          s = r.status();
-          break;
-        }
-        ready = ready && *r;
-      }
-      if (!s.ok() || ready) break;
-      if (absl::Now() > op.deadline) {
-        s = absl::DeadlineExceededError(
-            absl::StrCat("NCCL communicators of group ", spec_.group, " (", op.group_size,
-                         " ranks) not ready by the deadline: a peer node never joined"));
-        break;
-      }
-      absl::SleepFor(kPoll);
+    if (s.ok()) {  // non-blocking init
+      s = PollReady(comms, op.deadline,
+                    absl::StrCat("NCCL communicators of group ", spec_.group, " (", op.group_size,
+                                 " ranks) not ready by the deadline: a peer node never joined"));
     }
     if (!s.ok()) {
       for (gpu::Comm comm : comms) (void)api_->NcclCommAbort(comm);
@@ -231,18 +216,24 @@ class NcclCommunicator final : public core::Communicator {
   // Until every communicator has left ncclInProgress (its part of the op is on its stream).
   absl::Status WaitEnqueuedLocked(NcclBackend::Comms& c, const core::Collective& op)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
+    absl::Status s = PollReady(c.comms, op.deadline, "NCCL did not enqueue the op by its deadline");
+    return s.ok() ? s : Fail(c, op, s);
+  }
+
+  // Polls `comms` until all are ready (OK), one reports an error (that error), or `deadline`
+  // passes (DEADLINE_EXCEEDED with `late`). Non-blocking communicators leave ncclInProgress
+  // after initialising and after each ncclGroupEnd.
+  absl::Status PollReady(const std::vector<gpu::Comm>& comms, absl::Time deadline,
+                         absl::string_view late) {
     while (true) {
       bool ready = true;
-      for (gpu::Comm comm : c.comms) {
+      for (gpu::Comm comm : comms) {
         absl::StatusOr<bool> r = api_->NcclCommReady(comm);
-        if (!r.ok()) return Fail(c, op, r.status());
+        if (!r.ok()) return r.status();
         ready = ready && *r;
       }
       if (ready) return absl::OkStatus();
-      if (absl::Now() > op.deadline) {
-        return Fail(c, op,
-                    absl::DeadlineExceededError("NCCL did not enqueue the op by its deadline"));
-      }
+      if (absl::Now() > deadline) return absl::DeadlineExceededError(late);
       absl::SleepFor(kPoll);
     }
   }
