@@ -251,6 +251,116 @@ TEST_F(NcclBackendTest, JobEndDropsItsCommunicatorsAndStreams) {
   EXPECT_EQ(backend_.comm_inits(), 4);  // a new job with the same id starts afresh
 }
 
+// Two nodes, one rank each, sharing the job's store: this test's backend is node A (rank 0),
+// `b` node B (rank 1). Both build their communicators at op 0.
+class TwoNodesTest : public NcclBackendTest {
+ protected:
+  void SetUp() override {
+    a_ = Make(NodeSpec({0}, "a:7451"));
+    b_ = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451"));
+    ASSERT_TRUE(RunBoth(0).first.ok());
+  }
+  core::CommunicatorSpec NodeSpec(std::vector<int> local, const std::string& node,
+                                  const std::string& group = "world") {
+    core::CommunicatorSpec spec = Spec(std::move(local), 2, group, &store_);
+    spec.node = node;
+    return spec;
+  }
+  // Op `seq` on both nodes at once; A's with `a_failure` as its local failure.
+  std::pair<absl::Status, absl::Status> RunBoth(uint64_t seq, absl::Status a_failure = {},
+                                                absl::Duration timeout = absl::Seconds(20)) {
+    core::Collective on_a = AllReduce({{0, 0}}, 2, seq, timeout);
+    if (!a_failure.ok()) {
+      on_a.local.clear();
+      on_a.local_failure = a_failure;
+    }
+    absl::Status sb;
+    std::thread t([&] { sb = b_->Run(AllReduce({{1, 0}}, 2, seq, timeout)); });
+    absl::Status sa = a_->Run(on_a);
+    t.join();
+    return {sa, sb};
+  }
+
+  store::MemoryStore store_;
+  FakeGpu gpu_b_;
+  NcclBackend b_backend_{&gpu_b_};
+  std::shared_ptr<core::Communicator> a_, b_;
+};
+
+TEST_F(TwoNodesTest, FastOpsLeaveTheStoreAlone) {
+  for (uint64_t seq = 1; seq < 5; ++seq) ASSERT_TRUE(RunBoth(seq).second.ok());
+  EXPECT_EQ(*store_.List("j", "nccl/"), std::vector<std::string>{"nccl/world/0/id"});
+}
+
+TEST_F(TwoNodesTest, ANodeThatFailsAnOpItselfTellsTheOthersAtOnce) {
+  gpu_b_.streams_hang = true;  // B's ranks wait in NCCL for A's, which never come
+  const absl::Time start = absl::Now();
+  auto [sa, sb] = RunBoth(1, absl::FailedPreconditionError("desync: rank 0 submitted broadcast"));
+  EXPECT_EQ(sa.code(), absl::StatusCode::kFailedPrecondition) << sa;
+  EXPECT_EQ(sb.code(), absl::StatusCode::kAborted) << sb;
+  EXPECT_TRUE(absl::StrContains(sb.message(), "all_reduce job=j group=world seq=1")) << sb;
+  EXPECT_TRUE(absl::StrContains(sb.message(), "node a:7451 (ranks 0)")) << sb;
+  EXPECT_TRUE(absl::StrContains(sb.message(), "desync: rank 0 submitted broadcast")) << sb;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not B's deadline of 20 s
+  EXPECT_EQ(gpu_.aborts, 1);    // A skipped op 1: its communicator is out of step
+  EXPECT_EQ(gpu_b_.aborts, 1);  // B's was stuck in it
+  // Both build again at the next op, with one id.
+  gpu_b_.streams_hang = false;
+  auto [a2, b2] = RunBoth(2);
+  ASSERT_TRUE(a2.ok()) << a2;
+  ASSERT_TRUE(b2.ok()) << b2;
+  EXPECT_EQ(gpu_b_.ids.back(), gpu_.ids.back());
+  EXPECT_EQ(backend_.comm_inits(), 2);
+  EXPECT_EQ(b_backend_.comm_inits(), 2);
+}
+
+TEST_F(TwoNodesTest, AFailureOnTheFirstOpReachesANodeWaitingForTheId) {
+  auto late = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "other"));
+  auto early = Make(NodeSpec({0}, "a:7451", "other"));
+  absl::Status sb;
+  std::thread t([&] { sb = late->Run(AllReduce({{1, 0}}, 2, 0, absl::Seconds(20))); });
+  core::Collective failed = AllReduce({}, 2, 0);
+  failed.local_failure = absl::DeadlineExceededError("rank 0 never submitted");
+  EXPECT_EQ(early->Run(failed).code(), absl::StatusCode::kDeadlineExceeded);
+  t.join();
+  EXPECT_EQ(sb.code(), absl::StatusCode::kAborted) << sb;
+  EXPECT_TRUE(absl::StrContains(sb.message(), "rank 0 never submitted")) << sb;
+}
+
+TEST_F(TwoNodesTest, CommunicatorsAbandonedOnOneNodeFailTheOthersNextOpAtOnce) {
+  auto b_pair = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "pair"));
+  auto a_pair = Make(NodeSpec({0}, "a:7451", "pair"));
+  absl::Status pair_b;
+  std::thread t([&] { pair_b = b_pair->Run(AllReduce({{1, 0}}, 2, 0)); });
+  ASSERT_TRUE(a_pair->Run(AllReduce({{0, 0}}, 2, 0)).ok());
+  t.join();
+  ASSERT_TRUE(pair_b.ok()) << pair_b;
+  // Another group of the job failed on A: A aborts its idle "world" communicators too.
+  backend_.AbortJob("j", absl::UnavailableError("group x: remote process exited"));
+  EXPECT_EQ(gpu_.aborts, 2);
+  // B's "world" communicators are live, so B's next op on them would hang; A builds anew and
+  // waits for B's ranks, which never come.
+  gpu_b_.streams_hang = true;
+  gpu_.never_ready = true;
+  const absl::Time start = absl::Now();
+  auto [sa, sb] = RunBoth(1);
+  EXPECT_EQ(sb.code(), absl::StatusCode::kAborted) << sb;
+  EXPECT_TRUE(absl::StrContains(sb.message(), "abandoned")) << sb;
+  EXPECT_TRUE(absl::StrContains(sb.message(), "remote process exited")) << sb;
+  EXPECT_EQ(sa.code(), absl::StatusCode::kAborted) << sa;
+  EXPECT_TRUE(absl::StrContains(sa.message(), "node b:7451 (ranks 1)")) << sa;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  // B failed on A's word: only that group went, B's "pair" communicator lives on.
+  EXPECT_EQ(gpu_b_.aborts, 1);
+  // The next op builds on both nodes again.
+  gpu_b_.streams_hang = false;
+  gpu_.never_ready = false;
+  auto [a2, b2] = RunBoth(2);
+  ASSERT_TRUE(a2.ok()) << a2;
+  ASSERT_TRUE(b2.ok()) << b2;
+  EXPECT_EQ(gpu_b_.ids.back(), gpu_.ids.back());
+}
+
 // A backend whose communicators count their ops.
 class CountingBackend final : public core::Backend {
  public:
@@ -287,6 +397,14 @@ TEST_F(NcclBackendTest, DispatchSendsHostOpsToTheCpuPlaneAndDeviceOpsToNccl) {
   device.local[1].input[0].buffer = nullptr;  // a host buffer among device ones
   EXPECT_EQ(comm->Run(device).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(cpu.runs + gpu.runs, 3);
+  // An op that failed here before it had buffers goes where the group's last op went.
+  core::Collective failed;
+  failed.local_failure = absl::DeadlineExceededError("rank 1 never submitted");
+  EXPECT_TRUE(comm->Run(failed).ok());
+  EXPECT_EQ(gpu.runs, 2);
+  EXPECT_TRUE(comm->Run(host).ok());
+  EXPECT_TRUE(comm->Run(failed).ok());
+  EXPECT_EQ(cpu.runs, 4);
 }
 
 }  // namespace

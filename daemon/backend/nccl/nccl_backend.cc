@@ -1,6 +1,8 @@
 #include "daemon/backend/nccl/nccl_backend.h"
 
 #include <algorithm>
+#include <optional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -12,8 +14,29 @@ namespace {
 
 auto Log() { return logging::Logger("nccl"); }
 
-// How often a waiting op looks at its streams and communicators.
-constexpr absl::Duration kPoll = absl::Microseconds(50);
+// How a waiting op paces its looks at its streams and communicators: it spins (yielding the
+// core) for kSpin, so that a short op is seen done within a microsecond or two of finishing,
+// then sleeps between looks, from kFirstSleep doubling up to kMaxSleep, so that a long op costs
+// little CPU and is still seen done within 100 µs (under 1% of an op that long).
+constexpr absl::Duration kSpin = absl::Milliseconds(2);
+constexpr absl::Duration kFirstSleep = absl::Microseconds(10);
+constexpr absl::Duration kMaxSleep = absl::Microseconds(100);
+
+class Backoff {
+ public:
+  void Pause() {
+    if (absl::Now() - start_ < kSpin) {
+      std::this_thread::yield();
+      return;
+    }
+    absl::SleepFor(sleep_);
+    sleep_ = std::min(sleep_ * 2, kMaxSleep);
+  }
+
+ private:
+  const absl::Time start_ = absl::Now();
+  absl::Duration sleep_ = kFirstSleep;
+};
 
 // A local member's buffers for one op, checked: one device run each.
 struct Member {
@@ -56,6 +79,108 @@ absl::StatusOr<std::vector<Member>> Members(const core::Collective& op) {
   return out;
 }
 
+// One key of the job's store, waited for in the background from construction until it comes,
+// the deadline passes or this object goes (the wait is cancelled).
+class StoreKey {
+ public:
+  StoreKey(gradsync::Store* store, const std::string& job, std::string key, absl::Time deadline)
+      : store_(store), state_(std::make_shared<State>()) {
+    id_ = store_->WaitAsync(job, {std::move(key)}, deadline,
+                            [state = state_](absl::StatusOr<std::vector<std::string>> v) {
+                              absl::MutexLock lock(&state->mu);
+                              state->finished = true;
+                              if (v.ok()) state->value = std::move((*v)[0]);
+                            });
+  }
+  ~StoreKey() {
+    bool finished;
+    {
+      absl::MutexLock lock(&state_->mu);
+      finished = state_->finished;
+    }
+    if (!finished) store_->CancelWait(id_);
+  }
+  StoreKey(const StoreKey&) = delete;
+  StoreKey& operator=(const StoreKey&) = delete;
+
+  /// The value, once the key exists.
+  std::optional<std::string> value() const {
+    absl::MutexLock lock(&state_->mu);
+    return state_->value;
+  }
+
+ private:
+  struct State {
+    absl::Mutex mu;
+    bool finished ABSL_GUARDED_BY(mu) = false;
+    std::optional<std::string> value ABSL_GUARDED_BY(mu);
+  };
+  gradsync::Store* const store_;
+  const std::shared_ptr<State> state_;  // shared with the callback, which may outlive this
+  gradsync::Store::WaitId id_ = 0;
+};
+
+// An op that has run this long starts watching the store for other nodes' word on it.
+constexpr absl::Duration kWatchAfter = absl::Milliseconds(5);
+
+std::string FailKey(const std::string& group, uint64_t seq) {
+  return absl::StrCat("nccl/", group, "/fail/", seq);
+}
+std::string BrokenKey(const std::string& group, uint64_t built_at) {
+  return absl::StrCat("nccl/", group, "/broken/", built_at);
+}
+
+// Other nodes' word that an op of a group spanning nodes cannot complete (see NcclBackend):
+// `fail/<seq>` for the op itself, `broken/<b>` for the communicators it runs on (built at op
+// `b`; none when the op builds its own). The store is watched only once the op has run for
+// kWatchAfter, so that an op that completes quickly costs the store nothing.
+class PeerWord {
+ public:
+  // No store: a group on one node, nothing to watch.
+  PeerWord(gradsync::Store* store, const std::string& job, const std::string& group,
+           const core::Collective& op)
+      : store_(store), job_(job), group_(group), op_(op) {}
+
+  /// The op runs on communicators built at op `built_at` (none: it builds its own).
+  void RunsOn(std::optional<uint64_t> built_at) { built_at_ = built_at; }
+
+  /// OK, or ABORTED with the other node's reason once one has spoken.
+  absl::Status Check() {
+    if (store_ == nullptr) return absl::OkStatus();
+    if (!fail_) {
+      if (absl::Now() - start_ < kWatchAfter) return absl::OkStatus();
+      fail_.emplace(store_, job_, FailKey(group_, op_.seq), op_.deadline);
+      if (built_at_) broken_.emplace(store_, job_, BrokenKey(group_, *built_at_), op_.deadline);
+    }
+    if (std::optional<std::string> v = fail_->value()) {
+      heard_fail_ = true;
+      return absl::AbortedError(absl::StrCat("another node failed this op: ", *v));
+    }
+    if (broken_) {
+      if (std::optional<std::string> v = broken_->value()) {
+        heard_ = true;
+        return absl::AbortedError(
+            absl::StrCat("another node abandoned the group's NCCL communicators: ", *v));
+      }
+    }
+    return absl::OkStatus();
+  }
+  /// Whether the op failed because another node said so.
+  bool heard() const { return heard_ || heard_fail_; }
+  /// Whether the other nodes know already that this op failed (its fail key exists).
+  bool others_know() const { return heard_fail_; }
+
+ private:
+  gradsync::Store* const store_;
+  const std::string& job_;
+  const std::string& group_;
+  const core::Collective& op_;
+  std::optional<uint64_t> built_at_;
+  const absl::Time start_ = absl::Now();
+  std::optional<StoreKey> fail_, broken_;
+  bool heard_ = false, heard_fail_ = false;
+};
+
 }  // namespace
 
 /// The engine's handle on one group's NCCL collectives; the NCCL state itself lives in the
@@ -66,105 +191,149 @@ class NcclCommunicator final : public core::Communicator {
       : backend_(backend), api_(backend->api_), spec_(std::move(spec)) {}
 
   absl::Status Run(const core::Collective& op) override {
+    if (!Spanning() && !op.local_failure.ok()) return op.local_failure;
+    std::shared_ptr<NcclBackend::Comms> c = backend_->CommsFor(spec_.job, spec_.group);
+    absl::MutexLock lock(&c->mu);
+    if (c->abort_requested.exchange(false)) {  // the job's communicators aborted while idle
+      absl::MutexLock reason_lock(&c->reason_mu);
+      backend_->AbortLocked(*c, c->abort_reason);
+    }
+    PeerWord peers(Spanning() ? spec_.rendezvous : nullptr, spec_.job, spec_.group, op);
+    absl::Status s = RunLocked(*c, op, peers);
+    if (s.ok() || !Spanning()) return s;
+    // This node is out of step with the others on this group now: its communicators go, and
+    // the other nodes hear at once that this op failed rather than wait for it.
+    if (!c->comms.empty()) backend_->AbortLocked(*c, s);
+    if (!peers.others_know()) {
+      if (absl::Status told = spec_.rendezvous->Set(spec_.job, FailKey(spec_.group, op.seq),
+                                                    absl::StrCat(Who(), ": ", s.message()));
+          !told.ok()) {
+        Log()->warn("could not tell the other nodes job={} error={}", spec_.job, told.ToString());
+      }
+    }
+    return s;
+  }
+
+ private:
+  bool Spanning() const {
+    return spec_.rendezvous != nullptr && spec_.local_members.size() != spec_.members.size();
+  }
+  // "node 10.0.0.2:7451 (ranks 2,3)": this node, in what it tells the others.
+  std::string Who() const {
+    return absl::StrCat("node ", spec_.node, " (ranks ", absl::StrJoin(spec_.local_members, ","),
+                        ")");
+  }
+
+  absl::Status RunLocked(NcclBackend::Comms& c, const core::Collective& op, PeerWord& peers)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
     if (!op.local_failure.ok()) return op.local_failure;
     absl::StatusOr<std::vector<Member>> members = Members(op);
     if (!members.ok()) return members.status();
     if (members->empty()) return absl::OkStatus();
-    std::shared_ptr<NcclBackend::Comms> c = backend_->CommsFor(spec_.job, spec_.group);
-    absl::MutexLock lock(&c->mu);
-    if (c->abort_requested.exchange(false)) backend_->AbortLocked(*c);  // aborted while idle
     std::vector<int> devices, ranks;
     for (const Member& m : *members) {
       devices.push_back(m.device);
       ranks.push_back(m.group_rank);
     }
-    if (!c->comms.empty() &&
-        (c->devices != devices || c->ranks != ranks || c->group_size != op.group_size)) {
+    if (!c.comms.empty() &&
+        (c.devices != devices || c.ranks != ranks || c.group_size != op.group_size)) {
       Log()->info("nccl layout changed job={} group={}: rebuilding", spec_.job, spec_.group);
-      backend_->AbortLocked(*c);
+      backend_->AbortLocked(c, absl::AbortedError("its local ranks moved to other devices"));
     }
-    if (c->comms.empty()) {
-      if (absl::Status s = BuildLocked(*c, op, *members, devices); !s.ok()) return s;
+    if (c.comms.empty()) {
+      if (absl::Status s = BuildLocked(c, op, *members, devices, peers); !s.ok()) return s;
+    } else {
+      peers.RunsOn(c.built_at);
     }
     for (int d : devices) {
-      if (c->streams.count(d)) continue;
+      if (c.streams.count(d)) continue;
       absl::StatusOr<gpu::Stream> stream = api_->CreateStream(d);
       if (!stream.ok()) return Context(op, stream.status());
-      c->streams[d] = *stream;
+      c.streams[d] = *stream;
     }
     // The daemon's streams wait for the trainers' work on the buffers.
     for (const Member& m : *members) {
       for (const core::Run* r : {&m.in, HasOutput(op.kind) ? &m.out : nullptr}) {
         if (r == nullptr || r->buffer->ready_event() == nullptr) continue;
         if (absl::Status s =
-                api_->StreamWaitEvent(m.device, c->streams[m.device], r->buffer->ready_event());
+                api_->StreamWaitEvent(m.device, c.streams[m.device], r->buffer->ready_event());
             !s.ok()) {
           return Context(op, s);
         }
       }
     }
-    absl::Status s = Launch(*c, op, *members);
-    if (!s.ok()) {
-      backend_->AbortLocked(*c);
+    if (absl::Status s = Launch(c, op, *members); !s.ok()) {
+      backend_->AbortLocked(c, s);
       return Context(op, s);
     }
     // Non-blocking communicators may still be putting the kernels on the streams after
     // ncclGroupEnd: until they are, neither the "done" events nor the streams say anything.
-    if (absl::Status e = WaitEnqueuedLocked(*c, op); !e.ok()) return e;
+    if (absl::Status s =
+            PollReady(c.comms, op.deadline, peers, "NCCL did not enqueue the op by its deadline");
+        !s.ok()) {
+      return Fail(c, op, s, peers);
+    }
     // The trainers' streams may wait for this: record "done" on every written buffer.
     for (const Member& m : *members) {
       const core::Run& written = HasOutput(op.kind) ? m.out : m.in;
       if (written.buffer->done_event() == nullptr) continue;
       if (absl::Status e =
-              api_->RecordEvent(m.device, written.buffer->done_event(), c->streams[m.device]);
+              api_->RecordEvent(m.device, written.buffer->done_event(), c.streams[m.device]);
           !e.ok()) {
-        return Fail(*c, op, e);  // the kernels are queued: abort them before buffers go
+        return Fail(c, op, e, peers);  // the kernels are queued: abort them before buffers go
       }
     }
-    return WaitLocked(*c, op, devices);
+    return WaitLocked(c, op, devices, peers);
   }
 
- private:
   static absl::Status Context(const core::Collective& op, const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat(op.label, ": ", s.message()));
   }
 
-  // Creates the group's communicators on this node, one per local member, through one
-  // ncclGroupStart/End; the id comes from the node of group rank 0, through the job's store.
-  absl::Status BuildLocked(NcclBackend::Comms& c, const core::Collective& op,
-                           const std::vector<Member>& members, const std::vector<int>& devices)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
-    const bool all_local = spec_.local_members.size() == spec_.members.size();
+  // The unique id of the communicators op `op` builds: made here when the group's rank 0 is
+  // local, otherwise fetched from the job's store, where that rank's node put it.
+  absl::StatusOr<std::string> UniqueId(const core::Collective& op, const std::string& key,
+                                       PeerWord& peers) {
     const bool root_here =
         !spec_.local_members.empty() && spec_.local_members.front() == spec_.members.front();
-    const std::string key = absl::StrCat("nccl/", spec_.group, "/", op.seq, "/id");
-    std::string id;
     if (root_here) {
-      absl::StatusOr<std::string> made = api_->NcclUniqueId();
-      if (!made.ok()) return Context(op, made.status());
-      id = *made;
-      if (!all_local) {
-        if (spec_.rendezvous == nullptr) return absl::InternalError("no store to share the id");
-        if (absl::Status s = spec_.rendezvous->Set(spec_.job, key, id); !s.ok()) {
+      absl::StatusOr<std::string> id = api_->NcclUniqueId();
+      if (!id.ok()) return Context(op, id.status());
+      if (Spanning()) {
+        if (absl::Status s = spec_.rendezvous->Set(spec_.job, key, *id); !s.ok()) {
           return Context(op, s);
         }
       }
-    } else {
-      if (spec_.rendezvous == nullptr) return absl::InternalError("no store to fetch the id");
-      absl::StatusOr<std::vector<std::string>> got =
-          spec_.rendezvous->WaitBlocking(spec_.job, {key}, op.deadline);
-      if (!got.ok()) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            op.label, ": the NCCL id of group ", spec_.group, " never came from the node of rank ",
-            spec_.members.front(), " (", got.status().message(), ")"));
-      }
-      id = (*got)[0];
+      return id;
     }
+    if (spec_.rendezvous == nullptr) return absl::InternalError("no store to fetch the id");
+    StoreKey id(spec_.rendezvous, spec_.job, key, op.deadline);
+    Backoff backoff;
+    while (true) {
+      if (std::optional<std::string> v = id.value()) return *std::move(v);
+      if (absl::Status s = peers.Check(); !s.ok()) return Context(op, s);
+      if (absl::Now() > op.deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat(op.label, ": the NCCL id of group ", spec_.group,
+                         " never came from the node of rank ", spec_.members.front()));
+      }
+      backoff.Pause();
+    }
+  }
+
+  // Creates the group's communicators on this node, one per local member, through one
+  // ncclGroupStart/End.
+  absl::Status BuildLocked(NcclBackend::Comms& c, const core::Collective& op,
+                           const std::vector<Member>& members, const std::vector<int>& devices,
+                           PeerWord& peers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
+    absl::StatusOr<std::string> id =
+        UniqueId(op, absl::StrCat("nccl/", spec_.group, "/", op.seq, "/id"), peers);
+    if (!id.ok()) return id.status();
     std::vector<gpu::Comm> comms;
     absl::Status s = api_->NcclGroupStart();
     for (size_t i = 0; s.ok() && i < members.size(); ++i) {
       absl::StatusOr<gpu::Comm> comm =
-          api_->NcclCommInitRank(members[i].device, op.group_size, id, members[i].group_rank);
+          api_->NcclCommInitRank(members[i].device, op.group_size, *id, members[i].group_rank);
       ++backend_->comm_inits_;
       if (comm.ok()) {
         comms.push_back(*comm);
@@ -174,7 +343,7 @@ class NcclCommunicator final : public core::Communicator {
     }
     if (absl::Status end = api_->NcclGroupEnd(); s.ok()) s = end;
     if (s.ok()) {  // non-blocking init
-      s = PollReady(comms, op.deadline,
+      s = PollReady(comms, op.deadline, peers,
                     absl::StrCat("NCCL communicators of group ", spec_.group, " (", op.group_size,
                                  " ranks) not ready by the deadline: a peer node never joined"));
     }
@@ -187,6 +356,9 @@ class NcclCommunicator final : public core::Communicator {
     c.ranks.clear();
     for (const Member& m : members) c.ranks.push_back(m.group_rank);
     c.group_size = op.group_size;
+    c.built_at = op.seq;
+    c.store = Spanning() ? spec_.rendezvous : nullptr;
+    c.node = Who();
     Log()->info("nccl communicators ready job={} group={} ranks={} local={} devices={}", spec_.job,
                 spec_.group, op.group_size, members.size(), absl::StrJoin(devices, ","));
     return absl::OkStatus();
@@ -213,18 +385,13 @@ class NcclCommunicator final : public core::Communicator {
     return s;
   }
 
-  // Until every communicator has left ncclInProgress (its part of the op is on its stream).
-  absl::Status WaitEnqueuedLocked(NcclBackend::Comms& c, const core::Collective& op)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
-    absl::Status s = PollReady(c.comms, op.deadline, "NCCL did not enqueue the op by its deadline");
-    return s.ok() ? s : Fail(c, op, s);
-  }
-
-  // Polls `comms` until all are ready (OK), one reports an error (that error), or `deadline`
-  // passes (DEADLINE_EXCEEDED with `late`). Non-blocking communicators leave ncclInProgress
-  // after initialising and after each ncclGroupEnd.
-  absl::Status PollReady(const std::vector<gpu::Comm>& comms, absl::Time deadline,
+  // Polls `comms` until all are ready (OK), one reports an error (that error), another node
+  // gives up on the op (its word), or `deadline` passes (DEADLINE_EXCEEDED with `late`).
+  // Non-blocking communicators leave ncclInProgress after initialising and after each
+  // ncclGroupEnd.
+  absl::Status PollReady(const std::vector<gpu::Comm>& comms, absl::Time deadline, PeerWord& peers,
                          absl::string_view late) {
+    Backoff backoff;
     while (true) {
       bool ready = true;
       for (gpu::Comm comm : comms) {
@@ -233,51 +400,60 @@ class NcclCommunicator final : public core::Communicator {
         ready = ready && *r;
       }
       if (ready) return absl::OkStatus();
+      if (absl::Status s = peers.Check(); !s.ok()) return s;
       if (absl::Now() > deadline) return absl::DeadlineExceededError(late);
-      absl::SleepFor(kPoll);
+      backoff.Pause();
     }
   }
 
-  // Until the streams have run the op: an async NCCL error, a job-wide abort or the deadline
-  // abort the job's communicators on this node and fail the op.
+  // Until the streams have run the op: an async NCCL error, a job-wide abort, another node's
+  // word or the deadline abort the communicators and fail the op.
   absl::Status WaitLocked(NcclBackend::Comms& c, const core::Collective& op,
-                          const std::vector<int>& devices) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
+                          const std::vector<int>& devices, PeerWord& peers)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
+    Backoff backoff;
     while (true) {
       bool done = true;
       for (int d : devices) {
         absl::StatusOr<bool> r = api_->StreamDone(d, c.streams[d]);
-        if (!r.ok()) return Fail(c, op, r.status());
+        if (!r.ok()) return Fail(c, op, r.status(), peers);
         done = done && *r;
       }
       if (done) return absl::OkStatus();
       for (gpu::Comm comm : c.comms) {
         absl::StatusOr<bool> r = api_->NcclCommReady(comm);
-        if (!r.ok()) return Fail(c, op, r.status());
+        if (!r.ok()) return Fail(c, op, r.status(), peers);
       }
       if (c.abort_requested.exchange(false)) {
         absl::MutexLock reason_lock(&c.reason_mu);
         const absl::Status why = c.abort_reason;
-        backend_->AbortLocked(c);
+        backend_->AbortLocked(c, why);
         return absl::AbortedError(absl::StrCat(
             op.label,
             ": aborted with the job's other NCCL communicators on this node: ", why.message()));
       }
+      if (absl::Status s = peers.Check(); !s.ok()) return Fail(c, op, s, peers);
       if (absl::Now() > op.deadline) {
         return Fail(c, op,
                     absl::DeadlineExceededError(
-                        "did not complete by its deadline (a peer never entered it, or hung)"));
+                        "did not complete by its deadline (a peer never entered it, or hung)"),
+                    peers);
       }
-      absl::SleepFor(kPoll);
+      backoff.Pause();
     }
   }
 
-  absl::Status Fail(NcclBackend::Comms& c, const core::Collective& op, const absl::Status& why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
+  // Aborts the group's communicators on this node, and the job's others with them unless the
+  // op failed on another node's word (that node has told the other groups itself).
+  absl::Status Fail(NcclBackend::Comms& c, const core::Collective& op, const absl::Status& why,
+                    const PeerWord& peers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
     const absl::Status status = Context(op, why);
-    Log()->warn("nccl op failed, aborting the job's communicators on this node job={} error={}",
-                spec_.job, status.ToString());
-    backend_->AbortLocked(c);
-    backend_->AbortJob(spec_.job, status);
+    Log()->warn(
+        "nccl op failed, aborting {} job={} error={}",
+        peers.heard() ? "the group's communicators" : "the job's communicators on this node",
+        spec_.job, status.ToString());
+    backend_->AbortLocked(c, status);
+    if (!peers.heard()) backend_->AbortJob(spec_.job, status);
     return status;
   }
 
@@ -294,7 +470,8 @@ NcclBackend::~NcclBackend() {
   }
   for (auto& [key, c] : all) {
     absl::MutexLock c_lock(&c->mu);
-    AbortLocked(*c);
+    c->store = nullptr;  // the daemon is going: nobody to tell
+    AbortLocked(*c, absl::OkStatus());
     DestroyStreamsLocked(*c);
   }
 }
@@ -308,11 +485,22 @@ std::shared_ptr<NcclBackend::Comms> NcclBackend::CommsFor(const std::string& job
                                                           const std::string& group) {
   absl::MutexLock lock(&mu_);
   std::shared_ptr<Comms>& c = comms_[{job, group}];
-  if (!c) c = std::make_shared<Comms>();
+  if (!c) {
+    c = std::make_shared<Comms>();
+    c->job = job;
+    c->group = group;
+  }
   return c;
 }
 
-void NcclBackend::AbortLocked(Comms& c) {
+void NcclBackend::AbortLocked(Comms& c, const absl::Status& why) {
+  if (c.store != nullptr && !c.comms.empty()) {
+    if (absl::Status s = c.store->Set(c.job, BrokenKey(c.group, c.built_at),
+                                      absl::StrCat(c.node, ": ", why.message()));
+        !s.ok()) {
+      Log()->warn("could not tell the other nodes job={} error={}", c.job, s.ToString());
+    }
+  }
   for (gpu::Comm comm : c.comms) {
     if (absl::Status s = api_->NcclCommAbort(comm); !s.ok()) {
       Log()->warn("ncclCommAbort failed error={}", s.ToString());
@@ -343,7 +531,7 @@ void NcclBackend::AbortJob(const std::string& job, const absl::Status& reason) {
       c->abort_reason = reason;
     }
     if (c->mu.TryLock()) {  // idle: abort now
-      AbortLocked(*c);
+      AbortLocked(*c, reason);
       c->mu.Unlock();
     } else {  // running an op (possibly the caller's own): it aborts when it next polls
       c->abort_requested = true;
@@ -366,7 +554,8 @@ void NcclBackend::JobEnded(const std::string& job) {
   }
   for (auto& c : of_job) {
     absl::MutexLock lock(&c->mu);
-    AbortLocked(*c);
+    c->store = nullptr;  // the job is over everywhere: nobody to tell
+    AbortLocked(*c, absl::OkStatus());
     DestroyStreamsLocked(*c);
   }
 }
@@ -391,6 +580,10 @@ class DispatchCommunicator final : public core::Communicator {
       return absl::InvalidArgumentError(
           absl::StrCat(op.label, ": an op takes host or device buffers, not both"));
     }
+    // An op that failed here before it got its buffers still goes to the plane the group's
+    // other nodes run it on (taken to be the one its last op ran on), so that they hear of it.
+    if (!host && !device && !op.local_failure.ok()) device = last_on_device_;
+    if (host || device) last_on_device_ = device;
     std::shared_ptr<core::Communicator>& target = device ? gpu_ : cpu_;
     if (!target) {
       absl::StatusOr<std::shared_ptr<core::Communicator>> made =
@@ -407,6 +600,7 @@ class DispatchCommunicator final : public core::Communicator {
   core::Backend* const gpu_backend_;
   // A group's ops run one at a time (Communicator contract): no lock needed.
   std::shared_ptr<core::Communicator> cpu_, gpu_;
+  bool last_on_device_ = false;
 };
 
 }  // namespace

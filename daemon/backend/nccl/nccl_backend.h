@@ -27,7 +27,15 @@ namespace gradsync::backend::nccl {
 /// Health: while an op runs, the daemon polls its streams and ncclCommGetAsyncError. On an
 /// error or at the deadline it aborts every NCCL communicator of the job on this node together
 /// (a communicator's local ranks must abort together), fails the op with the reason, and the
-/// next op of each aborted group builds its communicators again. Thread-safe.
+/// next op of each aborted group builds its communicators again.
+///
+/// Groups spanning nodes tell each other through the job's store, so that no node waits out
+/// its deadline for a peer that has already given up: a node that fails op `s` of a group (for
+/// any reason, its own trainers' included) sets `nccl/<group>/fail/<s>`, and a node that
+/// abandons communicators built at op `b` sets `nccl/<group>/broken/<b>`. An op that has run
+/// for more than a few milliseconds watches both keys; when one appears it aborts the group's
+/// communicators here and fails with the other node's reason. Such a failure does not abort
+/// the job's other groups: the node that failed first has told them itself. Thread-safe.
 class NcclBackend final : public core::Backend {
  public:
   explicit NcclBackend(gpu::GpuApi* api) : api_(api) {}
@@ -48,19 +56,26 @@ class NcclBackend final : public core::Backend {
   friend class NcclCommunicator;
   /// The NCCL state of one (job, group) on this node.
   struct Comms {
+    std::string job, group;                            // set once, before it is shared
     absl::Mutex mu;                                    // held while an op of the group runs
     std::vector<gpu::Comm> comms ABSL_GUARDED_BY(mu);  // per local member, ascending group rank
     std::vector<int> devices ABSL_GUARDED_BY(mu);      // the device of each
     std::vector<int> ranks ABSL_GUARDED_BY(mu);        // and its group rank (NCCL rank)
     int group_size ABSL_GUARDED_BY(mu) = 0;
     std::map<int, gpu::Stream> streams ABSL_GUARDED_BY(mu);  // the daemon's stream per device
+    // Groups spanning nodes: the op the communicators were built at, and where and as whom to
+    // say they were abandoned (null store: nobody to tell).
+    uint64_t built_at ABSL_GUARDED_BY(mu) = 0;
+    gradsync::Store* store ABSL_GUARDED_BY(mu) = nullptr;
+    std::string node ABSL_GUARDED_BY(mu);
     std::atomic<bool> abort_requested{false};
     absl::Mutex reason_mu;
     absl::Status abort_reason ABSL_GUARDED_BY(reason_mu);
   };
   std::shared_ptr<Comms> CommsFor(const std::string& job, const std::string& group);
-  // Aborts `c`'s communicators (its mu held); they are rebuilt at the next op.
-  void AbortLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  // Aborts `c`'s communicators (its mu held); they are rebuilt at the next op. A group spanning
+  // nodes tells the other nodes (`broken` key) with `why`.
+  void AbortLocked(Comms& c, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   void DestroyStreamsLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
 
   gpu::GpuApi* const api_;
