@@ -120,6 +120,14 @@ absl::StatusOr<std::unique_ptr<CudaBuffer>> Client::RegisterCudaBuffer(void* dev
   c->set_offset(static_cast<int64_t>(reinterpret_cast<uintptr_t>(device_ptr) - range->first));
   c->set_device(attr.device);
   c->set_pid(::getpid());
+  // The UUID names the device whatever ordinal the daemon's CUDA_VISIBLE_DEVICES gives it.
+  cudaDeviceProp prop{};
+  if (absl::Status s =
+          Cuda(cudaGetDeviceProperties(&prop, attr.device), "cudaGetDeviceProperties", attr.device);
+      !s.ok()) {
+    return s;
+  }
+  c->set_device_uuid(std::string(prop.uuid.bytes, sizeof(prop.uuid.bytes)));
   absl::StatusOr<std::string> ready = NewEvent(attr.device, &buffer->ready_);
   if (!ready.ok()) return ready.status();
   c->set_ready_event(*ready);

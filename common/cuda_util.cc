@@ -54,6 +54,24 @@ GetAddressRange AddressRangeFn() {
 
 }  // namespace
 
+bool IsSticky(int error) {
+  switch (static_cast<cudaError_t>(error)) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
 absl::Status FromCuda(int error, absl::string_view call, int device) {
   const auto e = static_cast<cudaError_t>(error);
   if (e == cudaSuccess) return absl::OkStatus();

@@ -21,6 +21,11 @@ namespace gradsync::cuda {
 /// RESOURCE_EXHAUSTED; anything else INTERNAL. Clears CUDA's last error.
 absl::Status FromCuda(int error, absl::string_view call, int device = -1);
 
+/// Whether `error` leaves the process's CUDA context corrupt (an illegal address or
+/// instruction, a failed launch, a device-side assert...): every later CUDA call of the
+/// process fails the same way, and only a new process can use the GPU again.
+bool IsSticky(int error);
+
 /// The allocation `ptr` lies in: its base address and size (cuMemGetAddressRange).
 absl::StatusOr<std::pair<uintptr_t, size_t>> AllocationRange(const void* ptr);
 

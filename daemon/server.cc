@@ -38,7 +38,7 @@ DaemonServer::DaemonServer(DaemonConfig config)
     : config_(std::move(config)),
       store_(config_.store),
       auth_(config_.cluster_token),
-      gpu_(gpu::NewGpuApi()),
+      gpu_(gpu::NewGpuApi([this](const absl::Status& why) { OnGpuBroken(why); })),
       cuda_importer_(gpu_.get()),
       importer_(&shm_importer_, &cuda_importer_),
       backend_(&pool_),
@@ -58,6 +58,14 @@ DaemonServer::DaemonServer(DaemonConfig config)
       store_service_(&store_, config_.max_wait, &auth_),
       inspect_service_(&store_, &engine_, &auth_),
       health_service_(ServiceNames()) {}
+
+void DaemonServer::OnGpuBroken(const absl::Status& why) {
+  Log()->critical(
+      "the daemon's CUDA context is broken: every GPU op fails until gradsyncd restarts; health "
+      "is NOT_SERVING error={}",
+      why.ToString());
+  health_service_.SetServing(false);
+}
 
 DaemonServer::~DaemonServer() {
   if (server_) Shutdown(absl::ZeroDuration());

@@ -56,6 +56,8 @@ class DaemonServer {
 
  private:
   absl::Status PrepareSocketPath();
+  // A sticky CUDA error: GPU work is over for this process; health says so.
+  void OnGpuBroken(const absl::Status& why);
   // The job store at a root daemon's address: ours, or a (cached) client of the peer's.
   absl::StatusOr<gradsync::Store*> PeerStore(const std::string& address);
 

@@ -24,6 +24,13 @@ absl::Status CheckHandle(absl::string_view what, const std::string& bytes) {
   return absl::OkStatus();
 }
 
+// "GPU-8a4b1c2d-...": a device UUID as nvidia-smi prints it.
+std::string FormatUuid(const std::string& uuid) {
+  const std::string hex = absl::BytesToHexString(uuid);
+  return absl::StrCat("GPU-", hex.substr(0, 8), "-", hex.substr(8, 4), "-", hex.substr(12, 4), "-",
+                      hex.substr(16, 4), "-", hex.substr(20));
+}
+
 }  // namespace
 
 // One registered buffer: a window of a shared allocation mapping, plus its two events.
@@ -110,6 +117,46 @@ void CudaImporter::Release(const Key& key) {
   open_.erase(it);
 }
 
+absl::StatusOr<int> CudaImporter::DaemonDevice(const v1::CudaIpcBuffer& c) {
+  absl::StatusOr<int> devices = api_->DeviceCount();
+  if (!devices.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this daemon cannot map CUDA buffers: ", devices.status().message()));
+  }
+  if (c.device_uuid().empty()) {  // the trainer's ordinal is the daemon's
+    if (c.device() < 0 || c.device() >= *devices) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda.device ", c.device(),
+                                                     " does not exist here: this daemon sees ",
+                                                     *devices, " device(s)"));
+    }
+    return c.device();
+  }
+  if (c.device_uuid().size() != gpu::kUuidBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda.device_uuid has ", c.device_uuid().size(),
+                                                   " bytes; a CUDA device UUID has ",
+                                                   gpu::kUuidBytes));
+  }
+  for (int d = 0; d < *devices; ++d) {
+    absl::StatusOr<std::string> uuid = DeviceUuid(d);
+    if (!uuid.ok()) return uuid.status();
+    if (*uuid == c.device_uuid()) return d;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("the trainer's device ", c.device(), " (", FormatUuid(c.device_uuid()),
+                   ") is not among the ", *devices,
+                   " device(s) this daemon sees: give the daemon every GPU its trainers use "
+                   "(CUDA_VISIBLE_DEVICES)"));
+}
+
+absl::StatusOr<std::string> CudaImporter::DeviceUuid(int device) {
+  absl::MutexLock lock(&mu_);
+  auto it = uuids_.find(device);
+  if (it != uuids_.end()) return it->second;
+  absl::StatusOr<std::string> uuid = api_->DeviceUuid(device);
+  if (uuid.ok()) uuids_[device] = *uuid;
+  return uuid;
+}
+
 absl::StatusOr<std::unique_ptr<core::MappedBuffer>> CudaImporter::Import(
     const v1::RegisterBufferRequest& request) {
   const v1::CudaIpcBuffer& c = request.cuda();
@@ -125,37 +172,29 @@ absl::StatusOr<std::unique_ptr<core::MappedBuffer>> CudaImporter::Import(
     return absl::InvalidArgumentError(absl::StrCat("cuda buffer offset ", c.offset(), " and bytes ",
                                                    request.bytes(), " must not be negative"));
   }
-  absl::StatusOr<int> devices = api_->DeviceCount();
-  if (!devices.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("this daemon cannot map CUDA buffers: ", devices.status().message()));
-  }
-  if (c.device() < 0 || c.device() >= *devices) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda.device ", c.device(),
-                                                   " does not exist here: this daemon sees ",
-                                                   *devices, " device(s)"));
-  }
-  Key key{c.device(), c.mem_handle()};
+  absl::StatusOr<int> device = DaemonDevice(c);
+  if (!device.ok()) return device.status();
+  Key key{*device, c.mem_handle()};
   absl::StatusOr<Allocation> alloc = Acquire(key);
   if (!alloc.ok()) return alloc.status();
   if (c.offset() > alloc->bytes || request.bytes() > alloc->bytes - c.offset()) {
     Release(key);
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda buffer [", c.offset(), ", ", c.offset() + request.bytes(),
-        ") lies beyond its allocation of ", alloc->bytes, " bytes on device ", c.device()));
+        ") lies beyond its allocation of ", alloc->bytes, " bytes on device ", *device));
   }
-  absl::StatusOr<gpu::Event> ready = api_->OpenEventHandle(c.device(), c.ready_event());
+  absl::StatusOr<gpu::Event> ready = api_->OpenEventHandle(*device, c.ready_event());
   if (!ready.ok()) {
     Release(key);
     return ready.status();
   }
-  absl::StatusOr<gpu::Event> done = api_->OpenEventHandle(c.device(), c.done_event());
+  absl::StatusOr<gpu::Event> done = api_->OpenEventHandle(*device, c.done_event());
   if (!done.ok()) {
-    (void)api_->DestroyEvent(c.device(), *ready);
+    (void)api_->DestroyEvent(*device, *ready);
     Release(key);
     return done.status();
   }
-  std::string describe = absl::StrCat("cuda:dev", c.device(), " alloc=", ShortHex(c.mem_handle()),
+  std::string describe = absl::StrCat("cuda:dev", *device, " alloc=", ShortHex(c.mem_handle()),
                                       " offset=", c.offset(), " bytes=", request.bytes());
   return std::make_unique<Mapping>(this, std::move(key),
                                    static_cast<std::byte*>(alloc->base) + c.offset(),

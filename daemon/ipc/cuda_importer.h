@@ -20,8 +20,9 @@ namespace gradsync::ipc {
 /// dropped (deregistration, session end). Refused with a clear status, changing nothing:
 /// a malformed handle or event (INVALID_ARGUMENT), a handle from the daemon's own process
 /// (INVALID_ARGUMENT: CUDA cannot open those), a device this daemon does not have
-/// (INVALID_ARGUMENT), a buffer beyond its allocation (INVALID_ARGUMENT), no usable GPU at all
-/// (FAILED_PRECONDITION, with CUDA's reason). Thread-safe.
+/// (INVALID_ARGUMENT; the device is found by its UUID when the trainer sends one, so the two
+/// processes may number the GPUs differently), a buffer beyond its allocation (INVALID_ARGUMENT),
+/// no usable GPU at all (FAILED_PRECONDITION, with CUDA's reason). Thread-safe.
 class CudaImporter final : public core::BufferImporter {
  public:
   explicit CudaImporter(gpu::GpuApi* api) : api_(api) {}
@@ -42,6 +43,10 @@ class CudaImporter final : public core::BufferImporter {
   using Key = std::pair<int, std::string>;  // (device, mem handle)
   class Mapping;
 
+  // The daemon's ordinal of the buffer's device: the one with its UUID, or (no UUID sent) the
+  // trainer's ordinal.
+  absl::StatusOr<int> DaemonDevice(const v1::CudaIpcBuffer& c);
+  absl::StatusOr<std::string> DeviceUuid(int device);  // cached: a device keeps its UUID
   // Takes a reference on the (device, handle) mapping, opening it if needed.
   absl::StatusOr<Allocation> Acquire(const Key& key);
   void Release(const Key& key);
@@ -49,6 +54,7 @@ class CudaImporter final : public core::BufferImporter {
   gpu::GpuApi* const api_;
   mutable absl::Mutex mu_;
   std::map<Key, Allocation> open_ ABSL_GUARDED_BY(mu_);
+  std::map<int, std::string> uuids_ ABSL_GUARDED_BY(mu_);
 };
 
 /// Sends each registration to the importer of its kind: shared memory or CUDA.

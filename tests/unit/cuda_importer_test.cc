@@ -102,6 +102,29 @@ TEST_F(CudaImporterTest, RefusesWhatCannotWorkAndLeavesNothingOpen) {
   ExpectNothingOpen();
 }
 
+TEST_F(CudaImporterTest, TheDeviceIsFoundByItsUuidWhateverTheTrainerCallsIt) {
+  // The trainer runs with CUDA_VISIBLE_DEVICES=1: its device 0 is the daemon's device 1.
+  auto r = Cuda(Handle('a'), 0, 16, 0);
+  r.mutable_cuda()->set_device_uuid(FakeGpu::Uuid(1));
+  auto m = importer_.Import(r);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->device(), 1);
+  EXPECT_EQ(gpu_.mapped.count({1, Handle('a')}), 1u);
+  EXPECT_NE((*m)->Describe().find("cuda:dev1"), std::string::npos) << (*m)->Describe();
+  m->reset();
+  // A device the daemon does not see, and a malformed UUID.
+  r.mutable_cuda()->set_device_uuid(std::string(gpu::kUuidBytes, '\x8a'));
+  auto missing = importer_.Import(r);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.status().message().find(
+                "device 0 (GPU-8a8a8a8a-8a8a-8a8a-8a8a-8a8a8a8a8a8a) is not among the 2"),
+            std::string::npos)
+      << missing.status();
+  r.mutable_cuda()->set_device_uuid("short");
+  EXPECT_EQ(importer_.Import(r).status().code(), absl::StatusCode::kInvalidArgument);
+  ExpectNothingOpen();
+}
+
 TEST_F(CudaImporterTest, AFailureOfOneBufferDoesNotCloseItsNeighbours) {
   auto a = importer_.Import(Cuda(Handle('a'), 0, 16));
   ASSERT_TRUE(a.ok());

@@ -24,6 +24,7 @@ class FakeGpu final : public gpu::GpuApi {
   absl::Status open_error;                  // not OK: OpenMemHandle fails
   absl::Status event_error;                 // not OK: OpenEventHandle fails
   std::map<std::string, int64_t> exported;  // mem handle -> allocation bytes
+  std::vector<std::string> uuids;           // per device; empty: Uuid(device)
   int init_polls = 0;         // NcclCommReady says "in progress" this many times per comm
   int launch_polls = 0;       // ... and this many times after each collective (enqueueing)
   bool never_ready = false;   // communicators never finish initialising
@@ -39,6 +40,16 @@ class FakeGpu final : public gpu::GpuApi {
   absl::StatusOr<int> DeviceCount() override {
     if (!device_error.ok()) return device_error;
     return devices;
+  }
+  absl::StatusOr<std::string> DeviceUuid(int device) override {
+    if (!device_error.ok()) return device_error;
+    if (device < 0 || device >= devices)
+      return absl::InvalidArgumentError("invalid device ordinal");
+    return uuids.empty() ? Uuid(device) : uuids.at(device);
+  }
+  /// The default UUID of device `d`: 16 bytes of 'A' + d.
+  static std::string Uuid(int d) {
+    return std::string(gpu::kUuidBytes, static_cast<char>('A' + d));
   }
   absl::StatusOr<void*> OpenMemHandle(int device, absl::string_view handle) override {
     std::lock_guard<std::mutex> lock(mu_);

@@ -8,6 +8,7 @@
 // common/cuda_util.h, the conversion the client shares).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -21,6 +22,7 @@ namespace gradsync::gpu {
 
 inline constexpr size_t kIpcHandleBytes = 64;      // cudaIpcMemHandle_t, cudaIpcEventHandle_t
 inline constexpr size_t kNcclUniqueIdBytes = 128;  // ncclUniqueId
+inline constexpr size_t kUuidBytes = 16;           // cudaUUID_t
 
 /// An event opened from another process's interprocess event handle (cudaEvent_t).
 using Event = void*;
@@ -46,6 +48,9 @@ class GpuApi {
   /// Devices this process can use. FAILED_PRECONDITION when CUDA cannot run at all (no
   /// device, no driver, built without CUDA), with the reason.
   virtual absl::StatusOr<int> DeviceCount() = 0;
+  /// The device's UUID (cudaDeviceProp.uuid, kUuidBytes), the same in every process whatever
+  /// ordinal CUDA_VISIBLE_DEVICES gives it there.
+  virtual absl::StatusOr<std::string> DeviceUuid(int device) = 0;
   /// cudaIpcOpenMemHandle on `device`: the base of the other process's allocation, mapped here.
   virtual absl::StatusOr<void*> OpenMemHandle(int device, absl::string_view handle) = 0;
   virtual absl::Status CloseMemHandle(int device, void* base) = 0;
@@ -81,8 +86,12 @@ class GpuApi {
   virtual absl::Status NcclCollective(const NcclCall& call) = 0;
 };
 
+/// Told, once, of the first CUDA error that leaves this process's CUDA context unusable (see
+/// cuda::IsSticky): from then on every GPU call fails until the daemon restarts.
+using BrokenHandler = std::function<void(const absl::Status&)>;
+
 /// The real CUDA runtime when the daemon was built with CUDA; otherwise an API whose every call
 /// is FAILED_PRECONDITION "built without CUDA".
-std::unique_ptr<GpuApi> NewGpuApi();
+std::unique_ptr<GpuApi> NewGpuApi(BrokenHandler on_broken = nullptr);
 
 }  // namespace gradsync::gpu

@@ -4,7 +4,9 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda_util.h"
@@ -12,10 +14,6 @@
 
 namespace gradsync::gpu {
 namespace {
-
-absl::Status FromCuda(cudaError_t e, absl::string_view call, int device) {
-  return cuda::FromCuda(static_cast<int>(e), call, device);
-}
 
 absl::StatusCode CodeOf(ncclResult_t r) {
   switch (r) {
@@ -89,12 +87,25 @@ Handle HandleFrom(absl::string_view bytes) {
 
 class CudaGpuApi final : public GpuApi {
  public:
+  explicit CudaGpuApi(BrokenHandler on_broken) : on_broken_(std::move(on_broken)) {}
+
   absl::StatusOr<int> DeviceCount() override {
     int n = 0;
     if (absl::Status s = FromCuda(cudaGetDeviceCount(&n), "cudaGetDeviceCount", -1); !s.ok()) {
       return absl::FailedPreconditionError(s.message());
     }
     return n;
+  }
+
+  absl::StatusOr<std::string> DeviceUuid(int device) override {
+    cudaDeviceProp prop{};
+    if (absl::Status s =
+            FromCuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties", device);
+        !s.ok()) {
+      return s;
+    }
+    static_assert(sizeof(prop.uuid.bytes) == kUuidBytes);
+    return std::string(prop.uuid.bytes, sizeof(prop.uuid.bytes));
   }
 
   absl::StatusOr<void*> OpenMemHandle(int device, absl::string_view handle) override {
@@ -254,13 +265,24 @@ class CudaGpuApi final : public GpuApi {
   }
 
  private:
-  static absl::Status Use(int device) {
-    return FromCuda(cudaSetDevice(device), "cudaSetDevice", device);
+  // Every CUDA result of this API passes here: the first sticky error is reported, once.
+  absl::Status FromCuda(cudaError_t e, absl::string_view call, int device) {
+    absl::Status s = cuda::FromCuda(static_cast<int>(e), call, device);
+    if (cuda::IsSticky(static_cast<int>(e)) && !broken_.exchange(true) && on_broken_) {
+      on_broken_(s);
+    }
+    return s;
   }
+  absl::Status Use(int device) { return FromCuda(cudaSetDevice(device), "cudaSetDevice", device); }
+
+  const BrokenHandler on_broken_;
+  std::atomic<bool> broken_{false};
 };
 
 }  // namespace
 
-std::unique_ptr<GpuApi> NewGpuApi() { return std::make_unique<CudaGpuApi>(); }
+std::unique_ptr<GpuApi> NewGpuApi(BrokenHandler on_broken) {
+  return std::make_unique<CudaGpuApi>(std::move(on_broken));
+}
 
 }  // namespace gradsync::gpu

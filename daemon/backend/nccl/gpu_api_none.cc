@@ -11,6 +11,7 @@ absl::Status NoCuda() {
 class NoGpuApi final : public GpuApi {
  public:
   absl::StatusOr<int> DeviceCount() override { return NoCuda(); }
+  absl::StatusOr<std::string> DeviceUuid(int) override { return NoCuda(); }
   absl::StatusOr<void*> OpenMemHandle(int, absl::string_view) override { return NoCuda(); }
   absl::Status CloseMemHandle(int, void*) override { return NoCuda(); }
   absl::StatusOr<int64_t> AllocationBytes(int, void*) override { return NoCuda(); }
@@ -34,6 +35,6 @@ class NoGpuApi final : public GpuApi {
 
 }  // namespace
 
-std::unique_ptr<GpuApi> NewGpuApi() { return std::make_unique<NoGpuApi>(); }
+std::unique_ptr<GpuApi> NewGpuApi(BrokenHandler) { return std::make_unique<NoGpuApi>(); }
 
 }  // namespace gradsync::gpu
