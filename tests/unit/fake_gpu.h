@@ -25,11 +25,11 @@ class FakeGpu final : public gpu::GpuApi {
   absl::Status event_error;                 // not OK: OpenEventHandle fails
   std::map<std::string, int64_t> exported;  // mem handle -> allocation bytes
   std::vector<std::string> uuids;           // per device; empty: Uuid(device)
-  int init_polls = 0;         // NcclCommReady says "in progress" this many times per comm
-  int launch_polls = 0;       // ... and this many times after each collective (enqueueing)
-  bool never_ready = false;   // communicators never finish initialising
-  bool streams_hang = false;  // StreamDone never true
-  absl::Status async_error;   // not OK: NcclCommReady reports it once comms are ready
+  int init_polls = 0;        // NcclCommReady says "in progress" this many times per comm
+  int launch_polls = 0;      // ... and this many times after each collective (enqueueing)
+  bool never_ready = false;  // communicators never finish initialising
+  std::atomic<bool> streams_hang{false};  // StreamDone never true (while set)
+  absl::Status async_error;               // not OK: NcclCommReady reports it once comms are ready
 
   // ---- what happened ----
   std::map<std::pair<int, std::string>, std::byte*> mapped;

@@ -267,18 +267,27 @@ class TwoNodesTest : public NcclBackendTest {
     return spec;
   }
   // Op `seq` on both nodes at once; A's with `a_failure` as its local failure.
-  std::pair<absl::Status, absl::Status> RunBoth(uint64_t seq, absl::Status a_failure = {},
-                                                absl::Duration timeout = absl::Seconds(20)) {
-    core::Collective on_a = AllReduce({{0, 0}}, 2, seq, timeout);
+  std::pair<absl::Status, absl::Status> RunBoth(uint64_t seq, absl::Status a_failure = {}) {
+    core::Collective on_a = Op(0, seq);
     if (!a_failure.ok()) {
       on_a.local.clear();
       on_a.local_failure = a_failure;
     }
+    return RunBoth(on_a, Op(1, seq));
+  }
+  std::pair<absl::Status, absl::Status> RunBoth(const core::Collective& on_a,
+                                                const core::Collective& on_b) {
     absl::Status sb;
-    std::thread t([&] { sb = b_->Run(AllReduce({{1, 0}}, 2, seq, timeout)); });
+    std::thread t([&] { sb = b_->Run(on_b); });
     absl::Status sa = a_->Run(on_a);
     t.join();
     return {sa, sb};
+  }
+  // Rank `rank`'s all-reduce `seq` (on its node's device 0), with a deadline 20 s away.
+  core::Collective Op(int rank, uint64_t seq) {
+    core::Collective op = AllReduce({{rank, 0}}, 2, seq, absl::Seconds(20));
+    op.fingerprint = absl::StrCat("all_reduce(mean, float32, count=16) seq=", seq);
+    return op;
   }
 
   store::MemoryStore store_;
@@ -359,6 +368,45 @@ TEST_F(TwoNodesTest, CommunicatorsAbandonedOnOneNodeFailTheOthersNextOpAtOnce) {
   ASSERT_TRUE(a2.ok()) << a2;
   ASSERT_TRUE(b2.ok()) << b2;
   EXPECT_EQ(gpu_b_.ids.back(), gpu_.ids.back());
+}
+
+TEST_F(TwoNodesTest, NodesWhoseRanksSubmittedDifferentOpsFailWithDesyncNotAHang) {
+  gpu_.streams_hang = true;  // NCCL waits forever on mismatched ops
+  gpu_b_.streams_hang = true;
+  core::Collective on_b = Op(1, 1);
+  on_b.fingerprint = "broadcast(float32, count=16, root=0) seq=1";
+  const absl::Time start = absl::Now();
+  auto [sa, sb] = RunBoth(Op(0, 1), on_b);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  for (const absl::Status& s : {sa, sb}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "desync across nodes in all_reduce job=j")) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "all_reduce(mean, float32, count=16) seq=1")) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "broadcast(float32, count=16, root=0) seq=1")) << s;
+  }
+  EXPECT_TRUE(absl::StrContains(sa.message(), "node a:7451 has all_reduce")) << sa;
+  EXPECT_EQ(gpu_.aborts, 1);  // only the group: each node found the desync itself
+  EXPECT_EQ(gpu_b_.aborts, 1);
+  gpu_.streams_hang = false;
+  gpu_b_.streams_hang = false;
+  auto [a2, b2] = RunBoth(2);
+  ASSERT_TRUE(a2.ok()) << a2;
+  ASSERT_TRUE(b2.ok()) << b2;
+}
+
+TEST_F(TwoNodesTest, ASlowOpThatCompletesLeavesNothingBehindInTheStore) {
+  gpu_.streams_hang = true;
+  gpu_b_.streams_hang = true;
+  std::thread finish([&] {
+    absl::SleepFor(absl::Milliseconds(100));  // both have published their fingerprints
+    gpu_.streams_hang = false;
+    gpu_b_.streams_hang = false;
+  });
+  auto [sa, sb] = RunBoth(1);
+  finish.join();
+  ASSERT_TRUE(sa.ok()) << sa;
+  ASSERT_TRUE(sb.ok()) << sb;
+  EXPECT_EQ(*store_.List("j", "nccl/"), std::vector<std::string>{"nccl/world/0/id"});
 }
 
 // A backend whose communicators count their ops.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -132,53 +133,104 @@ std::string BrokenKey(const std::string& group, uint64_t built_at) {
 
 // Other nodes' word that an op of a group spanning nodes cannot complete (see NcclBackend):
 // `fail/<seq>` for the op itself, `broken/<b>` for the communicators it runs on (built at op
-// `b`; none when the op builds its own). The store is watched only once the op has run for
-// kWatchAfter, so that an op that completes quickly costs the store nothing.
+// `b`; none when the op builds its own), and a fingerprint under `op/<seq>/` that differs from
+// this node's (the nodes' ranks submitted different ops: NCCL would hang on them, or mix them).
+// The store is watched only once the op has run for kWatchAfter, so that an op that completes
+// quickly costs the store nothing.
 class PeerWord {
  public:
   // No store: a group on one node, nothing to watch.
-  PeerWord(gradsync::Store* store, const std::string& job, const std::string& group,
-           const core::Collective& op)
-      : store_(store), job_(job), group_(group), op_(op) {}
+  PeerWord(gradsync::Store* store, const core::CommunicatorSpec& spec, const core::Collective& op)
+      : store_(store), spec_(spec), op_(op) {}
 
   /// The op runs on communicators built at op `built_at` (none: it builds its own).
   void RunsOn(std::optional<uint64_t> built_at) { built_at_ = built_at; }
 
-  /// OK, or ABORTED with the other node's reason once one has spoken.
+  /// OK, or the reason another node's word gives: ABORTED (it failed the op or abandoned the
+  /// communicators) or FAILED_PRECONDITION (desync).
   absl::Status Check() {
     if (store_ == nullptr) return absl::OkStatus();
+    const absl::Time now = absl::Now();
     if (!fail_) {
-      if (absl::Now() - start_ < kWatchAfter) return absl::OkStatus();
-      fail_.emplace(store_, job_, FailKey(group_, op_.seq), op_.deadline);
-      if (built_at_) broken_.emplace(store_, job_, BrokenKey(group_, *built_at_), op_.deadline);
+      if (now - start_ < kWatchAfter) return absl::OkStatus();
+      fail_.emplace(store_, spec_.job, FailKey(spec_.group, op_.seq), op_.deadline);
+      if (built_at_) {
+        broken_.emplace(store_, spec_.job, BrokenKey(spec_.group, *built_at_), op_.deadline);
+      }
+      if (absl::Status s = store_->Set(spec_.job, OpKey(spec_.node), op_.fingerprint); s.ok()) {
+        published_ = true;
+      } else {
+        Log()->warn("could not publish the op's fingerprint job={} error={}", spec_.job,
+                    s.ToString());
+      }
     }
-    if (std::optional<std::string> v = fail_->value()) {
+    std::optional<std::string> failed = fail_->value();
+    std::optional<std::string> broken = broken_ ? broken_->value() : std::nullopt;
+    // A desync says more than another node's failure, which it may well have caused.
+    if (failed || broken || now >= next_compare_) {
+      next_compare_ = now + kCompareEvery;
+      if (absl::Status s = CompareFingerprints(); !s.ok()) {
+        desync_ = true;  // the other node finds the same, from this node's fingerprint
+        return s;
+      }
+    }
+    if (failed) {
       heard_fail_ = true;
-      return absl::AbortedError(absl::StrCat("another node failed this op: ", *v));
+      return absl::AbortedError(absl::StrCat("another node failed this op: ", *failed));
     }
-    if (broken_) {
-      if (std::optional<std::string> v = broken_->value()) {
-        heard_ = true;
-        return absl::AbortedError(
-            absl::StrCat("another node abandoned the group's NCCL communicators: ", *v));
+    if (broken) {
+      heard_ = true;
+      return absl::AbortedError(
+          absl::StrCat("another node abandoned the group's NCCL communicators: ", *broken));
+    }
+    return absl::OkStatus();
+  }
+  /// Whether the op failed because of another node's word.
+  bool heard() const { return heard_ || heard_fail_ || desync_; }
+  /// Whether the other nodes know already, or find out by themselves, that this op failed.
+  bool others_know() const { return heard_fail_ || desync_; }
+
+  /// The op is over: a fingerprint published for an op that completed is of no more use.
+  /// After a failure it stays, for the nodes still comparing (failures are few).
+  void Finished(const absl::Status& result) {
+    if (published_ && result.ok()) (void)store_->Delete(spec_.job, OpKey(spec_.node));
+  }
+
+ private:
+  static constexpr absl::Duration kCompareEvery = absl::Milliseconds(20);
+
+  std::string OpKey(absl::string_view node) const {
+    return absl::StrCat("nccl/", spec_.group, "/op/", op_.seq, "/", node);
+  }
+
+  // The fingerprints other nodes have published for this op, against this node's.
+  absl::Status CompareFingerprints() {
+    absl::StatusOr<std::vector<std::string>> keys = store_->List(spec_.job, OpKey(""));
+    if (!keys.ok()) return absl::OkStatus();  // nothing published yet
+    for (const std::string& key : *keys) {
+      const std::string node = key.substr(OpKey("").size());
+      if (node == spec_.node || !compared_.insert(node).second) continue;
+      absl::StatusOr<std::string> theirs =
+          store_->Get(spec_.job, key, absl::Now() + absl::Seconds(1));
+      if (theirs.ok() && *theirs != op_.fingerprint) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("desync across nodes in ", op_.label, ": node ", spec_.node, " has ",
+                         op_.fingerprint, " but node ", node, " has ", *theirs));
       }
     }
     return absl::OkStatus();
   }
-  /// Whether the op failed because another node said so.
-  bool heard() const { return heard_ || heard_fail_; }
-  /// Whether the other nodes know already that this op failed (its fail key exists).
-  bool others_know() const { return heard_fail_; }
 
- private:
   gradsync::Store* const store_;
-  const std::string& job_;
-  const std::string& group_;
+  const core::CommunicatorSpec& spec_;
   const core::Collective& op_;
   std::optional<uint64_t> built_at_;
   const absl::Time start_ = absl::Now();
+  absl::Time next_compare_ = absl::InfinitePast();
   std::optional<StoreKey> fail_, broken_;
-  bool heard_ = false, heard_fail_ = false;
+  std::set<std::string> compared_;  // nodes whose fingerprint matched
+  bool published_ = false;
+  bool heard_ = false, heard_fail_ = false, desync_ = false;
 };
 
 }  // namespace
@@ -198,8 +250,9 @@ class NcclCommunicator final : public core::Communicator {
       absl::MutexLock reason_lock(&c->reason_mu);
       backend_->AbortLocked(*c, c->abort_reason);
     }
-    PeerWord peers(Spanning() ? spec_.rendezvous : nullptr, spec_.job, spec_.group, op);
+    PeerWord peers(Spanning() ? spec_.rendezvous : nullptr, spec_, op);
     absl::Status s = RunLocked(*c, op, peers);
+    peers.Finished(s);
     if (s.ok() || !Spanning()) return s;
     // This node is out of step with the others on this group now: its communicators go, and
     // the other nodes hear at once that this op failed rather than wait for it.

@@ -35,7 +35,10 @@ namespace gradsync::backend::nccl {
 /// abandons communicators built at op `b` sets `nccl/<group>/broken/<b>`. An op that has run
 /// for more than a few milliseconds watches both keys; when one appears it aborts the group's
 /// communicators here and fails with the other node's reason. Such a failure does not abort
-/// the job's other groups: the node that failed first has told them itself. Thread-safe.
+/// the job's other groups: the node that failed first has told them itself. A slow op also
+/// publishes its fingerprint under `nccl/<group>/op/<seq>/<node>` and compares the other
+/// nodes' with it: ranks on different nodes that submitted different ops fail with "desync"
+/// instead of hanging in NCCL (an op that completes removes its fingerprint). Thread-safe.
 class NcclBackend final : public core::Backend {
  public:
   explicit NcclBackend(gpu::GpuApi* api) : api_(api) {}
