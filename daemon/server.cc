@@ -20,6 +20,9 @@ namespace {
 
 auto Log() { return logging::Logger("daemon"); }
 
+// How often the NCCL watchdog looks at idle communicators (a running op watches its own).
+constexpr absl::Duration kNcclWatchEvery = absl::Milliseconds(100);
+
 // True if something accepts connections on the unix socket at `path`.
 bool SocketIsLive(const std::string& path) {
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -42,7 +45,7 @@ DaemonServer::DaemonServer(DaemonConfig config)
       cuda_importer_(gpu_.get()),
       importer_(&shm_importer_, &cuda_importer_),
       backend_(&pool_),
-      nccl_backend_(gpu_.get()),
+      nccl_backend_(gpu_.get(), kNcclWatchEvery),
       dispatch_backend_(&backend_, &nccl_backend_),
       engine_(
           &dispatch_backend_, &importer_, &pool_, config_.engine,

@@ -31,6 +31,16 @@ class FakeGpu final : public gpu::GpuApi {
   std::atomic<bool> streams_hang{false};  // StreamDone never true (while set)
   absl::Status async_error;               // not OK: NcclCommReady reports it once comms are ready
 
+  /// Sets async_error while other threads (a watchdog) may be polling.
+  void SetAsyncError(absl::Status s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    async_error = std::move(s);
+  }
+  int Aborts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return aborts;
+  }
+
   // ---- what happened ----
   std::map<std::pair<int, std::string>, std::byte*> mapped;
   int opens = 0, closes = 0, events_open = 0, streams_open = 0, aborts = 0;

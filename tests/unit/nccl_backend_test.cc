@@ -251,6 +251,32 @@ TEST_F(NcclBackendTest, JobEndDropsItsCommunicatorsAndStreams) {
   EXPECT_EQ(backend_.comm_inits(), 4);  // a new job with the same id starts afresh
 }
 
+TEST_F(NcclBackendTest, TheWatchdogAbortsFailedIdleCommunicatorsAndTellsTheOtherNodes) {
+  store::MemoryStore store;
+  FakeGpu gpu;
+  NcclBackend watched(&gpu, absl::Milliseconds(5));
+  core::CommunicatorSpec world = Spec({0}, 2, "world", &store);  // rank 1 is on another node
+  world.node = "a:7451";
+  auto spanning = *watched.CreateCommunicator(world);
+  auto local = *watched.CreateCommunicator(Spec({0, 1}, 2, "0,1"));
+  ASSERT_TRUE(spanning->Run(AllReduce({{0, 0}}, 2)).ok());
+  ASSERT_TRUE(local->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  absl::SleepFor(absl::Milliseconds(30));
+  EXPECT_EQ(gpu.Aborts(), 0);  // healthy idle communicators stay
+  gpu.SetAsyncError(absl::UnavailableError("remote process exited"));
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  while (gpu.Aborts() < 3 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(gpu.Aborts(), 3);  // both groups of the job, together
+  auto told = store.Get("j", "nccl/world/broken/0", absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(told.ok()) << told.status();
+  EXPECT_TRUE(absl::StrContains(*told, "node a:7451 (ranks 0)")) << *told;
+  EXPECT_TRUE(absl::StrContains(*told, "idle NCCL communicators of job=j")) << *told;
+  EXPECT_TRUE(absl::StrContains(*told, "remote process exited")) << *told;
+  gpu.SetAsyncError(absl::OkStatus());
+  ASSERT_TRUE(local->Run(AllReduce({{0, 0}, {1, 1}}, 2, 1)).ok());
+  EXPECT_EQ(watched.comm_inits(), 5);  // rebuilt
+}
+
 // Two nodes, one rank each, sharing the job's store: this test's backend is node A (rank 0),
 // `b` node B (rank 1). Both build their communicators at op 0.
 class TwoNodesTest : public NcclBackendTest {

@@ -515,7 +515,45 @@ class NcclCommunicator final : public core::Communicator {
   const core::CommunicatorSpec spec_;
 };
 
+NcclBackend::NcclBackend(gpu::GpuApi* api, absl::Duration watch_every) : api_(api) {
+  if (watch_every <= absl::ZeroDuration()) return;
+  watchdog_ = std::thread([this, watch_every] {
+    while (!stop_.WaitForNotificationWithTimeout(watch_every)) WatchIdle();
+  });
+}
+
+void NcclBackend::WatchIdle() {
+  std::vector<std::shared_ptr<Comms>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [key, c] : comms_) all.push_back(c);
+  }
+  for (auto& c : all) {
+    if (!c->mu.TryLock()) continue;  // running an op, which watches its communicators itself
+    absl::Status failed;
+    for (gpu::Comm comm : c->comms) {
+      if (absl::StatusOr<bool> r = api_->NcclCommReady(comm); !r.ok()) {
+        failed = absl::Status(r.status().code(),
+                              absl::StrCat("idle NCCL communicators of job=", c->job,
+                                           " group=", c->group, " failed: ", r.status().message()));
+        break;
+      }
+    }
+    if (!failed.ok()) {
+      Log()->warn("aborting the job's communicators on this node job={} error={}", c->job,
+                  failed.ToString());
+      AbortLocked(*c, failed);
+    }
+    c->mu.Unlock();
+    if (!failed.ok()) AbortJob(c->job, failed);
+  }
+}
+
 NcclBackend::~NcclBackend() {
+  if (watchdog_.joinable()) {
+    stop_.Notify();
+    watchdog_.join();
+  }
   std::map<std::pair<std::string, std::string>, std::shared_ptr<Comms>> all;
   {
     absl::MutexLock lock(&mu_);  // never held while taking a Comms::mu (ops hold those first)

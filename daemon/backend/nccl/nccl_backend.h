@@ -4,11 +4,14 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "daemon/backend/nccl/gpu_api.h"
 #include "daemon/core/backend.h"
 
@@ -41,7 +44,10 @@ namespace gradsync::backend::nccl {
 /// instead of hanging in NCCL (an op that completes removes its fingerprint). Thread-safe.
 class NcclBackend final : public core::Backend {
  public:
-  explicit NcclBackend(gpu::GpuApi* api) : api_(api) {}
+  /// `watch_every` > 0: a watchdog thread looks at idle communicators that often (ops look at
+  /// their own while they run); one that reports an error is handled as a failed op would be:
+  /// the job's communicators on this node are aborted, and the other nodes are told.
+  explicit NcclBackend(gpu::GpuApi* api, absl::Duration watch_every = absl::ZeroDuration());
   ~NcclBackend() override;
 
   absl::StatusOr<std::shared_ptr<core::Communicator>> CreateCommunicator(
@@ -80,11 +86,15 @@ class NcclBackend final : public core::Backend {
   // nodes tells the other nodes (`broken` key) with `why`.
   void AbortLocked(Comms& c, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   void DestroyStreamsLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  // One look at every idle group's communicators (the watchdog's tick).
+  void WatchIdle();
 
   gpu::GpuApi* const api_;
   std::atomic<int> comm_inits_{0};
   absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, std::shared_ptr<Comms>> comms_ ABSL_GUARDED_BY(mu_);
+  absl::Notification stop_;
+  std::thread watchdog_;  // last: starts once everything above exists
 };
 
 /// Routes each op of a group to the data plane its buffers live on: host memory to `cpu`,
