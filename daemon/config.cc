@@ -32,6 +32,9 @@ ABSL_FLAG(absl::Duration, op_timeout, absl::Minutes(5),
           "Deadline of a collective that names none: how long its ranks may take to all arrive");
 ABSL_FLAG(absl::Duration, max_op_timeout, absl::Hours(1), "Longest deadline an op may ask for");
 ABSL_FLAG(int, workers, 0, "Threads that run large collectives; 0: one per CPU");
+ABSL_FLAG(absl::Duration, nccl_keep, absl::Minutes(10),
+          "How long a finished job's NCCL communicators that lie on this node alone are kept for "
+          "a restart of the job (same id and rank layout); 0 drops them at once");
 ABSL_FLAG(int, max_buffers_per_session, 4096, "Most buffers one trainer session may register");
 ABSL_FLAG(std::string, token_file, "",
           "File holding the cluster token that TCP calls must carry (mode 600/640); empty: none");
@@ -68,6 +71,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.engine.max_op_timeout = absl::GetFlag(FLAGS_max_op_timeout);
   c.engine.max_buffers_per_session = absl::GetFlag(FLAGS_max_buffers_per_session);
   c.workers = absl::GetFlag(FLAGS_workers);
+  c.nccl_keep = absl::GetFlag(FLAGS_nccl_keep);
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
     auto token = ReadTokenFile(path);
     if (!token.ok())
@@ -117,6 +121,9 @@ absl::Status Validate(const DaemonConfig& c) {
   }
   if (c.max_wait <= absl::ZeroDuration() || c.drain_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--max_wait must be positive and --drain_grace not negative");
+  }
+  if (c.nccl_keep < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--nccl_keep must not be negative");
   }
   if (c.store.max_key_bytes < 1 || c.store.max_value_bytes < 0 || c.store.max_keys_per_job < 1 ||
       c.store.max_jobs < 1 || c.store.max_waiters < 1) {

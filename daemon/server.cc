@@ -20,8 +20,12 @@ namespace {
 
 auto Log() { return logging::Logger("daemon"); }
 
-// How often the NCCL watchdog looks at idle communicators (a running op watches its own).
-constexpr absl::Duration kNcclWatchEvery = absl::Milliseconds(100);
+backend::nccl::NcclOptions NcclOptionsFor(const DaemonConfig& config) {
+  backend::nccl::NcclOptions options;
+  options.watch_every = absl::Milliseconds(100);  // idle communicators (an op watches its own)
+  options.keep_after_job = config.nccl_keep;
+  return options;
+}
 
 // True if something accepts connections on the unix socket at `path`.
 bool SocketIsLive(const std::string& path) {
@@ -45,7 +49,7 @@ DaemonServer::DaemonServer(DaemonConfig config)
       cuda_importer_(gpu_.get()),
       importer_(&shm_importer_, &cuda_importer_),
       backend_(&pool_),
-      nccl_backend_(gpu_.get(), kNcclWatchEvery),
+      nccl_backend_(gpu_.get(), NcclOptionsFor(config_)),
       dispatch_backend_(&backend_, &nccl_backend_),
       engine_(
           &dispatch_backend_, &importer_, &pool_, config_.engine,

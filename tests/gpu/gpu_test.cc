@@ -1,6 +1,7 @@
 // GPU data plane on a real GPU: CUDA IPC buffers and events between trainer processes and a real
 // gradsyncd, NCCL collectives through the daemon, a trainer killed while mapped, abort at the
-// deadline. Label `gpu`; every test skips (never passes) where no CUDA device can be used.
+// deadline, communicators kept across a trainer's restart. Label `gpu`; every test skips (never
+// passes) where no CUDA device can be used.
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -91,6 +92,29 @@ TEST_F(GpuTest, ATrainerKilledWhileItsBufferIsMappedLeavesTheDaemonHealthy) {
   for (const auto& [code, o] : Workers({{d->unix_target(), "gk2", "1", "0", "allreduce"}})) {
     EXPECT_EQ(code, 0) << o;
   }
+}
+
+TEST_F(GpuTest, ARestartedTrainerReusesTheDaemonsCommunicators) {
+  // The daemon's log goes to a file, where the test counts NCCL initialisations.
+  TempDir logs;
+  const std::string log = logs.path() + "/gradsyncd.log";
+  DaemonProcess::Options options;
+  options.wrapper = {"/bin/sh", "-c", "exec \"$0\" \"$@\" 2>>" + log};
+  auto d = StartDaemon(options);
+  ASSERT_NE(d, nullptr);
+  for (int run = 0; run < 2; ++run) {  // the same job twice: the trainer exited in between
+    for (const auto& [code, out] : Workers({{d->unix_target(), "gr", "1", "0", "allreduce"}})) {
+      EXPECT_EQ(code, 0) << out;
+    }
+  }
+  const std::string text = ReadFile(log);
+  int inits = 0;
+  for (size_t at = 0; (at = text.find("nccl communicators ready job=gr", at)) != std::string::npos;
+       ++at) {
+    ++inits;
+  }
+  EXPECT_EQ(inits, 1) << text;
+  EXPECT_TRUE(absl::StrContains(text, "kept from the job's last run reused job=gr")) << text;
 }
 
 TEST_F(GpuTest, APeerThatNeverJoinsAbortsAtTheDeadlineAndTheDaemonGoesOn) {

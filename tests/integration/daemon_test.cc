@@ -380,8 +380,9 @@ TEST_F(DaemonTest, GarbageBytesOnTheSocketLeaveTheDaemonServing) {
 
 TEST(DaemonFlagsTest, BadFlagsExitTwoWithAMessage) {
   TempDir dir;
-  for (const std::string flag : {"--port=70000", "--socket=relative.sock", "--socket_mode=999",
-                                 "--log_level=loud", "--store_max_value_bytes=999999999"}) {
+  for (const std::string flag :
+       {"--port=70000", "--socket=relative.sock", "--socket_mode=999", "--log_level=loud",
+        "--store_max_value_bytes=999999999", "--nccl_keep=-1s"}) {
     const std::string err = dir.path() + "/err";
     auto pid = Spawn({DaemonBinary(), "--socket=" + dir.path() + "/s.sock", flag}, {}, err);
     ASSERT_TRUE(pid.ok());

@@ -40,6 +40,10 @@ class FakeGpu final : public gpu::GpuApi {
     std::lock_guard<std::mutex> lock(mu_);
     return aborts;
   }
+  int StreamsOpen() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return streams_open;
+  }
 
   // ---- what happened ----
   std::map<std::pair<int, std::string>, std::byte*> mapped;

@@ -254,7 +254,9 @@ TEST_F(NcclBackendTest, JobEndDropsItsCommunicatorsAndStreams) {
 TEST_F(NcclBackendTest, TheWatchdogAbortsFailedIdleCommunicatorsAndTellsTheOtherNodes) {
   store::MemoryStore store;
   FakeGpu gpu;
-  NcclBackend watched(&gpu, absl::Milliseconds(5));
+  NcclOptions options;
+  options.watch_every = absl::Milliseconds(5);
+  NcclBackend watched(&gpu, options);
   core::CommunicatorSpec world = Spec({0}, 2, "world", &store);  // rank 1 is on another node
   world.node = "a:7451";
   auto spanning = *watched.CreateCommunicator(world);
@@ -275,6 +277,41 @@ TEST_F(NcclBackendTest, TheWatchdogAbortsFailedIdleCommunicatorsAndTellsTheOther
   gpu.SetAsyncError(absl::OkStatus());
   ASSERT_TRUE(local->Run(AllReduce({{0, 0}, {1, 1}}, 2, 1)).ok());
   EXPECT_EQ(watched.comm_inits(), 5);  // rebuilt
+}
+
+TEST_F(NcclBackendTest, ARestartedJobReusesCommunicatorsKeptOnItsNode) {
+  FakeGpu gpu;
+  store::MemoryStore store;
+  NcclOptions options;
+  options.watch_every = absl::Milliseconds(5);
+  options.keep_after_job = absl::Milliseconds(300);
+  NcclBackend keeping(&gpu, options);
+  core::CommunicatorSpec spanning = Spec({0}, 2, "world", &store);  // rank 1: another node
+  spanning.node = "a:7451";
+  ASSERT_TRUE((*keeping.CreateCommunicator(Spec({0, 1}, 2, "0,1")))
+                  ->Run(AllReduce({{0, 0}, {1, 1}}, 2))
+                  .ok());
+  ASSERT_TRUE((*keeping.CreateCommunicator(spanning))->Run(AllReduce({{0, 0}}, 2)).ok());
+  EXPECT_EQ(keeping.comm_inits(), 3);
+  keeping.JobEnded("j");       // the trainers exited
+  EXPECT_EQ(gpu.Aborts(), 1);  // the group spanning nodes: every node rebuilds it
+  // The trainers start again: same job id, same ranks on the same devices.
+  ASSERT_TRUE((*keeping.CreateCommunicator(Spec({0, 1}, 2, "0,1")))
+                  ->Run(AllReduce({{0, 0}, {1, 1}}, 2))
+                  .ok());
+  ASSERT_TRUE((*keeping.CreateCommunicator(spanning))->Run(AllReduce({{0, 0}}, 2)).ok());
+  EXPECT_EQ(keeping.comm_inits(), 4);  // only the spanning group's communicator is new
+  // Ended again, and nobody comes back: the kept ones go when their time is up.
+  keeping.JobEnded("j");
+  EXPECT_EQ(gpu.Aborts(), 2);
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  while (gpu.Aborts() < 4 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(gpu.Aborts(), 4);
+  EXPECT_EQ(gpu.StreamsOpen(), 0);
+  ASSERT_TRUE((*keeping.CreateCommunicator(Spec({0, 1}, 2, "0,1")))
+                  ->Run(AllReduce({{0, 0}, {1, 1}}, 2))
+                  .ok());
+  EXPECT_EQ(keeping.comm_inits(), 6);
 }
 
 // Two nodes, one rank each, sharing the job's store: this test's backend is node A (rank 0),

@@ -244,8 +244,16 @@ class NcclCommunicator final : public core::Communicator {
 
   absl::Status Run(const core::Collective& op) override {
     if (!Spanning() && !op.local_failure.ok()) return op.local_failure;
-    std::shared_ptr<NcclBackend::Comms> c = backend_->CommsFor(spec_.job, spec_.group);
-    absl::MutexLock lock(&c->mu);
+    std::shared_ptr<NcclBackend::Comms> c = backend_->LockedCommsFor(spec_.job, spec_.group);
+    struct Unlock {
+      absl::Mutex* mu;
+      ~Unlock() { mu->Unlock(); }
+    } unlock{&c->mu};
+    if (c->kept_until != absl::InfinitePast()) {
+      Log()->info("nccl communicators kept from the job's last run reused job={} group={}",
+                  spec_.job, spec_.group);
+      c->kept_until = absl::InfinitePast();
+    }
     if (c->abort_requested.exchange(false)) {  // the job's communicators aborted while idle
       absl::MutexLock reason_lock(&c->reason_mu);
       backend_->AbortLocked(*c, c->abort_reason);
@@ -515,10 +523,10 @@ class NcclCommunicator final : public core::Communicator {
   const core::CommunicatorSpec spec_;
 };
 
-NcclBackend::NcclBackend(gpu::GpuApi* api, absl::Duration watch_every) : api_(api) {
-  if (watch_every <= absl::ZeroDuration()) return;
-  watchdog_ = std::thread([this, watch_every] {
-    while (!stop_.WaitForNotificationWithTimeout(watch_every)) WatchIdle();
+NcclBackend::NcclBackend(gpu::GpuApi* api, NcclOptions options) : api_(api), options_(options) {
+  if (options_.watch_every <= absl::ZeroDuration()) return;
+  watchdog_ = std::thread([this] {
+    while (!stop_.WaitForNotificationWithTimeout(options_.watch_every)) WatchIdle();
   });
 }
 
@@ -530,6 +538,15 @@ void NcclBackend::WatchIdle() {
   }
   for (auto& c : all) {
     if (!c->mu.TryLock()) continue;  // running an op, which watches its communicators itself
+    if (c->kept_until != absl::InfinitePast() && absl::Now() > c->kept_until) {
+      Log()->info("nccl communicators kept after their job ended dropped job={} group={}", c->job,
+                  c->group);
+      AbortLocked(*c, absl::OkStatus());
+      DestroyStreamsLocked(*c);
+      ForgetLocked(*c);
+      c->mu.Unlock();
+      continue;
+    }
     absl::Status failed;
     for (gpu::Comm comm : c->comms) {
       if (absl::StatusOr<bool> r = api_->NcclCommReady(comm); !r.ok()) {
@@ -584,6 +601,32 @@ std::shared_ptr<NcclBackend::Comms> NcclBackend::CommsFor(const std::string& job
   return c;
 }
 
+std::shared_ptr<NcclBackend::Comms> NcclBackend::LockedCommsFor(const std::string& job,
+                                                                const std::string& group) {
+  while (true) {
+    std::shared_ptr<Comms> c = CommsFor(job, group);
+    c->mu.Lock();
+    if (!c->erased) return c;
+    c->mu.Unlock();  // dropped meanwhile: a fresh one is in comms_ now
+  }
+}
+
+std::vector<std::shared_ptr<NcclBackend::Comms>> NcclBackend::OfJob(const std::string& job) {
+  std::vector<std::shared_ptr<Comms>> of_job;
+  absl::MutexLock lock(&mu_);
+  for (auto& [key, c] : comms_) {
+    if (key.first == job) of_job.push_back(c);
+  }
+  return of_job;
+}
+
+void NcclBackend::ForgetLocked(Comms& c) {
+  absl::MutexLock lock(&mu_);
+  auto it = comms_.find({c.job, c.group});
+  if (it != comms_.end() && it->second.get() == &c) comms_.erase(it);
+  c.erased = true;
+}
+
 void NcclBackend::AbortLocked(Comms& c, const absl::Status& why) {
   if (c.store != nullptr && !c.comms.empty()) {
     if (absl::Status s = c.store->Set(c.job, BrokenKey(c.group, c.built_at),
@@ -609,14 +652,7 @@ void NcclBackend::DestroyStreamsLocked(Comms& c) {
 }
 
 void NcclBackend::AbortJob(const std::string& job, const absl::Status& reason) {
-  std::vector<std::shared_ptr<Comms>> of_job;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [key, c] : comms_) {
-      if (key.first == job) of_job.push_back(c);
-    }
-  }
-  for (auto& c : of_job) {
+  for (auto& c : OfJob(job)) {
     {
       absl::MutexLock reason_lock(&c->reason_mu);
       c->abort_reason = reason;
@@ -631,23 +667,20 @@ void NcclBackend::AbortJob(const std::string& job, const absl::Status& reason) {
 }
 
 void NcclBackend::JobEnded(const std::string& job) {
-  std::vector<std::shared_ptr<Comms>> of_job;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto it = comms_.begin(); it != comms_.end();) {
-      if (it->first.first == job) {
-        of_job.push_back(it->second);
-        it = comms_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-  for (auto& c : of_job) {
+  for (auto& c : OfJob(job)) {
     absl::MutexLock lock(&c->mu);
+    if (c->erased) continue;
+    if (options_.keep_after_job > absl::ZeroDuration() && !c->comms.empty() &&
+        c->store == nullptr) {  // on this node alone: kept for a restart
+      c->kept_until = absl::Now() + options_.keep_after_job;
+      Log()->info("nccl communicators kept for a restart job={} group={} for={}", job, c->group,
+                  absl::FormatDuration(options_.keep_after_job));
+      continue;
+    }
     c->store = nullptr;  // the job is over everywhere: nobody to tell
     AbortLocked(*c, absl::OkStatus());
     DestroyStreamsLocked(*c);
+    ForgetLocked(*c);
   }
 }
 

@@ -42,12 +42,21 @@ namespace gradsync::backend::nccl {
 /// publishes its fingerprint under `nccl/<group>/op/<seq>/<node>` and compares the other
 /// nodes' with it: ranks on different nodes that submitted different ops fail with "desync"
 /// instead of hanging in NCCL (an op that completes removes its fingerprint). Thread-safe.
+struct NcclOptions {
+  /// > 0: a watchdog thread looks at idle communicators this often (an op looks at its own while
+  /// it runs). One that reports an error is handled as a failed op would be: the job's
+  /// communicators on this node are aborted and the other nodes are told.
+  absl::Duration watch_every = absl::ZeroDuration();
+  /// > 0: when a job ends, the communicators of its groups that lie on this node alone are kept
+  /// this long for a job with the same id and rank layout (trainers restarted), which then skips
+  /// NCCL's initialisation. Groups spanning nodes are dropped at once: every node rebuilds them.
+  /// Kept communicators past their time go at the watchdog's next look.
+  absl::Duration keep_after_job = absl::ZeroDuration();
+};
+
 class NcclBackend final : public core::Backend {
  public:
-  /// `watch_every` > 0: a watchdog thread looks at idle communicators that often (ops look at
-  /// their own while they run); one that reports an error is handled as a failed op would be:
-  /// the job's communicators on this node are aborted, and the other nodes are told.
-  explicit NcclBackend(gpu::GpuApi* api, absl::Duration watch_every = absl::ZeroDuration());
+  explicit NcclBackend(gpu::GpuApi* api, NcclOptions options = {});
   ~NcclBackend() override;
 
   absl::StatusOr<std::shared_ptr<core::Communicator>> CreateCommunicator(
@@ -55,7 +64,8 @@ class NcclBackend final : public core::Backend {
 
   /// Aborts every communicator of `job` on this node (see above).
   void AbortJob(const std::string& job, const absl::Status& reason);
-  /// Drops the job's communicators (after aborting any still live).
+  /// Drops the job's communicators (after aborting any still live), or keeps them for a restart
+  /// (NcclOptions::keep_after_job).
   void JobEnded(const std::string& job);
 
   /// NCCL communicators created so far (ncclCommInitRankConfig calls), for tests.
@@ -77,11 +87,19 @@ class NcclBackend final : public core::Backend {
     uint64_t built_at ABSL_GUARDED_BY(mu) = 0;
     gradsync::Store* store ABSL_GUARDED_BY(mu) = nullptr;
     std::string node ABSL_GUARDED_BY(mu);
+    // After its job ended: kept for a restart until then (InfinitePast: in use, not kept).
+    absl::Time kept_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+    bool erased ABSL_GUARDED_BY(mu) = false;  // no longer in comms_: look it up again
     std::atomic<bool> abort_requested{false};
     absl::Mutex reason_mu;
     absl::Status abort_reason ABSL_GUARDED_BY(reason_mu);
   };
   std::shared_ptr<Comms> CommsFor(const std::string& job, const std::string& group);
+  // The group's Comms with its mu held (the caller unlocks it).
+  std::shared_ptr<Comms> LockedCommsFor(const std::string& job, const std::string& group);
+  std::vector<std::shared_ptr<Comms>> OfJob(const std::string& job);
+  // Takes `c` out of comms_ (its mu held; mu_ is taken inside, the one lock order).
+  void ForgetLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // Aborts `c`'s communicators (its mu held); they are rebuilt at the next op. A group spanning
   // nodes tells the other nodes (`broken` key) with `why`.
   void AbortLocked(Comms& c, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
@@ -90,6 +108,7 @@ class NcclBackend final : public core::Backend {
   void WatchIdle();
 
   gpu::GpuApi* const api_;
+  const NcclOptions options_;
   std::atomic<int> comm_inits_{0};
   absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, std::shared_ptr<Comms>> comms_ ABSL_GUARDED_BY(mu_);
