@@ -2,8 +2,10 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <map>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "client/gradsync_client.h"
 
 #if GRADSYNC_WITH_CUDA
@@ -39,6 +41,21 @@ class DeviceScope {
   int previous_ = -1;
   absl::Status status_;
 };
+
+// The device's UUID (cudaDeviceProp.uuid), read once per device: the properties are slow.
+absl::StatusOr<std::string> DeviceUuid(int device) {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* uuids = new std::map<int, std::string>();
+  absl::MutexLock lock(&mu);
+  if (auto it = uuids->find(device); it != uuids->end()) return it->second;
+  cudaDeviceProp prop{};
+  if (absl::Status s =
+          Cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties", device);
+      !s.ok()) {
+    return s;
+  }
+  return (*uuids)[device] = std::string(prop.uuid.bytes, sizeof(prop.uuid.bytes));
+}
 
 // An interprocess event (no timing) and its handle.
 absl::StatusOr<std::string> NewEvent(int device, void** event) {
@@ -121,13 +138,9 @@ absl::StatusOr<std::unique_ptr<CudaBuffer>> Client::RegisterCudaBuffer(void* dev
   c->set_device(attr.device);
   c->set_pid(::getpid());
   // The UUID names the device whatever ordinal the daemon's CUDA_VISIBLE_DEVICES gives it.
-  cudaDeviceProp prop{};
-  if (absl::Status s =
-          Cuda(cudaGetDeviceProperties(&prop, attr.device), "cudaGetDeviceProperties", attr.device);
-      !s.ok()) {
-    return s;
-  }
-  c->set_device_uuid(std::string(prop.uuid.bytes, sizeof(prop.uuid.bytes)));
+  absl::StatusOr<std::string> uuid = DeviceUuid(attr.device);
+  if (!uuid.ok()) return uuid.status();
+  c->set_device_uuid(*uuid);
   absl::StatusOr<std::string> ready = NewEvent(attr.device, &buffer->ready_);
   if (!ready.ok()) return ready.status();
   c->set_ready_event(*ready);

@@ -32,9 +32,10 @@ ABSL_FLAG(absl::Duration, op_timeout, absl::Minutes(5),
           "Deadline of a collective that names none: how long its ranks may take to all arrive");
 ABSL_FLAG(absl::Duration, max_op_timeout, absl::Hours(1), "Longest deadline an op may ask for");
 ABSL_FLAG(int, workers, 0, "Threads that run large collectives; 0: one per CPU");
-ABSL_FLAG(absl::Duration, nccl_keep, absl::Minutes(10),
+ABSL_FLAG(absl::Duration, nccl_keep, absl::Minutes(5),
           "How long a finished job's NCCL communicators that lie on this node alone are kept for "
-          "a restart of the job (same id and rank layout); 0 drops them at once");
+          "a restart of the job (same id and rank layout); another job needing their GPUs "
+          "drops them sooner; 0 drops them at once");
 ABSL_FLAG(int, max_buffers_per_session, 4096, "Most buffers one trainer session may register");
 ABSL_FLAG(std::string, token_file, "",
           "File holding the cluster token that TCP calls must carry (mode 600/640); empty: none");

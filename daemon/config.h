@@ -24,7 +24,7 @@ struct DaemonConfig {
   core::EngineOptions engine;
   int workers = 0;  // threads for large collectives; 0: one per CPU
   // A finished job's NCCL communicators on one node, kept for its restart (0: dropped at once).
-  absl::Duration nccl_keep = absl::Minutes(10);
+  absl::Duration nccl_keep = absl::Minutes(5);
   std::string cluster_token;  // TCP calls must carry it (empty: no check); from --token_file
   std::string log_level = "info";
   std::string log_sink = "auto";

@@ -179,6 +179,7 @@ void DaemonServer::Shutdown(absl::Duration grace) {
   server_->Wait();
   Log()->debug("grpc shutdown took={}", absl::FormatDuration(absl::Now() - start));
   server_.reset();
+  nccl_backend_.StopWatchdog();  // before the peer stores it may report to go
   struct stat st {};
   if (socket_inode_ != 0 && ::stat(config_.unix_socket.c_str(), &st) == 0 &&
       st.st_ino == socket_inode_) {

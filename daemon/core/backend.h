@@ -70,6 +70,9 @@ struct CommunicatorSpec {
   std::vector<std::string> member_nodes;
   std::string node;
   gradsync::Store* rendezvous = nullptr;
+  // A token every node of this run of the job shares (made at formation), so that keys a
+  // backend writes in one run are never read in a later run of a job with the same id.
+  std::string run;
 };
 
 /// Runs collectives for one group. Calls for one group never overlap (the core runs a group's

@@ -4,6 +4,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <random>
 #include <tuple>
 
 #include "absl/strings/escaping.h"
@@ -200,6 +201,7 @@ struct Job : std::enable_shared_from_this<Job> {
   std::vector<int> departed ABSL_GUARDED_BY(mu);  // ranks that left while others stayed
   Formation formation ABSL_GUARDED_BY(mu) = Formation::kLocal;
   absl::Status formation_error ABSL_GUARDED_BY(mu);
+  std::string run ABSL_GUARDED_BY(mu);                        // once formed
   std::vector<std::string> node_of_rank ABSL_GUARDED_BY(mu);  // once formed
   std::string node ABSL_GUARDED_BY(mu);                       // this daemon's, once formed
   std::deque<Parked> parked ABSL_GUARDED_BY(mu);
@@ -636,6 +638,7 @@ absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vecto
     }
     spec.node = job.node;
     spec.rendezvous = job.root_store;
+    spec.run = job.run;
     group->spans_nodes = spec.local_members.size() != members.size();
   } else {
     for (size_t i = 0; i < members.size(); ++i) {
@@ -826,6 +829,16 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
   if (drain) Drain(session->job, group, /*on_pool=*/false);
 }
 
+namespace {
+// 16 random hex digits.
+std::string RunToken() {
+  std::random_device device;
+  std::mt19937_64 bits((uint64_t{device()} << 32) ^ device() ^
+                       static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
+  return absl::StrCat(absl::Hex(bits(), absl::kZeroPad16));
+}
+}  // namespace
+
 void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
   std::vector<int> mine;
   {
@@ -833,6 +846,19 @@ void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
     for (int r = 0; r < job->world_size; ++r) {
       if (job->ranks[r] != nullptr) mine.push_back(r);
     }
+  }
+  // The run's token: the first node to come sets it, every node reads the same one. The job's
+  // keys are deleted when it ends at the root, so a later run of the same id makes a new one.
+  absl::StatusOr<CompareSetResult> run =
+      job->root_store->CompareSet(job->id, "daemon/run", std::nullopt, RunToken());
+  if (!run.ok()) {
+    OnFormed(job, absl::Status(run.status().code(),
+                               absl::StrCat("agreeing on the run: ", run.status().message())));
+    return;
+  }
+  {
+    absl::MutexLock lock(&job->mu);
+    job->run = run->value;
   }
   for (int r : mine) {
     absl::Status s = job->root_store->Set(job->id, absl::StrCat("daemon/rank/", r), node);

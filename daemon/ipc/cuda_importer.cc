@@ -138,7 +138,10 @@ absl::StatusOr<int> CudaImporter::DaemonDevice(const v1::CudaIpcBuffer& c) {
   }
   for (int d = 0; d < *devices; ++d) {
     absl::StatusOr<std::string> uuid = DeviceUuid(d);
-    if (!uuid.ok()) return uuid.status();
+    if (!uuid.ok()) {
+      Log()->warn("device uuid not readable device={} error={}", d, uuid.status().ToString());
+      continue;
+    }
     if (*uuid == c.device_uuid()) return d;
   }
   return absl::InvalidArgumentError(

@@ -301,17 +301,23 @@ TEST_F(NcclBackendTest, ARestartedJobReusesCommunicatorsKeptOnItsNode) {
                   .ok());
   ASSERT_TRUE((*keeping.CreateCommunicator(spanning))->Run(AllReduce({{0, 0}}, 2)).ok());
   EXPECT_EQ(keeping.comm_inits(), 4);  // only the spanning group's communicator is new
-  // Ended again, and nobody comes back: the kept ones go when their time is up.
+  // Ended again; another job builds on device 1: the kept ones make way for it at once.
   keeping.JobEnded("j");
   EXPECT_EQ(gpu.Aborts(), 2);
-  const absl::Time give_up = absl::Now() + absl::Seconds(5);
-  while (gpu.Aborts() < 4 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  core::CommunicatorSpec other = Spec({0}, 1, "0");
+  other.job = "k";
+  ASSERT_TRUE((*keeping.CreateCommunicator(other))->Run(AllReduce({{0, 1}}, 1)).ok());
   EXPECT_EQ(gpu.Aborts(), 4);
+  keeping.JobEnded("k");
+  // Nobody comes back: kept communicators go when their time is up.
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  while (gpu.Aborts() < 5 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(gpu.Aborts(), 5);
   EXPECT_EQ(gpu.StreamsOpen(), 0);
   ASSERT_TRUE((*keeping.CreateCommunicator(Spec({0, 1}, 2, "0,1")))
                   ->Run(AllReduce({{0, 0}, {1, 1}}, 2))
                   .ok());
-  EXPECT_EQ(keeping.comm_inits(), 6);
+  EXPECT_EQ(keeping.comm_inits(), 7);
 }
 
 // Two nodes, one rank each, sharing the job's store: this test's backend is node A (rank 0),
@@ -327,6 +333,7 @@ class TwoNodesTest : public NcclBackendTest {
                                   const std::string& group = "world") {
     core::CommunicatorSpec spec = Spec(std::move(local), 2, group, &store_);
     spec.node = node;
+    spec.run = "r2";
     return spec;
   }
   // Op `seq` on both nodes at once; A's with `a_failure` as its local failure.
@@ -361,7 +368,24 @@ class TwoNodesTest : public NcclBackendTest {
 
 TEST_F(TwoNodesTest, FastOpsLeaveTheStoreAlone) {
   for (uint64_t seq = 1; seq < 5; ++seq) ASSERT_TRUE(RunBoth(seq).second.ok());
-  EXPECT_EQ(*store_.List("j", "nccl/"), std::vector<std::string>{"nccl/world/0/id"});
+  EXPECT_EQ(*store_.List("j", "nccl/"), std::vector<std::string>{"nccl/r2/world/0/id"});
+}
+
+TEST_F(TwoNodesTest, KeysOfAnEarlierRunOfTheJobAreNotHeard) {
+  // Written late by a node of the job's last run, after the root had deleted that run's keys.
+  ASSERT_TRUE(store_.Set("j", "nccl/r1/world/fail/1", "node b:7451 (ranks 1): old news").ok());
+  ASSERT_TRUE(store_.Set("j", "nccl/r1/world/broken/0", "node b:7451 (ranks 1): old news").ok());
+  gpu_.streams_hang = true;  // slow enough that both nodes look at the store
+  gpu_b_.streams_hang = true;
+  std::thread finish([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    gpu_.streams_hang = false;
+    gpu_b_.streams_hang = false;
+  });
+  auto [sa, sb] = RunBoth(1);
+  finish.join();
+  EXPECT_TRUE(sa.ok()) << sa;
+  EXPECT_TRUE(sb.ok()) << sb;
 }
 
 TEST_F(TwoNodesTest, ANodeThatFailsAnOpItselfTellsTheOthersAtOnce) {
@@ -384,6 +408,10 @@ TEST_F(TwoNodesTest, ANodeThatFailsAnOpItselfTellsTheOthersAtOnce) {
   EXPECT_EQ(gpu_b_.ids.back(), gpu_.ids.back());
   EXPECT_EQ(backend_.comm_inits(), 2);
   EXPECT_EQ(b_backend_.comm_inits(), 2);
+  // The id of the communicators built at op 0 went with the rebuild.
+  auto keys = *store_.List("j", "nccl/r2/world/");
+  EXPECT_EQ(std::count(keys.begin(), keys.end(), "nccl/r2/world/0/id"), 0);
+  EXPECT_EQ(std::count(keys.begin(), keys.end(), "nccl/r2/world/2/id"), 1);
 }
 
 TEST_F(TwoNodesTest, AFailureOnTheFirstOpReachesANodeWaitingForTheId) {
@@ -461,7 +489,7 @@ TEST_F(TwoNodesTest, ASlowOpThatCompletesLeavesNothingBehindInTheStore) {
   gpu_.streams_hang = true;
   gpu_b_.streams_hang = true;
   std::thread finish([&] {
-    absl::SleepFor(absl::Milliseconds(100));  // both have published their fingerprints
+    absl::SleepFor(absl::Milliseconds(300));  // both have published their fingerprints
     gpu_.streams_hang = false;
     gpu_b_.streams_hang = false;
   });
@@ -469,7 +497,7 @@ TEST_F(TwoNodesTest, ASlowOpThatCompletesLeavesNothingBehindInTheStore) {
   finish.join();
   ASSERT_TRUE(sa.ok()) << sa;
   ASSERT_TRUE(sb.ok()) << sb;
-  EXPECT_EQ(*store_.List("j", "nccl/"), std::vector<std::string>{"nccl/world/0/id"});
+  EXPECT_EQ(*store_.List("j", "nccl/"), std::vector<std::string>{"nccl/r2/world/0/id"});
 }
 
 // A backend whose communicators count their ops.

@@ -121,14 +121,20 @@ class StoreKey {
   gradsync::Store::WaitId id_ = 0;
 };
 
-// An op that has run this long starts watching the store for other nodes' word on it.
-constexpr absl::Duration kWatchAfter = absl::Milliseconds(5);
+// An op that has run this long starts watching the store for other nodes' word on it: long
+// enough that healthy ops seldom do (each look costs the job's root store a few calls), short
+// against the deadline the other nodes would otherwise wait out.
+constexpr absl::Duration kWatchAfter = absl::Milliseconds(100);
 
-std::string FailKey(const std::string& group, uint64_t seq) {
-  return absl::StrCat("nccl/", group, "/fail/", seq);
+// "nccl/<run>/<group>/": where a group's keys live in the job's store, in this run of the job.
+std::string Keys(const std::string& run, const std::string& group) {
+  return absl::StrCat("nccl/", run, run.empty() ? "" : "/", group, "/");
 }
-std::string BrokenKey(const std::string& group, uint64_t built_at) {
-  return absl::StrCat("nccl/", group, "/broken/", built_at);
+std::string FailKey(const core::CommunicatorSpec& spec, uint64_t seq) {
+  return absl::StrCat(Keys(spec.run, spec.group), "fail/", seq);
+}
+std::string IdKey(const core::CommunicatorSpec& spec, uint64_t built_at) {
+  return absl::StrCat(Keys(spec.run, spec.group), built_at, "/id");
 }
 
 // Other nodes' word that an op of a group spanning nodes cannot complete (see NcclBackend):
@@ -153,9 +159,11 @@ class PeerWord {
     const absl::Time now = absl::Now();
     if (!fail_) {
       if (now - start_ < kWatchAfter) return absl::OkStatus();
-      fail_.emplace(store_, spec_.job, FailKey(spec_.group, op_.seq), op_.deadline);
+      fail_.emplace(store_, spec_.job, FailKey(spec_, op_.seq), op_.deadline);
       if (built_at_) {
-        broken_.emplace(store_, spec_.job, BrokenKey(spec_.group, *built_at_), op_.deadline);
+        broken_.emplace(store_, spec_.job,
+                        absl::StrCat(Keys(spec_.run, spec_.group), "broken/", *built_at_),
+                        op_.deadline);
       }
       if (absl::Status s = store_->Set(spec_.job, OpKey(spec_.node), op_.fingerprint); s.ok()) {
         published_ = true;
@@ -197,10 +205,10 @@ class PeerWord {
   }
 
  private:
-  static constexpr absl::Duration kCompareEvery = absl::Milliseconds(20);
+  static constexpr absl::Duration kCompareEvery = absl::Milliseconds(50);
 
   std::string OpKey(absl::string_view node) const {
-    return absl::StrCat("nccl/", spec_.group, "/op/", op_.seq, "/", node);
+    return absl::StrCat(Keys(spec_.run, spec_.group), "op/", op_.seq, "/", node);
   }
 
   // The fingerprints other nodes have published for this op, against this node's.
@@ -209,10 +217,12 @@ class PeerWord {
     if (!keys.ok()) return absl::OkStatus();  // nothing published yet
     for (const std::string& key : *keys) {
       const std::string node = key.substr(OpKey("").size());
-      if (node == spec_.node || !compared_.insert(node).second) continue;
-      absl::StatusOr<std::string> theirs =
-          store_->Get(spec_.job, key, absl::Now() + absl::Seconds(1));
-      if (theirs.ok() && *theirs != op_.fingerprint) {
+      if (node == spec_.node || compared_.count(node)) continue;
+      // Already past: no waiting for a key its node has deleted meanwhile (its op completed).
+      absl::StatusOr<std::string> theirs = store_->Get(spec_.job, key, absl::InfinitePast());
+      if (!theirs.ok()) continue;
+      compared_.insert(node);
+      if (*theirs != op_.fingerprint) {
         return absl::FailedPreconditionError(
             absl::StrCat("desync across nodes in ", op_.label, ": node ", spec_.node, " has ",
                          op_.fingerprint, " but node ", node, " has ", *theirs));
@@ -266,7 +276,7 @@ class NcclCommunicator final : public core::Communicator {
     // the other nodes hear at once that this op failed rather than wait for it.
     if (!c->comms.empty()) backend_->AbortLocked(*c, s);
     if (!peers.others_know()) {
-      if (absl::Status told = spec_.rendezvous->Set(spec_.job, FailKey(spec_.group, op.seq),
+      if (absl::Status told = spec_.rendezvous->Set(spec_.job, FailKey(spec_, op.seq),
                                                     absl::StrCat(Who(), ": ", s.message()));
           !told.ok()) {
         Log()->warn("could not tell the other nodes job={} error={}", spec_.job, told.ToString());
@@ -278,6 +288,10 @@ class NcclCommunicator final : public core::Communicator {
  private:
   bool Spanning() const {
     return spec_.rendezvous != nullptr && spec_.local_members.size() != spec_.members.size();
+  }
+  // Whether group rank 0 is on this node (it makes the unique id).
+  bool RootHere() const {
+    return !spec_.local_members.empty() && spec_.local_members.front() == spec_.members.front();
   }
   // "node 10.0.0.2:7451 (ranks 2,3)": this node, in what it tells the others.
   std::string Who() const {
@@ -355,9 +369,7 @@ class NcclCommunicator final : public core::Communicator {
   // local, otherwise fetched from the job's store, where that rank's node put it.
   absl::StatusOr<std::string> UniqueId(const core::Collective& op, const std::string& key,
                                        PeerWord& peers) {
-    const bool root_here =
-        !spec_.local_members.empty() && spec_.local_members.front() == spec_.members.front();
-    if (root_here) {
+    if (RootHere()) {
       absl::StatusOr<std::string> id = api_->NcclUniqueId();
       if (!id.ok()) return Context(op, id.status());
       if (Spanning()) {
@@ -387,9 +399,9 @@ class NcclCommunicator final : public core::Communicator {
   absl::Status BuildLocked(NcclBackend::Comms& c, const core::Collective& op,
                            const std::vector<Member>& members, const std::vector<int>& devices,
                            PeerWord& peers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
-    absl::StatusOr<std::string> id =
-        UniqueId(op, absl::StrCat("nccl/", spec_.group, "/", op.seq, "/id"), peers);
+    absl::StatusOr<std::string> id = UniqueId(op, IdKey(spec_, op.seq), peers);
     if (!id.ok()) return id.status();
+    backend_->DropKeptOn(devices, spec_.job);  // their GPU memory is this job's now
     std::vector<gpu::Comm> comms;
     absl::Status s = api_->NcclGroupStart();
     for (size_t i = 0; s.ok() && i < members.size(); ++i) {
@@ -417,8 +429,14 @@ class NcclCommunicator final : public core::Communicator {
     c.ranks.clear();
     for (const Member& m : members) c.ranks.push_back(m.group_rank);
     c.group_size = op.group_size;
+    if (Spanning() && RootHere() && c.id_built_at) {
+      // Every node has its communicators from that id, or gave up on them: it is done.
+      (void)spec_.rendezvous->Delete(spec_.job, IdKey(spec_, *c.id_built_at));
+    }
+    if (Spanning() && RootHere()) c.id_built_at = op.seq;
     c.built_at = op.seq;
     c.store = Spanning() ? spec_.rendezvous : nullptr;
+    c.run = spec_.run;
     c.node = Who();
     Log()->info("nccl communicators ready job={} group={} ranks={} local={} devices={}", spec_.job,
                 spec_.group, op.group_size, members.size(), absl::StrJoin(devices, ","));
@@ -556,21 +574,49 @@ void NcclBackend::WatchIdle() {
         break;
       }
     }
-    if (!failed.ok()) {
-      Log()->warn("aborting the job's communicators on this node job={} error={}", c->job,
-                  failed.ToString());
+    if (!failed.ok()) {  // idle: no kernels to stop on the job's other groups
+      Log()->warn("aborting the group's communicators on this node job={} group={} error={}",
+                  c->job, c->group, failed.ToString());
       AbortLocked(*c, failed);
     }
     c->mu.Unlock();
-    if (!failed.ok()) AbortJob(c->job, failed);
   }
 }
 
-NcclBackend::~NcclBackend() {
+void NcclBackend::DropKeptOn(const std::vector<int>& devices, const std::string& job) {
+  std::vector<std::shared_ptr<Comms>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [key, c] : comms_) all.push_back(c);
+  }
+  for (auto& c : all) {
+    if (!c->mu.TryLock()) continue;  // in use: not kept
+    const bool drop = c->kept_until != absl::InfinitePast() && c->job != job &&
+                      std::any_of(c->devices.begin(), c->devices.end(), [&](int d) {
+                        return std::find(devices.begin(), devices.end(), d) != devices.end();
+                      });
+    if (drop) {
+      Log()->info(
+          "nccl communicators kept after their job ended dropped for another job job={} "
+          "group={}",
+          c->job, c->group);
+      AbortLocked(*c, absl::OkStatus());
+      DestroyStreamsLocked(*c);
+      ForgetLocked(*c);
+    }
+    c->mu.Unlock();
+  }
+}
+
+void NcclBackend::StopWatchdog() {
   if (watchdog_.joinable()) {
     stop_.Notify();
     watchdog_.join();
   }
+}
+
+NcclBackend::~NcclBackend() {
+  StopWatchdog();
   std::map<std::pair<std::string, std::string>, std::shared_ptr<Comms>> all;
   {
     absl::MutexLock lock(&mu_);  // never held while taking a Comms::mu (ops hold those first)
@@ -629,8 +675,9 @@ void NcclBackend::ForgetLocked(Comms& c) {
 
 void NcclBackend::AbortLocked(Comms& c, const absl::Status& why) {
   if (c.store != nullptr && !c.comms.empty()) {
-    if (absl::Status s = c.store->Set(c.job, BrokenKey(c.group, c.built_at),
-                                      absl::StrCat(c.node, ": ", why.message()));
+    if (absl::Status s =
+            c.store->Set(c.job, absl::StrCat(Keys(c.run, c.group), "broken/", c.built_at),
+                         absl::StrCat(c.node, ": ", why.message()));
         !s.ok()) {
       Log()->warn("could not tell the other nodes job={} error={}", c.job, s.ToString());
     }

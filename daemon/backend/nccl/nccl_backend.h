@@ -3,6 +3,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -17,35 +18,10 @@
 
 namespace gradsync::backend::nccl {
 
-/// The GPU data plane: collectives on trainers' CUDA buffers with NCCL communicators the daemon
-/// owns. One NCCL communicator per local member of a group (NCCL rank = group rank), all of a
-/// node's members driven inside one ncclGroupStart/End. The unique id travels through the job's
-/// store under a key named by the op that builds the communicator, so every node agrees on it.
-/// Communicators are created non-blocking and polled, bounded by the op's deadline.
-///
-/// Communicators are kept per (job, group) by the backend, not by the engine's Communicator
-/// objects, so they outlive a trainer's restart while the job and its rank layout (group size,
-/// local members, devices) stay the same; they go when the job ends (JobEnded).
-///
-/// Health: while an op runs, the daemon polls its streams and ncclCommGetAsyncError. On an
-/// error or at the deadline it aborts every NCCL communicator of the job on this node together
-/// (a communicator's local ranks must abort together), fails the op with the reason, and the
-/// next op of each aborted group builds its communicators again.
-///
-/// Groups spanning nodes tell each other through the job's store, so that no node waits out
-/// its deadline for a peer that has already given up: a node that fails op `s` of a group (for
-/// any reason, its own trainers' included) sets `nccl/<group>/fail/<s>`, and a node that
-/// abandons communicators built at op `b` sets `nccl/<group>/broken/<b>`. An op that has run
-/// for more than a few milliseconds watches both keys; when one appears it aborts the group's
-/// communicators here and fails with the other node's reason. Such a failure does not abort
-/// the job's other groups: the node that failed first has told them itself. A slow op also
-/// publishes its fingerprint under `nccl/<group>/op/<seq>/<node>` and compares the other
-/// nodes' with it: ranks on different nodes that submitted different ops fail with "desync"
-/// instead of hanging in NCCL (an op that completes removes its fingerprint). Thread-safe.
 struct NcclOptions {
   /// > 0: a watchdog thread looks at idle communicators this often (an op looks at its own while
-  /// it runs). One that reports an error is handled as a failed op would be: the job's
-  /// communicators on this node are aborted and the other nodes are told.
+  /// it runs). A group whose communicators report an error has them aborted on this node, and
+  /// the other nodes are told (`broken`); the next op rebuilds them.
   absl::Duration watch_every = absl::ZeroDuration();
   /// > 0: when a job ends, the communicators of its groups that lie on this node alone are kept
   /// this long for a job with the same id and rank layout (trainers restarted), which then skips
@@ -54,6 +30,32 @@ struct NcclOptions {
   absl::Duration keep_after_job = absl::ZeroDuration();
 };
 
+/// The GPU data plane: collectives on trainers' CUDA buffers with NCCL communicators the daemon
+/// owns. One NCCL communicator per local member of a group (NCCL rank = group rank), all of a
+/// node's members driven inside one ncclGroupStart/End. The unique id travels through the job's
+/// store under a key named by the op that builds the communicator, so every node agrees on it.
+/// Communicators are created non-blocking and polled, bounded by the op's deadline.
+///
+/// Communicators are kept per (job, group) by the backend, not by the engine's Communicator
+/// objects. When the job ends (JobEnded), those of groups on this node alone may be kept for a
+/// restart of the job with the same rank layout (NcclOptions::keep_after_job).
+///
+/// Health: while an op runs, the daemon polls its streams and ncclCommGetAsyncError. On an
+/// error or at the deadline it aborts every NCCL communicator of the job on this node together
+/// (a communicator's local ranks must abort together), fails the op with the reason, and the
+/// next op of each aborted group builds its communicators again.
+///
+/// Groups spanning nodes tell each other through the job's store, so that no node waits out
+/// its deadline for a peer that has already given up: a node that fails op `s` of a group (for
+/// any reason, its own trainers' included) sets `nccl/<run>/<group>/fail/<s>`, and a node that
+/// abandons communicators built at op `b` sets `nccl/<run>/<group>/broken/<b>` (`run`: the
+/// CommunicatorSpec's token of this run of the job). An op that has run for 100 ms watches both
+/// keys; when one appears it aborts the group's communicators here and fails with the other
+/// node's reason. Such a failure does not abort
+/// the job's other groups: the node that failed first has told them itself. A slow op also
+/// publishes its fingerprint under `nccl/<run>/<group>/op/<seq>/<node>` and compares the other
+/// nodes' with it: ranks on different nodes that submitted different ops fail with "desync"
+/// instead of hanging in NCCL (an op that completes removes its fingerprint). Thread-safe.
 class NcclBackend final : public core::Backend {
  public:
   explicit NcclBackend(gpu::GpuApi* api, NcclOptions options = {});
@@ -67,6 +69,10 @@ class NcclBackend final : public core::Backend {
   /// Drops the job's communicators (after aborting any still live), or keeps them for a restart
   /// (NcclOptions::keep_after_job).
   void JobEnded(const std::string& job);
+
+  /// Stops the watchdog thread (idempotent; the destructor does it too). Call before the
+  /// stores the communicators report to go away.
+  void StopWatchdog();
 
   /// NCCL communicators created so far (ncclCommInitRankConfig calls), for tests.
   int comm_inits() const { return comm_inits_.load(); }
@@ -87,6 +93,9 @@ class NcclBackend final : public core::Backend {
     uint64_t built_at ABSL_GUARDED_BY(mu) = 0;
     gradsync::Store* store ABSL_GUARDED_BY(mu) = nullptr;
     std::string node ABSL_GUARDED_BY(mu);
+    std::string run ABSL_GUARDED_BY(mu);
+    // The op whose id key this node (the group's rank 0) made last; deleted at the next build.
+    std::optional<uint64_t> id_built_at ABSL_GUARDED_BY(mu);
     // After its job ended: kept for a restart until then (InfinitePast: in use, not kept).
     absl::Time kept_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
     bool erased ABSL_GUARDED_BY(mu) = false;  // no longer in comms_: look it up again
@@ -106,6 +115,9 @@ class NcclBackend final : public core::Backend {
   void DestroyStreamsLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // One look at every idle group's communicators (the watchdog's tick).
   void WatchIdle();
+  // Drops communicators kept after their job ended that use any of `devices`, but those of
+  // `job` (kept for it).
+  void DropKeptOn(const std::vector<int>& devices, const std::string& job);
 
   gpu::GpuApi* const api_;
   const NcclOptions options_;
