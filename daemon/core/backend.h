@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,10 @@ struct Collective {
   /// empty). A communicator spanning nodes still takes part in the op's cross-node exchange,
   /// so the other nodes fail it at once with this reason instead of waiting out their deadline.
   absl::Status local_failure;
+  /// With a local failure: whether the members that did submit named device buffers (true) or
+  /// host buffers (false), so that the failure reaches the data plane the other nodes run the op
+  /// on; nullopt when none named any.
+  std::optional<bool> failed_on_device;
 };
 
 /// What a communicator is built for: one group of one job, and which of its members are local.

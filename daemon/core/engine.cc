@@ -216,8 +216,19 @@ namespace {
 
 // An op that failed on this node before it could run, as the other nodes of its group must
 // hear of it (the local members are told directly).
+// Whether `a` names device buffers (true), host buffers (false) or none (nullopt).
+std::optional<bool> OnDevice(const internal::Arrival& a) {
+  for (const View* v : {&a.input, &a.output}) {
+    for (const Run& r : *v) {
+      if (r.buffer != nullptr) return r.buffer->device() >= 0;
+    }
+  }
+  return std::nullopt;
+}
+
 internal::Ready FailedOp(const internal::Group& group, uint64_t seq, const Fingerprint& fp,
-                         absl::Time deadline, const absl::Status& status) {
+                         absl::Time deadline, const absl::Status& status,
+                         std::optional<bool> on_device) {
   internal::Ready r;
   r.seq = seq;
   r.op.kind = fp.kind;
@@ -228,6 +239,7 @@ internal::Ready FailedOp(const internal::Group& group, uint64_t seq, const Finge
       absl::StrCat(KindName(fp.kind), " job=", group.job->id, " group=", group.key, " seq=", seq);
   r.op.fingerprint = absl::StrCat(fp.Describe(), " seq=", seq);
   r.op.local_failure = status;
+  r.op.failed_on_device = on_device;
   return r;
 }
 
@@ -678,13 +690,15 @@ void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& s
   Pending& p = it->second;
   for (DeadlineTimer::Id id : p.timers) timer_.Cancel(id);
   const int remaining = static_cast<int>(group.local_group_ranks.size()) - p.arrived;
+  std::optional<bool> on_device;
   for (std::optional<Arrival>& a : p.by_member) {
     if (!a.has_value()) continue;
+    if (!on_device) on_device = OnDevice(*a);
     out.push_back([s = a->sink, tag = a->tag, seq, status] { s->OpDone(tag, seq, status); });
   }
   if (group.spans_nodes && tell_peers) {
     // The other nodes learn of it through the op's cross-node exchange (see Collective).
-    EnqueueRemoteLocked(group, FailedOp(group, seq, p.fp, p.deadline, status), out);
+    EnqueueRemoteLocked(group, FailedOp(group, seq, p.fp, p.deadline, status, on_device), out);
   }
   group.pending.erase(it);
   if (remaining > 0) group.failed[seq] = Failed{status, remaining};
@@ -754,7 +768,8 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
         for (int gr : group->local_group_ranks) others += job.ranks[group->members[gr]] != nullptr;
         if (others > 0) group->failed[seq] = Failed{refused, others};
         out.push_back([sink, tag, seq, refused] { sink->OpDone(tag, seq, refused); });
-        EnqueueRemoteLocked(*group, FailedOp(*group, seq, a.fp, a.deadline, refused), out);
+        EnqueueRemoteLocked(*group, FailedOp(*group, seq, a.fp, a.deadline, refused, OnDevice(a)),
+                            out);
       }
     } else if (!refused.ok()) {
       out.push_back([sink, tag, refused] { sink->OpDone(tag, 0, refused); });

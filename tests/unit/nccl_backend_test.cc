@@ -544,6 +544,10 @@ TEST_F(NcclBackendTest, DispatchSendsHostOpsToTheCpuPlaneAndDeviceOpsToNccl) {
   EXPECT_TRUE(comm->Run(host).ok());
   EXPECT_TRUE(comm->Run(failed).ok());
   EXPECT_EQ(cpu.runs, 4);
+  // ... unless its members named buffers: then where those live.
+  failed.failed_on_device = true;
+  EXPECT_TRUE(comm->Run(failed).ok());
+  EXPECT_EQ(gpu.runs, 3);
 }
 
 }  // namespace

@@ -91,8 +91,11 @@ absl::Status GlooCommunicator::Connect(absl::Time deadline) {
     auto context =
         std::make_shared<::gloo::rendezvous::Context>(my_node_, static_cast<int>(nodes_.size()));
     context->setTimeout(Left(deadline));
-    GlooStore store(spec_.rendezvous, spec_.job, absl::StrCat("gloo/", spec_.group, "/"),
-                    deadline - absl::Now());
+    // Under the run's token: a late key of an earlier run of this job id is never read.
+    GlooStore store(
+        spec_.rendezvous, spec_.job,
+        absl::StrCat("gloo/", spec_.run, spec_.run.empty() ? "" : "/", spec_.group, "/"),
+        deadline - absl::Now());
     context->connectFullMesh(store, device);
     context_ = std::move(context);
     return absl::OkStatus();

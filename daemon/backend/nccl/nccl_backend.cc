@@ -752,8 +752,11 @@ class DispatchCommunicator final : public core::Communicator {
           absl::StrCat(op.label, ": an op takes host or device buffers, not both"));
     }
     // An op that failed here before it got its buffers still goes to the plane the group's
-    // other nodes run it on (taken to be the one its last op ran on), so that they hear of it.
-    if (!host && !device && !op.local_failure.ok()) device = last_on_device_;
+    // other nodes run it on, so that they hear of it: the one the buffers its members named
+    // live on, else the one the group's last op ran on.
+    if (!host && !device && !op.local_failure.ok()) {
+      device = op.failed_on_device.value_or(last_on_device_);
+    }
     if (host || device) last_on_device_ = device;
     std::shared_ptr<core::Communicator>& target = device ? gpu_ : cpu_;
     if (!target) {
