@@ -64,6 +64,9 @@ struct Collective {
   std::optional<bool> failed_on_device;
 };
 
+/// The job's store key holding the token of its current run (CommunicatorSpec::run).
+inline constexpr char kRunKey[] = "daemon/run";
+
 /// What a communicator is built for: one group of one job, and which of its members are local.
 struct CommunicatorSpec {
   std::string job;
@@ -75,8 +78,9 @@ struct CommunicatorSpec {
   std::vector<std::string> member_nodes;
   std::string node;
   gradsync::Store* rendezvous = nullptr;
-  // A token every node of this run of the job shares (made at formation), so that keys a
-  // backend writes in one run are never read in a later run of a job with the same id.
+  // A token every node of this run of the job shares (made at formation and kept in the job's
+  // store under kRunKey), so that keys a backend writes in one run are never read in a later
+  // run of a job with the same id.
   std::string run;
 };
 

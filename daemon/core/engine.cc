@@ -865,7 +865,7 @@ void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
   // The run's token: the first node to come sets it, every node reads the same one. The job's
   // keys are deleted when it ends at the root, so a later run of the same id makes a new one.
   absl::StatusOr<CompareSetResult> run =
-      job->root_store->CompareSet(job->id, "daemon/run", std::nullopt, RunToken());
+      job->root_store->CompareSet(job->id, kRunKey, std::nullopt, RunToken());
   if (!run.ok()) {
     OnFormed(job, absl::Status(run.status().code(),
                                absl::StrCat("agreeing on the run: ", run.status().message())));

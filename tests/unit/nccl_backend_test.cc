@@ -325,6 +325,7 @@ TEST_F(NcclBackendTest, ARestartedJobReusesCommunicatorsKeptOnItsNode) {
 class TwoNodesTest : public NcclBackendTest {
  protected:
   void SetUp() override {
+    ASSERT_TRUE(store_.Set("j", core::kRunKey, "r2").ok());  // as the job's formation left it
     a_ = Make(NodeSpec({0}, "a:7451"));
     b_ = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451"));
     ASSERT_TRUE(RunBoth(0).first.ok());
@@ -459,6 +460,13 @@ TEST_F(TwoNodesTest, CommunicatorsAbandonedOnOneNodeFailTheOthersNextOpAtOnce) {
   ASSERT_TRUE(a2.ok()) << a2;
   ASSERT_TRUE(b2.ok()) << b2;
   EXPECT_EQ(gpu_b_.ids.back(), gpu_.ids.back());
+}
+
+TEST_F(TwoNodesTest, NothingIsWrittenForARunThatIsOverAtTheRoot) {
+  store_.DeleteJob("j");  // the root's trainers left: the run's keys went
+  auto [sa, sb] = RunBoth(1, absl::UnavailableError("rank 0 left job j"));
+  EXPECT_EQ(sa.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(store_.List("j", "").status().code(), absl::StatusCode::kNotFound);  // no namespace
 }
 
 TEST_F(TwoNodesTest, NodesWhoseRanksSubmittedDifferentOpsFailWithDesyncNotAHang) {

@@ -133,6 +133,23 @@ std::string Keys(const std::string& run, const std::string& group) {
 std::string FailKey(const core::CommunicatorSpec& spec, uint64_t seq) {
   return absl::StrCat(Keys(spec.run, spec.group), "fail/", seq);
 }
+// Writes `key` for the other nodes of run `run` of `job`, unless that run is over at the root
+// (its keys deleted, or a new run begun): a late write would only bring the job's namespace
+// back in the root's store, with nobody to read it. Logs what it could not write.
+void Tell(gradsync::Store* store, const std::string& job, const std::string& run,
+          const std::string& key, std::string value) {
+  if (!run.empty()) {
+    absl::StatusOr<std::string> current = store->Get(job, core::kRunKey, absl::InfinitePast());
+    if (!current.ok() || *current != run) {
+      Log()->debug("run over, not told job={} run={} key={}", job, run, key);
+      return;
+    }
+  }
+  if (absl::Status s = store->Set(job, key, std::move(value)); !s.ok()) {
+    Log()->warn("could not tell the other nodes job={} key={} error={}", job, key, s.ToString());
+  }
+}
+
 std::string IdKey(const core::CommunicatorSpec& spec, uint64_t built_at) {
   return absl::StrCat(Keys(spec.run, spec.group), built_at, "/id");
 }
@@ -165,12 +182,8 @@ class PeerWord {
                         absl::StrCat(Keys(spec_.run, spec_.group), "broken/", *built_at_),
                         op_.deadline);
       }
-      if (absl::Status s = store_->Set(spec_.job, OpKey(spec_.node), op_.fingerprint); s.ok()) {
-        published_ = true;
-      } else {
-        Log()->warn("could not publish the op's fingerprint job={} error={}", spec_.job,
-                    s.ToString());
-      }
+      Tell(store_, spec_.job, spec_.run, OpKey(spec_.node), op_.fingerprint);
+      published_ = true;
     }
     std::optional<std::string> failed = fail_->value();
     std::optional<std::string> broken = broken_ ? broken_->value() : std::nullopt;
@@ -276,11 +289,8 @@ class NcclCommunicator final : public core::Communicator {
     // the other nodes hear at once that this op failed rather than wait for it.
     if (!c->comms.empty()) backend_->AbortLocked(*c, s);
     if (!peers.others_know()) {
-      if (absl::Status told = spec_.rendezvous->Set(spec_.job, FailKey(spec_, op.seq),
-                                                    absl::StrCat(Who(), ": ", s.message()));
-          !told.ok()) {
-        Log()->warn("could not tell the other nodes job={} error={}", spec_.job, told.ToString());
-      }
+      Tell(spec_.rendezvous, spec_.job, spec_.run, FailKey(spec_, op.seq),
+           absl::StrCat(Who(), ": ", s.message()));
     }
     return s;
   }
@@ -675,12 +685,8 @@ void NcclBackend::ForgetLocked(Comms& c) {
 
 void NcclBackend::AbortLocked(Comms& c, const absl::Status& why) {
   if (c.store != nullptr && !c.comms.empty()) {
-    if (absl::Status s =
-            c.store->Set(c.job, absl::StrCat(Keys(c.run, c.group), "broken/", c.built_at),
-                         absl::StrCat(c.node, ": ", why.message()));
-        !s.ok()) {
-      Log()->warn("could not tell the other nodes job={} error={}", c.job, s.ToString());
-    }
+    Tell(c.store, c.job, c.run, absl::StrCat(Keys(c.run, c.group), "broken/", c.built_at),
+         absl::StrCat(c.node, ": ", why.message()));
   }
   for (gpu::Comm comm : c.comms) {
     if (absl::Status s = api_->NcclCommAbort(comm); !s.ok()) {
