@@ -54,8 +54,8 @@ DaemonServer::DaemonServer(DaemonConfig config)
       engine_(
           &dispatch_backend_, &importer_, &pool_, config_.engine,
           [this](const std::string& job) {
+            nccl_backend_.JobEnded(job);  // first: it may tell the job's other nodes
             store_.DeleteJob(job);
-            nccl_backend_.JobEnded(job);
           },
           [this](const std::string& address) { return PeerStore(address); }),
       pool_(config_.workers > 0

@@ -462,6 +462,17 @@ TEST_F(TwoNodesTest, CommunicatorsAbandonedOnOneNodeFailTheOthersNextOpAtOnce) {
   EXPECT_EQ(gpu_b_.ids.back(), gpu_.ids.back());
 }
 
+TEST_F(TwoNodesTest, ANodeWhoseTrainersLeftTellsTheOthers) {
+  backend_.JobEnded("j");  // A's trainers are gone; B's are still in the job
+  gpu_b_.streams_hang = true;
+  const absl::Time start = absl::Now();
+  absl::Status sb = b_->Run(Op(1, 1));
+  EXPECT_EQ(sb.code(), absl::StatusCode::kAborted) << sb;
+  EXPECT_TRUE(absl::StrContains(sb.message(), "trainers on this node have left")) << sb;
+  EXPECT_TRUE(absl::StrContains(sb.message(), "node a:7451")) << sb;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
 TEST_F(TwoNodesTest, NothingIsWrittenForARunThatIsOverAtTheRoot) {
   store_.DeleteJob("j");  // the root's trainers left: the run's keys went
   auto [sa, sb] = RunBoth(1, absl::UnavailableError("rank 0 left job j"));

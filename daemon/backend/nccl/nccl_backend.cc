@@ -730,8 +730,9 @@ void NcclBackend::JobEnded(const std::string& job) {
                   absl::FormatDuration(options_.keep_after_job));
       continue;
     }
-    c->store = nullptr;  // the job is over everywhere: nobody to tell
-    AbortLocked(*c, absl::OkStatus());
+    // Other nodes still in the run hear that these communicators are gone (not after the run
+    // is over at the root: see Tell).
+    AbortLocked(*c, absl::UnavailableError("the job's trainers on this node have left"));
     DestroyStreamsLocked(*c);
     ForgetLocked(*c);
   }
