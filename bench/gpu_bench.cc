@@ -27,6 +27,8 @@ ABSL_FLAG(int, iters, 50, "timed ops per size and path (after 5 warm-up ops)");
 
 namespace {
 
+constexpr int64_t kBlock = int64_t{2} << 20;
+
 void Die(const std::string& what) {
   std::fprintf(stderr, "gpu_bench: %s\n", what.c_str());
   std::exit(1);
@@ -74,14 +76,20 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_socket), gradsync::client::Placement{"gpubench", 1, 0, 0, 1, ""});
   if (!client.ok()) Die("connect: " + client.status().ToString());
 
+  int nccl_version = 0;
+  Check(ncclGetVersion(&nccl_version), "ncclGetVersion");
+  std::printf("# nccl %d\n", nccl_version);
   std::printf("%12s %14s %14s %10s %12s\n", "bytes", "direct_us", "gradsync_us", "ratio",
               "overhead_us");
   for (int64_t bytes : sizes) {
     const int64_t n = bytes / 4;
     void* direct = nullptr;
     void* shared = nullptr;
-    Check(cudaMalloc(&direct, static_cast<size_t>(bytes)), "cudaMalloc");
-    Check(cudaMalloc(&shared, static_cast<size_t>(bytes)), "cudaMalloc");
+    // Whole 2 MiB blocks: CUDA IPC shares the block a small allocation lies in, and NVIDIA
+    // advises sharing only allocations of a multiple of 2 MiB.
+    const size_t block = static_cast<size_t>((bytes + kBlock - 1) / kBlock * kBlock);
+    Check(cudaMalloc(&direct, block), "cudaMalloc");
+    Check(cudaMalloc(&shared, block), "cudaMalloc");
     auto buf = (*client)->RegisterCudaBuffer(shared, bytes, gradsync::v1::FLOAT32);
     if (!buf.ok()) Die("register: " + buf.status().ToString());
     const double d = MedianUs(iters, [&] {

@@ -19,4 +19,7 @@ cp "${bins[@]}" "$out/bin/"
 for b in "${bins[@]}"; do ldd "$b"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
   grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libcudart|libnccl|libpthread|libdl|librt)\.so' |
   xargs -r -I{} cp -L {} "$out/lib/"
+# The sources it was built from, for run.sh to refuse a bundle older than the tree.
+. tests/gpu/source_hash.sh
+source_hash >"$out/SOURCE_HASH"
 du -sh "$out"

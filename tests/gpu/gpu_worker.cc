@@ -33,6 +33,9 @@ std::string Arg(const std::string& key, const std::string& fallback) {
 }
 
 [[noreturn]] void Die(const std::string& what) {
+  // On stdout, which the tests read, and stderr, which reaches the test log.
+  std::printf("gpu_worker: %s\n", what.c_str());
+  std::fflush(stdout);
   std::fprintf(stderr, "gpu_worker: %s\n", what.c_str());
   std::fflush(stderr);
   std::_Exit(1);

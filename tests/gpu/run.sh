@@ -11,6 +11,11 @@ set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 out=${OUT:-$(mktemp -d)}
 if [[ -d build-gpu-bundle/bin ]]; then
+  . tests/gpu/source_hash.sh
+  if [[ $(cat build-gpu-bundle/SOURCE_HASH 2>/dev/null) != "$(source_hash)" ]]; then
+    echo "run.sh: build-gpu-bundle/ was built from other sources: run tests/gpu/bundle.sh again"
+    exit 1
+  fi
   bin=build-gpu-bundle/bin
   libs=$PWD/build-gpu-bundle/lib
 else
@@ -25,14 +30,21 @@ else
   libs=
 fi
 bin=$(readlink -f "$bin")
-# CUDA and NCCL of this machine: the toolkit's, else the pip wheels' (nvidia-nccl-cu13).
-nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+# CUDA and NCCL of this machine: the toolkit's, else the pip wheels' (nvidia-*-cu13), wherever
+# the wheels put libcudart.so.13 and libnccl.so.2.
+wheels=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+wheel_libs=
+if [[ -n $wheels ]]; then
+  wheel_libs=$(find "$wheels" \( -name 'libcudart.so.13*' -o -name 'libnccl.so.2*' \) -printf '%h\n' \
+    2>/dev/null | sort -u | paste -sd: -)
+fi
 path=
-for d in "$libs" "$nccl" /usr/local/cuda/lib64 ${LD_LIBRARY_PATH:+"$LD_LIBRARY_PATH"}; do
+for d in "$libs" "$wheel_libs" /usr/local/cuda/lib64 ${LD_LIBRARY_PATH:+"$LD_LIBRARY_PATH"}; do
   [[ -n $d ]] && path=${path:+$path:}$d  # no empty entries (they mean the current directory)
 done
 export LD_LIBRARY_PATH=$path
 export GRADSYNC_DAEMON_PATH=$bin/gradsyncd GRADSYNC_TEST_BIN_DIR=$bin
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # NCCL's own reasons, in the logs
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1 | tee "$out/gpu.txt"
 
 timeout 240 "$bin/gradsync_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E '^\[ +(OK|FAILED|SKIPPED) +\]|PASSED|FAILED'

@@ -127,12 +127,13 @@ class CudaGpuApi final : public GpuApi {
     if (absl::Status s = Use(device); !s.ok()) return s;
     absl::StatusOr<std::pair<uintptr_t, size_t>> range = cuda::AllocationRange(base);
     if (!range.ok()) return range.status();
-    // The handle was taken at the allocation's base; anything else is a client bug.
-    if (range->first != reinterpret_cast<uintptr_t>(base)) {
-      return absl::InvalidArgumentError(
-          "the CUDA IPC handle was not taken at its allocation's base address");
+    // The mapping starts at the allocation's base, or inside the block the driver carved it
+    // from (IPC shares whole blocks): the bytes from `base` to the end of that range.
+    const auto at = reinterpret_cast<uintptr_t>(base);
+    if (at < range->first || at >= range->first + range->second) {
+      return absl::InternalError("the mapped CUDA IPC pointer lies outside its address range");
     }
-    return static_cast<int64_t>(range->second);
+    return static_cast<int64_t>(range->first + range->second - at);
   }
 
   absl::StatusOr<Event> OpenEventHandle(int device, absl::string_view handle) override {
