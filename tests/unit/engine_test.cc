@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/backend/cpu/cpu_backend.h"
+#include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"
 
 namespace gradsync::core {
@@ -20,19 +21,21 @@ class FakeImporter final : public BufferImporter {
  public:
   class Mapping final : public MappedBuffer {
    public:
-    Mapping(FakeImporter* owner, std::byte* data, int64_t size)
-        : owner_(owner), data_(data), size_(size) {
+    Mapping(FakeImporter* owner, std::byte* data, int64_t size, int device)
+        : owner_(owner), data_(data), size_(size), device_(device) {
       ++owner_->live;
     }
     ~Mapping() override { --owner_->live; }
     std::byte* data() const override { return data_; }
     int64_t size() const override { return size_; }
     std::string Describe() const override { return "fake"; }
+    int device() const override { return device_; }
 
    private:
     FakeImporter* owner_;
     std::byte* data_;
     int64_t size_;
+    int device_;
   };
 
   std::vector<float>& Create(const std::string& name, size_t n) {
@@ -48,8 +51,9 @@ class FakeImporter final : public BufferImporter {
     if (static_cast<int64_t>(it->second.size() * 4) < req.bytes()) {
       return absl::FailedPreconditionError("too small");
     }
+    // Names starting "gpu" stand for device buffers (device 0).
     return std::make_unique<Mapping>(this, reinterpret_cast<std::byte*>(it->second.data()),
-                                     req.bytes());
+                                     req.bytes(), absl::StartsWith(req.shm_name(), "gpu") ? 0 : -1);
   }
 
   std::atomic<int> live{0};
@@ -296,6 +300,140 @@ TEST_F(EngineTest, ManyThreadsManyOpsStayMatched) {
       EXPECT_EQ(events[k].seq, static_cast<uint64_t>(k));  // completion order = sequence order
     }
   }
+}
+
+// A backend that records what the engine hands it and runs nothing.
+class RecordingBackend final : public Backend {
+ public:
+  absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
+      const CommunicatorSpec& spec) override {
+    absl::MutexLock lock(&mu_);
+    specs_.push_back(spec);
+    return std::make_shared<Comm>(this);
+  }
+  std::vector<CommunicatorSpec> specs() {
+    absl::MutexLock lock(&mu_);
+    return specs_;
+  }
+  std::vector<Collective> ops() {
+    absl::MutexLock lock(&mu_);
+    return ops_;
+  }
+
+ private:
+  struct Comm final : Communicator {
+    explicit Comm(RecordingBackend* owner) : owner(owner) {}
+    absl::Status Run(const Collective& op) override {
+      absl::MutexLock lock(&owner->mu_);
+      owner->ops_.push_back(op);
+      return op.local_failure;
+    }
+    RecordingBackend* owner;
+  };
+  absl::Mutex mu_;
+  std::vector<CommunicatorSpec> specs_ ABSL_GUARDED_BY(mu_);
+  std::vector<Collective> ops_ ABSL_GUARDED_BY(mu_);
+};
+
+// Two engines as two nodes of one job, sharing the root's store: node A holds ranks 0 and 1,
+// node B rank 2.
+class TwoNodeEngineTest : public ::testing::Test {
+ protected:
+  struct Node {
+    explicit Node(gradsync::Store* store, const std::string& address)
+        : engine(
+              &backend, &importer, &pool, EngineOptions(), nullptr,
+              [store](const std::string&) -> absl::StatusOr<gradsync::Store*> { return store; }) {
+      engine.SetNodeAddress(address);
+    }
+    WorkerPool pool{2};
+    FakeImporter importer;
+    RecordingBackend backend;
+    Engine engine;
+  };
+  struct Member {
+    std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>();
+    std::shared_ptr<Session> session;
+    uint64_t buffer = 0;
+  };
+
+  // Rank `rank` of job `job` on `node`; its buffer is a device buffer when `job` starts "gpu".
+  Member Join(Node& node, const std::string& job, int rank, int local_rank, int local_world) {
+    Member m;
+    v1::RegisterRequest req;
+    req.set_job(job);
+    req.set_world_size(3);
+    req.set_rank(rank);
+    req.set_local_rank(local_rank);
+    req.set_local_world_size(local_world);
+    req.set_root_address("a:7451");
+    auto s = node.engine.Register(req);
+    EXPECT_TRUE(s.ok()) << s.status();
+    m.session = *s;
+    const std::string name = absl::StrCat(job, "/", rank);
+    node.importer.Create(name, 16);
+    v1::RegisterBufferRequest breq;
+    breq.set_shm_name(name);
+    breq.set_bytes(64);
+    breq.set_dtype(v1::FLOAT32);
+    auto id = node.engine.RegisterBuffer(*m.session, breq);
+    EXPECT_TRUE(id.ok()) << id.status();
+    m.buffer = *id;
+    return m;
+  }
+  static v1::OpRequest AllReduce(const Member& m, int64_t count) {
+    v1::OpRequest op;
+    op.set_kind(v1::ALL_REDUCE);
+    op.set_reduce_op(v1::SUM);
+    op.set_dtype(v1::FLOAT32);
+    op.set_group("world");
+    v1::Segment* s = op.add_input();
+    s->set_buffer_id(m.buffer);
+    s->set_count(count);
+    return op;
+  }
+  // Ranks 0 and 1 submit different ops (a desync on node A); rank 2 a matching one on B.
+  // Returns the op node A's backend was handed.
+  Collective DesyncOnA(const std::string& job) {
+    const size_t before = a_.backend.ops().size();
+    Member r0 = Join(a_, job, 0, 0, 2), r1 = Join(a_, job, 1, 1, 2), r2 = Join(b_, job, 2, 0, 1);
+    a_.engine.Submit(r0.session, r0.sink, 1, AllReduce(r0, 4));
+    a_.engine.Submit(r1.session, r1.sink, 1, AllReduce(r1, 5));
+    b_.engine.Submit(r2.session, r2.sink, 1, AllReduce(r2, 4));
+    EXPECT_TRUE(r0.sink->WaitFor(1));
+    EXPECT_EQ(r0.sink->events()[0].status.code(), absl::StatusCode::kFailedPrecondition);
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    while (a_.backend.ops().size() == before && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    const std::vector<Collective> ops = a_.backend.ops();
+    EXPECT_EQ(ops.size(), before + 1);
+    return ops.size() > before ? ops[before] : Collective{};
+  }
+
+  store::MemoryStore store_;
+  Node a_{&store_, "a:7451"};
+  Node b_{&store_, "b:7451"};
+};
+
+TEST_F(TwoNodeEngineTest, EveryNodeOfARunSharesItsToken) {
+  DesyncOnA("cpu");
+  auto run = store_.Get("cpu", kRunKey, absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->size(), 16u);
+  ASSERT_FALSE(a_.backend.specs().empty());
+  ASSERT_FALSE(b_.backend.specs().empty());
+  EXPECT_EQ(a_.backend.specs()[0].run, *run);
+  EXPECT_EQ(b_.backend.specs()[0].run, *run);
+}
+
+TEST_F(TwoNodeEngineTest, AFailedOpSaysWhichPlaneItsMembersBuffersAreOn) {
+  Collective host = DesyncOnA("cpu");
+  EXPECT_EQ(host.local_failure.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(host.failed_on_device, std::optional<bool>(false));
+  Collective device = DesyncOnA("gpu");
+  EXPECT_EQ(device.local_failure.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(device.failed_on_device, std::optional<bool>(true));
 }
 
 }  // namespace
