@@ -346,10 +346,11 @@ class TwoNodeEngineTest : public ::testing::Test {
               [store](const std::string&) -> absl::StatusOr<gradsync::Store*> { return store; }) {
       engine.SetNodeAddress(address);
     }
-    WorkerPool pool{2};
     FakeImporter importer;
     RecordingBackend backend;
     Engine engine;
+    // Last, so gone first: its queued work (formation callbacks) runs while the engine lives.
+    WorkerPool pool{2};
   };
   struct Member {
     std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>();
@@ -421,6 +422,11 @@ TEST_F(TwoNodeEngineTest, EveryNodeOfARunSharesItsToken) {
   auto run = store_.Get("cpu", kRunKey, absl::Now() + absl::Seconds(1));
   ASSERT_TRUE(run.ok()) << run.status();
   EXPECT_EQ(run->size(), 16u);
+  // Node B makes its communicator when its own op runs, after formation, on its pool.
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (b_.backend.specs().empty() && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
   ASSERT_FALSE(a_.backend.specs().empty());
   ASSERT_FALSE(b_.backend.specs().empty());
   EXPECT_EQ(a_.backend.specs()[0].run, *run);
