@@ -346,6 +346,19 @@ class TwoNodesTest : public NcclBackendTest {
     }
     return RunBoth(on_a, Op(1, seq));
   }
+  // Op `seq` on both nodes, whose streams take `slow` (long enough to look at the store).
+  std::pair<absl::Status, absl::Status> RunBothSlowly(uint64_t seq, absl::Duration slow) {
+    gpu_.streams_hang = true;
+    gpu_b_.streams_hang = true;
+    std::thread finish([&] {
+      absl::SleepFor(slow);
+      gpu_.streams_hang = false;
+      gpu_b_.streams_hang = false;
+    });
+    auto result = RunBoth(seq);
+    finish.join();
+    return result;
+  }
   std::pair<absl::Status, absl::Status> RunBoth(const core::Collective& on_a,
                                                 const core::Collective& on_b) {
     absl::Status sb;
@@ -376,15 +389,7 @@ TEST_F(TwoNodesTest, KeysOfAnEarlierRunOfTheJobAreNotHeard) {
   // Written late by a node of the job's last run, after the root had deleted that run's keys.
   ASSERT_TRUE(store_.Set("j", "nccl/r1/world/fail/1", "node b:7451 (ranks 1): old news").ok());
   ASSERT_TRUE(store_.Set("j", "nccl/r1/world/broken/0", "node b:7451 (ranks 1): old news").ok());
-  gpu_.streams_hang = true;  // slow enough that both nodes look at the store
-  gpu_b_.streams_hang = true;
-  std::thread finish([&] {
-    absl::SleepFor(absl::Milliseconds(300));
-    gpu_.streams_hang = false;
-    gpu_b_.streams_hang = false;
-  });
-  auto [sa, sb] = RunBoth(1);
-  finish.join();
+  auto [sa, sb] = RunBothSlowly(1, absl::Milliseconds(300));  // both nodes look at the store
   EXPECT_TRUE(sa.ok()) << sa;
   EXPECT_TRUE(sb.ok()) << sb;
 }
@@ -505,15 +510,8 @@ TEST_F(TwoNodesTest, NodesWhoseRanksSubmittedDifferentOpsFailWithDesyncNotAHang)
 }
 
 TEST_F(TwoNodesTest, ASlowOpThatCompletesLeavesNothingBehindInTheStore) {
-  gpu_.streams_hang = true;
-  gpu_b_.streams_hang = true;
-  std::thread finish([&] {
-    absl::SleepFor(absl::Milliseconds(300));  // both have published their fingerprints
-    gpu_.streams_hang = false;
-    gpu_b_.streams_hang = false;
-  });
-  auto [sa, sb] = RunBoth(1);
-  finish.join();
+  // Both publish their fingerprints before the op completes.
+  auto [sa, sb] = RunBothSlowly(1, absl::Milliseconds(300));
   ASSERT_TRUE(sa.ok()) << sa;
   ASSERT_TRUE(sb.ok()) << sb;
   EXPECT_EQ(*store_.List("j", "nccl/"), std::vector<std::string>{"nccl/r2/world/0/id"});

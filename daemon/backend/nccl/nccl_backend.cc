@@ -1,6 +1,7 @@
 #include "daemon/backend/nccl/nccl_backend.h"
 
 #include <algorithm>
+#include <functional>
 #include <optional>
 #include <set>
 #include <thread>
@@ -133,25 +134,31 @@ std::string Keys(const std::string& run, const std::string& group) {
 std::string FailKey(const core::CommunicatorSpec& spec, uint64_t seq) {
   return absl::StrCat(Keys(spec.run, spec.group), "fail/", seq);
 }
+std::string BrokenKey(const std::string& run, const std::string& group, uint64_t built_at) {
+  return absl::StrCat(Keys(run, group), "broken/", built_at);
+}
+std::string IdKey(const core::CommunicatorSpec& spec, uint64_t built_at) {
+  return absl::StrCat(Keys(spec.run, spec.group), built_at, "/id");
+}
+
 // Writes `key` for the other nodes of run `run` of `job`, unless that run is over at the root
 // (its keys deleted, or a new run begun): a late write would only bring the job's namespace
-// back in the root's store, with nobody to read it. Logs what it could not write.
-void Tell(gradsync::Store* store, const std::string& job, const std::string& run,
+// back in the root's store, with nobody to read it. Logs what it could not write; returns
+// whether it wrote.
+bool Tell(gradsync::Store* store, const std::string& job, const std::string& run,
           const std::string& key, std::string value) {
   if (!run.empty()) {
     absl::StatusOr<std::string> current = store->Get(job, core::kRunKey, absl::InfinitePast());
     if (!current.ok() || *current != run) {
       Log()->debug("run over, not told job={} run={} key={}", job, run, key);
-      return;
+      return false;
     }
   }
   if (absl::Status s = store->Set(job, key, std::move(value)); !s.ok()) {
     Log()->warn("could not tell the other nodes job={} key={} error={}", job, key, s.ToString());
+    return false;
   }
-}
-
-std::string IdKey(const core::CommunicatorSpec& spec, uint64_t built_at) {
-  return absl::StrCat(Keys(spec.run, spec.group), built_at, "/id");
+  return true;
 }
 
 // Other nodes' word that an op of a group spanning nodes cannot complete (see NcclBackend):
@@ -178,12 +185,10 @@ class PeerWord {
       if (now - start_ < kWatchAfter) return absl::OkStatus();
       fail_.emplace(store_, spec_.job, FailKey(spec_, op_.seq), op_.deadline);
       if (built_at_) {
-        broken_.emplace(store_, spec_.job,
-                        absl::StrCat(Keys(spec_.run, spec_.group), "broken/", *built_at_),
+        broken_.emplace(store_, spec_.job, BrokenKey(spec_.run, spec_.group, *built_at_),
                         op_.deadline);
       }
-      Tell(store_, spec_.job, spec_.run, OpKey(spec_.node), op_.fingerprint);
-      published_ = true;
+      published_ = Tell(store_, spec_.job, spec_.run, OpKey(spec_.node), op_.fingerprint);
     }
     std::optional<std::string> failed = fail_->value();
     std::optional<std::string> broken = broken_ ? broken_->value() : std::nullopt;
@@ -559,22 +564,10 @@ NcclBackend::NcclBackend(gpu::GpuApi* api, NcclOptions options) : api_(api), opt
 }
 
 void NcclBackend::WatchIdle() {
-  std::vector<std::shared_ptr<Comms>> all;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [key, c] : comms_) all.push_back(c);
-  }
-  for (auto& c : all) {
+  const absl::Time now = absl::Now();
+  DropKept("their time is up", [now](const Comms& c) { return now > c.kept_until; });
+  for (auto& c : Listed("")) {
     if (!c->mu.TryLock()) continue;  // running an op, which watches its communicators itself
-    if (c->kept_until != absl::InfinitePast() && absl::Now() > c->kept_until) {
-      Log()->info("nccl communicators kept after their job ended dropped job={} group={}", c->job,
-                  c->group);
-      AbortLocked(*c, absl::OkStatus());
-      DestroyStreamsLocked(*c);
-      ForgetLocked(*c);
-      c->mu.Unlock();
-      continue;
-    }
     absl::Status failed;
     for (gpu::Comm comm : c->comms) {
       if (absl::StatusOr<bool> r = api_->NcclCommReady(comm); !r.ok()) {
@@ -594,25 +587,20 @@ void NcclBackend::WatchIdle() {
 }
 
 void NcclBackend::DropKeptOn(const std::vector<int>& devices, const std::string& job) {
-  std::vector<std::shared_ptr<Comms>> all;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [key, c] : comms_) all.push_back(c);
-  }
-  for (auto& c : all) {
-    if (!c->mu.TryLock()) continue;  // in use: not kept
-    const bool drop = c->kept_until != absl::InfinitePast() && c->job != job &&
-                      std::any_of(c->devices.begin(), c->devices.end(), [&](int d) {
-                        return std::find(devices.begin(), devices.end(), d) != devices.end();
-                      });
-    if (drop) {
-      Log()->info(
-          "nccl communicators kept after their job ended dropped for another job job={} "
-          "group={}",
-          c->job, c->group);
-      AbortLocked(*c, absl::OkStatus());
-      DestroyStreamsLocked(*c);
-      ForgetLocked(*c);
+  DropKept("another job needs their GPUs", [&](const Comms& c) {
+    return c.job != job && std::any_of(c.devices.begin(), c.devices.end(), [&](int d) {
+             return std::find(devices.begin(), devices.end(), d) != devices.end();
+           });
+  });
+}
+
+void NcclBackend::DropKept(absl::string_view why, const std::function<bool(const Comms&)>& which) {
+  for (auto& c : Listed("")) {
+    if (!c->mu.TryLock()) continue;  // running an op: not kept
+    if (c->kept_until != absl::InfinitePast() && which(*c)) {
+      Log()->info("nccl communicators kept after their job ended dropped ({}) job={} group={}",
+                  std::string(why), c->job, c->group);
+      DropLocked(*c, absl::OkStatus());
     }
     c->mu.Unlock();
   }
@@ -667,16 +655,18 @@ std::shared_ptr<NcclBackend::Comms> NcclBackend::LockedCommsFor(const std::strin
   }
 }
 
-std::vector<std::shared_ptr<NcclBackend::Comms>> NcclBackend::OfJob(const std::string& job) {
-  std::vector<std::shared_ptr<Comms>> of_job;
+std::vector<std::shared_ptr<NcclBackend::Comms>> NcclBackend::Listed(const std::string& job) {
+  std::vector<std::shared_ptr<Comms>> listed;
   absl::MutexLock lock(&mu_);
   for (auto& [key, c] : comms_) {
-    if (key.first == job) of_job.push_back(c);
+    if (job.empty() || key.first == job) listed.push_back(c);
   }
-  return of_job;
+  return listed;
 }
 
-void NcclBackend::ForgetLocked(Comms& c) {
+void NcclBackend::DropLocked(Comms& c, const absl::Status& why) {
+  AbortLocked(c, why);
+  DestroyStreamsLocked(c);
   absl::MutexLock lock(&mu_);
   auto it = comms_.find({c.job, c.group});
   if (it != comms_.end() && it->second.get() == &c) comms_.erase(it);
@@ -685,7 +675,7 @@ void NcclBackend::ForgetLocked(Comms& c) {
 
 void NcclBackend::AbortLocked(Comms& c, const absl::Status& why) {
   if (c.store != nullptr && !c.comms.empty()) {
-    Tell(c.store, c.job, c.run, absl::StrCat(Keys(c.run, c.group), "broken/", c.built_at),
+    Tell(c.store, c.job, c.run, BrokenKey(c.run, c.group, c.built_at),
          absl::StrCat(c.node, ": ", why.message()));
   }
   for (gpu::Comm comm : c.comms) {
@@ -705,7 +695,7 @@ void NcclBackend::DestroyStreamsLocked(Comms& c) {
 }
 
 void NcclBackend::AbortJob(const std::string& job, const absl::Status& reason) {
-  for (auto& c : OfJob(job)) {
+  for (auto& c : Listed(job)) {
     {
       absl::MutexLock reason_lock(&c->reason_mu);
       c->abort_reason = reason;
@@ -720,7 +710,7 @@ void NcclBackend::AbortJob(const std::string& job, const absl::Status& reason) {
 }
 
 void NcclBackend::JobEnded(const std::string& job) {
-  for (auto& c : OfJob(job)) {
+  for (auto& c : Listed(job)) {
     absl::MutexLock lock(&c->mu);
     if (c->erased) continue;
     if (options_.keep_after_job > absl::ZeroDuration() && !c->comms.empty() &&
@@ -732,9 +722,7 @@ void NcclBackend::JobEnded(const std::string& job) {
     }
     // Other nodes still in the run hear that these communicators are gone (not after the run
     // is over at the root: see Tell).
-    AbortLocked(*c, absl::UnavailableError("the job's trainers on this node have left"));
-    DestroyStreamsLocked(*c);
-    ForgetLocked(*c);
+    DropLocked(*c, absl::UnavailableError("the job's trainers on this node have left"));
   }
 }
 

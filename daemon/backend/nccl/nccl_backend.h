@@ -1,6 +1,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -106,9 +107,11 @@ class NcclBackend final : public core::Backend {
   std::shared_ptr<Comms> CommsFor(const std::string& job, const std::string& group);
   // The group's Comms with its mu held (the caller unlocks it).
   std::shared_ptr<Comms> LockedCommsFor(const std::string& job, const std::string& group);
-  std::vector<std::shared_ptr<Comms>> OfJob(const std::string& job);
-  // Takes `c` out of comms_ (its mu held; mu_ is taken inside, the one lock order).
-  void ForgetLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  // The Comms of `job` (empty: of every job), as they are now.
+  std::vector<std::shared_ptr<Comms>> Listed(const std::string& job);
+  // Aborts `c`'s communicators (telling the other nodes `why`), destroys its streams and takes
+  // it out of comms_ (its mu held; mu_ is taken inside, the one lock order).
+  void DropLocked(Comms& c, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // Aborts `c`'s communicators (its mu held); they are rebuilt at the next op. A group spanning
   // nodes tells the other nodes (`broken` key) with `why`.
   void AbortLocked(Comms& c, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
@@ -118,6 +121,8 @@ class NcclBackend final : public core::Backend {
   // Drops communicators kept after their job ended that use any of `devices`, but those of
   // `job` (kept for it).
   void DropKeptOn(const std::vector<int>& devices, const std::string& job);
+  // Drops the kept communicators `which` selects (idle ones only), logging `why`.
+  void DropKept(absl::string_view why, const std::function<bool(const Comms&)>& which);
 
   gpu::GpuApi* const api_;
   const NcclOptions options_;
