@@ -214,8 +214,6 @@ using internal::Failed;
 
 namespace {
 
-// An op that failed on this node before it could run, as the other nodes of its group must
-// hear of it (the local members are told directly).
 // Whether `a` names device buffers (true), host buffers (false) or none (nullopt).
 std::optional<bool> OnDevice(const internal::Arrival& a) {
   for (const View* v : {&a.input, &a.output}) {
@@ -226,6 +224,8 @@ std::optional<bool> OnDevice(const internal::Arrival& a) {
   return std::nullopt;
 }
 
+// An op that failed on this node before it could run, as the other nodes of its group must
+// hear of it (the local members are told directly).
 internal::Ready FailedOp(const internal::Group& group, uint64_t seq, const Fingerprint& fp,
                          absl::Time deadline, const absl::Status& status,
                          std::optional<bool> on_device) {
