@@ -1,13 +1,22 @@
 // The C ABI of client/gradsync.h over the C++ client. No exception or C++ type crosses it.
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "client/gradsync.h"
 #include "client/gradsync_client.h"
+#include "client/store_client.h"
+#include "common/dtype.h"
+#include "common/pack_list.h"
+#include "google/protobuf/util/json_util.h"
 
 struct gs_client {
   std::unique_ptr<gradsync::client::Client> impl;
+  std::unique_ptr<gradsync::client::StoreClient> store;  // gs_connect_ex only
+  std::string job;
 };
 struct gs_buffer {
   std::unique_ptr<gradsync::client::SharedBuffer> impl;
@@ -56,6 +65,42 @@ gradsync::client::OpOptions Options(const gs_op_options* o) {
 gradsync::DType ToDType(int dtype) { return static_cast<gradsync::DType>(dtype); }
 gradsync::v1::ReduceOp ToReduce(int op) { return static_cast<gradsync::v1::ReduceOp>(op); }
 
+int NeedStore(const gs_client* client) {
+  if (int rc = Check(client, "client"); rc != 0) return rc;
+  if (client->store) return 0;
+  return Fail(absl::FailedPreconditionError("this client has no store: connect with gs_connect_ex"));
+}
+
+absl::Time Within(int64_t timeout_ms) { return absl::Now() + absl::Milliseconds(timeout_ms); }
+
+// A copy the caller releases with gs_free.
+char* Duplicate(const std::string& s) {
+  char* p = static_cast<char*>(std::malloc(s.size() + 1));
+  if (p != nullptr) std::memcpy(p, s.data(), s.size() + 1);
+  return p;
+}
+
+int ToJson(const google::protobuf::Message& message, char** out) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  if (auto s = google::protobuf::util::MessageToJsonString(message, &json, options); !s.ok()) {
+    return Fail(absl::InternalError(std::string(s.message())));
+  }
+  *out = Duplicate(json);
+  return *out == nullptr ? Fail(absl::ResourceExhaustedError("out of memory")) : 0;
+}
+
+int FromJson(const char* json, google::protobuf::Message* message) {
+  if (int rc = Check(json, "json"); rc != 0) return rc;
+  if (auto s = google::protobuf::util::JsonStringToMessage(json, message); !s.ok()) {
+    return Fail(absl::InvalidArgumentError("bad " + message->GetTypeName() + " JSON: " +
+                                           std::string(s.message())));
+  }
+  return 0;
+}
+
 int Emit(gradsync::client::Op op, gs_op** out) {
   *out = new gs_op{std::move(op)};
   return 0;
@@ -77,7 +122,32 @@ int gs_connect(const char* target, const char* job, int world_size, int rank, in
   return 0;
 }
 
+int gs_connect_ex(const char* target, const char* job, int world_size, int rank, int local_rank,
+                  int local_world_size, const gs_connect_options* options, gs_client** out) {
+  if (int rc = Check(target, "target") + Check(job, "job") + Check(out, "out"); rc != 0) return rc;
+  const std::string root =
+      options != nullptr && options->root_address != nullptr ? options->root_address : "";
+  gradsync::client::Placement placement{job,        world_size,       rank,
+                                        local_rank, local_world_size, root};
+  gradsync::client::ClientOptions client_options;
+  if (options != nullptr && options->token != nullptr) client_options.token = options->token;
+  if (options != nullptr && options->rpc_timeout_ms > 0) {
+    client_options.rpc_timeout = absl::Milliseconds(options->rpc_timeout_ms);
+  }
+  auto client = gradsync::client::Client::Connect(target, placement, client_options);
+  if (!client.ok()) return Fail(client.status());
+  auto store = std::make_unique<gradsync::client::StoreClient>(
+      gradsync::client::Connect(root.empty() ? std::string(target) : root, client_options),
+      client_options);
+  *out = new gs_client{*std::move(client), std::move(store), job};
+  return 0;
+}
+
 void gs_close(gs_client* client) { delete client; }
+
+int64_t gs_default_op_timeout_ms(const gs_client* client) {
+  return client ? absl::ToInt64Milliseconds(client->impl->default_op_timeout()) : 0;
+}
 
 int gs_buffer_create(gs_client* client, int64_t bytes, int dtype, gs_buffer** out) {
   if (int rc = Check(client, "client") + Check(out, "out"); rc != 0) return rc;
@@ -97,6 +167,14 @@ int gs_buffer_destroy(gs_client* client, gs_buffer* buffer) {
   delete buffer;
   return rc;
 }
+
+int gs_buffer_deregister(gs_client* client, const gs_buffer* buffer) {
+  if (int rc = Check(client, "client") + Check(buffer, "buffer"); rc != 0) return rc;
+  if (!buffer->impl) return Fail(absl::InvalidArgumentError("buffer was destroyed"));
+  return Report(client->impl->DeregisterBuffer(buffer->impl->id()));
+}
+
+void gs_buffer_free(gs_buffer* buffer) { delete buffer; }
 
 int gs_all_reduce_async(gs_client* client, int dtype, int reduce_op, const gs_segment* data,
                         size_t n, const gs_op_options* options, gs_op** out) {
@@ -150,6 +228,15 @@ int gs_op_wait(gs_op* op) {
   return Report(op->impl.Wait());
 }
 
+int gs_op_wait_for(gs_op* op, int64_t timeout_ms, int* done) {
+  if (int rc = Check(op, "op") + Check(done, "done"); rc != 0) return rc;
+  absl::Status status;
+  *done = op->impl.WaitFor(absl::Milliseconds(timeout_ms), &status) ? 1 : 0;
+  return *done ? Report(status) : 0;
+}
+
+uint64_t gs_op_seq(gs_op* op) { return op ? op->impl.seq() : 0; }
+
 int gs_op_test(gs_op* op, int* done) {
   if (int rc = Check(op, "op") + Check(done, "done"); rc != 0) return rc;
   *done = op->impl.Done() ? 1 : 0;
@@ -168,5 +255,77 @@ int gs_all_reduce(gs_client* client, int dtype, int reduce_op, const gs_segment*
   gs_op_free(op);
   return rc;
 }
+
+int gs_store_set(gs_client* client, const char* key, const void* value, size_t n) {
+  if (int rc = NeedStore(client) + Check(key, "key"); rc != 0) return rc;
+  if (n > 0 && value == nullptr) return Check(value, "value");
+  return Report(client->store->Set(
+      client->job, key, std::string(static_cast<const char*>(value), n)));
+}
+
+int gs_store_add(gs_client* client, const char* key, int64_t delta, int64_t* out) {
+  if (int rc = NeedStore(client) + Check(key, "key") + Check(out, "out"); rc != 0) return rc;
+  auto v = client->store->Add(client->job, key, delta);
+  if (!v.ok()) return Fail(v.status());
+  *out = *v;
+  return 0;
+}
+
+int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** value,
+                 size_t* n) {
+  if (int rc = NeedStore(client) + Check(key, "key") + Check(value, "value") + Check(n, "n");
+      rc != 0) {
+    return rc;
+  }
+  auto v = client->store->WaitBlocking(client->job, {key}, Within(timeout_ms));
+  if (!v.ok()) return Fail(v.status());
+  const std::string& s = v->at(0);
+  *value = std::malloc(s.empty() ? 1 : s.size());
+  if (*value == nullptr) return Fail(absl::ResourceExhaustedError("out of memory"));
+  std::memcpy(*value, s.data(), s.size());
+  *n = s.size();
+  return 0;
+}
+
+void gs_free(void* p) { std::free(p); }
+
+int gs_set_pack_list(gs_client* client, const char* group, const char* plan_json) {
+  if (int rc = NeedStore(client) + Check(group, "group"); rc != 0) return rc;
+  gradsync::v1::PackList plan;
+  if (int rc = FromJson(plan_json, &plan); rc != 0) return rc;
+  return Report(client->store->SetPackList(client->job, group, plan));
+}
+
+int gs_get_pack_list(gs_client* client, const char* group, int64_t timeout_ms, char** plan_json) {
+  if (int rc = NeedStore(client) + Check(group, "group") + Check(plan_json, "plan_json"); rc != 0) {
+    return rc;
+  }
+  auto plan = client->store->GetPackList(client->job, group, Within(timeout_ms));
+  if (!plan.ok()) return Fail(plan.status());
+  return ToJson(*plan, plan_json);
+}
+
+int gs_plan_packs(const char* grads_json, int64_t threshold_bytes, int32_t first_alone,
+                  char** plan_json) {
+  if (int rc = Check(plan_json, "plan_json"); rc != 0) return rc;
+  gradsync::v1::Pack grads;
+  if (int rc = FromJson(grads_json, &grads); rc != 0) return rc;
+  if (grads.indices_size() != grads.shapes_size()) {
+    return Fail(absl::InvalidArgumentError("grads: indices and shapes differ in length"));
+  }
+  std::vector<gradsync::GradInfo> infos(grads.indices_size());
+  for (int i = 0; i < grads.indices_size(); ++i) {
+    infos[i].index = grads.indices(i);
+    infos[i].spec = grads.shapes(i);
+  }
+  gradsync::PackOptions options;
+  options.threshold_bytes = threshold_bytes;
+  options.first_alone = first_alone;
+  auto plan = gradsync::PlanPacks(infos, options);
+  if (!plan.ok()) return Fail(plan.status());
+  return ToJson(*plan, plan_json);
+}
+
+int64_t gs_dtype_size(int dtype) { return gradsync::DTypeSize(ToDType(dtype)); }
 
 }  // extern "C"

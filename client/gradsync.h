@@ -1,4 +1,6 @@
 /* gradsync C ABI: a trainer's session with its node's gradsyncd, for languages other than C++.
+ * It is the one boundary every other language uses: the Python package loads this library
+ * (libgradsync_c.so) with ctypes, so one build serves every CPython.
  *
  * Every function returning int returns a gRPC status code (0 = OK; 3 INVALID_ARGUMENT,
  * 4 DEADLINE_EXCEEDED, 5 NOT_FOUND, 9 FAILED_PRECONDITION, 14 UNAVAILABLE, ...); the message
@@ -48,7 +50,22 @@ const char* gs_last_error(void);
 
 int gs_connect(const char* target, const char* job, int world_size, int rank, int local_rank,
                int local_world_size, gs_client** out);
+
+/* Options of gs_connect_ex; NULL means the defaults. */
+typedef struct gs_connect_options {
+  const char* root_address; /* the job's root daemon (host:port) when it spans nodes; NULL: this one */
+  const char* token;        /* the cluster token, for a root daemon over TCP; NULL: none */
+  int64_t rpc_timeout_ms;   /* deadline of calls that do not wait; 0: 10 s */
+} gs_connect_options;
+
+/* gs_connect, and a connection to the job's store (the root daemon's, else this daemon's). */
+int gs_connect_ex(const char* target, const char* job, int world_size, int rank, int local_rank,
+                  int local_world_size, const gs_connect_options* options, gs_client** out);
+/* Ends the session: the daemon fails this rank's pending ops in its groups. Every op and call
+ * on the client must have returned; buffers stay mapped until gs_buffer_free. */
 void gs_close(gs_client* client);
+/* The daemon's deadline for ops that name none. */
+int64_t gs_default_op_timeout_ms(const gs_client* client);
 
 /* Shared memory of `bytes`, registered with the daemon; dtype 0: any. */
 int gs_buffer_create(gs_client* client, int64_t bytes, int dtype, gs_buffer** out);
@@ -57,6 +74,10 @@ uint64_t gs_buffer_id(const gs_buffer* buffer);
 int64_t gs_buffer_size(const gs_buffer* buffer);
 /* Deregisters and unmaps; the buffer is freed even when deregistration fails. */
 int gs_buffer_destroy(gs_client* client, gs_buffer* buffer);
+/* Deregisters from the daemon but keeps the mapping (views of it stay valid). */
+int gs_buffer_deregister(gs_client* client, const gs_buffer* buffer);
+/* Unmaps and frees (after gs_buffer_deregister, or after gs_close); never calls the daemon. */
+void gs_buffer_free(gs_buffer* buffer);
 
 /* Asynchronous ops: *out receives the op to wait on and free. */
 int gs_all_reduce_async(gs_client* client, int dtype, int reduce_op, const gs_segment* data,
@@ -73,9 +94,36 @@ int gs_reduce_scatter_async(gs_client* client, int dtype, int reduce_op, const g
 
 /* Blocks until the op completes; returns its status. */
 int gs_op_wait(gs_op* op);
+/* Waits at most timeout_ms: *done = 0 (returns 0) while the op is pending; *done = 1 and the
+ * op's status once it completed or its deadline passed. For callers that must wake up
+ * regularly (signal handling). */
+int gs_op_wait_for(gs_op* op, int64_t timeout_ms, int* done);
 /* *done = 1 once complete (never blocks). */
 int gs_op_test(gs_op* op, int* done);
+/* This rank's sequence number of the op on its group (once complete). */
+uint64_t gs_op_seq(gs_op* op);
+/* An op may be freed before it completes (its outcome is dropped), also after gs_close. */
 void gs_op_free(gs_op* op);
+
+/* The job's store (keys of the client's job). A value is bytes; gs_free releases what a call
+ * returns through a pointer. */
+int gs_store_set(gs_client* client, const char* key, const void* value, size_t n);
+int gs_store_add(gs_client* client, const char* key, int64_t delta, int64_t* out);
+/* Waits until `key` exists, at most timeout_ms (then DEADLINE_EXCEEDED naming it). */
+int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** value,
+                 size_t* n);
+void gs_free(void* p);
+
+/* Pack plans, as the JSON of gradsync.v1.PackList (proto field names, enums by name). */
+int gs_set_pack_list(gs_client* client, const char* group, const char* plan_json);
+/* Waits for the group's plan at most timeout_ms (DEADLINE_EXCEEDED naming it). */
+int gs_get_pack_list(gs_client* client, const char* group, int64_t timeout_ms, char** plan_json);
+/* The pack planner: grads_json is the JSON of a gradsync.v1.Pack whose indices and shapes list
+ * the gradients in the order backward produced them (dtype in each shape). */
+int gs_plan_packs(const char* grads_json, int64_t threshold_bytes, int32_t first_alone,
+                  char** plan_json);
+/* Bytes per element of a gs_dtype; 0 if unknown. */
+int64_t gs_dtype_size(int dtype);
 
 /* Synchronous all-reduce: submit and wait. */
 int gs_all_reduce(gs_client* client, int dtype, int reduce_op, const gs_segment* data, size_t n,

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -90,6 +91,23 @@ struct Op::State {
 absl::Status Op::Wait() {
   if (!state_) return absl::FailedPreconditionError("empty Op");
   return client_->Await(*state_, state_->deadline);
+}
+
+bool Op::WaitFor(absl::Duration slice, absl::Status* status) {
+  if (!state_) {
+    *status = absl::FailedPreconditionError("empty Op");
+    return true;
+  }
+  const absl::Time limit = std::min(state_->deadline, absl::Now() + slice);
+  absl::Status s = client_->Await(*state_, limit);
+  bool done = false;
+  {
+    std::lock_guard<std::mutex> lock(client_->mu_);
+    done = state_->done;
+  }
+  if (!done && absl::Now() < state_->deadline) return false;
+  *status = std::move(s);
+  return true;
 }
 
 bool Op::Done() { return state_ && client_->Poll(*state_); }

@@ -116,6 +116,10 @@ class Op {
   /// Blocks until the daemon answers: the op's deadline plus a margin at most (then
   /// DEADLINE_EXCEEDED "no answer from gradsyncd"). Returns the same status every time.
   absl::Status Wait();
+  /// Waits at most `slice` (never past the op's deadline plus margin, as Wait). True once
+  /// answered or once that deadline has passed, with `*status` what Wait() returns; false while
+  /// the op is still pending. Lets a caller wake up regularly (Python handles signals between).
+  bool WaitFor(absl::Duration slice, absl::Status* status);
   /// True once answered; never blocks.
   bool Done();
   /// This rank's sequence number of the op on its group (valid once done).

@@ -123,6 +123,7 @@ def test_gradient_order_differs_is_a_desync_not_a_hang(tmp, daemon):
     for res in ranks.wait(timeout=90):
         out = res["json"][-1]
         assert out["error"] == "FAILED_PRECONDITION", out
+        assert out["where"] == "backward", out  # raised by backward(), as DDP does
         assert "desync" in out["message"] and re.search(r"grad\d", out["message"]), out
         assert out["took"] < 25  # reported at once, well before the op's 30 s deadline
 

@@ -176,12 +176,14 @@ def order():
     # Autograd runs the branch built last first: the ranks' gradients arrive in other orders.
     out = (a(x) + b(x)) if r == 0 else (b(x) + a(x))
     t0 = time.monotonic()
-    out.sum().backward()
+    where = "backward"  # the reductions end with backward: their errors surface there
     try:
+        out.sum().backward()
+        where = "step"
         opt.step()
         emit(rank=r, error=None)
     except gradsync.Error as e:
-        emit(rank=r, error=e.code, message=str(e), took=time.monotonic() - t0)
+        emit(rank=r, error=e.code, message=str(e), took=time.monotonic() - t0, where=where)
 
 
 def accumulate(out):

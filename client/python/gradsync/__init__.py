@@ -1,23 +1,31 @@
-"""gradsync for Python trainers: collectives on tensors through the node's gradsyncd.
+"""gradsync for Python trainers: collectives through the node's gradsyncd.
 
     import gradsync
     gradsync.init()                      # torchrun's RANK/WORLD_SIZE/LOCAL_* from the environment
     gradsync.all_reduce(t, op="mean")    # in place, like torch.distributed
     work = gradsync.all_reduce(t, async_op=True); ...; work.wait()
 
+Collectives take torch tensors or any writable buffer-protocol object (bytearray, array.array,
+memoryview, numpy arrays; the dtype comes from the buffer's format). torch is needed only for
+tensors and gradsync.torch: the package is pure Python over the C ABI (libgradsync_c.so, with
+ctypes), so it loads in any CPython 3.9+ from one build.
+
 Tensors that live in gradsync's shared memory (gradsync.empty, and the gradients of
-gradsync.torch.DistributedOptimizer) go to the daemon as they are; any other CPU tensor is
-copied into a staging buffer and back. Every wait releases the GIL. Failures raise
+gradsync.torch.DistributedOptimizer) go to the daemon as they are; anything else is copied into
+a staging buffer and back. Every wait releases the GIL and wakes up every few tens of
+milliseconds, so Ctrl-C raises KeyboardInterrupt at once; an op interrupted that way ends the
+session (the daemon fails the op on the other ranks, naming this one). Failures raise
 gradsync.Error, whose `code` is the status name ("FAILED_PRECONDITION", "DEADLINE_EXCEEDED").
 """
+import atexit
 import bisect
+import ctypes
 import os
+import sys
 import threading
 
-import torch as _torch  # not "torch": the submodule gradsync.torch takes that name here
-
-from . import _gradsync
-from ._gradsync import Error, plan_packs
+from . import _native
+from ._native import Error, plan_packs
 
 __all__ = [
     "Error", "Group", "WORLD", "Work", "init", "is_initialized", "shutdown", "get_rank",
@@ -28,18 +36,52 @@ __all__ = [
 DEFAULT_SOCKET = "/run/gradsync/gradsyncd.sock"
 DEFAULT_DAEMON_PORT = 7451
 
-_DTYPES = {
-    _torch.float32: "float32", _torch.float64: "float64", _torch.float16: "float16",
-    _torch.bfloat16: "bfloat16", _torch.int32: "int32", _torch.int64: "int64",
-    _torch.uint8: "uint8", _torch.int8: "int8",
-}
+
+def _torch():
+    import torch
+    return torch
+
+
+def _is_tensor(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+_TORCH_DTYPES = {}
 
 
 def dtype_name(dtype):
+    """gradsync's name of a torch dtype (or of a name already: "float32")."""
+    if isinstance(dtype, str):
+        _native.dtype_code(dtype)
+        return dtype
+    if not _TORCH_DTYPES:
+        t = _torch()
+        _TORCH_DTYPES.update({
+            t.float32: "float32", t.float64: "float64", t.float16: "float16",
+            t.bfloat16: "bfloat16", t.int32: "int32", t.int64: "int64", t.uint8: "uint8",
+            t.int8: "int8"})
     try:
-        return _DTYPES[dtype]
+        return _TORCH_DTYPES[dtype]
     except KeyError:
         raise TypeError(f"gradsync has no collective for {dtype}") from None
+
+
+_FORMATS = {"f": "float32", "d": "float64", "e": "float16", "b": "int8", "B": "uint8",
+            "c": "uint8"}
+
+
+def _format_dtype(fmt, itemsize):
+    """gradsync's dtype of a buffer-protocol format ('f', '<d', 'q', ...)."""
+    code = fmt.lstrip("@=<")
+    if fmt[:1] in (">", "!") and sys.byteorder == "little":
+        raise TypeError(f"gradsync takes native byte order, not buffer format '{fmt}'")
+    if code in _FORMATS:
+        return _FORMATS[code]
+    if code in ("i", "l", "q", "n") and itemsize in (4, 8):
+        return "int32" if itemsize == 4 else "int64"
+    raise TypeError(f"gradsync has no collective for buffer format '{fmt}' "
+                    "(float32/64, float16, int8/32/64, uint8)")
 
 
 class Group:
@@ -97,6 +139,7 @@ class _Context:
 
 
 _context = None
+_shutdown_hooks = []  # called at shutdown once the session is closed (gradsync.torch's thread)
 
 
 def _ctx():
@@ -121,10 +164,13 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
     The job id: `job`, else GRADSYNC_JOB, else "torchrun-" + TORCHELASTIC_RUN_ID. The socket:
     `socket`, else GRADSYNC_SOCKET, else /run/gradsync/gradsyncd.sock. The cluster token (only
     for a root daemon on another node): `token_file`, else GRADSYNC_TOKEN_FILE.
+    After shutdown() (or a session ended by Ctrl-C) init() may be called again.
     """
     global _context
     if _context is not None:
-        raise RuntimeError("gradsync.init() was already called in this process")
+        if not _context.client.closed:
+            raise RuntimeError("gradsync.init() was already called in this process")
+        _context = None
     rank = _env_int("RANK", 0) if rank is None else rank
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
     local_rank = _env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
@@ -144,21 +190,45 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
     if token_file:
         with open(token_file) as f:
             token = f.read().strip()
-    client = _gradsync.Client(socket, job, world_size, rank, local_rank, local_world_size,
-                              root_address=root_address, token=token,
-                              rpc_timeout_s=float(rpc_timeout or 0))
+    client = _native.Client(socket, job, world_size, rank, local_rank, local_world_size,
+                            root_address=root_address, token=token,
+                            rpc_timeout_s=float(rpc_timeout or 0))
     _context = _Context(client, job, rank, world_size, local_rank, local_world_size)
     return _context
 
 
 def is_initialized():
-    return _context is not None
+    return _context is not None and not _context.client.closed
 
 
 def shutdown():
-    """Ends the session (the daemon fails this rank's pending ops in its groups)."""
+    """Ends the session: the daemon fails this rank's pending ops in its groups. Threads the
+    package started are then stopped and joined; buffers stay mapped while tensors view them.
+    Runs by itself at interpreter exit; init() may follow."""
     global _context
-    _context = None
+    ctx, _context = _context, None
+    if ctx is not None:
+        ctx.client.close()  # waits in other threads return within _native.WAKE_S
+    for hook in list(_shutdown_hooks):
+        hook()
+
+
+def _interrupted():
+    """A wait was interrupted (KeyboardInterrupt): its op stays pending in the daemon, so end
+    the session, which fails it on the other ranks naming this one."""
+    shutdown()
+
+
+def _after_fork_in_child():
+    # The parent's session (its gRPC stream, its threads) is not ours: drop it untouched.
+    global _context
+    ctx, _context = _context, None
+    if ctx is not None:
+        ctx.client.forget()
+
+
+atexit.register(shutdown)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def get_rank():
@@ -170,7 +240,7 @@ def get_world_size():
 
 
 def client():
-    """The underlying _gradsync.Client (store access, raw segment ops)."""
+    """The underlying session (gradsync._native.Client: store access, raw segment ops)."""
     return _ctx().client
 
 
@@ -213,32 +283,101 @@ def _release_buffer(buf):
 
 
 def _view(buf, dtype, count, byte_offset=0):
-    return _torch.frombuffer(buf, dtype=dtype, count=count, offset=byte_offset)
+    return _torch().frombuffer(buf, dtype=dtype, count=count, offset=byte_offset)
 
 
-def empty(shape, dtype=_torch.float32):
-    """A tensor in gradsync shared memory: collectives on it copy nothing."""
-    shape = _torch.Size(shape if isinstance(shape, (tuple, list, _torch.Size)) else (shape,))
+def empty(shape, dtype=None):
+    """A tensor in gradsync shared memory (float32 by default): collectives on it copy nothing."""
+    torch = _torch()
+    dtype = torch.float32 if dtype is None else dtype
+    shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
     count = shape.numel()
-    buf = _new_buffer(count * _torch.empty((), dtype=dtype).element_size())
+    buf = _new_buffer(count * torch.empty((), dtype=dtype).element_size())
     return _view(buf, dtype, count).view(shape)
 
 
-def _segment(tensor):
-    """(buffer_id, byte_offset, count) if `tensor` is contiguous in a registered buffer."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return None
+def shared_buffer(nbytes):
+    """`nbytes` of gradsync shared memory as a writable buffer (memoryview(...), numpy.frombuffer
+    and array views of it reach the daemon without a copy). No torch needed."""
+    return _new_buffer(nbytes)
+
+
+def _find(address, nbytes):
+    """(buffer_id, byte_offset) if [address, address + nbytes) lies in a registered buffer."""
     ctx = _ctx()
-    ptr = tensor.data_ptr()
     with ctx.lock:
-        i = bisect.bisect(ctx.starts, ptr) - 1
+        i = bisect.bisect(ctx.starts, address) - 1
         if i < 0:
             return None
         buf = ctx.buffers[i]
-    end = ptr + tensor.numel() * tensor.element_size()
-    if end > buf.address + buf.nbytes:
+    if address + nbytes > buf.address + buf.nbytes:
         return None
-    return (buf.id, ptr - buf.address, tensor.numel())
+    return buf.id, address - buf.address
+
+
+# ---- what a collective takes: a torch tensor, or any buffer-protocol object ----
+class _Tensor:
+    def __init__(self, t):
+        if t.device.type != "cpu":
+            raise ValueError("gradsync collectives take CPU tensors here (GPU: NCCL plane)")
+        self.obj = t
+        self.dtype = dtype_name(t.dtype)
+        self.count = t.numel()
+        self.nbytes = self.count * t.element_size()
+
+    def segment(self):
+        t = self.obj
+        if not t.is_contiguous():
+            return None
+        found = _find(t.data_ptr(), self.nbytes)
+        return None if found is None else (found[0], found[1], self.count)
+
+    def copy_to(self, buf, offset):
+        _view(buf, self.obj.dtype, self.count, offset).copy_(self.obj.reshape(-1))
+
+    def copy_from(self, buf, offset):
+        self.obj.copy_(_view(buf, self.obj.dtype, self.count, offset).view_as(self.obj))
+
+
+class _Bytes:
+    def __init__(self, obj):
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise TypeError(f"gradsync collectives take torch tensors or buffer-protocol objects, "
+                            f"not {type(obj).__name__}") from None
+        if not view.c_contiguous:
+            raise ValueError("gradsync collectives take C-contiguous buffers")
+        self.obj = obj
+        self.view = view
+        self.dtype = _format_dtype(view.format, view.itemsize)
+        self.nbytes = view.nbytes
+        self.count = view.nbytes // view.itemsize
+
+    def _address(self):
+        if self.view.readonly:
+            raise ValueError("gradsync writes into the buffer: it must be writable")
+        if self.nbytes == 0:
+            return None
+        return ctypes.addressof((ctypes.c_char * self.nbytes).from_buffer(self.view))
+
+    def segment(self):
+        address = self._address()
+        found = None if address is None else _find(address, self.nbytes)
+        return None if found is None else (found[0], found[1], self.count)
+
+    def copy_to(self, buf, offset):
+        if self.nbytes:
+            ctypes.memmove(buf.address + offset, self.view.tobytes(), self.nbytes)
+
+    def copy_from(self, buf, offset):
+        address = self._address()
+        if address is not None:
+            ctypes.memmove(address, buf.address + offset, self.nbytes)
+
+
+def _operand(x):
+    return _Tensor(x) if _is_tensor(x) else _Bytes(x)
 
 
 def _size_class(nbytes):
@@ -256,13 +395,16 @@ def _staging(nbytes):
 
 
 def _unstage(buf):
-    ctx = _ctx()
+    ctx = _context
+    if ctx is None or ctx.client.closed:
+        return
     with ctx.lock:
         ctx.free.setdefault(buf.nbytes, []).append(buf)
 
 
 class Work:
-    """An op in flight. wait() blocks (GIL released), copies staged results back, and returns."""
+    """An op in flight. wait() blocks (GIL released; Ctrl-C raises KeyboardInterrupt and ends
+    the session), copies staged results back, and returns."""
 
     def __init__(self, handle, finish=None, result=None, release=None):
         self._handle = handle
@@ -274,12 +416,12 @@ class Work:
     def wait(self):
         with self._lock:
             try:
-                self._handle.wait()  # a failed op raises the same error on every wait
+                _wait(self._handle)  # a failed op raises the same error on every wait
                 if self._finish:
                     finish, self._finish = self._finish, None
                     finish()
             finally:
-                if self._handle.done() and self._release:
+                if self._release and self._handle.done():
                     release, self._release = self._release, None
                     release()
         return self._result
@@ -288,25 +430,31 @@ class Work:
         return self._handle.done()
 
 
-def _in_place(tensors, submit, result, async_op):
-    """Runs `submit(segments)` on `tensors` in place, staging those not in shared memory."""
+def _wait(handle):
+    """handle.wait(); an interrupted wait ends the session (see _interrupted)."""
+    try:
+        handle.wait()
+    except KeyboardInterrupt:
+        _interrupted()
+        raise
+
+
+def _in_place(objs, submit, result, async_op):
+    """Runs `submit(segments)` on `objs` in place, staging those not in shared memory."""
     segments, copies, staged = [], [], []
-    for t in tensors:
-        seg = _segment(t)
+    for x in objs:
+        seg = x.segment()
         if seg is None:
-            if t.device.type != "cpu":
-                raise ValueError("gradsync collectives take CPU tensors here (GPU: NCCL plane)")
-            buf = _staging(t.numel() * t.element_size())
+            buf = _staging(x.nbytes)
             staged.append(buf)
-            view = _view(buf, t.dtype, t.numel())
-            view.copy_(t.reshape(-1))
-            copies.append((t, view))
-            seg = (buf.id, 0, t.numel())
+            x.copy_to(buf, 0)
+            copies.append((x, buf))
+            seg = (buf.id, 0, x.count)
         segments.append(seg)
 
     def finish():
-        for t, view in copies:
-            t.copy_(view.view_as(t))
+        for x, buf in copies:
+            x.copy_from(buf, 0)
 
     def release():
         for buf in staged:
@@ -333,11 +481,13 @@ def _timeout(timeout):
 
 
 def all_reduce(tensor, op="sum", group=WORLD, async_op=False, name="", timeout=None):
-    """In-place all-reduce of a CPU tensor: op is sum, mean (divides by the group size), min, max."""
+    """In-place all-reduce of a CPU tensor or a writable buffer: op is sum, mean (divides by the
+    group size), min, max."""
     c = _ctx().client
+    x = _operand(tensor)
     return _in_place(
-        [tensor], lambda segs: c.all_reduce(dtype_name(tensor.dtype), op, segs, group.key, name,
-                                            _timeout(timeout)), tensor, async_op)
+        [x], lambda segs: c.all_reduce(x.dtype, op, segs, group.key, name, _timeout(timeout)),
+        tensor, async_op)
 
 
 def broadcast(tensor, src=0, group=WORLD, async_op=False, name="", timeout=None):
@@ -346,9 +496,10 @@ def broadcast(tensor, src=0, group=WORLD, async_op=False, name="", timeout=None)
     if src not in ranks:
         raise ValueError(f"broadcast source rank {src} is not in {group}")
     c = _ctx().client
+    x = _operand(tensor)
     return _in_place(
-        [tensor], lambda segs: c.broadcast(dtype_name(tensor.dtype), ranks.index(src), segs,
-                                           group.key, name, _timeout(timeout)), tensor, async_op)
+        [x], lambda segs: c.broadcast(x.dtype, ranks.index(src), segs, group.key, name,
+                                      _timeout(timeout)), tensor, async_op)
 
 
 def barrier(group=WORLD, async_op=False, name="", timeout=None):
@@ -356,16 +507,20 @@ def barrier(group=WORLD, async_op=False, name="", timeout=None):
     return work if async_op else work.wait()
 
 
-def _flat_staging(tensors):
-    """One staging buffer holding `tensors` back to back; returns (buffer, views)."""
-    total = sum(t.numel() for t in tensors)
-    dtype = tensors[0].dtype
-    buf = _staging(total * tensors[0].element_size())
-    views, at = [], 0
-    for t in tensors:
-        views.append(_view(buf, dtype, t.numel(), at * t.element_size()))
-        at += t.numel()
-    return buf, views
+def _flat_staging(objs):
+    """One staging buffer holding `objs` back to back; returns (buffer, byte offsets)."""
+    offsets, at = [], 0
+    for x in objs:
+        offsets.append(at)
+        at += x.nbytes
+    return _staging(at), offsets
+
+
+def _same_dtype(objs):
+    dtypes = {x.dtype for x in objs}
+    if len(dtypes) != 1:
+        raise TypeError(f"gradsync collective operands differ in dtype: {sorted(dtypes)}")
+    return dtypes.pop()
 
 
 def all_gather(tensor_list, tensor, group=WORLD, async_op=False, name="", timeout=None):
@@ -373,18 +528,21 @@ def all_gather(tensor_list, tensor, group=WORLD, async_op=False, name="", timeou
     if len(tensor_list) != group.size:
         raise ValueError(f"all_gather needs {group.size} output tensors, got {len(tensor_list)}")
     c = _ctx().client
-    buf, views = _flat_staging([tensor] + list(tensor_list))
-    views[0].copy_(tensor.reshape(-1))
-    esize = tensor.element_size()
-    n = tensor.numel()
+    x = _operand(tensor)
+    outs = [_operand(t) for t in tensor_list]
+    dtype = _same_dtype([x] + outs)
+    if any(o.count != x.count for o in outs):
+        raise ValueError("all_gather outputs must each have the input's element count")
+    buf, offsets = _flat_staging([x] + outs)
+    x.copy_to(buf, 0)
 
     def finish():
-        for out, view in zip(tensor_list, views[1:]):
-            out.copy_(view.view_as(out))
+        for o, at in zip(outs, offsets[1:]):
+            o.copy_from(buf, at)
 
     return _start(
-        lambda: c.all_gather(dtype_name(tensor.dtype), [(buf.id, 0, n)],
-                             [(buf.id, n * esize, n * group.size)], group.key, name,
+        lambda: c.all_gather(dtype, [(buf.id, 0, x.count)],
+                             [(buf.id, offsets[1], x.count * group.size)], group.key, name,
                              _timeout(timeout)),
         finish, tensor_list, lambda: _unstage(buf), async_op)
 
@@ -395,19 +553,22 @@ def reduce_scatter(output, input_list, op="sum", group=WORLD, async_op=False, na
     if len(input_list) != group.size:
         raise ValueError(f"reduce_scatter needs {group.size} input tensors, got {len(input_list)}")
     c = _ctx().client
-    buf, views = _flat_staging(list(input_list) + [output])
-    for t, view in zip(input_list, views):
-        view.copy_(t.reshape(-1))
-    esize = output.element_size()
-    n = output.numel()
+    out = _operand(output)
+    ins = [_operand(t) for t in input_list]
+    dtype = _same_dtype(ins + [out])
+    if any(i.count != out.count for i in ins):
+        raise ValueError("reduce_scatter inputs must each have the output's element count")
+    buf, offsets = _flat_staging(ins + [out])
+    for i, at in zip(ins, offsets):
+        i.copy_to(buf, at)
+    n = out.count
 
     def finish():
-        output.copy_(views[-1].view_as(output))
+        out.copy_from(buf, offsets[-1])
 
     return _start(
-        lambda: c.reduce_scatter(dtype_name(output.dtype), op, [(buf.id, 0, n * group.size)],
-                                 [(buf.id, n * group.size * esize, n)], group.key, name,
-                                 _timeout(timeout)),
+        lambda: c.reduce_scatter(dtype, op, [(buf.id, 0, n * group.size)],
+                                 [(buf.id, offsets[-1], n)], group.key, name, _timeout(timeout)),
         finish, output, lambda: _unstage(buf), async_op)
 
 

@@ -1,18 +1,23 @@
 """PyTorch integration: DistributedOptimizer and a DDP communication hook.
 
-DistributedOptimizer gives PyTorch what MegEngine's DistributedOptimizer gave its users:
+DistributedOptimizer gives PyTorch what MegEngine's DistributedOptimizer gave its users, with
+torch DDP's contract:
 
     opt = gradsync.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                               reduce_method="mean", param_pack=True)
     for x, y in data:
         opt.zero_grad()
-        loss_fn(model(x), y).backward()   # gradients are reduced as backward produces them
-        opt.step()                        # waits for the reductions, then steps
+        loss_fn(model(x), y).backward()   # reductions start as backward produces gradients;
+                                          # when it returns, every gradient is reduced
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # sees the reduced gradients
+        opt.step()
 
 Every gradient lives in gradsync shared memory (param.grad is a view into a registered buffer),
 so the daemon reduces it where it is: nothing is copied in or out.
 """
 import contextlib
+import inspect
+import os
 import threading
 
 import torch
@@ -22,10 +27,25 @@ from gradsync import Error, WORLD
 
 __all__ = ["DistributedOptimizer", "allreduce_hook"]
 
+# torch >= 2.1 runs a hook once a parameter's gradient is accumulated; before, the hook goes on
+# the gradient's accumulator node (the same moment).
+_POST_ACCUMULATE = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+# torch.optim's own default for zero_grad (False in 1.x, True in 2.x).
+_SET_TO_NONE_DEFAULT = bool(
+    inspect.signature(torch.optim.Optimizer.zero_grad).parameters["set_to_none"].default)
+
+
+def _queue_end_of_backward(fn):
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
 
 class _Layout:
     """Gradients of the parameters laid out back to back, in a given order, one registered
-    buffer per dtype; place[i] = (buffer, byte offset, element count) of parameter i."""
+    buffer per dtype; place[i] = (buffer, byte offset, element count) of parameter i.
+
+    Each gradient is followed by one element, its flag: before a reduction, 1 if this rank
+    contributes a gradient to it and 0 if not; reduced with the gradient, it says whether any
+    rank did (DDP's "globally unused" parameters keep grad None, as in one process)."""
 
     def __init__(self, params, order):
         self.buffers = {}
@@ -33,18 +53,21 @@ class _Layout:
         sizes = {}
         for i in order:
             p = params[i]
-            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + (p.numel() + 1) * p.element_size()
         for dtype, nbytes in sizes.items():
             self.buffers[dtype] = gradsync._new_buffer(nbytes)
         at = {dtype: 0 for dtype in sizes}
         for i in order:
             p = params[i]
             self.place[i] = (self.buffers[p.dtype], at[p.dtype], p.numel())
-            at[p.dtype] += p.numel() * p.element_size()
-
-    def view(self, params, i):
-        buf, offset, count = self.place[i]
-        return gradsync._view(buf, params[i].dtype, count, offset).view_as(params[i])
+            at[p.dtype] += (p.numel() + 1) * p.element_size()
+        self.views, self.flags, self.ptrs = {}, {}, {}
+        for i in order:
+            buf, offset, count = self.place[i]
+            both = gradsync._view(buf, params[i].dtype, count + 1, offset)
+            self.views[i] = both[:count].view_as(params[i])
+            self.flags[i] = both[count:]
+            self.ptrs[i] = self.views[i].data_ptr()
 
     def release(self):
         for buf in self.buffers.values():
@@ -53,7 +76,11 @@ class _Layout:
 
 class DistributedOptimizer:
     """Wraps a torch.optim.Optimizer (or builds one: DistributedOptimizer(params, reduce_method=
-    ..., optimizer_class=torch.optim.SGD, lr=0.1)) and all-reduces the gradients through gradsync.
+    ..., optimizer_class=torch.optim.SGD, lr=0.1)) and all-reduces the gradients through gradsync,
+    with torch DDP's contract: when backward() returns, every gradient is reduced and the same
+    on every rank (clipping, logging and reading gradients see the reduced values); several
+    backward passes before one step(), with or without no_sync(), give the gradients one
+    process gets on the whole batch; a parameter no rank's backward produced keeps grad None.
 
     reduce_method: "sum" or "mean" (required when the group has more than one rank).
     dist_group:    the gradsync.Group the gradients are reduced over (None: not distributed).
@@ -95,25 +122,38 @@ class DistributedOptimizer:
         if self._distributed and any(p.device.type != "cpu" for p in self._params):
             raise ValueError("DistributedOptimizer reduces CPU parameters; GPU parameters need "
                              "the CUDA IPC path, which the Python package does not have yet")
+        n = len(self._params)
         self._iteration = 0
         self._lock = threading.Lock()
-        self._works = []           # this iteration's reductions in flight
-        self._fired = set()        # parameters whose gradient is ready this iteration
-        self._order = []           # first iteration: the order gradients became ready
+        self._works = []           # this backward's reductions in flight
+        self._fired = set()        # parameters whose gradient is ready in this backward
+        self._order = []           # first synchronised backward: the order gradients became ready
+        self._order_done = False
         self._plan = None          # the pack plan (param_pack, from the second iteration on)
         self._pack_of = {}         # parameter -> pack index
-        self._pending = []         # per pack: gradients still to come this iteration
+        self._pending = []         # per pack: gradients still to come in this backward
         self._layout = None
         self._hooks = []
         self._no_sync = False
+        self._queued = False       # the end-of-backward callback is queued for this backward
+        # Accumulation over several backward passes (the reduction is linear, so reducing only
+        # what each backward adds and adding the earlier reduced value back is exact):
+        self._reduced = [False] * n  # the gradient holds a reduced value (until zero_grad)
+        self._stash = {}             # i -> reduced value set aside while a new one accumulates
+        self._local = {}             # i -> local part while grad shows stash + local (no_sync)
+        self._has_grad = [p.grad is not None for p in self._params]  # grad is not None
         if not self._distributed:
             return
-        self._layout = _Layout(self._params, range(len(self._params)))
-        self._attach_grads(copy=False)
+        self._layout = _Layout(self._params, range(n))
+        self._attach_grads()
         for i, p in enumerate(self._params):
-            acc = p.expand_as(p).grad_fn.next_functions[0][0]  # the gradient's accumulator
-            acc.register_hook(self._make_hook(i))
-            self._hooks.append(acc)
+            self._hooks.append(p.register_hook(self._make_pre_hook(i)))
+            if _POST_ACCUMULATE:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+            else:
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]  # the gradient's accumulator
+                acc.register_hook(self._make_hook(i))
+                self._hooks.append(acc)  # the node lives as long as we hold it
         if bcast_period != -1:
             self.bcast_param()
 
@@ -148,13 +188,15 @@ class DistributedOptimizer:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: backward passes inside accumulate locally and start no
-        reduction; the first backward after the block reduces the accumulated gradients.
+        """Gradient accumulation without communication: backward passes inside accumulate
+        locally and start no reduction; the next backward outside reduces the sum.
 
             with opt.no_sync():
                 loss_fn(model(x1), y1).backward()
             loss_fn(model(x2), y2).backward()   # reduces the sum of both
             opt.step()
+
+        (Accumulating without no_sync gives the same gradients, with a reduction per backward.)
         """
         previous, self._no_sync = self._no_sync, True
         try:
@@ -162,43 +204,105 @@ class DistributedOptimizer:
         finally:
             self._no_sync = previous
 
-    def zero_grad(self, set_to_none=False):
-        """Zeroes the gradients in place: they live in shared memory, so never None."""
+    def zero_grad(self, set_to_none=None):
+        """Zeroes the gradients in place (they live in shared memory). With set_to_none
+        (torch's default for its version when None), a parameter the next backward does not
+        produce on any rank ends it with grad None, as it would in one process."""
+        if set_to_none is None:
+            set_to_none = _SET_TO_NONE_DEFAULT
         if not self._distributed:
             return self._opt.zero_grad(set_to_none=set_to_none)
+        self._drain()
         for buf in self._layout.buffers.values():
             torch.frombuffer(buf, dtype=torch.uint8).zero_()
-        self._attach_grads(copy=False)
+        views = self._layout.views
+        for i, p in enumerate(self._params):
+            p.grad = views[i]
+        n = len(self._params)
+        self._reduced = [False] * n
+        self._stash, self._local = {}, {}
+        if set_to_none:
+            self._has_grad = [False] * n
 
     # ---- reduction ----
-    def _attach_grads(self, copy):
+    def _attach_grads(self):
+        """Points every gradient that is not None at its view in the (new) layout."""
+        views = self._layout.views
         for i, p in enumerate(self._params):
-            view = self._layout.view(self._params, i)
-            if copy and p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = view
+            if p.grad is not None:
+                views[i].copy_(p.grad)
+                p.grad = views[i]
+
+    def _ours(self, i):
+        g = self._params[i].grad
+        return g is not None and g.data_ptr() == self._layout.ptrs[i]
+
+    def _make_pre_hook(self, i):
+        def pre_hook(grad):  # before autograd accumulates `grad` into param.grad
+            if self._reduced[i] or self._local:
+                self._before_new_gradient(i)
+        return pre_hook
 
     def _make_hook(self, i):
-        def hook(*unused):
+        def hook(*unused):  # param.grad now holds the accumulated gradient
             self._grad_ready(i)
         return hook
 
-    def _grad_ready(self, i):
-        if self._no_sync:
-            return  # accumulating: the backward after no_sync() reduces
+    def _before_new_gradient(self, i):
+        """A new gradient is about to land on param i's: if it holds a reduced value (an earlier
+        backward of this step), set that aside so that only the new part is reduced."""
+        if self._reduced[i]:
+            self._reduced[i] = False
+            if self._ours(i):
+                view = self._layout.views[i]
+                self._stash[i] = view.clone()
+                view.zero_()
+            # else: the user replaced or cleared the gradient; the reduced value went with it.
+        elif i in self._local:
+            local = self._local.pop(i)
+            if self._ours(i):
+                self._layout.views[i].copy_(local)  # back to the local part alone
+            else:
+                self._stash.pop(i, None)
+
+    def _take_back(self, i):
+        """Makes param.grad our view again if the user replaced it (or set it to None)."""
+        if self._ours(i):
+            return True
         p = self._params[i]
-        buf, offset, _ = self._layout.place[i]
-        if p.grad is None or p.grad.data_ptr() != buf.address + offset:
-            # The gradient was replaced (zero_grad(set_to_none=True) elsewhere): take it back in.
-            view = self._layout.view(self._params, i)
-            view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
+        view = self._layout.views[i]
+        self._stash.pop(i, None)
+        self._local.pop(i, None)
+        self._reduced[i] = False
+        if p.grad is None:
+            view.zero_()
+            self._layout.flags[i].zero_()
+            self._has_grad[i] = False
             p.grad = view
+            return False
+        view.copy_(p.grad)
+        self._layout.flags[i].fill_(1)
+        p.grad = view
+        return True
+
+    def _grad_ready(self, i):
+        if not self._queued:
+            self._queued = True
+            _queue_end_of_backward(self._backward_end)
+        self._take_back(i)
+        self._layout.flags[i].fill_(1)  # this rank contributes a gradient
+        if self._no_sync:
+            return  # accumulating: the next backward outside no_sync() reduces
+        self._ready(i)
+
+    def _ready(self, i):
         with self._lock:
             if i in self._fired:
-                return  # accumulated twice in one iteration: its op is already on its way
+                return
             self._fired.add(i)
             if self._plan is None:
-                self._order.append(i)
+                if not self._order_done:
+                    self._order.append(i)
                 self._submit([i], f"grad{i}")
             else:
                 k = self._pack_of[i]
@@ -207,34 +311,86 @@ class DistributedOptimizer:
                     self._submit(self._plan["packs"][k]["indices"], f"pack{k}")
 
     def _submit(self, indices, name):
-        # Members of a pack are adjacent in the layout: one segment.
+        # Members of a pack are adjacent in the layout (each gradient and its flag): one segment.
         buf, offset, _ = self._layout.place[indices[0]]
-        count = sum(self._layout.place[i][2] for i in indices)
+        count = sum(self._layout.place[i][2] + 1 for i in indices)
         handle = gradsync.client().all_reduce(
             gradsync.dtype_name(self._params[indices[0]].dtype), self._reduce_method,
             [(buf.id, offset, count)], self._group.key, name, gradsync._timeout(self._timeout))
         self._works.append(handle)
 
+    def _backward_end(self):
+        """Autograd's end-of-backward callback: the one wait of a backward pass."""
+        self._queued = False
+        if self._no_sync:
+            # Show what DDP would: the reduced value of earlier passes plus the local sum.
+            for i, reduced in self._stash.items():
+                if i not in self._local and self._ours(i):
+                    view = self._layout.views[i]
+                    self._local[i] = view.clone()
+                    view.add_(reduced)
+            return
+        self._finish_reduction()
+
     def _finish_reduction(self):
+        n = len(self._params)
         with self._lock:
-            # Gradients backward never produced (unused parameters) still take part, as zeros
-            # or as they were, in parameter order: every rank submits the same ops.
-            missing = [i for i in range(len(self._params)) if i not in self._fired]
+            missing = [i for i in range(n) if i not in self._fired]
+        # Gradients this backward did not produce (unused parameters) still take part, so that
+        # every rank submits the same ops, in parameter order; they contribute what they hold
+        # locally, and nothing (flag 0) if they hold nothing or an already reduced value.
+        flags = self._layout.flags
         for i in missing:
-            self._grad_ready(i)
+            if self._take_back(i):  # else it was None: now zeros, flag 0
+                if self._reduced[i]:
+                    self._before_new_gradient(i)  # its reduced value waits aside
+                    flags[i].zero_()
+                elif i in self._local:
+                    self._before_new_gradient(i)
+            self._ready(i)
         with self._lock:
             works, self._works = self._works, []
             self._fired = set()
             if self._plan is not None:
                 self._pending = [len(p["indices"]) for p in self._plan["packs"]]
+            self._order_done = True
         first_error = None
         for h in works:
             try:
                 h.wait()
             except Error as e:
                 first_error = first_error or e
+        views = self._layout.views
+        for i, reduced in self._stash.items():
+            if self._ours(i):
+                views[i].add_(reduced)
+        self._stash, self._local = {}, {}
+        self._reduced = [True] * n
+        if not all(self._has_grad):
+            for i, p in enumerate(self._params):
+                if self._has_grad[i]:
+                    continue
+                if float(flags[i]) != 0:
+                    self._has_grad[i] = True  # some rank produced it
+                else:
+                    p.grad = None  # no rank did: as in one process
+                    self._reduced[i] = False
         if first_error is not None:
             raise first_error
+
+    def _drain(self):
+        """Waits out reductions a backward left in flight (it failed before its end)."""
+        with self._lock:
+            works, self._works = self._works, []
+            self._fired = set()
+            if self._plan is not None:
+                self._pending = [len(p["indices"]) for p in self._plan["packs"]]
+        self._queued = False
+        for h in works:
+            try:
+                h.wait()
+            except Error:
+                pass
 
     def _make_plan(self):
         group = self._group
@@ -252,17 +408,23 @@ class DistributedOptimizer:
         order = [i for p in plan["packs"] for i in p["indices"]]
         old = self._layout
         self._layout = _Layout(self._params, order)
-        self._attach_grads(copy=True)
+        self._attach_grads()
         old.release()
         self._plan = plan
         self._pack_of = {i: k for k, p in enumerate(plan["packs"]) for i in p["indices"]}
         self._pending = [len(p["indices"]) for p in plan["packs"]]
 
     def step(self, closure=None):
-        """Waits for this iteration's reductions, re-broadcasts on schedule, then steps."""
+        """Steps the wrapped optimizer: the gradients are already reduced (by the end of
+        backward); re-broadcasts the parameters first when bcast_period says so."""
         if self._distributed:
-            self._finish_reduction()
-            if self._param_pack and self._plan is None:
+            if self._works or self._fired:
+                self._finish_reduction()  # a backward whose end callback never ran
+            if self._stash:
+                # Accumulated under no_sync() after a synchronised backward, and not reduced
+                # since: grad already shows reduced + local, as with DDP.
+                self._stash, self._local = {}, {}
+            if self._param_pack and self._plan is None and self._order_done:
                 self._make_plan()
             self._iteration += 1
             if self._bcast_period > 0 and self._iteration % self._bcast_period == 0:
@@ -293,17 +455,24 @@ class DistributedOptimizer:
 
 
 class _Completer:
-    """Completes DDP's futures as gradsync's ops finish, on one background thread."""
+    """Completes DDP's futures as gradsync's ops finish, on one background thread.
+
+    The thread never outlives the session: gradsync.shutdown() (also at interpreter exit) ends
+    the session, which fails the op it waits on within a few tens of milliseconds, then stops
+    and joins it; futures still queued fail with gradsync.Error. A forked child starts with
+    none (the parent's thread does not exist there)."""
 
     def __init__(self):
         self._cv = threading.Condition()
         self._queue = []
         self._thread = None
+        self._stopping = False
 
     def add(self, work, future):
         with self._cv:
             self._queue.append((work, future))
             if self._thread is None:
+                self._stopping = False
                 self._thread = threading.Thread(target=self._run, name="gradsync-ddp",
                                                 daemon=True)
                 self._thread.start()
@@ -312,16 +481,36 @@ class _Completer:
     def _run(self):
         while True:
             with self._cv:
-                while not self._queue:
+                while not self._queue and not self._stopping:
                     self._cv.wait()
+                if not self._queue:
+                    return
                 work, future = self._queue.pop(0)
             try:
                 future.set_result(work.wait())
             except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it in backward
                 future.set_exception(e)
 
+    def stop(self, timeout_s=10.0):
+        """Lets the thread finish what is queued (the session is closed by now, so every wait
+        returns at once) and joins it."""
+        with self._cv:
+            thread, self._thread = self._thread, None
+            self._stopping = True
+            self._cv.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def forget(self):
+        with self._cv:
+            self._thread = None
+            self._queue = []
+            self._stopping = False
+
 
 _completer = _Completer()
+gradsync._shutdown_hooks.append(_completer.stop)
+os.register_at_fork(after_in_child=_completer.forget)
 
 
 def allreduce_hook(state, bucket):

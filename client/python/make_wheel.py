@@ -1,0 +1,63 @@
+"""Packs the built gradsync package (pure Python plus libgradsync_c.so) into a wheel.
+
+    make_wheel.py --package BUILD/python/gradsync --out BUILD/python/dist --version 0.1.0
+
+The wheel is tagged py3-none-<platform>: the Python files run in any CPython 3.9+ and the
+library is loaded with ctypes, so nothing in it depends on the interpreter's ABI. It links the
+machine's gRPC, protobuf and Abseil (Debian's), which the target machine must have. Standard
+library only; the output is reproducible (fixed timestamps, sorted entries).
+"""
+import argparse
+import base64
+import hashlib
+import os
+import sysconfig
+import zipfile
+
+SUMMARY = "gradsync client: collectives through the node's gradsyncd, and gradsync.torch"
+
+
+def record_line(name, data):
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--package", required=True, help="the built package folder (gradsync/)")
+    ap.add_argument("--out", required=True, help="folder for the wheel")
+    ap.add_argument("--version", required=True)
+    args = ap.parse_args()
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    tag = f"py3-none-{platform}"
+    info = f"gradsync-{args.version}.dist-info"
+    files = {}
+    for name in sorted(os.listdir(args.package)):
+        if name.endswith(".py") or name.endswith(".so"):
+            with open(os.path.join(args.package, name), "rb") as f:
+                files[f"gradsync/{name}"] = f.read()
+    files[f"{info}/METADATA"] = (
+        "Metadata-Version: 2.1\nName: gradsync\n"
+        f"Version: {args.version}\nSummary: {SUMMARY}\nRequires-Python: >=3.9\n"
+        "Provides-Extra: torch\nRequires-Dist: torch; extra == \"torch\"\n").encode()
+    files[f"{info}/WHEEL"] = (
+        "Wheel-Version: 1.0\nGenerator: gradsync make_wheel.py\nRoot-Is-Purelib: false\n"
+        f"Tag: {tag}\n").encode()
+    record = [record_line(n, d) for n, d in files.items()] + [f"{info}/RECORD,,"]
+    files[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    os.makedirs(args.out, exist_ok=True)
+    for old in os.listdir(args.out):
+        if old.endswith(".whl"):
+            os.remove(os.path.join(args.out, old))
+    path = os.path.join(args.out, f"gradsync-{args.version}-{tag}.whl")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in files.items():
+            entry = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+            entry.external_attr = (0o755 if name.endswith(".so") else 0o644) << 16
+            entry.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(entry, data)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
