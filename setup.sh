@@ -15,7 +15,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libabsl-dev libspdlog-dev libfmt-dev libsystemd-dev
   libgtest-dev libgmock-dev googletest
-  libgloo-dev pybind11-dev python3-dev
+  libgloo-dev
   python3-torch python3-grpcio python3-pytest python3-numpy
   openmpi-bin libopenmpi-dev
   iproute2 systemd procps
@@ -68,7 +68,8 @@ demo() {
   local dir world=4 rc=0
   dir=$(mktemp -d /tmp/gradsync-demo-XXXXXX)
   local sock=$dir/gradsyncd.sock ctl="$build_dir/client/gradsyncctl --socket=$dir/gradsyncd.sock"
-  "$build_dir/daemon/gradsyncd" --socket="$sock" --port=0 --log_sink=stderr 2>"$dir/gradsyncd.log" &
+  # One node: no TCP (TCP is for other daemons and needs the cluster token).
+  "$build_dir/daemon/gradsyncd" --socket="$sock" --port=-1 --log_sink=stderr 2>"$dir/gradsyncd.log" &
   local daemon=$!
   trap 'kill $daemon 2>/dev/null || true; rm -rf "$dir"' RETURN
   for _ in $(seq 1 200); do $ctl health >/dev/null 2>&1 && break; sleep 0.05; done
