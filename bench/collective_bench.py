@@ -153,11 +153,17 @@ def run_gradsync(args, n, tmp):
     logs = [os.path.join(tmp, f"{job}-gradsyncd{i}.log") for i in range(nodes)]
     daemon_log = logs[0]
     daemons, addresses = [], []
+    # Several nodes: TCP between the daemons, which needs the cluster token they share.
+    token_file = os.path.join(tmp, "cluster.token")
+    if nodes > 1:
+        with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write("collective-bench\n")
     for sock, path in zip(socks, logs):
         with open(path, "w") as err:
             # One node: no TCP. Several: each daemon on its own loopback port (logged at info).
+            tcp = ["--port=-1"] if nodes == 1 else ["--port=0", f"--token_file={token_file}"]
             daemons.append(subprocess.Popen(
-                [daemon_bin, f"--socket={sock}", "--port=-1" if nodes == 1 else "--port=0",
+                [daemon_bin, f"--socket={sock}", *tcp,
                  "--log_sink=stderr", "--log_level=warning" if nodes == 1 else "--log_level=info"],
                 stderr=err))
     daemon = daemons[0]

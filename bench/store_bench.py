@@ -130,8 +130,14 @@ def main():
     tmp = tempfile.mkdtemp(prefix="gradsync-bench-")
     sock = os.path.join(tmp, "gradsyncd.sock")
     log_path = os.path.join(tmp, "gradsyncd.log")
+    # TCP needs the cluster token; the TCP workers carry it (GRADSYNC_TOKEN_FILE).
+    token_file = os.path.join(tmp, "cluster.token")
+    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write("store-bench\n")
+    os.environ["GRADSYNC_TOKEN_FILE"] = token_file
     daemon = subprocess.Popen([os.path.join(args.build, "daemon", "gradsyncd"), f"--socket={sock}",
-                               "--port=0", "--log_sink=stderr", "--store_max_jobs=4096"],
+                               "--port=0", f"--token_file={token_file}", "--log_sink=stderr",
+                               "--store_max_jobs=4096"],
                               stderr=open(log_path, "w"))
     port = None
     deadline = time.time() + 20

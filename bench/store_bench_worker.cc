@@ -2,11 +2,14 @@
 //
 //   store_bench_worker TARGET JOB OP SECONDS CLIENTS
 //
+// GRADSYNC_TOKEN_FILE names the cluster token file, for a TCP target.
+//
 // Connects, joins the start barrier (Add "ready", then waits for "go"), runs OP (set|get|add)
 // back to back for SECONDS, and prints "ops N seconds S".
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <iostream>
 #include <string>
 
@@ -14,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/store_client.h"
+#include "common/token.h"
 
 int main(int argc, char** argv) {
   double seconds = 0;
@@ -23,12 +27,18 @@ int main(int argc, char** argv) {
   }
   const std::string job = argv[2], op = argv[3];
   if (op != "set" && op != "get" && op != "add") return 2;
-  gradsync::client::StoreClient store(gradsync::client::Connect(argv[1]));
-  const std::string key = absl::StrCat("bench/", ::getpid());
   auto fail = [](const absl::Status& s) {
     std::cerr << "store_bench_worker: " << s << "\n";
     return 1;
   };
+  gradsync::client::ClientOptions options;
+  if (const char* path = std::getenv("GRADSYNC_TOKEN_FILE"); path != nullptr && *path) {
+    auto token = gradsync::ReadTokenFile(path);
+    if (!token.ok()) return fail(token.status());
+    options.token = *std::move(token);
+  }
+  gradsync::client::StoreClient store(gradsync::client::Connect(argv[1], options), options);
+  const std::string key = absl::StrCat("bench/", ::getpid());
   if (absl::Status s = store.Set(job, key, "value"); !s.ok()) return fail(s);
   if (auto r = store.Add(job, "ready", 1); !r.ok()) return fail(r.status());
   if (auto go = store.Get(job, "go", absl::Now() + absl::Seconds(120)); !go.ok()) {

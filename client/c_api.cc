@@ -118,7 +118,7 @@ int gs_connect(const char* target, const char* job, int world_size, int rank, in
   gradsync::client::Placement placement{job, world_size, rank, local_rank, local_world_size, ""};
   auto client = gradsync::client::Client::Connect(target, placement);
   if (!client.ok()) return Fail(client.status());
-  *out = new gs_client{*std::move(client)};
+  *out = new gs_client{*std::move(client), nullptr, job};
   return 0;
 }
 

@@ -1,7 +1,9 @@
 #include "client/gradsync_client.h"
 
 #include <fcntl.h>
-#include <grp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -12,6 +14,7 @@
 #include <functional>
 #include <random>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/grpc_status.h"
@@ -26,32 +29,20 @@ constexpr absl::Duration kAnswerMargin = absl::Seconds(10);
 
 void* TagOf(intptr_t tag) { return reinterpret_cast<void*>(tag); }
 
-std::string UniqueShmName() {
-  static std::atomic<uint64_t> counter{0};
-  static const uint32_t salt = std::random_device{}();
-  return absl::StrFormat("/gradsync-%d-%08x-%d", ::getpid(), salt, counter.fetch_add(1));
-}
-
-// Creates a shared-memory object (mode 0660). Under systemd the daemon runs as user gradsync;
-// trainers are members of group gradsync, so the object is handed to that group when it
-// exists (a member may do so), letting the daemon map it without making it world-readable.
-absl::StatusOr<int> CreateShm(const std::string& name) {
-  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0660);
+// Memory shared with the daemon: an anonymous memfd (no name anyone could watch, open or
+// squat), sized, then sealed so it can never shrink under the daemon's mapping (which would
+// fault it) nor grow; the daemon checks the seals (F_GET_SEALS) before it maps.
+absl::StatusOr<int> CreateSealedMemfd(const char* label, int64_t bytes) {
+  const int fd = ::memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
+    return absl::ResourceExhaustedError(absl::StrCat("memfd_create: ", std::strerror(errno)));
   }
-  static const gid_t group = [] {
-    struct group entry {};
-    struct group* found = nullptr;
-    char scratch[4096];
-    if (::getgrnam_r("gradsync", &entry, scratch, sizeof(scratch), &found) != 0 || !found) {
-      return static_cast<gid_t>(-1);
-    }
-    return found->gr_gid;
-  }();
-  if (group != static_cast<gid_t>(-1) && group != ::getegid()) {
-    (void)::fchown(fd, static_cast<uid_t>(-1), group);  // not a member: the daemon may be root
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0 ||
+      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot size and seal ", bytes, " bytes of shared memory: ", std::strerror(err)));
   }
   return fd;
 }
@@ -132,10 +123,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(absl::string_view target
   GRADSYNC_RETURN_IF_ERROR(client->Open(target));
   v1::TrainerRequest request;
   v1::RegisterRequest& reg = *request.mutable_register_session();
-  std::string doorbell_name;
   if (options.doorbell) {
-    GRADSYNC_ASSIGN_OR_RETURN(doorbell_name, client->CreateDoorbell());
-    reg.set_doorbell_shm_name(doorbell_name);
+    GRADSYNC_ASSIGN_OR_RETURN(std::string token, client->CreateDoorbell());
+    reg.set_doorbell_fd_token(std::move(token));
   }
   reg.set_job(placement.job);
   reg.set_world_size(placement.world_size);
@@ -143,9 +133,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(absl::string_view target
   reg.set_local_rank(placement.local_rank);
   reg.set_local_world_size(placement.local_world_size);
   reg.set_root_address(placement.root_address);
-  absl::StatusOr<v1::TrainerEvent> registered = client->Call(std::move(request));
-  if (!doorbell_name.empty()) ::shm_unlink(doorbell_name.c_str());  // both sides mapped it
-  GRADSYNC_ASSIGN_OR_RETURN(v1::TrainerEvent event, std::move(registered));
+  GRADSYNC_ASSIGN_OR_RETURN(v1::TrainerEvent event, client->Call(std::move(request)));
   if (event.register_session().default_op_timeout_ms() > 0) {
     client->default_op_timeout_ =
         absl::Milliseconds(event.register_session().default_op_timeout_ms());
@@ -154,6 +142,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(absl::string_view target
 }
 
 absl::Status Client::Open(absl::string_view target) {
+  if (const std::string t = NormalizeTarget(target); absl::StartsWith(t, "unix:")) {
+    fd_channel_path_ = t.substr(5) + ".fd";  // the daemon's fd channel, beside its socket
+  }
   channel_ = client::Connect(target, options_);
   stub_ = v1::GradSync::NewStub(channel_);
   Authorize(ctx_, options_);
@@ -175,27 +166,100 @@ absl::Status Client::Open(absl::string_view target) {
 }
 
 absl::StatusOr<std::string> Client::CreateDoorbell() {
-  const std::string name = UniqueShmName();
-  GRADSYNC_ASSIGN_OR_RETURN(const int fd, CreateShm(name));
   const size_t bytes = doorbell::RegionBytes();
-  void* p = MAP_FAILED;
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
-    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  }
-  const int err = errno;
-  ::close(fd);
+  GRADSYNC_ASSIGN_OR_RETURN(const int fd, CreateSealedMemfd("gradsync-doorbell", bytes));
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
-    ::shm_unlink(name.c_str());
+    const int err = errno;
+    ::close(fd);
     return absl::ResourceExhaustedError(
-        absl::StrCat("cannot create the doorbell ", name, ": ", std::strerror(err)));
+        absl::StrCat("cannot map the doorbell: ", std::strerror(err)));
   }
   doorbell_base_ = static_cast<std::byte*>(p);
   doorbell_ = std::make_unique<doorbell::Doorbell>(doorbell_base_);
   doorbell_->Initialize();
-  return name;
+  absl::StatusOr<std::string> token = ShareFd(fd);
+  ::close(fd);
+  return token;
+}
+
+absl::StatusOr<int> ConnectFdChannel(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is too long"));
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (sock < 0 || ::connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    if (sock >= 0) ::close(sock);
+    return absl::UnavailableError(
+        absl::StrCat("cannot reach gradsyncd's fd channel ", path, ": ", std::strerror(err)));
+  }
+  return sock;
+}
+
+absl::StatusOr<std::string> SendFd(int sock, int fd, absl::Time deadline) {
+  char request = 'F';
+  iovec iov{&request, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  if (::sendmsg(sock, &msg, MSG_NOSIGNAL) != 1) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot send to gradsyncd's fd channel: ", std::strerror(errno)));
+  }
+  // The reply: a status byte, a length byte, that many bytes (the token or the reason).
+  std::string reply;
+  size_t want = 2;
+  while (reply.size() < want) {
+    pollfd p{sock, POLLIN, 0};
+    const int left = static_cast<int>(
+        std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now())));
+    if (::poll(&p, 1, left) <= 0) {
+      return absl::DeadlineExceededError("no answer from gradsyncd's fd channel");
+    }
+    char buf[258];
+    const ssize_t n = ::recv(sock, buf, want - reply.size(), 0);
+    if (n <= 0) return absl::UnavailableError("gradsyncd's fd channel closed");
+    reply.append(buf, static_cast<size_t>(n));
+    if (want == 2 && reply.size() == 2) want = 2 + static_cast<unsigned char>(reply[1]);
+  }
+  const int code = static_cast<unsigned char>(reply[0]);
+  if (code != 0) return absl::Status(static_cast<absl::StatusCode>(code), reply.substr(2));
+  return reply.substr(2);
+}
+
+absl::StatusOr<std::string> Client::ShareFd(int fd) {
+  std::lock_guard<std::mutex> lock(fd_mu_);
+  if (fd_channel_path_.empty()) {
+    return absl::FailedPreconditionError(
+        "trainer sessions are local: connect through the daemon's unix socket (memory is "
+        "handed over its fd channel, which TCP cannot carry)");
+  }
+  if (fd_sock_ < 0) {
+    GRADSYNC_ASSIGN_OR_RETURN(fd_sock_, ConnectFdChannel(fd_channel_path_));
+  }
+  absl::StatusOr<std::string> token = SendFd(fd_sock_, fd, absl::Now() + options_.rpc_timeout);
+  if (!token.ok() && (token.status().code() == absl::StatusCode::kUnavailable ||
+                      token.status().code() == absl::StatusCode::kDeadlineExceeded)) {
+    ::close(fd_sock_);  // the connection is in an unknown state: the next call opens another
+    fd_sock_ = -1;
+  }
+  return token;
 }
 
 Client::~Client() {
+  if (fd_sock_ >= 0) ::close(fd_sock_);
   struct Unmap {
     std::byte* base;
     ~Unmap() {
@@ -452,39 +516,29 @@ absl::Status Client::DeregisterBuffer(uint64_t buffer_id) {
 
 absl::StatusOr<std::unique_ptr<SharedBuffer>> Client::CreateBuffer(int64_t bytes, DType dtype) {
   if (bytes < 0) return absl::InvalidArgumentError("buffer size must not be negative");
-  const std::string name = UniqueShmName();
-  GRADSYNC_ASSIGN_OR_RETURN(const int fd, CreateShm(name));
+  GRADSYNC_ASSIGN_OR_RETURN(const int fd, CreateSealedMemfd("gradsync-buffer", bytes));
   std::byte* data = nullptr;
   absl::Status status;
-  if (::ftruncate(fd, bytes) != 0) {
-    status = absl::ResourceExhaustedError(
-        absl::StrCat("cannot size ", name, " to ", bytes, " bytes: ", std::strerror(errno)));
-  } else if (bytes > 0) {
+  if (bytes > 0) {
     void* p =
         ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
       status = absl::ResourceExhaustedError(
-          absl::StrCat("cannot map ", bytes, " bytes of ", name, ": ", std::strerror(errno)));
+          absl::StrCat("cannot map ", bytes, " bytes of shared memory: ", std::strerror(errno)));
     } else {
       data = static_cast<std::byte*>(p);
     }
   }
-  ::close(fd);
-  std::unique_ptr<SharedBuffer> buffer(new SharedBuffer(data, status.ok() ? bytes : 0, dtype));
-  if (status.ok()) {
-    v1::RegisterBufferRequest req;
-    req.set_shm_name(name);
-    req.set_bytes(bytes);
-    req.set_dtype(dtype);
-    absl::StatusOr<uint64_t> id = RegisterBuffer(req);
-    if (id.ok()) {
-      buffer->id_ = *id;
-    } else {
-      status = id.status();
-    }
-  }
-  ::shm_unlink(name.c_str());  // both sides hold mappings now (or it failed): drop the name
-  if (!status.ok()) return status;
+  absl::StatusOr<std::string> token =
+      status.ok() ? ShareFd(fd) : absl::StatusOr<std::string>(status);
+  ::close(fd);  // the mappings (ours, and the daemon's once registered) keep the memory
+  std::unique_ptr<SharedBuffer> buffer(new SharedBuffer(data, data ? bytes : 0, dtype));
+  if (!token.ok()) return token.status();
+  v1::RegisterBufferRequest req;
+  req.set_fd_token(*std::move(token));
+  req.set_bytes(bytes);
+  req.set_dtype(dtype);
+  GRADSYNC_ASSIGN_OR_RETURN(buffer->id_, RegisterBuffer(req));
   return buffer;
 }
 

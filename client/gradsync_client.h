@@ -107,6 +107,13 @@ class CudaBuffer {
 
 class Client;
 
+/// The daemon's fd channel (daemon/ipc/fd_channel.h) from the trainer's side. Client uses these;
+/// they are public for tools and tests that speak the wire directly.
+/// Connects to `path` ("<socket>.fd"); returns the connected socket (the caller closes it).
+absl::StatusOr<int> ConnectFdChannel(const std::string& path);
+/// Sends `fd` on a connected channel socket; returns the one-time token the daemon answered.
+absl::StatusOr<std::string> SendFd(int sock, int fd, absl::Time deadline);
+
 /// An op in flight: a future. Waiting drives the connection on the caller's thread (no
 /// background thread, no hand-off), so many ops can be in flight while the caller computes.
 /// Thread-safe; copyable (copies share the outcome).
@@ -156,7 +163,12 @@ class Client {
   absl::StatusOr<std::unique_ptr<CudaBuffer>> RegisterCudaBuffer(
       void* device_ptr, int64_t bytes, DType dtype = v1::DTYPE_UNSPECIFIED);
   absl::Status DestroyCudaBuffer(std::unique_ptr<CudaBuffer> buffer);
-  /// Registers a shared-memory object by name (for callers that manage their own memory).
+  /// Hands `fd` (a memfd sealed with F_SEAL_SHRINK; the caller keeps its own copy) to the
+  /// daemon over its fd channel and returns the one-time token to register it under
+  /// (RegisterBufferRequest.fd_token). Unix-socket sessions only.
+  absl::StatusOr<std::string> ShareFd(int fd);
+  /// Registers memory as the request states it (fd_token from ShareFd, or CUDA IPC), for
+  /// callers that manage their own memory.
   absl::StatusOr<uint64_t> RegisterBuffer(const v1::RegisterBufferRequest& request);
   absl::Status DeregisterBuffer(uint64_t buffer_id);
 
@@ -196,7 +208,7 @@ class Client {
   std::shared_ptr<Op::State> Send(v1::TrainerRequest request, absl::Duration answer_within);
   // An op through the doorbell ring (waits while the ring is full).
   std::shared_ptr<Op::State> Ring(v1::TrainerRequest request, absl::Duration answer_within);
-  // Creates and maps the doorbell region; returns its shm name (to unlink once registered).
+  // Creates and maps the doorbell region and shares it; returns its fd token.
   absl::StatusOr<std::string> CreateDoorbell();
   // Takes every completion off the ring; mu_ held.
   void DrainRingLocked();
@@ -240,6 +252,10 @@ class Client {
   absl::Status broken_;  // once not OK, every op fails with it
   uint64_t next_tag_ = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Op::State>> pending_;
+
+  std::string fd_channel_path_;  // "<socket>.fd" for unix-socket targets, else empty
+  std::mutex fd_mu_;             // one ShareFd at a time on fd_sock_
+  int fd_sock_ = -1;             // connection to the fd channel, opened on first use
 
   std::byte* doorbell_base_ = nullptr;  // mapped for the client's life
   std::unique_ptr<doorbell::Doorbell> doorbell_;

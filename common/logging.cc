@@ -29,21 +29,81 @@ bool StartedBySystemd() {
   return std::getenv("JOURNAL_STREAM") != nullptr || std::getenv("INVOCATION_ID") != nullptr;
 }
 
+// Writes through `inner` with the message escaped (EscapeForLog): what every logger's sinks are.
+class EscapingSink final : public spdlog::sinks::sink {
+ public:
+  explicit EscapingSink(spdlog::sink_ptr inner) : inner_(std::move(inner)) {}
+  void log(const spdlog::details::log_msg& msg) override {
+    const absl::string_view payload(msg.payload.data(), msg.payload.size());
+    if (!NeedsEscape(payload)) {
+      inner_->log(msg);
+      return;
+    }
+    const std::string escaped = EscapeForLog(payload);
+    spdlog::details::log_msg copy = msg;
+    copy.payload = spdlog::string_view_t(escaped.data(), escaped.size());
+    inner_->log(copy);
+  }
+  void flush() override { inner_->flush(); }
+  void set_pattern(const std::string& pattern) override { inner_->set_pattern(pattern); }
+  void set_formatter(std::unique_ptr<spdlog::formatter> f) override {
+    inner_->set_formatter(std::move(f));
+  }
+
+ private:
+  static bool NeedsEscape(absl::string_view s) {
+    for (unsigned char c : s) {
+      if (c < 0x20 || c == 0x7f || c == '\\') return true;
+    }
+    return false;
+  }
+
+  const spdlog::sink_ptr inner_;
+};
+
 spdlog::sink_ptr StderrSink() {
   auto sink = std::make_shared<spdlog::sinks::stderr_sink_mt>();
   sink->set_formatter(std::make_unique<spdlog::pattern_formatter>("%Y-%m-%dT%H:%M:%S.%fZ %L %n: %v",
                                                                   spdlog::pattern_time_type::utc));
-  return sink;
+  return std::make_shared<EscapingSink>(std::move(sink));
 }
 
 spdlog::sink_ptr JournalSink() {
   // journald stamps time and priority itself.
   auto sink = std::make_shared<spdlog::sinks::systemd_sink_mt>("gradsyncd");
   sink->set_pattern("%n: %v");
-  return sink;
+  return std::make_shared<EscapingSink>(std::move(sink));
 }
 
 }  // namespace
+
+std::string EscapeForLog(absl::string_view message) {
+  std::string out;
+  out.reserve(message.size());
+  for (unsigned char c : message) {
+    switch (c) {
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      default:
+        if (c < 0x20 || c == 0x7f) {
+          absl::StrAppend(&out, "\\x", absl::Hex(c, absl::kZeroPad2));
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out;
+}
 
 absl::Status Init(absl::string_view level, absl::string_view sink) {
   spdlog::level::level_enum lvl = spdlog::level::from_str(std::string(level));

@@ -6,6 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "common/doorbell.h"
 #include "common/token.h"
 
 ABSL_FLAG(std::string, socket, "/run/gradsync/gradsyncd.sock",
@@ -16,7 +17,9 @@ ABSL_FLAG(std::string, bind_address, "127.0.0.1",
 ABSL_FLAG(std::string, advertise_address, "",
           "Host other daemons reach this one at: its node address in a job, and where its Gloo "
           "links listen; empty: --bind_address (required when that is a wildcard)");
-ABSL_FLAG(int, port, 7451, "TCP port for other daemons; 0 picks a free port, -1 disables TCP");
+ABSL_FLAG(int, port, -1,
+          "TCP port for other daemons (7451 is customary; needs --token_file); 0 picks a free "
+          "port, -1 disables TCP");
 ABSL_FLAG(int, max_message_bytes, 16 << 20, "Largest gRPC message accepted or sent");
 ABSL_FLAG(int, max_concurrent_streams, 256, "HTTP/2 concurrent streams per connection");
 ABSL_FLAG(absl::Duration, max_wait, absl::Hours(1),
@@ -37,8 +40,19 @@ ABSL_FLAG(absl::Duration, nccl_keep, absl::Minutes(5),
           "a restart of the job (same id and rank layout); another job needing their GPUs "
           "drops them sooner; 0 drops them at once");
 ABSL_FLAG(int, max_buffers_per_session, 4096, "Most buffers one trainer session may register");
+ABSL_FLAG(int, max_ops_in_flight_per_session, 1024,
+          "Most ops one trainer session may have submitted and not yet been answered (at most "
+          "1024, the doorbell's completion ring)");
+ABSL_FLAG(int, max_sessions, 1024, "Most trainer sessions on the node at once");
+ABSL_FLAG(int64_t, max_buffers, 65536, "Most buffers all trainer sessions may register together");
+ABSL_FLAG(int64_t, max_mappings, 60000,
+          "Most trainer memory regions (buffers, doorbells) mapped at once; keep it below "
+          "vm.max_map_count (65530 by default), which the daemon itself needs some of");
+ABSL_FLAG(int64_t, max_mapped_bytes, 0,
+          "Most bytes of trainer memory mapped at once; 0: the node's physical memory");
 ABSL_FLAG(std::string, token_file, "",
-          "File holding the cluster token that TCP calls must carry (mode 600/640); empty: none");
+          "File holding the cluster token that TCP calls must carry (mode 600/640); required "
+          "when TCP listens");
 ABSL_FLAG(std::string, log_level, "info", "trace|debug|info|warn|error|off");
 ABSL_FLAG(std::string, log_sink, "auto",
           "stderr|journal|auto (the journal when started by systemd)");
@@ -71,6 +85,11 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.engine.default_op_timeout = absl::GetFlag(FLAGS_op_timeout);
   c.engine.max_op_timeout = absl::GetFlag(FLAGS_max_op_timeout);
   c.engine.max_buffers_per_session = absl::GetFlag(FLAGS_max_buffers_per_session);
+  c.engine.max_ops_in_flight_per_session = absl::GetFlag(FLAGS_max_ops_in_flight_per_session);
+  c.engine.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  c.engine.max_buffers = absl::GetFlag(FLAGS_max_buffers);
+  c.mappings.max_mappings = absl::GetFlag(FLAGS_max_mappings);
+  c.mappings.max_mapped_bytes = absl::GetFlag(FLAGS_max_mapped_bytes);
   c.workers = absl::GetFlag(FLAGS_workers);
   c.nccl_keep = absl::GetFlag(FLAGS_nccl_keep);
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
@@ -100,6 +119,12 @@ absl::Status Validate(const DaemonConfig& c) {
   if (c.port < -1 || c.port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--port=", c.port, " is not -1 or a port number"));
+  }
+  if (c.port >= 0 && c.cluster_token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--port=", c.port,
+        " opens TCP, which serves other daemons and needs the cluster token: set --token_file "
+        "(or --port=-1 when no job spans nodes)"));
   }
   if (c.port >= 0 && c.bind_address.empty()) {
     return absl::InvalidArgumentError("--bind_address is empty; use --port=-1 to disable TCP");
@@ -138,6 +163,18 @@ absl::Status Validate(const DaemonConfig& c) {
   if (c.workers < 0 || c.workers > 256 || c.engine.max_buffers_per_session < 1) {
     return absl::InvalidArgumentError(
         "--workers must be in [0, 256] and --max_buffers_per_session positive");
+  }
+  if (c.engine.max_ops_in_flight_per_session < 1 ||
+      c.engine.max_ops_in_flight_per_session > static_cast<int>(doorbell::kCompletionSlots)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_ops_in_flight_per_session must be in [1, ", doorbell::kCompletionSlots,
+                     "] (the doorbell's completion ring)"));
+  }
+  if (c.engine.max_sessions < 1 || c.engine.max_buffers < 1 || c.mappings.max_mappings < 1 ||
+      c.mappings.max_mapped_bytes < 0) {
+    return absl::InvalidArgumentError(
+        "--max_sessions, --max_buffers and --max_mappings must be positive, --max_mapped_bytes "
+        "not negative");
   }
   return absl::OkStatus();
 }

@@ -5,6 +5,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/core/engine.h"
+#include "daemon/ipc/shm_importer.h"
 #include "daemon/store/memory_store.h"
 
 namespace gradsync::daemon {
@@ -15,17 +16,20 @@ struct DaemonConfig {
   int socket_mode = 0660;
   std::string bind_address = "127.0.0.1";
   std::string advertise_address;  // host other daemons use; empty: bind_address
-  int port = 7451;  // -1: no TCP listener; 0: a free port, reported in STATUS= and the log
+  // -1: no TCP listener; 0: a free port, reported in STATUS= and the log. TCP serves other
+  // daemons only and needs cluster_token (7451 is the customary port).
+  int port = -1;
   int max_message_bytes = 16 << 20;
   int max_concurrent_streams = 256;
   absl::Duration max_wait = absl::Hours(1);
   absl::Duration drain_grace = absl::Seconds(10);
   store::MemoryStoreOptions store;
   core::EngineOptions engine;
+  ipc::MappingLimits mappings;
   int workers = 0;  // threads for large collectives; 0: one per CPU
   // A finished job's NCCL communicators on one node, kept for its restart (0: dropped at once).
   absl::Duration nccl_keep = absl::Minutes(5);
-  std::string cluster_token;  // TCP calls must carry it (empty: no check); from --token_file
+  std::string cluster_token;  // TCP calls must carry it (required with TCP); from --token_file
   std::string log_level = "info";
   std::string log_sink = "auto";
 

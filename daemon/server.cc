@@ -20,10 +20,20 @@ namespace {
 
 auto Log() { return logging::Logger("daemon"); }
 
+// What a reply's payload may take of --max_message_bytes, the rest left for its envelope.
+int64_t ReplyBytes(const DaemonConfig& config) { return config.max_message_bytes - 4096; }
+
 backend::nccl::NcclOptions NcclOptionsFor(const DaemonConfig& config) {
   backend::nccl::NcclOptions options;
   options.watch_every = absl::Milliseconds(100);  // idle communicators (an op watches its own)
   options.keep_after_job = config.nccl_keep;
+  return options;
+}
+
+// The store's options, with wait replies bounded by what one gRPC message may carry.
+store::MemoryStoreOptions StoreOptionsFor(const DaemonConfig& config) {
+  store::MemoryStoreOptions options = config.store;
+  options.max_reply_bytes = ReplyBytes(config);
   return options;
 }
 
@@ -43,8 +53,9 @@ bool SocketIsLive(const std::string& path) {
 
 DaemonServer::DaemonServer(DaemonConfig config)
     : config_(std::move(config)),
-      store_(config_.store),
+      store_(StoreOptionsFor(config_)),
       auth_(config_.cluster_token),
+      shm_importer_(config_.mappings),
       gpu_(gpu::NewGpuApi([this](const absl::Status& why) { OnGpuBroken(why); })),
       cuda_importer_(gpu_.get()),
       importer_(&shm_importer_, &cuda_importer_),
@@ -62,8 +73,8 @@ DaemonServer::DaemonServer(DaemonConfig config)
                 ? config_.workers
                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
       gradsync_service_(&engine_, &importer_, &auth_),
-      store_service_(&store_, config_.max_wait, &auth_),
-      inspect_service_(&store_, &engine_, &auth_),
+      store_service_(&store_, config_.max_wait, ReplyBytes(config_), &auth_),
+      inspect_service_(&store_, &engine_, ReplyBytes(config_), &auth_),
       health_service_(ServiceNames()) {}
 
 void DaemonServer::OnGpuBroken(const absl::Status& why) {
@@ -122,6 +133,11 @@ absl::Status DaemonServer::Start() {
   if (!config_.unix_socket.empty()) {
     if (absl::Status s = PrepareSocketPath(); !s.ok()) return s;
     builder.AddListeningPort("unix:" + config_.unix_socket, grpc::InsecureServerCredentials());
+    // No daemon serves the socket (checked above), so a channel file beside it is stale.
+    auto channel = ipc::FdChannel::Listen(config_.unix_socket + ".fd", config_.socket_mode);
+    if (!channel.ok()) return channel.status();
+    fd_channel_ = *std::move(channel);
+    shm_importer_.set_fd_channel(fd_channel_.get());
   }
   if (config_.port >= 0) {
     builder.AddListeningPort(absl::StrCat(config_.bind_address, ":", config_.port),
@@ -179,6 +195,8 @@ void DaemonServer::Shutdown(absl::Duration grace) {
   server_->Wait();
   Log()->debug("grpc shutdown took={}", absl::FormatDuration(absl::Now() - start));
   server_.reset();
+  shm_importer_.set_fd_channel(nullptr);
+  fd_channel_.reset();  // closes descriptors never registered and removes <socket>.fd
   nccl_backend_.StopWatchdog();  // before the peer stores it may report to go
   struct stat st {};
   if (socket_inode_ != 0 && ::stat(config_.unix_socket.c_str(), &st) == 0 &&

@@ -64,6 +64,9 @@ class DaemonServer {
   const DaemonConfig config_;
   store::MemoryStore store_;
   rpc::PeerAuth auth_;
+  // Trainers hand their memory over it (beside the unix socket); after the importer that
+  // redeems its tokens in destruction order, and stopped in Shutdown.
+  std::unique_ptr<ipc::FdChannel> fd_channel_;
   ipc::ShmImporter shm_importer_;
   std::unique_ptr<gpu::GpuApi> gpu_;
   ipc::CudaImporter cuda_importer_;

@@ -1,6 +1,7 @@
 #include "daemon/core/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <map>
 #include <optional>
@@ -10,7 +11,9 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/bounded_text.h"
 #include "common/group.h"
+#include "common/job_id.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 
@@ -19,7 +22,6 @@ namespace {
 
 auto Log() { return logging::Logger("core"); }
 
-constexpr size_t kMaxJobIdLength = 128;
 constexpr size_t kMaxNameLength = 256;
 constexpr int kMaxWorldSize = 1 << 16;
 
@@ -106,7 +108,36 @@ class Session {
   // Guarded by job->mu.
   absl::flat_hash_map<std::string, uint64_t> next_seq;  // per group key
   bool attached = true;
+
+  // Ops submitted whose outcome the session has not been sent yet (Engine::Submit).
+  std::atomic<int> ops_in_flight{0};
 };
+
+namespace {
+
+// Stands in for the transport's sink while an op is in flight: the session's count of ops in
+// flight drops when the outcome is sent, or when the engine lets go of the op unanswered.
+class InFlightSink final : public SessionSink {
+ public:
+  InFlightSink(std::shared_ptr<Session> session, std::shared_ptr<SessionSink> inner)
+      : session_(std::move(session)), inner_(std::move(inner)) {}
+  ~InFlightSink() override { Release(); }
+  void OpDone(uint64_t tag, uint64_t seq, const absl::Status& status) override {
+    Release();
+    inner_->OpDone(tag, seq, status);
+  }
+
+ private:
+  void Release() {
+    if (!released_.exchange(true)) session_->ops_in_flight.fetch_sub(1);
+  }
+
+  const std::shared_ptr<Session> session_;
+  const std::shared_ptr<SessionSink> inner_;
+  std::atomic<bool> released_{false};
+};
+
+}  // namespace
 
 namespace internal {
 
@@ -276,10 +307,7 @@ void Engine::SetNodeAddress(std::string address) {
 Engine::~Engine() { Shutdown(); }
 
 absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequest& req) {
-  if (req.job().empty() || req.job().size() > kMaxJobIdLength) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("job id must have 1 to ", kMaxJobIdLength, " characters"));
-  }
+  GRADSYNC_RETURN_IF_ERROR(CheckJobId(req.job()));
   if (req.world_size() < 1 || req.world_size() > kMaxWorldSize || req.rank() < 0 ||
       req.rank() >= req.world_size() || req.local_world_size() < 1 ||
       req.local_world_size() > req.world_size() || req.local_rank() < 0 ||
@@ -301,6 +329,12 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
   std::shared_ptr<Job> started;
   absl::MutexLock lock(&mu_);
   if (shutdown_) return absl::UnavailableError("daemon is shutting down");
+  if (sessions_ >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat("the daemon holds ", sessions_,
+                                                     " trainer sessions, the limit "
+                                                     "(--max_sessions); job ",
+                                                     req.job(), " rank ", req.rank(), " refused"));
+  }
   if (spans && node_address_.empty()) {
     return absl::FailedPreconditionError(
         "this daemon has no TCP listener (--port=-1), so it cannot join a job spanning nodes");
@@ -337,7 +371,7 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
   }
   if (!job.departed.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "job ", job.id, " lost rank(s) ", absl::StrJoin(job.departed, ","),
+        "job ", job.id, " lost rank(s) ", JoinBounded(job.departed, ","),
         "; it can start again once its remaining ", job.attached, " session(s) have ended"));
   }
   if (Session* other = job.ranks[req.rank()]) {
@@ -355,6 +389,7 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
   job.ranks[req.rank()] = session.get();
   job.local_ranks[req.local_rank()] = req.rank();
   ++job.attached;
+  ++sessions_;
   if (job.spans_nodes && job.attached == job.local_world_size &&
       job.formation == Job::Formation::kLocal) {
     job.formation = Job::Formation::kForming;
@@ -383,6 +418,7 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
     job.ranks[session.rank] = nullptr;
     job.local_ranks[session.local_rank] = -1;
     --job.attached;
+    --sessions_;
     if (job.attached > 0) {
       job.departed.push_back(session.rank);
       const std::string why =
@@ -417,6 +453,7 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
   {
     absl::MutexLock lock(&session.mu);
     session.ended = true;
+    buffers_.fetch_sub(static_cast<int64_t>(session.buffers.size()));
     session.buffers.clear();  // unmapped now, or when the last op using them finishes
   }
   Log()->info("session closed job={} rank={} session={} reason={}", job.id, session.rank,
@@ -438,13 +475,14 @@ absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
       req.has_cuda()
           ? absl::StrCat("cuda:dev", req.cuda().device(), ":",
                          absl::BytesToHexString(req.cuda().mem_handle()), "+", req.cuda().offset())
-          : req.shm_name();
+          : (req.fd_token().empty() ? req.shm_name() : absl::StrCat("memfd:", req.fd_token()));
   {
     absl::MutexLock lock(&session.mu);
     if (session.ended) return absl::FailedPreconditionError("session has ended");
     if (static_cast<int>(session.buffers.size()) >= options_.max_buffers_per_session) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("session has ", session.buffers.size(), " buffers, the most allowed"));
+          absl::StrCat("session has ", session.buffers.size(),
+                       " buffers, the most allowed (--max_buffers_per_session)"));
     }
     for (const auto& [id, buffer] : session.buffers) {
       if (buffer.handle == handle) {
@@ -453,10 +491,21 @@ absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
       }
     }
   }
+  // The node's count is taken before mapping and given back if the buffer is not kept.
+  if (buffers_.fetch_add(1) >= options_.max_buffers) {
+    const int64_t held = buffers_.fetch_sub(1) - 1;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the daemon holds ", held, " buffers of all sessions, the limit (--max_buffers)"));
+  }
   // Map without the session lock: mapping a large object takes a while.
-  GRADSYNC_ASSIGN_OR_RETURN(std::unique_ptr<MappedBuffer> mapping, importer_->Import(req));
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> imported = importer_->Import(req);
   absl::MutexLock lock(&session.mu);
-  if (session.ended) return absl::FailedPreconditionError("session has ended");
+  if (!imported.ok() || session.ended) {
+    buffers_.fetch_sub(1);
+    if (!imported.ok()) return imported.status();
+    return absl::FailedPreconditionError("session has ended");
+  }
+  std::unique_ptr<MappedBuffer> mapping = *std::move(imported);
   const uint64_t id = session.next_buffer_id++;
   Log()->debug("buffer registered session={} id={} {}", session.id, id, mapping->Describe());
   session.buffers.emplace(id, Session::Buffer{std::move(mapping), req.dtype(), handle});
@@ -469,6 +518,7 @@ absl::Status Engine::DeregisterBuffer(Session& session, uint64_t buffer_id) {
     return absl::NotFoundError(
         absl::StrCat("buffer ", buffer_id, " is not registered in this session"));
   }
+  buffers_.fetch_sub(1);
   Log()->debug("buffer deregistered session={} id={}", session.id, buffer_id);
   return absl::OkStatus();
 }
@@ -705,8 +755,19 @@ void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& s
 }
 
 void Engine::Submit(const std::shared_ptr<Session>& session,
-                    const std::shared_ptr<SessionSink>& sink, uint64_t tag,
+                    const std::shared_ptr<SessionSink>& transport, uint64_t tag,
                     const v1::OpRequest& op) {
+  if (const int held = session->ops_in_flight.fetch_add(1);
+      held >= options_.max_ops_in_flight_per_session) {
+    session->ops_in_flight.fetch_sub(1);
+    transport->OpDone(tag, 0,
+                      absl::ResourceExhaustedError(absl::StrCat(
+                          "session ", session->id, " has ", held,
+                          " ops in flight, the limit (--max_ops_in_flight_per_session); wait "
+                          "for some to finish")));
+    return;
+  }
+  const std::shared_ptr<SessionSink> sink = std::make_shared<InFlightSink>(session, transport);
   Job& job = *session->job;
   if (job.spans_nodes) {
     absl::Status failed;
@@ -885,7 +946,7 @@ void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
   std::vector<std::string> keys;
   for (int r = 0; r < job->world_size; ++r) keys.push_back(absl::StrCat("daemon/rank/", r));
   Log()->info("job forming job={} node={} local_ranks={} world_size={}", job->id, node,
-              absl::StrJoin(mine, ","), job->world_size);
+              JoinBounded(mine, ","), job->world_size);
   job->root_store->WaitAsync(
       job->id, std::move(keys), absl::Now() + options_.default_op_timeout,
       [this, weak = std::weak_ptr<Job>(job), node](absl::StatusOr<std::vector<std::string>> v) {
@@ -928,7 +989,7 @@ void Engine::OnFormed(const std::weak_ptr<Job>& weak,
     for (Job::Parked& p : failed) p.sink->OpDone(p.tag, 0, error);
     return;
   }
-  Log()->info("job formed job={} nodes={}", job->id, absl::StrJoin(job->node_of_rank, ","));
+  Log()->info("job formed job={} nodes={}", job->id, JoinBounded(job->node_of_rank, ","));
   for (;;) {  // parked ops first, in order; new ones park behind them until the queue is empty
     Job::Parked p;
     {
@@ -961,8 +1022,8 @@ void Engine::OnDeadline(const std::weak_ptr<Job>& weak, Group* group, uint64_t s
     const absl::Status status = absl::DeadlineExceededError(
         absl::StrCat(KindName(p.fp.kind), " job=", job->id, " group=", group->key, " seq=", seq,
                      " name='", p.fp.name, "' timed out after ", absl::FormatDuration(p.timeout),
-                     ": rank(s) ", absl::StrJoin(missing, ","),
-                     " never submitted it (arrived: ", absl::StrJoin(arrived, ","), ")"));
+                     ": rank(s) ", JoinBounded(missing, ","),
+                     " never submitted it (arrived: ", JoinBounded(arrived, ","), ")"));
     Log()->warn("{}", std::string(status.message()));
     FailPendingLocked(*group, seq, status, out);
   }

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -24,6 +25,12 @@ struct EngineOptions {
   absl::Duration default_op_timeout = absl::Minutes(5);
   absl::Duration max_op_timeout = absl::Hours(1);
   int max_buffers_per_session = 4096;
+  /// Node-wide: trainer sessions, and buffers registered by all of them.
+  int max_sessions = 1024;
+  int64_t max_buffers = 65536;
+  /// Ops a session may have submitted and not yet been answered, on any transport (the gRPC
+  /// stream or the doorbell, whose completion ring holds 1024). Past it an op fails at once.
+  int max_ops_in_flight_per_session = 1024;
   int max_segments_per_op = 1 << 16;
   /// Matched ops moving at most this many bytes per member run on the thread that matched
   /// them (no hand-off); larger ones run on the worker pool.
@@ -78,16 +85,18 @@ class Engine {
   void SetNodeAddress(std::string address);
   ~Engine();
 
-  /// Opens a session for one rank of a job. INVALID_ARGUMENT on bad sizes or ones that disagree
-  /// with the job's other ranks; ALREADY_EXISTS when the rank is taken; FAILED_PRECONDITION
-  /// when the job lost a rank and still has sessions, or the job spans nodes.
+  /// Opens a session for one rank of a job. INVALID_ARGUMENT on a job id CheckJobId refuses, bad
+  /// sizes or ones that disagree with the job's other ranks; RESOURCE_EXHAUSTED at max_sessions;
+  /// ALREADY_EXISTS when the rank is taken; FAILED_PRECONDITION when the job lost a rank and still
+  /// has sessions, or the job spans nodes.
   absl::StatusOr<std::shared_ptr<Session>> Register(const v1::RegisterRequest& request);
 
   /// Ends a session (idempotent): unmaps its buffers once no running op uses them, fails the
   /// pending ops of its groups on the other ranks with UNAVAILABLE naming the rank and `reason`.
   void Unregister(Session& session, absl::string_view reason);
 
-  /// Maps a buffer for the session. Errors from the importer; RESOURCE_EXHAUSTED past the limit.
+  /// Maps a buffer for the session. Errors from the importer; RESOURCE_EXHAUSTED past
+  /// max_buffers_per_session or the node's max_buffers.
   absl::StatusOr<uint64_t> RegisterBuffer(Session& session,
                                           const v1::RegisterBufferRequest& request);
   /// NOT_FOUND for an unknown id. Ops already submitted keep their mapping until they finish.
@@ -95,7 +104,8 @@ class Engine {
 
   /// Validates and matches an op; its outcome (an invalid request's error too) reaches `sink`
   /// with `tag`. An invalid op takes no sequence number. A session's ops must be submitted
-  /// from one thread at a time, in the order the trainer sent them.
+  /// from one thread at a time, in the order the trainer sent them. An op past the session's
+  /// max_ops_in_flight_per_session fails RESOURCE_EXHAUSTED at once (no sequence number).
   void Submit(const std::shared_ptr<Session>& session, const std::shared_ptr<SessionSink>& sink,
               uint64_t tag, const v1::OpRequest& op);
 
@@ -152,6 +162,8 @@ class Engine {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  int sessions_ ABSL_GUARDED_BY(mu_) = 0;  // attached, node-wide
+  std::atomic<int64_t> buffers_{0};        // registered by all sessions, node-wide
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::string node_address_ ABSL_GUARDED_BY(mu_);
   DeadlineTimer timer_;  // last: destroyed (its thread joined) before the state it touches

@@ -207,8 +207,8 @@ absl::StatusOr<std::unique_ptr<core::MappedBuffer>> CudaImporter::Import(
 absl::StatusOr<std::unique_ptr<core::MappedBuffer>> DispatchImporter::Import(
     const v1::RegisterBufferRequest& request) {
   if (request.has_cuda()) {
-    if (!request.shm_name().empty()) {
-      return absl::InvalidArgumentError("a buffer is shared memory (shm_name) or CUDA, not both");
+    if (!request.shm_name().empty() || !request.fd_token().empty()) {
+      return absl::InvalidArgumentError("a buffer is shared memory (fd_token) or CUDA, not both");
     }
     return cuda_->Import(request);
   }

@@ -15,10 +15,10 @@ constexpr absl::Duration kIdleWait = absl::Milliseconds(100);
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<DoorbellServer>> DoorbellServer::Open(
-    core::BufferImporter& importer, const std::string& shm_name, core::Engine* engine,
+    core::BufferImporter& importer, const std::string& fd_token, core::Engine* engine,
     std::shared_ptr<core::Session> session, std::function<void(absl::Status)> on_error) {
   v1::RegisterBufferRequest req;
-  req.set_shm_name(shm_name);
+  req.set_fd_token(fd_token);
   req.set_bytes(static_cast<int64_t>(doorbell::RegionBytes()));
   auto region = importer.Import(req);
   if (!region.ok()) {

@@ -21,7 +21,7 @@ class DoorbellServer final : public core::SessionSink,
   /// Maps the trainer's region by name and checks its header. `on_error` runs (on the
   /// doorbell thread) if the trainer corrupts the ring; the caller should end the session.
   static absl::StatusOr<std::shared_ptr<DoorbellServer>> Open(
-      core::BufferImporter& importer, const std::string& shm_name, core::Engine* engine,
+      core::BufferImporter& importer, const std::string& fd_token, core::Engine* engine,
       std::shared_ptr<core::Session> session, std::function<void(absl::Status)> on_error);
   ~DoorbellServer() override;
 

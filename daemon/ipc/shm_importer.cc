@@ -9,18 +9,23 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace gradsync::ipc {
 namespace {
 
-constexpr size_t kMaxNameLength = 200;
-
 class ShmMapping final : public core::MappedBuffer {
  public:
-  ShmMapping(std::string name, std::byte* data, int64_t size)
-      : name_(std::move(name)), data_(data), size_(size) {}
+  // `usage` already counts this mapping (when size > 0); the destructor gives it back.
+  ShmMapping(std::string name, std::byte* data, int64_t size,
+             std::shared_ptr<ShmImporter::Usage> usage)
+      : name_(std::move(name)), data_(data), size_(size), usage_(std::move(usage)) {}
   ~ShmMapping() override {
-    if (size_ > 0) ::munmap(data_, static_cast<size_t>(size_));
+    if (size_ > 0) {
+      ::munmap(data_, static_cast<size_t>(size_));
+      usage_->mappings.fetch_sub(1);
+      usage_->bytes.fetch_sub(size_);
+    }
   }
   std::byte* data() const override { return data_; }
   int64_t size() const override { return size_; }
@@ -30,64 +35,94 @@ class ShmMapping final : public core::MappedBuffer {
   const std::string name_;
   std::byte* const data_;
   const int64_t size_;
+  const std::shared_ptr<ShmImporter::Usage> usage_;
 };
 
-absl::Status CheckName(const std::string& name) {
-  if (name.size() < 2 || name.size() > kMaxNameLength || name[0] != '/' ||
-      name.find('/', 1) != std::string::npos || name.find('\0') != std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shm_name '", name,
-                     "' is not a POSIX shared-memory name: one leading '/', no other '/', at most ",
-                     kMaxNameLength, " characters"));
+MappingLimits Resolved(MappingLimits limits) {
+  if (limits.max_mapped_bytes == 0) {
+    limits.max_mapped_bytes = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) *
+                              static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
   }
-  return absl::OkStatus();
+  return limits;
 }
 
 }  // namespace
 
+ShmImporter::ShmImporter(MappingLimits limits)
+    : limits_(Resolved(limits)), usage_(std::make_shared<Usage>()) {}
+
 absl::StatusOr<std::unique_ptr<core::MappedBuffer>> ShmImporter::Import(
     const v1::RegisterBufferRequest& request) {
-  const std::string& name = request.shm_name();
-  if (absl::Status s = CheckName(name); !s.ok()) return s;
+  if (!request.shm_name().empty()) {
+    return absl::InvalidArgumentError(
+        "shared memory is never registered by name (shm_name): hand it over the daemon's fd "
+        "channel as a memfd sealed with F_SEAL_SHRINK and register its fd_token");
+  }
   if (request.bytes() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("buffer bytes ", request.bytes(), " < 0"));
   }
-  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) {
-      return absl::NotFoundError(absl::StrCat("no shared-memory object ", name));
-    }
+  FdChannel* channel = channel_.load();
+  if (channel == nullptr) {
     return absl::FailedPreconditionError(
-        absl::StrCat("cannot open shared memory ", name, ": ", std::strerror(err)));
+        "this daemon has no fd channel (it serves no unix socket): trainer sessions are local");
+  }
+  GRADSYNC_ASSIGN_OR_RETURN(UniqueFd owned, channel->Redeem(request.fd_token()));
+  const int fd = owned.get();
+  const std::string name = absl::StrCat("memfd@", request.fd_token().substr(0, 8));
+  // Only memory that can never shrink under our mapping: a shrunk object faults (SIGBUS) the
+  // daemon on its next access. Seals exist only on memfds (and other shmem files).
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the descriptor is not a memfd (it cannot be sealed: ", std::strerror(errno), ")"));
+  }
+  if ((seals & F_SEAL_SHRINK) == 0) {
+    return absl::InvalidArgumentError(
+        "the memfd is not sealed against shrinking (fcntl F_ADD_SEALS F_SEAL_SHRINK)");
   }
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot stat shared memory ", name, ": ", std::strerror(err)));
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError("the descriptor is not a regular memfd");
   }
   if (st.st_size < request.bytes()) {
-    ::close(fd);
     return absl::FailedPreconditionError(absl::StrCat("shared memory ", name, " has ", st.st_size,
                                                       " bytes, fewer than the ", request.bytes(),
                                                       " registered"));
   }
   std::byte* data = nullptr;
   if (request.bytes() > 0) {
+    // Taken before mapping, given back if the mapping is refused or fails.
+    auto give_back = [&] {
+      usage_->mappings.fetch_sub(1);
+      usage_->bytes.fetch_sub(request.bytes());
+    };
+    const int64_t mappings = usage_->mappings.fetch_add(1);
+    const int64_t bytes = usage_->bytes.fetch_add(request.bytes());
+    if (mappings >= limits_.max_mappings) {
+      give_back();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the daemon maps ", mappings,
+                       " trainer regions, the limit (--max_mappings); ", name, " refused"));
+    }
+    if (request.bytes() > limits_.max_mapped_bytes - bytes) {
+      give_back();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("mapping ", request.bytes(), " bytes of ", name,
+                       " would take the daemon past ", limits_.max_mapped_bytes,
+                       " bytes mapped (--max_mapped_bytes; ", bytes, " are mapped now)"));
+    }
     void* p = ::mmap(nullptr, static_cast<size_t>(request.bytes()), PROT_READ | PROT_WRITE,
                      MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
       const int err = errno;
-      ::close(fd);
+      give_back();
       return absl::ResourceExhaustedError(absl::StrCat("cannot map ", request.bytes(), " bytes of ",
                                                        name, ": ", std::strerror(err)));
     }
     data = static_cast<std::byte*>(p);
   }
-  ::close(fd);  // the mapping keeps the object alive
-  return std::make_unique<ShmMapping>(name, data, request.bytes());
+  // `owned` closes the descriptor: the mapping keeps the memory.
+  return std::make_unique<ShmMapping>(name, data, request.bytes(), usage_);
 }
 
 }  // namespace gradsync::ipc

@@ -1,14 +1,54 @@
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
 #include "daemon/core/buffer_importer.h"
+#include "daemon/ipc/fd_channel.h"
 
 namespace gradsync::ipc {
 
-/// Maps POSIX shared-memory objects (shm_open names) read-write. Stateless and thread-safe.
+/// What the daemon maps of trainers' shared memory, node-wide (buffers and doorbells of every
+/// session). Mappings count against the kernel's vm.max_map_count (65530 by default), which
+/// the daemon's own threads and libraries need too; mapped bytes are address space and page
+/// tables. The defaults leave 5,530 of the kernel's default map count to the daemon, and let
+/// it map as many bytes as the node has memory: trainers' shared memory lives in RAM, so honest
+/// trainers, each mapping its own buffers once, stay below it.
+struct MappingLimits {
+  int64_t max_mappings = 60000;
+  int64_t max_mapped_bytes = 0;  // 0: the node's physical memory
+};
+
+/// Maps trainers' shared memory read-write: memfds sealed against shrinking (F_SEAL_SHRINK),
+/// redeemed from the fd channel by their one-time token (RegisterBufferRequest.fd_token); never
+/// an object by name, nor one that could shrink under the mapping. Within `limits`: past either
+/// one, RESOURCE_EXHAUSTED naming the flag (--max_mappings, --max_mapped_bytes), mapping
+/// nothing. A mapping gives its share back when destroyed, even after the importer is gone.
+/// Thread-safe.
 class ShmImporter final : public core::BufferImporter {
  public:
+  explicit ShmImporter(MappingLimits limits = {});
+
   absl::StatusOr<std::unique_ptr<core::MappedBuffer>> Import(
       const v1::RegisterBufferRequest& request) override;
+
+  /// The channel descriptors are redeemed from; set before serving, outlives the importer's use.
+  void set_fd_channel(FdChannel* channel) { channel_.store(channel); }
+
+  /// What is mapped now.
+  int64_t mappings() const { return usage_->mappings.load(); }
+  int64_t mapped_bytes() const { return usage_->bytes.load(); }
+
+  struct Usage {
+    std::atomic<int64_t> mappings{0};
+    std::atomic<int64_t> bytes{0};
+  };
+
+ private:
+  const MappingLimits limits_;
+  const std::shared_ptr<Usage> usage_;
+  std::atomic<FdChannel*> channel_{nullptr};
 };
 
 }  // namespace gradsync::ipc

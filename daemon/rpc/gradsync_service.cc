@@ -16,6 +16,11 @@ namespace {
 
 auto Log() { return logging::Logger("rpc"); }
 
+// Events a session may have queued for a trainer that does not read them; past it the session
+// stops reading requests until the trainer catches up, so its queue cannot grow without bound.
+// Above the ops one session may have in flight, so answering those never waits on this.
+constexpr size_t kMaxQueuedEvents = 2048;
+
 void SetStatus(const absl::Status& status, v1::TrainerEvent& event) {
   event.set_code(static_cast<int>(status.code()));
   if (!status.ok()) event.set_message(std::string(status.message()));
@@ -56,14 +61,20 @@ class GradSyncService::SessionReactor final
     SessionReactor* reactor_ ABSL_GUARDED_BY(mu_);
   };
 
-  SessionReactor(GradSyncService* service, grpc::CallbackServerContext* ctx)
+  /// Reads the first request, or (`admitted` not OK) ends the stream before reading anything.
+  SessionReactor(GradSyncService* service, grpc::CallbackServerContext* ctx,
+                 const absl::Status& admitted)
       : service_(service), ctx_(ctx), sink_(std::make_shared<Sink>(this)) {
-    StartRead(&request_);
+    if (admitted.ok()) {
+      StartRead(&request_);
+    } else {
+      Refuse(admitted);
+    }
   }
 
   void Cancel() { ctx_->TryCancel(); }
 
-  /// Ends the stream before it starts (the caller is not authorized).
+  /// Ends the stream (the caller is not authorized, or its doorbell is corrupt).
   void Refuse(const absl::Status& status) { FinishNow(ToGrpcStatus(status)); }
 
   void OnReadDone(bool ok) override {
@@ -77,7 +88,7 @@ class GradSyncService::SessionReactor final
       EndSession(ctx_->IsCancelled() ? "connection lost" : "trainer closed the session");
       return;
     }
-    if (Handle()) StartRead(&request_);
+    if (Handle()) ReadNext();
   }
 
   void OnWriteDone(bool ok) override {
@@ -88,6 +99,11 @@ class GradSyncService::SessionReactor final
       // The trainer is gone; the read side sees it too and ends the session.
       queue_.clear();
       finish_when_flushed_ = true;
+    }
+    if (read_paused_ && queue_.size() < kMaxQueuedEvents / 2 && !finished_ &&
+        !finish_when_flushed_) {
+      read_paused_ = false;
+      StartRead(&request_);
     }
     FlushLocked();
   }
@@ -110,6 +126,16 @@ class GradSyncService::SessionReactor final
  private:
   core::Engine& engine() { return *service_->engine_; }
 
+  // Reads the next request unless the trainer has left too many events unread.
+  void ReadNext() {
+    absl::MutexLock lock(&mu_);
+    if (queue_.size() >= kMaxQueuedEvents) {
+      read_paused_ = true;  // OnWriteDone resumes
+      return;
+    }
+    StartRead(&request_);
+  }
+
   // Answers one request. False when the stream was finished (a refused registration).
   bool Handle() {
     const uint64_t tag = request_.tag();
@@ -121,10 +147,16 @@ class GradSyncService::SessionReactor final
           SetStatus(absl::FailedPreconditionError("this stream already has a session"), event);
           break;
         }
+        if (!request_.register_session().doorbell_shm_name().empty()) {
+          FinishNow(ToGrpcStatus(absl::InvalidArgumentError(
+              "a doorbell is never registered by name (doorbell_shm_name): hand it over the "
+              "daemon's fd channel as a sealed memfd and name its doorbell_fd_token")));
+          return false;
+        }
         auto session = engine().Register(request_.register_session());
-        if (session.ok() && !request_.register_session().doorbell_shm_name().empty()) {
+        if (session.ok() && !request_.register_session().doorbell_fd_token().empty()) {
           auto doorbell = ipc::DoorbellServer::Open(
-              *service_->importer_, request_.register_session().doorbell_shm_name(), &engine(),
+              *service_->importer_, request_.register_session().doorbell_fd_token(), &engine(),
               *session, [this](const absl::Status& s) { Refuse(s); });
           if (!doorbell.ok()) {
             engine().Unregister(**session, "doorbell refused");
@@ -230,13 +262,19 @@ class GradSyncService::SessionReactor final
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finish_when_flushed_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_paused_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<grpc::Status> pending_finish_ ABSL_GUARDED_BY(mu_);
 };
 
 grpc::ServerBidiReactor<v1::TrainerRequest, v1::TrainerEvent>* GradSyncService::Session(
     grpc::CallbackServerContext* ctx) {
-  auto* reactor = new SessionReactor(this, ctx);
-  if (absl::Status s = auth_->Check(ctx); !s.ok()) reactor->Refuse(s);
+  absl::Status admitted = PeerAuth::CheckTrainer(ctx);
+  if (admitted.ok()) admitted = auth_->Check(ctx);
+  if (!admitted.ok()) {
+    Log()->info("trainer session refused peer={}: {}", ctx->peer(),
+                std::string(admitted.message()));
+  }
+  auto* reactor = new SessionReactor(this, ctx, admitted);
   absl::MutexLock lock(&mu_);
   reactors_.insert(reactor);
   if (closed_) reactor->Cancel();

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/group.h"
+#include "common/job_id.h"
 #include "common/pack_list.h"
 #include "daemon/rpc/call_util.h"
 
@@ -37,6 +38,14 @@ grpc::ServerUnaryReactor* InspectService::ListKeys(grpc::CallbackServerContext* 
   if (auto* refused = auth_->Refuse(ctx)) return refused;
   auto sizes = store_->ListSizes(req->job(), req->prefix());
   if (sizes.ok()) {
+    int64_t reply_bytes = 0;
+    for (const auto& [key, bytes] : *sizes) reply_bytes += static_cast<int64_t>(key.size()) + 16;
+    if (reply_bytes > max_reply_bytes_) {
+      return Reply(ctx, absl::ResourceExhaustedError(absl::StrCat(
+                            "ListKeys job=", req->job(), ": ", sizes->size(),
+                            " keys are more than a reply may carry (", max_reply_bytes_,
+                            " bytes, --max_message_bytes); list a narrower prefix")));
+    }
     for (const auto& [key, bytes] : *sizes) {
       v1::KeyInfo* info = resp->add_keys();
       info->set_key(key);
@@ -72,6 +81,9 @@ grpc::ServerUnaryReactor* InspectService::ListSessions(grpc::CallbackServerConte
                                                        const v1::ListSessionsRequest* req,
                                                        v1::ListSessionsResponse* resp) {
   if (auto* refused = auth_->Refuse(ctx)) return refused;
+  if (!req->job().empty()) {
+    if (absl::Status s = CheckJobId(req->job()); !s.ok()) return Reply(ctx, s);
+  }
   for (const core::Engine::SessionInfo& info : engine_->ListSessions()) {
     if (!req->job().empty() && info.job != req->job()) continue;
     v1::SessionSummary* s = resp->add_sessions();

@@ -12,9 +12,11 @@ namespace gradsync::rpc {
 /// Never waits: what is missing is NOT_FOUND at once.
 class InspectService final : public v1::Inspect::CallbackService {
  public:
-  /// `store`, `engine` and `auth` must outlive the service.
-  InspectService(store::MemoryStore* store, const core::Engine* engine, const PeerAuth* auth)
-      : store_(store), engine_(engine), auth_(auth) {}
+  /// `store`, `engine` and `auth` must outlive the service. A ListKeys reply past
+  /// `max_reply_bytes` is RESOURCE_EXHAUSTED (naming --max_message_bytes).
+  InspectService(store::MemoryStore* store, const core::Engine* engine, int64_t max_reply_bytes,
+                 const PeerAuth* auth)
+      : store_(store), engine_(engine), max_reply_bytes_(max_reply_bytes), auth_(auth) {}
 
   grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx,
                                      const v1::ListJobsRequest* req,
@@ -35,6 +37,7 @@ class InspectService final : public v1::Inspect::CallbackService {
  private:
   store::MemoryStore* const store_;
   const core::Engine* const engine_;
+  const int64_t max_reply_bytes_;
   const PeerAuth* const auth_;
 };
 

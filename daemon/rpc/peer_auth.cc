@@ -33,6 +33,13 @@ absl::Status PeerAuth::Check(const grpc::CallbackServerContext* ctx) const {
       "--token_file (gradsyncctl --token_file)");
 }
 
+absl::Status PeerAuth::CheckTrainer(const grpc::CallbackServerContext* ctx) {
+  if (absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      "trainer sessions (gradsync.v1.GradSync) are served on the daemon's unix socket only; "
+      "TCP is for other daemons");
+}
+
 grpc::ServerUnaryReactor* PeerAuth::Refuse(grpc::CallbackServerContext* ctx) const {
   absl::Status status = Check(ctx);
   if (status.ok()) return nullptr;

@@ -7,17 +7,22 @@
 
 namespace gradsync::rpc {
 
-/// The cluster-token check of calls that come over TCP (other daemons, remote tools). Calls on
-/// the unix socket are trusted: its file mode and group guard it. With a token configured, a
-/// TCP call must carry the metadata "authorization: Bearer <token>", else it is refused
-/// UNAUTHENTICATED before it touches anything. Health and reflection stay open (they reveal
-/// no job data). Immutable; thread-safe.
+/// Who may call what (DESIGN.md section 6). The unix socket is the trainers' door: its file mode
+/// and group guard it, and only it serves trainer sessions (CheckTrainer). TCP is for other
+/// daemons and remote tools: a TCP call must carry the metadata "authorization: Bearer <token>",
+/// else it is refused UNAUTHENTICATED before it touches anything (the daemon does not listen on
+/// TCP without a token). Health and reflection stay open (they reveal no job data). Immutable;
+/// thread-safe.
 class PeerAuth {
  public:
   /// An empty token checks nothing (TCP is then as open as the bind address makes it).
   explicit PeerAuth(std::string token) : token_(std::move(token)) {}
 
   absl::Status Check(const grpc::CallbackServerContext* ctx) const;
+
+  /// OK for a call on the unix socket; PERMISSION_DENIED for any other, token or not: a trainer
+  /// session maps the caller's memory, which only a local process can hand over.
+  static absl::Status CheckTrainer(const grpc::CallbackServerContext* ctx);
 
   /// A reactor already finished with UNAUTHENTICATED, or nullptr when the call may proceed.
   grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* ctx) const;

@@ -16,10 +16,14 @@
 namespace gradsync::rpc {
 namespace {
 
+// Reserved keys hold what typed calls keep (pack lists): the generic Set, Add, CompareSet and
+// Delete may read around them but never change them.
 absl::Status CheckWritable(absl::string_view key) {
   if (absl::StartsWith(key, kReservedKeyPrefix)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "keys under '", kReservedKeyPrefix, "' are written only by typed calls (SetPackList)"));
+    return absl::PermissionDeniedError(absl::StrCat(
+        "keys under '", kReservedKeyPrefix,
+        "' are written and deleted only by typed calls (SetPackList), not by Set, Add, "
+        "CompareSet or Delete"));
   }
   return absl::OkStatus();
 }
@@ -235,6 +239,7 @@ absl::Status StoreService::DoCompareSet(const v1::CompareSetRequest& req,
 }
 
 absl::Status StoreService::DoDelete(const v1::DeleteRequest& req, v1::DeleteResponse* resp) {
+  GRADSYNC_RETURN_IF_ERROR(CheckWritable(req.key()));
   GRADSYNC_ASSIGN_OR_RETURN(bool deleted, store_->Delete(req.job(), req.key()));
   resp->set_deleted(deleted);
   return absl::OkStatus();
@@ -314,10 +319,17 @@ grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,
                                              const v1::ListRequest* req, v1::ListResponse* resp) {
   if (auto* refused = auth_->Refuse(ctx)) return refused;
   auto keys = store_->List(req->job(), req->prefix());
-  if (keys.ok()) {
-    for (std::string& k : *keys) resp->add_keys(std::move(k));
+  if (!keys.ok()) return Reply(ctx, keys.status());
+  int64_t reply_bytes = 0;
+  for (const std::string& k : *keys) reply_bytes += static_cast<int64_t>(k.size()) + 6;
+  if (reply_bytes > max_reply_bytes_) {
+    return Reply(ctx, absl::ResourceExhaustedError(absl::StrCat(
+                          "List job=", req->job(), ": ", keys->size(), " keys in ", reply_bytes,
+                          " bytes are more than a reply may carry (", max_reply_bytes_,
+                          ", --max_message_bytes); list a narrower prefix")));
   }
-  return Reply(ctx, keys.status());
+  for (std::string& k : *keys) resp->add_keys(std::move(k));
+  return Reply(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* StoreService::SetPackList(grpc::CallbackServerContext* ctx,

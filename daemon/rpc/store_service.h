@@ -1,5 +1,7 @@
 #pragma once
 
+#include <cstdint>
+
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -10,12 +12,15 @@
 namespace gradsync::rpc {
 
 /// gRPC glue for the Store service over any Store. Validates requests, never blocks a gRPC
-/// thread: waiting calls complete from the store's callback.
+/// thread: waiting calls complete from the store's callback. Keys under kReservedKeyPrefix are
+/// changed only by typed calls (PERMISSION_DENIED from Set, Add, CompareSet and Delete); a List
+/// reply past `max_reply_bytes` is RESOURCE_EXHAUSTED (the store bounds wait replies itself).
 class StoreService final : public v1::Store::CallbackService {
  public:
   /// `store` and `auth` must outlive the service.
-  StoreService(gradsync::Store* store, absl::Duration max_wait, const PeerAuth* auth)
-      : store_(store), max_wait_(max_wait), auth_(auth) {}
+  StoreService(gradsync::Store* store, absl::Duration max_wait, int64_t max_reply_bytes,
+               const PeerAuth* auth)
+      : store_(store), max_wait_(max_wait), max_reply_bytes_(max_reply_bytes), auth_(auth) {}
   ~StoreService() override;
 
   /// Ends every open Session with UNAVAILABLE and refuses new ones (the daemon is draining).
@@ -59,6 +64,7 @@ class StoreService final : public v1::Store::CallbackService {
 
   gradsync::Store* const store_;
   const absl::Duration max_wait_;
+  const int64_t max_reply_bytes_;
   const PeerAuth* const auth_;
   absl::Mutex sessions_mu_;
   absl::flat_hash_set<SessionReactor*> sessions_ ABSL_GUARDED_BY(sessions_mu_);

@@ -3,37 +3,23 @@
 #include <algorithm>
 #include <limits>
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "common/bounded_text.h"
+#include "common/job_id.h"
 #include "common/logging.h"
 
 namespace gradsync::store {
 namespace {
 
-constexpr size_t kMaxJobBytes = 128;
-
 std::string ParkKey(absl::string_view job, absl::string_view key) {
   return absl::StrCat(job, absl::string_view("\0", 1), key);
 }
 
-absl::Status CheckJob(absl::string_view job) {
-  if (job.empty()) return absl::InvalidArgumentError("job is empty");
-  if (job.size() > kMaxJobBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("job name is ", job.size(), " bytes; the limit is ", kMaxJobBytes));
-  }
-  for (char c : job) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "job '", absl::CEscape(job), "' may hold only letters, digits, '-', '_' and '.'"));
-    }
-  }
-  return absl::OkStatus();
-}
+// Bytes a value adds to a reply beyond its own: its field tag and length prefix at most.
+constexpr int64_t kValueOverheadBytes = 6;
 
 }  // namespace
 
@@ -46,7 +32,7 @@ MemoryStore::~MemoryStore() {
 }
 
 absl::Status MemoryStore::CheckKey(absl::string_view job, absl::string_view key) const {
-  if (absl::Status s = CheckJob(job); !s.ok()) return s;
+  if (absl::Status s = CheckJobId(job); !s.ok()) return s;
   if (key.empty()) return absl::InvalidArgumentError("key is empty");
   if (static_cast<int64_t>(key.size()) > options_.max_key_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("key is ", key.size(), " bytes; the limit is ",
@@ -96,9 +82,11 @@ absl::Status MemoryStore::PutLocked(absl::string_view job, absl::string_view key
 
 std::vector<std::string> MemoryStore::MissingKeysLocked(const Waiter& w) const {
   std::vector<std::string> missing;
+  absl::flat_hash_set<absl::string_view> seen;
   auto job_it = jobs_.find(w.job);
   for (const std::string& key : w.keys) {
-    if (job_it == jobs_.end() || job_it->second.kv.count(key) == 0) missing.push_back(key);
+    if (job_it != jobs_.end() && job_it->second.kv.count(key) != 0) continue;
+    if (seen.insert(key).second) missing.push_back(key);
   }
   return missing;
 }
@@ -108,21 +96,42 @@ void MemoryStore::TryCompleteLocked(WaitId id, std::vector<Fired>& fired) {
   if (it == waiters_.end()) return;
   Waiter& w = it->second;
   auto job_it = jobs_.find(w.job);
-  std::vector<std::string> values;
-  values.reserve(w.keys.size());
-  for (const std::string& key : w.keys) {
-    const std::string* value = nullptr;
-    if (job_it != jobs_.end()) {
-      auto found = job_it->second.kv.find(key);
-      if (found != job_it->second.kv.end()) value = &found->second;
-    }
-    if (value == nullptr) {
-      w.parked_on = key;
-      parked_[ParkKey(w.job, key)].push_back(id);
-      return;
-    }
-    values.push_back(*value);
+  auto lookup = [&](const std::string& key) -> const std::string* {
+    if (job_it == jobs_.end()) return nullptr;
+    auto found = job_it->second.kv.find(key);
+    return found == job_it->second.kv.end() ? nullptr : &found->second;
+  };
+  auto park = [&](size_t missing) {
+    w.present = missing;
+    w.parked_on = w.keys[missing];
+    parked_[ParkKey(w.job, w.parked_on)].push_back(id);
+  };
+  for (; w.present < w.keys.size(); ++w.present) {
+    if (lookup(w.keys[w.present]) == nullptr) return park(w.present);
   }
+  // Every key was seen; find the values (one may have been deleted since) and the reply's size,
+  // and copy only once both are known to be fine.
+  std::vector<const std::string*> found_values;
+  found_values.reserve(w.keys.size());
+  int64_t reply_bytes = 0;
+  for (size_t i = 0; i < w.keys.size(); ++i) {
+    const std::string* value = lookup(w.keys[i]);
+    if (value == nullptr) return park(i);
+    found_values.push_back(value);
+    reply_bytes += static_cast<int64_t>(value->size()) + kValueOverheadBytes;
+  }
+  if (reply_bytes > options_.max_reply_bytes) {
+    fired.push_back({std::move(w.done),
+                     absl::ResourceExhaustedError(absl::StrCat(
+                         "store wait job=", w.job, ": the reply would carry ", w.keys.size(),
+                         " values in ", reply_bytes, " bytes, more than the limit of ",
+                         options_.max_reply_bytes, " (--max_message_bytes); ask for fewer keys"))});
+    RemoveWaiterLocked(id);
+    return;
+  }
+  std::vector<std::string> values;
+  values.reserve(found_values.size());
+  for (const std::string* value : found_values) values.push_back(*value);
   fired.push_back({std::move(w.done), std::move(values)});
   RemoveWaiterLocked(id);
 }
@@ -150,9 +159,8 @@ void MemoryStore::RemoveWaiterLocked(WaitId id) {
 }
 
 absl::Status MemoryStore::ExpiredLocked(const Waiter& w) const {
-  return absl::DeadlineExceededError(
-      absl::StrCat("store wait job=", w.job,
-                   " timed out; missing keys: ", absl::StrJoin(MissingKeysLocked(w), ", ")));
+  return absl::DeadlineExceededError(absl::StrCat(
+      "store wait job=", w.job, " timed out; missing keys: ", JoinBounded(MissingKeysLocked(w))));
 }
 
 void MemoryStore::Run(std::vector<Fired>& fired) {
@@ -297,7 +305,7 @@ absl::StatusOr<bool> MemoryStore::Delete(absl::string_view job, absl::string_vie
 
 absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> MemoryStore::ListSizes(
     absl::string_view job, absl::string_view prefix) {
-  if (absl::Status s = CheckJob(job); !s.ok()) return s;
+  if (absl::Status s = CheckJobId(job); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   auto job_it = jobs_.find(job);
   if (job_it == jobs_.end())
@@ -322,6 +330,7 @@ absl::StatusOr<std::vector<std::string>> MemoryStore::List(absl::string_view job
 }
 
 absl::StatusOr<std::string> MemoryStore::Peek(absl::string_view job, absl::string_view key) {
+  if (absl::Status s = CheckJobId(job); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   auto job_it = jobs_.find(job);
   if (job_it == jobs_.end())

@@ -18,6 +18,9 @@ struct MemoryStoreOptions {
   int64_t max_keys_per_job = 65536;
   int64_t max_jobs = 1024;
   int64_t max_waiters = 65536;
+  /// Most bytes of values one wait may return (each value counted as often as it was asked
+  /// for, plus its framing): the daemon sets it to --max_message_bytes less the envelope.
+  int64_t max_reply_bytes = (16 << 20) - 4096;
 };
 
 /// Size of one job's namespace, for inspection.
@@ -30,8 +33,10 @@ struct JobStats {
 /// The in-memory Store held by a job's root daemon.
 ///
 /// Jobs come into being with their first key and are checked against the limits on every write
-/// (ResourceExhausted names the limit). Waits on a job that does not exist yet are allowed: a
-/// rendezvous may start before the first writer. One thread fires wait deadlines.
+/// (ResourceExhausted names the limit). Job ids follow CheckJobId. A wait whose values would
+/// exceed max_reply_bytes fails ResourceExhausted before any value is copied; a timed-out wait
+/// names its first few missing keys and counts the rest. Waits on a job that does not exist yet are
+/// allowed: a rendezvous may start before the first writer. One thread fires wait deadlines.
 ///
 /// Lock order: mu_ only; callbacks run after it is released.
 class MemoryStore final : public Store {
@@ -75,6 +80,9 @@ class MemoryStore final : public Store {
     absl::Time deadline;
     WaitCallback done;
     std::string parked_on;  // the missing key it is indexed under
+    // keys[0, present) were there when last looked at: a wake resumes after them, so a wait on
+    // n keys set one by one costs O(n) lookups, not O(n^2) under mu_.
+    size_t present = 0;
   };
   struct Fired {
     WaitCallback done;

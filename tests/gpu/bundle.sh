@@ -2,9 +2,11 @@
 # Builds the GPU binaries here (Debian 12, the CUDA toolkit and NCCL under /usr/local/cuda) and
 # bundles them, with the Debian libraries they need, into build-gpu-bundle/ for a GPU machine
 # that has CUDA and NCCL but not Debian's gRPC, protobuf, Abseil, spdlog or Gloo:
-#   tests/gpu/bundle.sh            then   (device tool) run tests/gpu/run.sh, carry build-gpu-bundle
+#   tests/gpu/bundle.sh   then (device tool, one call of at most 8 minutes) tests/gpu/run.sh,
+#   carrying build-gpu-bundle
 # The C library, libstdc++, libcudart and libnccl are the GPU machine's own.
 set -euo pipefail
+export LC_ALL=C  # the source hash, and ldd's output, must not depend on the locale
 cd "$(dirname "$(readlink -f "$0")")/../.."
 build=build-gpu
 out=build-gpu-bundle

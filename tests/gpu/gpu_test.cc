@@ -1,7 +1,11 @@
 // GPU data plane on a real GPU: CUDA IPC buffers and events between trainer processes and a real
-// gradsyncd, NCCL collectives through the daemon, a trainer killed while mapped, abort at the
-// deadline, communicators kept across a trainer's restart. Label `gpu`; every test skips (never
-// passes) where no CUDA device can be used.
+// gradsyncd, NCCL collectives through the daemon with values that a daemon doing nothing fails,
+// a trainer killed while mapped, abort at the deadline, communicators kept across a trainer's
+// restart. Label `gpu`; every test skips (never passes) where no CUDA device can be used.
+//
+// Nothing here may hang a GPU run: daemons run with a short --op_timeout, every worker op has its
+// own deadline, and workers are killed at kWorkerWait. tests/gpu/run.sh also runs each test
+// under its own `timeout`.
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -13,6 +17,13 @@
 
 namespace gradsync::testing {
 namespace {
+
+// A worker's whole run (connect, register, 8 ops of a few ms each; NCCL's first initialisation
+// in the daemon) is seconds; past this it is killed and the test fails.
+constexpr absl::Duration kWorkerWait = absl::Seconds(45);
+// Each op's own deadline, and the daemons' default for any op that names none.
+const std::string kOpTimeout = "op_timeout_ms=20000";
+const std::string kDaemonOpTimeout = "--op_timeout=30s";
 
 class GpuTest : public ::testing::Test {
  protected:
@@ -27,6 +38,7 @@ class GpuTest : public ::testing::Test {
   }
   std::unique_ptr<DaemonProcess> StartDaemon(DaemonProcess::Options options = {}) {
     dirs_.push_back(std::make_unique<TempDir>());
+    options.flags.push_back(kDaemonOpTimeout);
     auto d = DaemonProcess::Start(dirs_.back()->path(), options);
     EXPECT_TRUE(d.ok()) << d.status();
     return d.ok() ? *std::move(d) : nullptr;
@@ -40,11 +52,12 @@ class GpuTest : public ::testing::Test {
       outs.push_back(absl::StrCat(dirs_[0]->path(), "/worker.", i, ".", ++runs_));
       std::vector<std::string> argv = {HelperBinary("gpu_worker")};
       argv.insert(argv.end(), args[i].begin(), args[i].end());
+      argv.push_back(kOpTimeout);
       auto pid = Spawn(argv, {}, outs.back());
       EXPECT_TRUE(pid.ok());
       pids.push_back(pid.ok() ? *pid : -1);
     }
-    std::vector<int> codes = WaitAll(pids, absl::Seconds(120));
+    std::vector<int> codes = WaitAll(pids, kWorkerWait);
     std::vector<std::pair<int, std::string>> out;
     for (size_t i = 0; i < pids.size(); ++i) out.emplace_back(codes[i], ReadFile(outs[i]));
     return out;
@@ -53,12 +66,15 @@ class GpuTest : public ::testing::Test {
   int runs_ = 0;
 };
 
-TEST_F(GpuTest, OneRankNcclOpsThroughTheDaemonOnIpcBuffersWithEvents) {
+// The out-of-place ops land in outputs holding a sentinel, their inputs written by a late
+// kernel right before Ready(stream): values right only if the daemon waited for "ready", wrote
+// the output, and recorded "done" before the trainer's check kernel ran.
+TEST_F(GpuTest, OneRankNcclOpsThroughTheDaemonWriteTheirOutputsInStreamOrder) {
   auto d = StartDaemon();
   ASSERT_NE(d, nullptr);
-  for (const auto& [code, out] : Workers({{d->unix_target(), "g1", "1", "0", "allreduce"}})) {
+  for (const auto& [code, out] : Workers({{d->unix_target(), "g1", "1", "0", "ops"}})) {
     EXPECT_EQ(code, 0) << out;
-    EXPECT_TRUE(absl::StrContains(out, "ok checks=5")) << out;
+    EXPECT_TRUE(absl::StrContains(out, "ok value_checks=4 in_place=4")) << out;
   }
 }
 
@@ -67,10 +83,10 @@ TEST_F(GpuTest, TwoTrainerProcessesShareTheGpuAndTheDaemon) {
   ASSERT_NE(d, nullptr);
   // Two one-rank jobs at once (NCCL allows one rank per GPU in a communicator): the daemon maps
   // both processes' allocations, each holding two registered buffers.
-  for (const auto& [code, out] : Workers({{d->unix_target(), "ga", "1", "0", "allreduce"},
-                                          {d->unix_target(), "gb", "1", "0", "allreduce"}})) {
+  for (const auto& [code, out] : Workers({{d->unix_target(), "ga", "1", "0", "ops"},
+                                          {d->unix_target(), "gb", "1", "0", "ops"}})) {
     EXPECT_EQ(code, 0) << out;
-    EXPECT_TRUE(absl::StrContains(out, "ok checks=5")) << out;
+    EXPECT_TRUE(absl::StrContains(out, "ok value_checks=4 in_place=4")) << out;
   }
 }
 
@@ -80,7 +96,7 @@ TEST_F(GpuTest, ATrainerKilledWhileItsBufferIsMappedLeavesTheDaemonHealthy) {
   const std::string out = absl::StrCat(dirs_[0]->path(), "/hold.out");
   auto pid = Spawn({HelperBinary("gpu_worker"), d->unix_target(), "gk", "1", "0", "hold"}, {}, out);
   ASSERT_TRUE(pid.ok());
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (!absl::StrContains(ReadFile(out), "mapped") && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(20));
   }
@@ -89,8 +105,9 @@ TEST_F(GpuTest, ATrainerKilledWhileItsBufferIsMappedLeavesTheDaemonHealthy) {
   int status = 0;
   ::waitpid(*pid, &status, 0);
   // The daemon unmapped it with the session and serves the next job.
-  for (const auto& [code, o] : Workers({{d->unix_target(), "gk2", "1", "0", "allreduce"}})) {
+  for (const auto& [code, o] : Workers({{d->unix_target(), "gk2", "1", "0", "ops"}})) {
     EXPECT_EQ(code, 0) << o;
+    EXPECT_TRUE(absl::StrContains(o, "ok value_checks=4")) << o;
   }
 }
 
@@ -103,8 +120,9 @@ TEST_F(GpuTest, ARestartedTrainerReusesTheDaemonsCommunicators) {
   auto d = StartDaemon(options);
   ASSERT_NE(d, nullptr);
   for (int run = 0; run < 2; ++run) {  // the same job twice: the trainer exited in between
-    for (const auto& [code, out] : Workers({{d->unix_target(), "gr", "1", "0", "allreduce"}})) {
+    for (const auto& [code, out] : Workers({{d->unix_target(), "gr", "1", "0", "ops"}})) {
       EXPECT_EQ(code, 0) << out;
+      EXPECT_TRUE(absl::StrContains(out, "ok value_checks=4")) << out;
     }
   }
   const std::string text = ReadFile(log);
@@ -138,8 +156,10 @@ TEST_F(GpuTest, APeerThatNeverJoinsAbortsAtTheDeadlineAndTheDaemonGoesOn) {
   ASSERT_EQ(res[0].first, 0) << res[0].second;
   EXPECT_TRUE(absl::StrContains(res[0].second, "status DEADLINE_EXCEEDED")) << res[0].second;
   EXPECT_TRUE(absl::StrContains(res[0].second, "NCCL")) << res[0].second;
-  for (const auto& [code, out] : Workers({{d0->unix_target(), "gy", "1", "0", "allreduce"}})) {
+  // The abort left no kernel touching an unmapped buffer: the daemon still serves, values right.
+  for (const auto& [code, out] : Workers({{d0->unix_target(), "gy", "1", "0", "ops"}})) {
     EXPECT_EQ(code, 0) << out;
+    EXPECT_TRUE(absl::StrContains(out, "ok value_checks=4")) << out;
   }
 }
 

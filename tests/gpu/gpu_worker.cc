@@ -1,27 +1,40 @@
 // A GPU trainer process for tests/gpu: device buffers exported to the daemon through CUDA IPC.
 //
 //   gpu_worker TARGET JOB WORLD RANK SCENARIO [key=value...]
-//     allreduce   two buffers in one cudaMalloc allocation (so the daemon maps one allocation
-//                 for both); sum, mean and max on float32, a broadcast and (one rank) an
-//                 out-of-place all-gather, each checked on the device result after WaitDone
-//     hold        registers a buffer, prints "mapped", then sleeps (the test kills it)
-//     once        one all-reduce with timeout_ms=T; prints "status CODE message"
-// Prints "ok ..." on success; exit code 1 on any mismatch.
+//     ops    (one rank) two buffers a, b in one cudaMalloc allocation (the daemon maps one
+//            allocation for both). Every op runs as a trainer runs it: on a non-blocking
+//            stream, a kernel writes the input (late: it runs after a 20 ms delay kernel,
+//            over stale data), Ready(stream), the op, WaitDone(stream), a kernel checks the
+//            result; one host synchronisation at the end. Value checks, out of place into an
+//            output holding a sentinel, so that a daemon that wrote nothing, or read before
+//            "ready", fails them: all_gather, reduce_scatter sum, mean (NCCL's PreMulSum
+//            kernel) and max. The API has no out-of-place all_reduce or broadcast: those run
+//            in place (sum, mean, max, broadcast) and their values, which one rank leaves
+//            unchanged, are checked but cannot show that the daemon did anything.
+//     hold   registers a buffer, prints "mapped", then sleeps (the test kills it)
+//     once   one all-reduce with timeout_ms=T; prints "status CODE message"
+//   keys: count=N (floats per buffer, default 1Mi), op_timeout_ms=T (each op's deadline,
+//   default 20000), delay_us=U (default 20000), local_world_size=L, root=HOST:PORT.
+// Prints "ok ..." on success; exit code 1 on any error or wrong value, with the reason.
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/gradsync_client.h"
+#include "tests/gpu/gpu_kernels.h"
 
 using gradsync::client::Client;
+using gradsync::client::CudaBuffer;
 using gradsync::client::OpOptions;
+using gradsync::testing::CheckSlot;
+using gradsync::testing::Pattern;
 
 namespace {
 
@@ -41,13 +54,20 @@ std::string Arg(const std::string& key, const std::string& fallback) {
   std::_Exit(1);
 }
 
-void Check(cudaError_t e, const char* call) {
+void Check(cudaError_t e, const std::string& call) {
   if (e != cudaSuccess) Die(absl::StrCat(call, ": ", cudaGetErrorString(e)));
 }
 
 void Check(const absl::Status& s, const std::string& what) {
   if (!s.ok()) Die(absl::StrCat(what, ": ", s.ToString()));
 }
+
+// One op of the "ops" scenario and where its check lands.
+struct Step {
+  std::string name;
+  bool out_of_place;  // a value check that fails when the daemon does nothing
+  Pattern want;
+};
 
 }  // namespace
 
@@ -68,13 +88,17 @@ int main(int argc, char** argv) {
   Check(cudaSetDevice(0), "cudaSetDevice");
   const int64_t n = std::stoll(Arg("count", "1048576"));
   const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  OpOptions options;
+  options.timeout = absl::Milliseconds(std::stoi(Arg("op_timeout_ms", "20000")));
   float* alloc = nullptr;
   Check(cudaMalloc(reinterpret_cast<void**>(&alloc), 2 * bytes), "cudaMalloc");  // one allocation
-  std::vector<float> host(static_cast<size_t>(n));
-  auto a = (*client)->RegisterCudaBuffer(alloc, static_cast<int64_t>(bytes), gradsync::v1::FLOAT32);
+  float* const a_data = alloc;
+  float* const b_data = alloc + n;
+  auto a =
+      (*client)->RegisterCudaBuffer(a_data, static_cast<int64_t>(bytes), gradsync::v1::FLOAT32);
   Check(a.status(), "register a");
   auto b =
-      (*client)->RegisterCudaBuffer(alloc + n, static_cast<int64_t>(bytes), gradsync::v1::FLOAT32);
+      (*client)->RegisterCudaBuffer(b_data, static_cast<int64_t>(bytes), gradsync::v1::FLOAT32);
   Check(b.status(), "register b");
 
   if (scenario == "hold") {
@@ -85,7 +109,7 @@ int main(int argc, char** argv) {
   }
   if (scenario == "once") {
     Check((*a)->Ready(), "ready");
-    OpOptions o;
+    OpOptions o = options;
     o.timeout = absl::Milliseconds(std::stoi(Arg("timeout_ms", "3000")));
     absl::Status s =
         (*client)->AllReduce(gradsync::v1::FLOAT32, gradsync::v1::SUM, {{(*a)->id(), 0, n}}, o);
@@ -93,68 +117,93 @@ int main(int argc, char** argv) {
                 std::string(s.message()).c_str());
     return 0;
   }
-  // allreduce: rank r fills a[i] = r + i % 7 and b[i] = 2r; sum / mean / max across the world.
-  auto fill = [&](float* dev, auto value) {
-    for (int64_t i = 0; i < n; ++i) host[static_cast<size_t>(i)] = value(i);
-    Check(cudaMemcpy(dev, host.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
-  };
-  auto expect = [&](float* dev, auto value, const std::string& what) {
-    Check(cudaMemcpy(host.data(), dev, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::fabs(host[static_cast<size_t>(i)] - value(i)) > 1e-4f) {
-        Die(absl::StrCat(what, ": element ", i, " is ", host[static_cast<size_t>(i)], " not ",
-                         value(i)));
-      }
+  if (scenario != "ops") Die("unknown scenario " + scenario);
+  if (world != 1) {
+    Die("the ops scenario runs one rank (NCCL puts one rank of a communicator per GPU)");
+  }
+
+  cudaStream_t stream;
+  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  const int64_t delay_us = std::stoll(Arg("delay_us", "20000"));
+  const Pattern input{static_cast<float>(3 * rank + 1), 0.5f, 251};
+  const Pattern stale{-1.0f, -1.0f, 13};      // the input before its kernel ran
+  const Pattern sentinel{-7777.0f, 0.0f, 1};  // an output before the op
+  constexpr int kMaxSteps = 16;
+  CheckSlot* slots = nullptr;
+  Check(cudaMalloc(reinterpret_cast<void**>(&slots), kMaxSteps * sizeof(CheckSlot)), "cudaMalloc");
+  Check(cudaMemsetAsync(slots, 0, kMaxSteps * sizeof(CheckSlot), stream), "cudaMemsetAsync");
+  std::vector<Step> steps;
+  const gradsync::client::Segment whole_a{(*a)->id(), 0, n}, whole_b{(*b)->id(), 0, n};
+
+  // Runs one op the way a trainer does, all on `stream`; `op` submits it and waits for the
+  // daemon's answer (not for the GPU).
+  auto run = [&](const std::string& name, bool out_of_place,
+                 const std::function<absl::Status()>& op) {
+    CudaBuffer& written = out_of_place ? **b : **a;
+    Check(gradsync::testing::LaunchFill(a_data, n, stale, stream), name + ": fill stale");
+    if (out_of_place) {
+      Check(gradsync::testing::LaunchFill(b_data, n, sentinel, stream), name + ": fill sentinel");
     }
+    Check(gradsync::testing::LaunchDelay(delay_us, stream), name + ": delay");
+    Check(gradsync::testing::LaunchFill(a_data, n, input, stream), name + ": fill input");
+    Check((*a)->Ready(stream), name + ": ready a");
+    if (out_of_place) Check((*b)->Ready(stream), name + ": ready b");
+    Check(op(), name);
+    Check(written.WaitDone(stream), name + ": wait done");
+    // One rank: every op leaves the input's values where it writes.
+    Check(gradsync::testing::LaunchCheck(out_of_place ? b_data : a_data, n, input,
+                                         &slots[steps.size()], stream),
+          name + ": check");
+    steps.push_back({name, out_of_place, input});
   };
-  int checks = 0;
-  float rank_sum = 0;
-  for (int r = 0; r < world; ++r) rank_sum += static_cast<float>(r);
-  for (auto op : {gradsync::v1::SUM, gradsync::v1::MEAN, gradsync::v1::MAX}) {
-    fill(alloc, [&](int64_t i) { return static_cast<float>(rank + i % 7); });
-    Check((*a)->Ready(), "ready");
-    Check((*client)->AllReduce(gradsync::v1::FLOAT32, op, {{(*a)->id(), 0, n}}), "all_reduce");
-    Check((*a)->WaitDone(), "wait done");
-    Check(cudaDeviceSynchronize(), "sync");
-    expect(
-        alloc,
-        [&](int64_t i) {
-          const float base = static_cast<float>(i % 7);
-          if (op == gradsync::v1::SUM) return base * world + rank_sum;
-          if (op == gradsync::v1::MEAN) return base + rank_sum / world;
-          return base + static_cast<float>(world - 1);
-        },
-        absl::StrCat("all_reduce op ", op));
-    ++checks;
+  using gradsync::v1::FLOAT32;
+  run("all_gather", true,
+      [&] { return (*client)->AllGatherAsync(FLOAT32, {whole_a}, {whole_b}, options).Wait(); });
+  for (auto [op, label] : {std::pair{gradsync::v1::SUM, "sum"},
+                           {gradsync::v1::MEAN, "mean"},
+                           {gradsync::v1::MAX, "max"}}) {
+    run(absl::StrCat("reduce_scatter(", label, ")"), true, [&, op = op] {
+      return (*client)->ReduceScatterAsync(FLOAT32, op, {whole_a}, {whole_b}, options).Wait();
+    });
   }
-  fill(alloc + n, [&](int64_t) { return static_cast<float>(2 * rank + 1); });
-  Check((*b)->Ready(), "ready b");
-  Check((*client)->Broadcast(gradsync::v1::FLOAT32, world - 1, {{(*b)->id(), 0, n}}), "broadcast");
-  Check((*b)->WaitDone(), "wait done b");
-  Check(cudaDeviceSynchronize(), "sync");
-  expect(
-      alloc + n, [&](int64_t) { return static_cast<float>(2 * (world - 1) + 1); }, "broadcast");
-  ++checks;
-  // Out of place, so a daemon that wrote nothing cannot pass (with one rank the in-place ops
-  // above leave a correct buffer unchanged): all-gather a into b, b holding a sentinel first.
-  fill(alloc, [&](int64_t i) { return static_cast<float>(3 * rank + i % 5); });
-  fill(alloc + n, [&](int64_t) { return -1.0f; });
-  if (world == 1) {
-    Check((*a)->Ready(), "ready a");
-    Check((*b)->Ready(), "ready b");
-    Check((*client)
-              ->AllGatherAsync(gradsync::v1::FLOAT32, {{(*a)->id(), 0, n}}, {{(*b)->id(), 0, n}})
-              .Wait(),
-          "all_gather");
-    Check((*b)->WaitDone(), "wait done b");
-    Check(cudaDeviceSynchronize(), "sync");
-    expect(
-        alloc + n, [&](int64_t i) { return static_cast<float>(i % 5); }, "all_gather");
-    ++checks;
+  for (auto [op, label] : {std::pair{gradsync::v1::SUM, "sum"},
+                           {gradsync::v1::MEAN, "mean"},
+                           {gradsync::v1::MAX, "max"}}) {
+    run(absl::StrCat("all_reduce(", label, ") in place"), false,
+        [&, op = op] { return (*client)->AllReduce(FLOAT32, op, {whole_a}, options); });
   }
+  run("broadcast in place", false,
+      [&] { return (*client)->Broadcast(FLOAT32, 0, {whole_a}, options); });
+
+  // The one host synchronisation: every kernel and every daemon op above is done.
+  Check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  std::vector<CheckSlot> found(steps.size());
+  Check(cudaMemcpy(found.data(), slots, steps.size() * sizeof(CheckSlot), cudaMemcpyDeviceToHost),
+        "cudaMemcpy results");
+  int value_checks = 0, in_place = 0;
+  std::string wrong;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const Step& s = steps[i];
+    if (found[i].wrong != 0) {
+      const float want =
+          s.want.base + s.want.step * static_cast<float>(found[i].index % s.want.period);
+      absl::StrAppend(&wrong, wrong.empty() ? "" : "; ", s.name, ": ", found[i].wrong, " of ", n,
+                      " elements wrong, e.g. [", found[i].index, "] = ", found[i].got, " not ",
+                      want, found[i].got == sentinel.base ? " (the sentinel: nothing written)" : "",
+                      found[i].got == stale.base + stale.step * static_cast<float>(found[i].index %
+                                                                                   stale.period)
+                          ? " (the stale input: read before ready)"
+                          : "");
+    }
+    ++(s.out_of_place ? value_checks : in_place);
+  }
+  if (!wrong.empty()) Die(wrong);
   Check((*client)->DestroyCudaBuffer(std::move(*a)), "destroy a");
   Check((*client)->DestroyCudaBuffer(std::move(*b)), "destroy b");
+  cudaFree(slots);
+  cudaStreamDestroy(stream);
   cudaFree(alloc);
-  std::printf("ok checks=%d\n", checks);
+  std::printf("ok value_checks=%d in_place=%d (in-place values cannot fail with one rank)\n",
+              value_checks, in_place);
   return 0;
 }

@@ -1,38 +1,81 @@
 #!/usr/bin/env bash
-# The GPU checks, in one run on a GPU machine (one H200 here): the gpu tests (CUDA IPC buffers
-# and events between trainer processes and a real daemon, NCCL through the daemon, a trainer
-# killed while mapped, abort at the deadline), then the benchmark (the daemon path against
-# direct ncclAllReduce, 4 KiB ... 1 GiB), and a short table last. Under 5 minutes.
+# The GPU checks, in one bounded call on a GPU machine (one H200 here), stage by stage:
+#   1. probe      what the machine is (kernel, /dev/shm, nvidia-smi, libraries, torch, a torch
+#                 CUDA-IPC probe): tests/gpu/probe.sh, seconds
+#   2. first test one-rank NCCL ops through the daemon with value checks; if it fails, rerun once
+#                 with NCCL's sandbox knobs (NCCL_CUMEM_ENABLE=0 NCCL_SOCKET_IFNAME=lo
+#                 NCCL_IB_DISABLE=1), which then stay on. Skipped (no GPU): exit 77 at once.
+#   3. benchmark  the daemon path against direct NCCL on the same buffers (bench/gpu_bench.cc),
+#                 only if the first test passed
+#   4. the other gpu tests, each its own process under its own timeout
+# Whatever hangs, the whole run ends within GRADSYNC_GPU_BUDGET_S (default 420 s; the device
+# call allows 480): every stage runs under `timeout`, clamped to the time left.
 #
-# Binaries: build-gpu-bundle/ when present (tests/gpu/bundle.sh, for machines without Debian's
-# libraries), else a build of this tree into build-gpu (needs ./setup.sh's packages).
-# Outputs also go to $OUT when set. Exit 0: passed; 77: no usable GPU here (tests skipped).
+# Binaries: $GRADSYNC_BUILD_DIR (a build tree of this checkout), else $GRADSYNC_GPU_BIN_DIR (a
+# flat folder of them), else build-gpu-bundle/ (tests/gpu/bundle.sh, for machines without
+# Debian's libraries; refused if built from other sources), else a build of this tree.
+# Files in $OUT (at most 8): summary.txt probe.txt gpu_tests.log gpu_bench.txt gpu_bench.json
+# gpu_bench.err gradsyncd.log [build.log]. Exit 0: all passed; 77: no usable GPU (nothing run
+# but the probe); 1: something failed or timed out (summary.txt says what).
 set -uo pipefail
+export LC_ALL=C
 cd "$(dirname "$(readlink -f "$0")")/../.."
+budget=${GRADSYNC_GPU_BUDGET_S:-420}
+stage_cap=${GRADSYNC_GPU_STAGE_S:-600}  # tests of this script shorten every stage
 out=${OUT:-$(mktemp -d)}
-if [[ -d build-gpu-bundle/bin ]]; then
-  . tests/gpu/source_hash.sh
-  if [[ $(cat build-gpu-bundle/SOURCE_HASH 2>/dev/null) != "$(source_hash)" ]]; then
-    echo "run.sh: build-gpu-bundle/ was built from other sources: run tests/gpu/bundle.sh again"
-    exit 1
+mkdir -p "$out"
+rm -f "$out"/*.tmp
+tmp=$(mktemp -d)
+summary=$out/summary.txt
+: >"$summary"
+say() { echo "$*" | tee -a "$summary"; }
+elapsed() { echo $((SECONDS)); }
+# bounded MAX CMD...: CMD under `timeout`, at most MAX seconds, never past the budget (10 s
+# kept for the summary). 124 or 137: it timed out; 125: no time was left to start it.
+bounded() {
+  local max=$1 left
+  shift
+  ((max > stage_cap)) && max=$stage_cap
+  left=$((budget - SECONDS - 10))
+  ((left < max)) && max=$left
+  if ((max < 3)); then
+    say "run.sh: no time left for: $(basename "$1")"
+    return 125
   fi
-  bin=build-gpu-bundle/bin
-  libs=$PWD/build-gpu-bundle/lib
+  timeout -k 5 "$max" "$@"
+}
+
+if [[ -n ${GRADSYNC_BUILD_DIR:-} ]]; then
+  b=$(readlink -f "$GRADSYNC_BUILD_DIR")
+  daemon=$b/daemon/gradsyncd ctl=$b/client/gradsyncctl tests=$b/tests/gradsync_gpu_tests
+  worker_dir=$b/tests bench=$b/bench/gpu_bench libs=
+elif [[ -n ${GRADSYNC_GPU_BIN_DIR:-} || -d build-gpu-bundle/bin ]]; then
+  if [[ -z ${GRADSYNC_GPU_BIN_DIR:-} ]]; then
+    . tests/gpu/source_hash.sh
+    if [[ $(cat build-gpu-bundle/SOURCE_HASH 2>/dev/null) != "$(source_hash)" ]]; then
+      say "run.sh: build-gpu-bundle/ was built from other sources: run tests/gpu/bundle.sh again"
+      exit 1
+    fi
+    libs=$PWD/build-gpu-bundle/lib
+  else
+    libs=
+  fi
+  b=$(readlink -f "${GRADSYNC_GPU_BIN_DIR:-build-gpu-bundle/bin}")
+  daemon=$b/gradsyncd ctl=$b/gradsyncctl tests=$b/gradsync_gpu_tests worker_dir=$b
+  bench=$b/gpu_bench
 else
   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DGRADSYNC_WITH_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DPython3_EXECUTABLE=/usr/bin/python3 >/dev/null &&
-    cmake --build build-gpu -j"$(nproc)" --target gradsyncd gradsyncctl gradsync_gpu_tests \
-      gpu_worker gpu_bench >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
-  mkdir -p build-gpu/run-bin
-  cp build-gpu/daemon/gradsyncd build-gpu/client/gradsyncctl build-gpu/tests/gradsync_gpu_tests \
-    build-gpu/tests/gpu_worker build-gpu/bench/gpu_bench build-gpu/run-bin/
-  bin=build-gpu/run-bin
-  libs=
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DPython3_EXECUTABLE=/usr/bin/python3 >"$out/build.log" 2>&1 &&
+    bounded 400 cmake --build build-gpu -j"$(nproc)" --target gradsyncd gradsyncctl \
+      gradsync_gpu_tests gpu_worker gpu_bench >>"$out/build.log" 2>&1 ||
+    { tail -30 "$out/build.log"; say "run.sh: build failed"; exit 1; }
+  b=$PWD/build-gpu
+  daemon=$b/daemon/gradsyncd ctl=$b/client/gradsyncctl tests=$b/tests/gradsync_gpu_tests
+  worker_dir=$b/tests bench=$b/bench/gpu_bench libs=
 fi
-bin=$(readlink -f "$bin")
 # CUDA and NCCL of this machine: the toolkit's, else the pip wheels' (nvidia-*-cu13), wherever
 # the wheels put libcudart.so.13 and libnccl.so.2.
-wheels=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+wheels=$(timeout 20 python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
 wheel_libs=
 if [[ -n $wheels ]]; then
   wheel_libs=$(find "$wheels" \( -name 'libcudart.so.13*' -o -name 'libnccl.so.2*' \) -printf '%h\n' \
@@ -43,30 +86,112 @@ for d in "$libs" "$wheel_libs" /usr/local/cuda/lib64 ${LD_LIBRARY_PATH:+"$LD_LIB
   [[ -n $d ]] && path=${path:+$path:}$d  # no empty entries (they mean the current directory)
 done
 export LD_LIBRARY_PATH=$path
-export GRADSYNC_DAEMON_PATH=$bin/gradsyncd GRADSYNC_TEST_BIN_DIR=$bin
+export GRADSYNC_DAEMON_PATH=$daemon GRADSYNC_TEST_BIN_DIR=$worker_dir
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # NCCL's own reasons, in the logs
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1 | tee "$out/gpu.txt"
 
-timeout 240 "$bin/gradsync_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E '^\[ +(OK|FAILED|SKIPPED) +\]|PASSED|FAILED'
-tests_rc=${PIPESTATUS[0]}
-if grep -q 'SKIPPED' "$out/gpu_tests.log" && ! grep -q '\[       OK \]' "$out/gpu_tests.log"; then
-  grep -m1 -A1 'Skipped' "$out/gpu_tests.log"
-  echo "run.sh: no usable GPU here: gpu tests skipped, benchmark not run"
-  exit 77
+# ---- 1. probe ----
+bounded 60 tests/gpu/probe.sh "$daemon" "$ctl" "$tests" "$worker_dir/gpu_worker" "$bench" \
+  >"$out/probe.txt" 2>&1
+cat "$out/probe.txt"
+knobs=(NCCL_CUMEM_ENABLE=0 NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1)
+use_knobs() {
+  say "run.sh: NCCL sandbox knobs on from here: ${knobs[*]} ($1)"
+  export "${knobs[@]}"
+}
+# gVisor (a 4.4.0 kernel) or a torch that cannot share CUDA memory: start with the knobs.
+if grep -qE '^Linux 4\.4\.0 |gvisor' "$out/probe.txt" || grep -q 'IPC event FAILED' "$out/probe.txt"; then
+  use_knobs "the probe saw a sandbox"
 fi
 
-dir=$(mktemp -d)
-"$bin/gradsyncd" --socket="$dir/d.sock" --port=-1 --log_sink=stderr --log_level=warning 2>"$out/gradsyncd.log" &
-daemon=$!
-for _ in $(seq 1 100); do "$bin/gradsyncctl" --socket="$dir/d.sock" health >/dev/null 2>&1 && break; sleep 0.1; done
-timeout 200 "$bin/gpu_bench" --socket="$dir/d.sock" --iters=30 >"$out/gpu_bench.txt" 2>"$out/gpu_bench.err"
-bench_rc=$?
-kill $daemon; wait $daemon 2>/dev/null
+# ---- gpu tests, one per process ----
+: >"$out/gpu_tests.log"
+declare -A result
+# run_test NAME MAX: GpuTest.NAME alone, at most MAX seconds; sets result[NAME].
+run_test() {
+  local name=$1 max=$2 rc log=$tmp/$1.log
+  bounded "$max" "$tests" --gtest_filter="GpuTest.$name" --gtest_color=no >"$log" 2>&1
+  rc=$?
+  { echo "=== GpuTest.$name: exit $rc after $(elapsed) s"; cat "$log"; } >>"$out/gpu_tests.log"
+  if grep -q "^\[  SKIPPED \] GpuTest.$name" "$log"; then
+    result[$name]=skipped
+  elif ((rc == 0)) && grep -q "^\[       OK \] GpuTest.$name" "$log"; then
+    result[$name]=passed
+  elif ((rc == 124 || rc == 137)); then
+    result[$name]="timed out"
+  elif ((rc == 125)); then
+    result[$name]="not run (no time left)"
+  else
+    result[$name]="failed (exit $rc)"
+  fi
+  say "GpuTest.$name: ${result[$name]} ($(elapsed) s)"
+}
+
+first=OneRankNcclOpsThroughTheDaemonWriteTheirOutputsInStreamOrder
+run_test "$first" 75
+if [[ ${result[$first]} == skipped ]]; then
+  grep -m1 -A1 'Skipped' "$tmp/$first.log"
+  say "run.sh: no usable GPU here: gpu tests skipped, benchmark not run"
+  rm -rf "$tmp"
+  exit 77
+fi
+if [[ ${result[$first]} != passed && -z ${NCCL_CUMEM_ENABLE:-} ]]; then
+  use_knobs "the first test ${result[$first]}"
+  run_test "$first" 75
+fi
+
+# ---- 3. benchmark (only on a first test that passed) ----
+bench_rc=skipped
+if [[ ${result[$first]} == passed ]]; then
+  dir=$(mktemp -d)
+  "$daemon" --socket="$dir/d.sock" --port=-1 --log_sink=stderr --log_level=warning \
+    --op_timeout=30s 2>"$out/gradsyncd.log" &
+  daemon_pid=$!
+  for _ in $(seq 1 50); do
+    timeout 2 "$ctl" --socket="$dir/d.sock" health >/dev/null 2>&1 && break
+    sleep 0.2
+  done
+  left=$((budget - SECONDS - 10 - 4 * 60))  # keep four minutes for the other tests
+  ((left > 150)) && left=150
+  ((left < 30)) && left=30
+  bounded "$left" "$bench" --socket="$dir/d.sock" --iters=20 --json="$out/gpu_bench.json" \
+    --budget_s=$((left - 25)) --init_timeout_s=20 --op_timeout_ms=20000 \
+    >"$out/gpu_bench.txt" 2>"$out/gpu_bench.err"
+  bench_rc=$?
+  kill "$daemon_pid" 2>/dev/null
+  for _ in $(seq 1 50); do kill -0 "$daemon_pid" 2>/dev/null || break; sleep 0.1; done
+  kill -9 "$daemon_pid" 2>/dev/null
+  wait "$daemon_pid" 2>/dev/null
+  rm -rf "$dir"
+  say "gpu_bench: exit $bench_rc ($(elapsed) s)"
+else
+  say "gpu_bench: skipped (the first gpu test did not pass)"
+fi
+
+# ---- 4. the other tests ----
+for name in TwoTrainerProcessesShareTheGpuAndTheDaemon \
+  ATrainerKilledWhileItsBufferIsMappedLeavesTheDaemonHealthy \
+  APeerThatNeverJoinsAbortsAtTheDeadlineAndTheDaemonGoesOn \
+  ARestartedTrainerReusesTheDaemonsCommunicators; do
+  run_test "$name" 75
+done
 
 echo
-echo "== gpu tests: exit $tests_rc =="
-grep -E '^\[ +(OK|FAILED|SKIPPED) +\]' "$out/gpu_tests.log"
-echo "== all-reduce, one rank: daemon path vs direct ncclAllReduce (median us per op): exit $bench_rc =="
-cat "$out/gpu_bench.txt"
-[[ -s $out/gpu_bench.err ]] && tail -5 "$out/gpu_bench.err"
-((tests_rc == 0 && bench_rc == 0))
+say "== summary after $(elapsed) s =="
+ok=1
+for name in "$first" TwoTrainerProcessesShareTheGpuAndTheDaemon \
+  ATrainerKilledWhileItsBufferIsMappedLeavesTheDaemonHealthy \
+  APeerThatNeverJoinsAbortsAtTheDeadlineAndTheDaemonGoesOn \
+  ARestartedTrainerReusesTheDaemonsCommunicators; do
+  say "  GpuTest.$name: ${result[$name]:-not run}"
+  [[ ${result[$name]:-} == passed ]] || ok=0
+done
+say "  gpu_bench: exit $bench_rc"
+[[ $bench_rc == 0 ]] || ok=0
+if [[ -s $out/gpu_bench.txt ]]; then
+  say "== daemon path vs direct NCCL, one rank (median us per op) =="
+  tee -a "$summary" <"$out/gpu_bench.txt"
+fi
+[[ -s $out/gpu_bench.err ]] && tail -5 "$out/gpu_bench.err" | tee -a "$summary"
+rm -rf "$tmp"
+rm -f "$out"/*.tmp
+((ok == 1))

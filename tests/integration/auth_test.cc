@@ -1,5 +1,6 @@
-// The cluster token on the TCP listener: calls without it, or with a wrong one, are
-// UNAUTHENTICATED and change nothing; the unix socket, health and the right token pass.
+// Who may connect where: the cluster token on the TCP listener (calls without it, or with a
+// wrong one, are UNAUTHENTICATED and change nothing; the unix socket, health and the right token
+// pass), TCP never without a token, and trainer sessions on the unix socket only.
 
 #include <sys/stat.h>
 
@@ -83,7 +84,7 @@ TEST_F(AuthTest, RightTokenUnixSocketAndHealthPass) {
   EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
 }
 
-TEST_F(AuthTest, InspectAndTrainerSessionsOverTcpNeedTheToken) {
+TEST_F(AuthTest, InspectOverTcpNeedsTheTokenAndTrainerSessionsTheUnixSocket) {
   auto inspect = v1::Inspect::NewStub(client::Connect(daemon_->tcp_target()));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
@@ -94,8 +95,16 @@ TEST_F(AuthTest, InspectAndTrainerSessionsOverTcpNeedTheToken) {
   client::Placement one{"a", 1, 0, 0, 1, ""};
   client::ClientOptions options;
   options.doorbell = false;
-  auto refused = client::Client::Connect(daemon_->tcp_target(), one, options);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  // Over TCP a trainer session is refused, with the cluster token or without: it would map the
+  // caller's memory, which only a process on this node may hand over (through the socket,
+  // whose mode and group say who).
+  for (const std::string token : {"", "s3cret"}) {
+    options.token = token;
+    auto refused = client::Client::Connect(daemon_->tcp_target(), one, options);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "unix socket only"))
+        << refused.status();
+  }
   // Nothing was registered: no session exists, so the same rank can register right away.
   auto sessions = v1::Inspect::NewStub(client::Connect(daemon_->unix_target()));
   grpc::ClientContext ctx2;
@@ -103,8 +112,8 @@ TEST_F(AuthTest, InspectAndTrainerSessionsOverTcpNeedTheToken) {
   v1::ListSessionsResponse listed;
   ASSERT_TRUE(sessions->ListSessions(&ctx2, v1::ListSessionsRequest(), &listed).ok());
   EXPECT_EQ(listed.sessions_size(), 0);
-  options.token = "s3cret";
-  auto accepted = client::Client::Connect(daemon_->tcp_target(), one, options);
+  options.token = "";
+  auto accepted = client::Client::Connect(daemon_->unix_target(), one, options);
   ASSERT_TRUE(accepted.ok()) << accepted.status();
   EXPECT_TRUE((*accepted)->Barrier().ok());
 }
@@ -126,6 +135,25 @@ TEST(AuthFlagsTest, DaemonRefusesATokenFileOthersCanReadOrAnEmptyOne) {
     ASSERT_TRUE(code.ok()) << code.status();
     EXPECT_EQ(*code, 2) << name;
   }
+}
+
+TEST(AuthFlagsTest, DaemonRefusesToListenOnTcpWithoutATokenFile) {
+  TempDir dir;
+  const std::string err = dir.path() + "/err";
+  auto pid =
+      Spawn({"/bin/sh", "-c", DaemonBinary() + " --socket=" + dir.path() + "/s.sock --port=0 2>&1"},
+            {}, err);
+  ASSERT_TRUE(pid.ok());
+  auto code = WaitExit(*pid, absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 2);
+  EXPECT_TRUE(absl::StrContains(ReadFile(err), "set --token_file")) << ReadFile(err);
+  // The unix socket alone needs no token (TCP is off by default).
+  DaemonProcess::Options options;
+  options.tcp = false;
+  auto daemon = DaemonProcess::Start(dir.path(), options);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_EQ((*daemon)->tcp_port(), -1);
 }
 
 }  // namespace

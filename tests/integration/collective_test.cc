@@ -87,7 +87,7 @@ class CollectiveTest : public ::testing::Test {
     std::ifstream maps(absl::StrCat("/proc/", daemon_->pid(), "/maps"));
     int n = 0;
     for (std::string line; std::getline(maps, line);)
-      n += absl::StrContains(line, "/dev/shm/gradsync-");
+      n += absl::StrContains(line, "/memfd:gradsync-");  // buffers and doorbells
     return n;
   }
 
@@ -184,16 +184,21 @@ TEST_F(CollectiveTest, KilledTrainerFailsOthersReleasesMappingsAndJobRestarts) {
 // A trainer that scribbles over its doorbell ring loses its session (the stream ends with
 // INVALID_ARGUMENT); the daemon stays healthy and other jobs go on.
 TEST_F(CollectiveTest, CorruptDoorbellEndsThatSessionOnly) {
-  const std::string name = "/gradsync-test-corrupt-" + std::to_string(::getpid());
-  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  const int fd = ::memfd_create("doorbell", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(::ftruncate(fd, doorbell::RegionBytes()), 0);
+  ASSERT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
   void* p = ::mmap(nullptr, doorbell::RegionBytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ::close(fd);
   ASSERT_NE(p, MAP_FAILED);
   auto* base = static_cast<std::byte*>(p);
   doorbell::Doorbell ring(base);
   ring.Initialize();
+  auto sock = client::ConnectFdChannel(daemon_->socket_path() + ".fd");
+  ASSERT_TRUE(sock.ok()) << sock.status();
+  auto token = client::SendFd(*sock, fd, absl::Now() + absl::Seconds(10));
+  ::close(*sock);
+  ::close(fd);
+  ASSERT_TRUE(token.ok()) << token.status();
 
   auto stub = v1::GradSync::NewStub(client::Connect(daemon_->unix_target()));
   grpc::ClientContext ctx;
@@ -205,12 +210,11 @@ TEST_F(CollectiveTest, CorruptDoorbellEndsThatSessionOnly) {
   r.set_job("bad");
   r.set_world_size(1);
   r.set_local_world_size(1);
-  r.set_doorbell_shm_name(name);
+  r.set_doorbell_fd_token(*token);
   ASSERT_TRUE(stream->Write(reg));
   v1::TrainerEvent event;
   ASSERT_TRUE(stream->Read(&event));
   EXPECT_EQ(event.code(), 0) << event.message();
-  ::shm_unlink(name.c_str());
 
   // A record whose length runs past the ring.
   const uint64_t huge = uint64_t{1} << 40;

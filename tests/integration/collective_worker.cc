@@ -630,33 +630,52 @@ void BadInput(Client& c, const std::string& target, const client::Placement& me)
                           ": got ", s.ToString());
   }
 
-  // Buffer registration errors.
+  // Buffer registration errors. Memory is never named: a name is refused.
   v1::RegisterBufferRequest reg;
   reg.set_shm_name("/gradsync-test-does-not-exist");
   reg.set_bytes(64);
   auto r = c.RegisterBuffer(reg);
+  EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kInvalidArgument &&
+                            absl::StrContains(r.status().message(), "never registered by name"),
+                        "by name: ", r.status().ToString());
+  reg.clear_shm_name();
+  reg.set_fd_token("0123456789abcdef0123456789abcdef");
+  r = c.RegisterBuffer(reg);
   EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kNotFound,
-                        "missing shm: ", r.status().ToString());
-  reg.set_shm_name("not/a/name");
-  r = c.RegisterBuffer(reg);
-  EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kInvalidArgument,
-                        "bad name: ", r.status().ToString());
-  const std::string name = absl::StrCat("/gradsync-test-small-", ::getpid());
-  const int fd = ::shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
-  if (fd < 0 || ::ftruncate(fd, 100) != 0) std::exit(2);
+                        "unknown token: ", r.status().ToString());
+  auto memfd = [](int64_t bytes, unsigned seals) {
+    const int fd = ::memfd_create("gradsync-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0 || ::ftruncate(fd, bytes) != 0 || (seals && ::fcntl(fd, F_ADD_SEALS, seals) != 0)) {
+      std::exit(2);
+    }
+    return fd;
+  };
+  auto shared = [&](int fd, int64_t bytes) {
+    auto token = c.ShareFd(fd);
+    if (!token.ok()) std::exit(2);
+    v1::RegisterBufferRequest req;
+    req.set_fd_token(*token);
+    req.set_bytes(bytes);
+    return req;
+  };
+  int fd = memfd(100, 0);  // could shrink under the daemon's mapping (SIGBUS): refused
+  r = c.RegisterBuffer(shared(fd, 100));
+  EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kInvalidArgument &&
+                            absl::StrContains(r.status().message(), "not sealed"),
+                        "unsealed: ", r.status().ToString());
   ::close(fd);
-  reg.set_shm_name(name);
-  reg.set_bytes(200);
-  r = c.RegisterBuffer(reg);
+  fd = memfd(100, F_SEAL_SHRINK);
+  r = c.RegisterBuffer(shared(fd, 200));
   EXPECT_TRUE_OR_REPORT(r.status().code() == absl::StatusCode::kFailedPrecondition,
                         "too small: ", r.status().ToString());
-  reg.set_bytes(100);
+  reg = shared(fd, 100);
   r = c.RegisterBuffer(reg);
   EXPECT_TRUE_OR_REPORT(r.ok(), "fits: ", r.status().ToString());
-  auto again = c.RegisterBuffer(reg);
+  EXPECT_TRUE_OR_REPORT(::ftruncate(fd, 0) != 0 && errno == EPERM, "sealed: shrink refused");
+  auto again = c.RegisterBuffer(reg);  // this session holds that buffer already
   EXPECT_TRUE_OR_REPORT(again.status().code() == absl::StatusCode::kAlreadyExists,
                         "duplicate: ", again.status().ToString());
-  ::shm_unlink(name.c_str());
+  ::close(fd);
   if (r.ok()) EXPECT_TRUE_OR_REPORT(c.DeregisterBuffer(*r).ok(), "deregister");
   absl::Status s = c.DeregisterBuffer(12345);
   EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kNotFound,

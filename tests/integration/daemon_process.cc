@@ -5,10 +5,12 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -38,7 +40,7 @@ std::string HelperBinary(const std::string& name) {
 
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv,
                             const std::vector<std::string>& extra_env,
-                            const std::string& stdout_path) {
+                            const std::string& stdout_path, const std::string& stderr_path) {
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     // The test runner itself may run under systemd; the child must only see ours.
@@ -56,6 +58,10 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv,
   posix_spawn_file_actions_init(&actions);
   if (!stdout_path.empty()) {
     posix_spawn_file_actions_addopen(&actions, 1, stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                     0644);
+  }
+  if (!stderr_path.empty()) {
+    posix_spawn_file_actions_addopen(&actions, 2, stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
                                      0644);
   }
   // The child starts with no blocked signals, whatever the test runner blocked.
@@ -148,13 +154,23 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::s
   std::vector<std::string> argv = {DaemonBinary(), "--socket=" + d->socket_path_,
                                    "--log_sink=stderr", "--log_level=debug"};
   argv.push_back(options.tcp ? "--port=0" : "--port=-1");
+  const bool own_token =
+      std::any_of(options.flags.begin(), options.flags.end(),
+                  [](const std::string& f) { return absl::StartsWith(f, "--token_file="); });
+  if (options.tcp && !own_token) {
+    d->token_ = kTestToken;
+    d->token_file_ = dir + "/cluster.token";
+    std::ofstream(d->token_file_) << d->token_ << "\n";
+    ::chmod(d->token_file_.c_str(), 0600);
+    argv.push_back("--token_file=" + d->token_file_);
+  }
   argv.insert(argv.end(), options.flags.begin(), options.flags.end());
   argv.insert(argv.begin(), options.wrapper.begin(), options.wrapper.end());
   std::vector<std::string> env = {"NOTIFY_SOCKET=" + notify_path};
   if (options.watchdog > absl::ZeroDuration()) {
     env.push_back(absl::StrCat("WATCHDOG_USEC=", absl::ToInt64Microseconds(options.watchdog)));
   }
-  auto pid = Spawn(argv, env);
+  auto pid = Spawn(argv, env, "", options.stderr_path);
   if (!pid.ok()) return pid.status();
   d->pid_ = *pid;
   const absl::Time ready_deadline = absl::Now() + options.ready_timeout;

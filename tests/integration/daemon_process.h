@@ -24,7 +24,8 @@ std::string HelperBinary(const std::string& name);
 /// Spawns `argv` (argv[0] is the path) with extra environment entries; returns its pid.
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv,
                             const std::vector<std::string>& extra_env = {},
-                            const std::string& stdout_path = "");
+                            const std::string& stdout_path = "",
+                            const std::string& stderr_path = "");
 
 /// Waits for `pid` to exit until `timeout`; returns its exit code (128+signal if killed).
 /// DeadlineExceeded if it is still running (then it is left running).
@@ -50,12 +51,16 @@ class TempDir {
 
 class DaemonProcess {
  public:
+  /// The cluster token of test daemons that listen on TCP (shared, so they can form jobs).
+  static constexpr char kTestToken[] = "gradsync-test-token";
+
   struct Options {
     std::vector<std::string> flags;                  // extra gradsyncd flags
     absl::Duration watchdog = absl::ZeroDuration();  // WATCHDOG_USEC when positive
-    bool tcp = true;
+    bool tcp = true;  // TCP needs a cluster token: kTestToken, unless flags name a --token_file
     std::vector<std::string> wrapper;  // argv prefix, e.g. {"/usr/sbin/ip", "netns", "exec", "n"}
     absl::Duration ready_timeout = absl::Seconds(20);
+    std::string stderr_path;  // the daemon's log goes here when set (else the test's stderr)
   };
 
   /// Starts gradsyncd in `dir` (socket `dir`/gradsyncd.sock) and waits for READY=1.
@@ -74,6 +79,11 @@ class DaemonProcess {
   std::string unix_target() const { return "unix:" + socket_path_; }
   std::string tcp_target() const { return "127.0.0.1:" + std::to_string(tcp_port_); }
   int tcp_port() const { return tcp_port_; }
+  /// The token TCP calls must carry: kTestToken, or "" when the test passed its own
+  /// --token_file (or TCP is off).
+  const std::string& token() const { return token_; }
+  /// A file holding token(), for client processes (GRADSYNC_TOKEN_FILE); "" without one.
+  const std::string& token_file() const { return token_file_; }
 
   /// Every sd_notify datagram received so far, in order.
   std::vector<std::string> Notifications();
@@ -92,6 +102,7 @@ class DaemonProcess {
   int stop_pipe_[2] = {-1, -1};
   std::string socket_path_;
   int tcp_port_ = -1;
+  std::string token_, token_file_;
   std::thread reader_;
   absl::Mutex mu_;
   std::vector<std::string> notifications_ ABSL_GUARDED_BY(mu_);

@@ -57,6 +57,13 @@ class DaemonTest : public ::testing::Test {
     store_ = std::make_unique<client::StoreClient>(client::Connect(daemon_->unix_target()));
   }
 
+  // A store client over TCP, carrying the daemon's cluster token as another daemon would.
+  client::StoreClient TcpStore() {
+    client::ClientOptions options;
+    options.token = daemon_->token();
+    return client::StoreClient(client::Connect(daemon_->tcp_target(), options), options);
+  }
+
   void ExpectServing() {
     auto status = Health(daemon_->unix_target(), "");
     ASSERT_TRUE(status.ok()) << status.status();
@@ -166,7 +173,7 @@ TEST_F(DaemonTest, GetOfMissingKeyFailsFastNamesTheKeyAndTheClientKeepsWorking) 
 }
 
 TEST_F(DaemonTest, StoreOperationsOverTcpMatchTheUnixSocket) {
-  client::StoreClient tcp(client::Connect(daemon_->tcp_target()));
+  client::StoreClient tcp = TcpStore();
   ASSERT_TRUE(tcp.Set("j", "k", "from-tcp").ok());
   auto got = store_->Get("j", "k", absl::Now() + absl::Seconds(5));
   ASSERT_TRUE(got.ok());
@@ -197,7 +204,7 @@ TEST_F(DaemonTest, WaitReturnsOnceEveryKeyIsSetByAnotherProcess) {
                       result = std::move(r);
                       done.Notify();
                     });
-  client::StoreClient other(client::Connect(daemon_->tcp_target()));
+  client::StoreClient other = TcpStore();
   ASSERT_TRUE(other.Set("w", "b", "B").ok());
   absl::SleepFor(absl::Milliseconds(50));
   EXPECT_FALSE(done.HasBeenNotified());
@@ -222,8 +229,9 @@ TEST_F(DaemonTest, PackListSetByOneProcessIsFetchedByThreeOthersAndInspectable) 
     readers.push_back(*pid);
   }
   absl::SleepFor(absl::Milliseconds(200));
-  auto writer = Spawn(
-      {HelperBinary("store_worker"), daemon_->tcp_target(), "job1", "setpacklist", "0,1,2,3"});
+  auto writer =
+      Spawn({HelperBinary("store_worker"), daemon_->tcp_target(), "job1", "setpacklist", "0,1,2,3"},
+            {"GRADSYNC_TOKEN_FILE=" + daemon_->token_file()});
   ASSERT_TRUE(writer.ok());
   auto wcode = WaitExit(*writer, absl::Seconds(20));
   ASSERT_TRUE(wcode.ok());
@@ -285,14 +293,15 @@ TEST_F(DaemonTest, OversizedValuesAreRefusedWithTheLimitNamed) {
   ExpectServing();
 }
 
-TEST_F(DaemonTest, EmptyKeyBadJobAndReservedKeysAreInvalidArgument) {
+TEST_F(DaemonTest, EmptyKeyAndBadJobAreInvalidArgumentAndReservedKeysPermissionDenied) {
   EXPECT_EQ(store_->Set("j", "", "v").code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(store_->Set("", "k", "v").code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(store_->Set("bad job!", "k", "v").code(), absl::StatusCode::kInvalidArgument);
   absl::Status reserved = store_->Set("j", "_gradsync/packlist/0,1", "forged");
-  EXPECT_EQ(reserved.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(reserved.code(), absl::StatusCode::kPermissionDenied);
   EXPECT_TRUE(absl::StrContains(reserved.message(), "SetPackList")) << reserved;
-  EXPECT_EQ(store_->Add("j", "_gradsync/x", 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Add("j", "_gradsync/x", 1).status().code(),
+            absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(store_->Get("j", "", absl::Now() + absl::Seconds(1)).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(store_->List("j", "").status().code(), absl::StatusCode::kNotFound);

@@ -4,7 +4,10 @@
 //   store_worker TARGET JOB add KEY COUNT          COUNT x Add(KEY, 1); prints the last value
 //   store_worker TARGET JOB setpacklist GROUP      stores SamplePlan() as the group's plan
 //   store_worker TARGET JOB getpacklist GROUP MS   waits up to MS ms; prints the plan (text format)
+//
+// GRADSYNC_TOKEN_FILE names the cluster token file, for a TCP target.
 
+#include <cstdlib>
 #include <iostream>
 #include <string>
 
@@ -12,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/store_client.h"
+#include "common/token.h"
 #include "google/protobuf/text_format.h"
 #include "tests/integration/sample_plan.h"
 
@@ -30,7 +34,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string target = argv[1], job = argv[2], op = argv[3], arg = argv[4];
-  gradsync::client::StoreClient store(gradsync::client::Connect(target));
+  // Over TCP the daemon wants the cluster token, read as gradsyncd reads it.
+  gradsync::client::ClientOptions options;
+  if (const char* path = std::getenv("GRADSYNC_TOKEN_FILE"); path != nullptr && *path) {
+    auto token = gradsync::ReadTokenFile(path);
+    if (!token.ok()) return Fail(token.status());
+    options.token = *std::move(token);
+  }
+  gradsync::client::StoreClient store(gradsync::client::Connect(target, options), options);
   if (op == "add" && argc == 6) {
     int count = 0;
     if (!absl::SimpleAtoi(argv[5], &count)) return 2;

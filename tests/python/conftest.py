@@ -37,8 +37,15 @@ class Daemon:
         self.socket = os.path.join(tmp, f"{name}.sock")
         self.log = os.path.join(tmp, f"{name}.log")
         self.tcp = None
+        self.token_file = None
         args = [_need(os.path.join(BUILD, "daemon", "gradsyncd")), f"--socket={self.socket}",
                 "--port=0" if tcp else "--port=-1", "--log_sink=stderr", "--log_level=info"]
+        if tcp:
+            # TCP (for the other daemons of a job) needs the cluster token, shared by all of them.
+            self.token_file = os.path.join(tmp, "cluster.token")
+            with open(os.open(self.token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write("gradsync-test-token\n")
+            args.append(f"--token_file={self.token_file}")
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen(args, stderr=err)
         deadline = time.monotonic() + 20
@@ -85,8 +92,10 @@ def daemon(tmp):
 
 
 @pytest.fixture
-def two_daemons(tmp):
+def two_daemons(tmp, monkeypatch):
     ds = [Daemon(tmp, f"node{i}", tcp=True) for i in range(2)]
+    # Trainers reach the root daemon's store over TCP (GRADSYNC_ROOT_ADDRESS): with its token.
+    monkeypatch.setenv("GRADSYNC_TOKEN_FILE", ds[0].token_file)
     yield ds
     for d in ds:
         d.stop()

@@ -1,5 +1,11 @@
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/bounded_text.h"
 #include "common/dtype.h"
 #include "common/group.h"
+#include "common/grpc_status.h"
+#include "common/job_id.h"
 #include "common/logging.h"
 #include "daemon/config.h"
 #include "gtest/gtest.h"
@@ -46,9 +52,42 @@ TEST(LoggingTest, LevelsAndSinksAreCheckedAndApplyToEveryLogger) {
   ASSERT_TRUE(logging::Init("info", "stderr").ok());
 }
 
+TEST(JobIdTest, OneRuleRefusesPathsControlBytesAndOverlongIds) {
+  EXPECT_TRUE(CheckJobId("job-1_a.b").ok());
+  EXPECT_TRUE(CheckJobId(std::string(kMaxJobIdBytes, 'a')).ok());
+  for (const std::string& bad : {std::string(), std::string("a/b"), std::string("."),
+                                 std::string(".."), std::string("a\0b", 3), std::string("a\nb"),
+                                 std::string("a b"), std::string(kMaxJobIdBytes + 1, 'a')}) {
+    EXPECT_EQ(CheckJobId(bad).code(), absl::StatusCode::kInvalidArgument) << absl::CEscape(bad);
+  }
+}
+
+TEST(BoundedTextTest, ListsNameTheFirstFewItemsAndCountTheRest) {
+  EXPECT_EQ(JoinBounded(std::vector<int>{1, 2, 3}, ","), "1,2,3");
+  std::vector<std::string> keys;
+  for (int i = 0; i < 10000; ++i) keys.push_back(absl::StrCat("k", i));
+  EXPECT_EQ(JoinBounded(keys), "k0, k1, k2, k3, k4, k5, k6, k7 and 9992 more");
+  EXPECT_EQ(JoinBounded(std::vector<std::string>{std::string(100, 'x')}),
+            std::string(kItemBytesInErrors, 'x') + "...");
+}
+
+TEST(LoggingTest, EscapeForLogLeavesNoLineBreakOrControlByte) {
+  EXPECT_EQ(logging::EscapeForLog("job=a\nFORGED\r\x1b[31m\\ ok é"),
+            "job=a\\nFORGED\\r\\x1b[31m\\\\ ok é");
+  EXPECT_EQ(logging::EscapeForLog("plain key=value"), "plain key=value");
+}
+
+TEST(GrpcStatusTest, LongMessagesAreCutAndSaySo) {
+  const grpc::Status s = ToGrpcStatus(absl::InternalError(std::string(10000, 'm')));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_LT(s.error_message().size(), kMaxStatusMessageBytes + 64);
+  EXPECT_TRUE(absl::EndsWith(s.error_message(), "... (5904 more bytes)")) << s.error_message();
+}
+
 TEST(DaemonConfigTest, DefaultsAreValidAndLoopbackOnly) {
   daemon::DaemonConfig c;
   EXPECT_TRUE(daemon::Validate(c).ok());
+  EXPECT_EQ(c.port, -1);  // no TCP unless asked for (with a token)
   EXPECT_EQ(c.bind_address, "127.0.0.1");
   EXPECT_EQ(c.socket_mode, 0660);
   EXPECT_EQ(c.unix_socket, "/run/gradsync/gradsyncd.sock");
@@ -57,6 +96,8 @@ TEST(DaemonConfigTest, DefaultsAreValidAndLoopbackOnly) {
 TEST(DaemonConfigTest, RejectsBadSettings) {
   auto bad = [](auto mutate) {
     daemon::DaemonConfig c;
+    c.port = 7451;  // TCP on, as a node of a job spanning nodes runs
+    c.cluster_token = "t";
     mutate(c);
     return daemon::Validate(c).code();
   };
@@ -87,6 +128,17 @@ TEST(DaemonConfigTest, RejectsBadSettings) {
               c.port = -1;
             }),
             absl::StatusCode::kOk);
+  // TCP serves other daemons and always needs the cluster token.
+  EXPECT_EQ(bad([](auto& c) { c.cluster_token.clear(); }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) {
+              c.cluster_token.clear();
+              c.port = -1;
+            }),
+            absl::StatusCode::kOk);
+  EXPECT_EQ(bad([](auto& c) { c.engine.max_ops_in_flight_per_session = 1025; }),
+            absl::StatusCode::kInvalidArgument);  // past the doorbell's completion ring
+  EXPECT_EQ(bad([](auto& c) { c.engine.max_sessions = 0; }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad([](auto& c) { c.mappings.max_mappings = 0; }), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

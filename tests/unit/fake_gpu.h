@@ -2,7 +2,13 @@
 
 // A fake GpuApi for unit tests of the GPU data plane on machines without a GPU: IPC mappings of
 // "exported" allocations, events, streams and NCCL communicators, with every call that orders
-// work logged ("wait s0 e1", "allreduce c2 s0 n=16", ...) and failures injectable.
+// work logged ("wait s0 e1", "allreduce c2 s0 n=16", "close d0 h3", ...) and failures injectable.
+//
+// Streams model kernels that wait on peers: with streams_hang set, a collective's kernels never
+// finish until ncclCommAbort stops them; after an abort they may stay busy a while longer
+// (busy_after_abort) or for good (kernels_survive_abort), as the real ones do while NCCL's
+// abort finishes in the background. IPC mappings are reference-counted per (device, handle),
+// as cudaIpcOpenMemHandle's are within one context.
 
 #include <atomic>
 #include <cstdint>
@@ -28,8 +34,10 @@ class FakeGpu final : public gpu::GpuApi {
   int init_polls = 0;        // NcclCommReady says "in progress" this many times per comm
   int launch_polls = 0;      // ... and this many times after each collective (enqueueing)
   bool never_ready = false;  // communicators never finish initialising
-  std::atomic<bool> streams_hang{false};  // StreamDone never true (while set)
-  absl::Status async_error;               // not OK: NcclCommReady reports it once comms are ready
+  std::atomic<bool> streams_hang{false};  // the kernels of a collective hang until aborted
+  int busy_after_abort = 0;  // ... and the streams stay busy this many looks after an abort
+  bool kernels_survive_abort = false;  // ... or for good
+  absl::Status async_error;            // not OK: NcclCommReady reports it once comms are ready
 
   /// Sets async_error while other threads (a watchdog) may be polling.
   void SetAsyncError(absl::Status s) {
@@ -44,10 +52,17 @@ class FakeGpu final : public gpu::GpuApi {
     std::lock_guard<std::mutex> lock(mu_);
     return streams_open;
   }
+  /// Whether a stream would report work still running now.
+  bool StreamsBusy() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return BusyLocked();
+  }
 
   // ---- what happened ----
   std::map<std::pair<int, std::string>, std::byte*> mapped;
+  std::map<std::pair<int, std::string>, int> map_refs;  // opens not yet closed, per mapping
   int opens = 0, closes = 0, events_open = 0, streams_open = 0, aborts = 0;
+  int closes_while_busy = 0;     // IPC mappings closed while a stream still ran kernels
   std::vector<std::string> ids;  // unique id of every NcclCommInitRank
   std::vector<std::string> log;  // ordered calls on streams, events and NCCL
 
@@ -70,18 +85,28 @@ class FakeGpu final : public gpu::GpuApi {
     if (!open_error.ok()) return open_error;
     const std::string h(handle);
     if (!exported.count(h)) return absl::InvalidArgumentError("invalid resource handle");
-    if (mapped.count({device, h})) return absl::AlreadyExistsError("already mapped");
     ++opens;
+    // A second open of a handle in the same context returns the same pointer, counted.
+    if (mapped.count({device, h})) {
+      ++map_refs[{device, h}];
+      return mapped[{device, h}];
+    }
     std::byte* base = reinterpret_cast<std::byte*>(0x7000'0000'0000) + (int64_t{opens} << 30);
     mapped[{device, h}] = base;
+    map_refs[{device, h}] = 1;
     return base;
   }
   absl::Status CloseMemHandle(int device, void* base) override {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = mapped.begin(); it != mapped.end(); ++it) {
       if (it->first.first == device && it->second == base) {
-        mapped.erase(it);
         ++closes;
+        if (BusyLocked()) ++closes_while_busy;
+        log.push_back(absl::StrCat("close d", device, " ", Name(base)));
+        if (--map_refs[it->first] == 0) {
+          map_refs.erase(it->first);
+          mapped.erase(it);
+        }
         return absl::OkStatus();
       }
     }
@@ -127,7 +152,13 @@ class FakeGpu final : public gpu::GpuApi {
     log.push_back(absl::StrCat("record ", Name(event), " ", Name(stream)));
     return absl::OkStatus();
   }
-  absl::StatusOr<bool> StreamDone(int, gpu::Stream) override { return !streams_hang; }
+  absl::StatusOr<bool> StreamDone(int, gpu::Stream stream) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!BusyLocked()) return true;
+    if (aborted_ && busy_polls_ > 0) --busy_polls_;
+    if (aborted_) log.push_back(absl::StrCat("busy ", Name(stream)));
+    return false;
+  }
   absl::StatusOr<std::string> NcclUniqueId() override {
     std::lock_guard<std::mutex> lock(mu_);
     return std::string(gpu::kNcclUniqueIdBytes, static_cast<char>('A' + ids.size() % 26));
@@ -156,6 +187,8 @@ class FakeGpu final : public gpu::GpuApi {
     std::lock_guard<std::mutex> lock(mu_);
     ++aborts;
     log.push_back(absl::StrCat("abort ", Name(comm)));
+    if (!aborted_ && streams_hang) busy_polls_ = busy_after_abort;  // hung kernels stop, later
+    aborted_ = true;
     return absl::OkStatus();
   }
   absl::Status NcclGroupStart() override {
@@ -173,6 +206,8 @@ class FakeGpu final : public gpu::GpuApi {
     log.push_back(absl::StrCat("coll", call.kind, " ", Name(call.comm), " ", Name(call.stream),
                                " n=", call.count, call.send == call.recv ? " inplace" : ""));
     polls_[call.comm] = launch_polls;
+    aborted_ = false;  // new kernels, which hang (streams_hang) until the next abort
+    busy_polls_ = 0;
     return absl::OkStatus();
   }
 
@@ -183,7 +218,14 @@ class FakeGpu final : public gpu::GpuApi {
   static void* Handle(uint64_t n) { return reinterpret_cast<void*>(0x5000'0000 + n); }
 
  private:
+  bool BusyLocked() const {
+    if (!aborted_) return streams_hang;
+    return (streams_hang && kernels_survive_abort) || busy_polls_ > 0;
+  }
+
   std::mutex mu_;
+  bool aborted_ = false;  // an abort came after the last collective
+  int busy_polls_ = 0;    // looks at the streams left before the aborted kernels are gone
   uint64_t next_ = 0;
   std::map<gpu::Comm, int> polls_;
 };

@@ -1,14 +1,20 @@
 // The NCCL backend's logic against a fake GpuApi: stream and event order, communicators kept
-// across Communicator objects, rebuild on a layout change, abort on errors and deadlines, the
-// unique id through the job's store, and the host/device dispatch.
+// across Communicator objects, rebuild on a layout change, abort on errors and deadlines (and
+// no buffer released while an aborted kernel may still run), the unique id through the job's
+// store, and the host/device dispatch.
 #include "daemon/backend/nccl/nccl_backend.h"
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "common/logging.h"
+#include "daemon/ipc/cuda_importer.h"
 #include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"
+#include "spdlog/sinks/ringbuffer_sink.h"
 #include "tests/unit/fake_gpu.h"
 
 namespace gradsync::backend::nccl {
@@ -185,6 +191,98 @@ TEST_F(NcclBackendTest, AHungOpFailsAtItsDeadlineAndAborts) {
   EXPECT_TRUE(absl::StrContains(s.message(), "deadline")) << s;
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
   EXPECT_EQ(gpu_.aborts, 2);
+}
+
+// A trainer's buffer as the daemon maps it: the real CUDA importer over the fake, so that
+// releasing the op's buffer closes its IPC mapping (CloseMemHandle) as it does in gradsyncd.
+std::unique_ptr<core::MappedBuffer> ImportedBuffer(FakeGpu& gpu, ipc::CudaImporter& importer) {
+  const std::string handle(gpu::kIpcHandleBytes, 'm');
+  gpu.exported[handle] = 1 << 20;
+  v1::RegisterBufferRequest r;
+  r.set_bytes(4096);
+  v1::CudaIpcBuffer* c = r.mutable_cuda();
+  c->set_mem_handle(handle);
+  c->set_device(0);
+  c->set_ready_event(std::string(gpu::kIpcHandleBytes, 'r'));
+  c->set_done_event(std::string(gpu::kIpcHandleBytes, 'd'));
+  c->set_pid(::getpid() + 1);  // another process
+  auto b = importer.Import(r);
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? *std::move(b) : nullptr;
+}
+
+core::Collective OneRankOp(const core::MappedBuffer& b, absl::Duration timeout) {
+  core::Collective op;
+  op.kind = v1::ALL_REDUCE;
+  op.reduce_op = v1::SUM;
+  op.dtype = v1::FLOAT32;
+  op.count = 16;
+  op.group_size = 1;
+  op.deadline = absl::Now() + timeout;
+  op.label = "all_reduce job=j group=0 seq=0";
+  op.local.push_back({0, {{b.data(), 16, &b}}, {}});
+  return op;
+}
+
+TEST_F(NcclBackendTest, AfterAnAbortTheBufferIsReleasedOnlyOnceTheStreamIsIdle) {
+  ipc::CudaImporter importer(&gpu_);
+  std::unique_ptr<core::MappedBuffer> buffer = ImportedBuffer(gpu_, importer);
+  ASSERT_NE(buffer, nullptr);
+  gpu_.streams_hang = true;    // NCCL's kernel waits for a peer that never comes
+  gpu_.busy_after_abort = 20;  // and still runs a while after ncclCommAbort has returned
+  absl::Status s = Make(Spec({0}, 1, "0"))->Run(OneRankOp(*buffer, absl::Milliseconds(100)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_FALSE(gpu_.StreamsBusy());  // the op returned only once its stream was idle
+  buffer.reset();  // the engine drops the op's pin: the daemon closes the IPC mapping
+  EXPECT_EQ(gpu_.closes, 1);
+  EXPECT_EQ(gpu_.closes_while_busy, 0);
+  const auto at = [&](const std::string& prefix, bool last) {
+    std::vector<size_t> found;
+    for (size_t i = 0; i < gpu_.log.size(); ++i) {
+      if (absl::StartsWith(gpu_.log[i], prefix)) found.push_back(i);
+    }
+    return found.empty() ? std::string::npos : (last ? found.back() : found.front());
+  };
+  EXPECT_EQ(Count("busy"), 20);  // the stream was asked until it said idle
+  EXPECT_LT(at("abort", false), at("busy", false));
+  EXPECT_LT(at("busy", true), at("close", false));
+  EXPECT_TRUE(absl::StrContains(s.message(), "deadline")) << s;
+  EXPECT_FALSE(absl::StrContains(s.message(), "abandoned")) << s;
+}
+
+TEST_F(NcclBackendTest, StreamsStillBusyAfterTheBoundedWaitAreAbandonedAndSaidSo) {
+  FakeGpu gpu;
+  NcclOptions options;
+  options.abort_drain = absl::Milliseconds(100);
+  NcclBackend backend(&gpu, options);
+  ipc::CudaImporter importer(&gpu);
+  std::unique_ptr<core::MappedBuffer> buffer = ImportedBuffer(gpu, importer);
+  ASSERT_NE(buffer, nullptr);
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(16);
+  std::shared_ptr<spdlog::logger> log = logging::Logger("nccl");
+  log->sinks().push_back(sink);
+  gpu.streams_hang = true;
+  gpu.kernels_survive_abort = true;  // the aborted kernel never ends
+  auto comm = *backend.CreateCommunicator(Spec({0}, 1, "0"));
+  const absl::Time start = absl::Now();
+  absl::Status s = comm->Run(OneRankOp(*buffer, absl::Milliseconds(100)));
+  const absl::Duration took = absl::Now() - start;
+  log->sinks().pop_back();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "still busy 100ms after ncclCommAbort")) << s;
+  EXPECT_LT(took, absl::Seconds(2));  // bounded: the deadline, then abort_drain
+  bool logged = false;
+  for (const std::string& line : sink->last_formatted()) {
+    logged = logged || absl::StrContains(line, "nccl streams still busy after abort, abandoned");
+  }
+  EXPECT_TRUE(logged);
+  EXPECT_EQ(gpu.StreamsOpen(), 0);  // abandoned: not queued behind at the next op
+  gpu.streams_hang = false;
+  gpu.kernels_survive_abort = false;
+  ASSERT_TRUE(comm->Run(OneRankOp(*buffer, absl::Seconds(5))).ok());
+  EXPECT_EQ(std::count_if(gpu.log.begin(), gpu.log.end(),
+                          [](auto& l) { return absl::StartsWith(l, "stream d0"); }),
+            2);  // a fresh stream
 }
 
 TEST_F(NcclBackendTest, CommunicatorsThatNeverInitialiseFailAtTheDeadline) {

@@ -283,8 +283,12 @@ class NcclCommunicator final : public core::Communicator {
       c->kept_until = absl::InfinitePast();
     }
     if (c->abort_requested.exchange(false)) {  // the job's communicators aborted while idle
-      absl::MutexLock reason_lock(&c->reason_mu);
-      backend_->AbortLocked(*c, c->abort_reason);
+      absl::Status why;
+      {
+        absl::MutexLock reason_lock(&c->reason_mu);
+        why = c->abort_reason;
+      }
+      (void)backend_->AbortLocked(*c, why);
     }
     PeerWord peers(Spanning() ? spec_.rendezvous : nullptr, spec_, op);
     absl::Status s = RunLocked(*c, op, peers);
@@ -292,7 +296,7 @@ class NcclCommunicator final : public core::Communicator {
     if (s.ok() || !Spanning()) return s;
     // This node is out of step with the others on this group now: its communicators go, and
     // the other nodes hear at once that this op failed rather than wait for it.
-    if (!c->comms.empty()) backend_->AbortLocked(*c, s);
+    if (!c->comms.empty()) (void)backend_->AbortLocked(*c, s);
     if (!peers.others_know()) {
       Tell(spec_.rendezvous, spec_.job, spec_.run, FailKey(spec_, op.seq),
            absl::StrCat(Who(), ": ", s.message()));
@@ -328,7 +332,7 @@ class NcclCommunicator final : public core::Communicator {
     if (!c.comms.empty() &&
         (c.devices != devices || c.ranks != ranks || c.group_size != op.group_size)) {
       Log()->info("nccl layout changed job={} group={}: rebuilding", spec_.job, spec_.group);
-      backend_->AbortLocked(c, absl::AbortedError("its local ranks moved to other devices"));
+      (void)backend_->AbortLocked(c, absl::AbortedError("its local ranks moved to other devices"));
     }
     if (c.comms.empty()) {
       if (absl::Status s = BuildLocked(c, op, *members, devices, peers); !s.ok()) return s;
@@ -353,8 +357,8 @@ class NcclCommunicator final : public core::Communicator {
       }
     }
     if (absl::Status s = Launch(c, op, *members); !s.ok()) {
-      backend_->AbortLocked(c, s);
-      return Context(op, s);
+      // Some ranks' kernels may be queued already: stopped, and gone, before the buffers go.
+      return Context(op, WithDrain(s, backend_->AbortLocked(c, s)));
     }
     // Non-blocking communicators may still be putting the kernels on the streams after
     // ncclGroupEnd: until they are, neither the "done" events nor the streams say anything.
@@ -378,6 +382,11 @@ class NcclCommunicator final : public core::Communicator {
 
   static absl::Status Context(const core::Collective& op, const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat(op.label, ": ", s.message()));
+  }
+  // The op's failure `s`, saying so when the abort that followed left its streams busy.
+  static absl::Status WithDrain(const absl::Status& s, const absl::Status& drained) {
+    if (drained.ok()) return s;
+    return absl::Status(s.code(), absl::StrCat(s.message(), " (", drained.message(), ")"));
   }
 
   // The unique id of the communicators op `op` builds: made here when the group's rank 0 is
@@ -519,12 +528,17 @@ class NcclCommunicator final : public core::Communicator {
         if (!r.ok()) return Fail(c, op, r.status(), peers);
       }
       if (c.abort_requested.exchange(false)) {
-        absl::MutexLock reason_lock(&c.reason_mu);
-        const absl::Status why = c.abort_reason;
-        backend_->AbortLocked(c, why);
-        return absl::AbortedError(absl::StrCat(
-            op.label,
-            ": aborted with the job's other NCCL communicators on this node: ", why.message()));
+        absl::Status why;
+        {
+          absl::MutexLock reason_lock(&c.reason_mu);
+          why = c.abort_reason;
+        }
+        const absl::Status drained = backend_->AbortLocked(c, why);
+        return Context(op, WithDrain(absl::AbortedError(absl::StrCat(
+                                         "aborted with the job's other NCCL communicators on "
+                                         "this node: ",
+                                         why.message())),
+                                     drained));
       }
       if (absl::Status s = peers.Check(); !s.ok()) return Fail(c, op, s, peers);
       if (absl::Now() > op.deadline) {
@@ -546,9 +560,9 @@ class NcclCommunicator final : public core::Communicator {
         "nccl op failed, aborting {} job={} error={}",
         peers.heard() ? "the group's communicators" : "the job's communicators on this node",
         spec_.job, status.ToString());
-    backend_->AbortLocked(c, status);
+    const absl::Status drained = backend_->AbortLocked(c, status);
     if (!peers.heard()) backend_->AbortJob(spec_.job, status);
-    return status;
+    return WithDrain(status, drained);
   }
 
   NcclBackend* const backend_;
@@ -580,7 +594,7 @@ void NcclBackend::WatchIdle() {
     if (!failed.ok()) {  // idle: no kernels to stop on the job's other groups
       Log()->warn("aborting the group's communicators on this node job={} group={} error={}",
                   c->job, c->group, failed.ToString());
-      AbortLocked(*c, failed);
+      (void)AbortLocked(*c, failed);
     }
     c->mu.Unlock();
   }
@@ -623,7 +637,7 @@ NcclBackend::~NcclBackend() {
   for (auto& [key, c] : all) {
     absl::MutexLock c_lock(&c->mu);
     c->store = nullptr;  // the daemon is going: nobody to tell
-    AbortLocked(*c, absl::OkStatus());
+    (void)AbortLocked(*c, absl::OkStatus());
     DestroyStreamsLocked(*c);
   }
 }
@@ -665,7 +679,7 @@ std::vector<std::shared_ptr<NcclBackend::Comms>> NcclBackend::Listed(const std::
 }
 
 void NcclBackend::DropLocked(Comms& c, const absl::Status& why) {
-  AbortLocked(c, why);
+  (void)AbortLocked(c, why);
   DestroyStreamsLocked(c);
   absl::MutexLock lock(&mu_);
   auto it = comms_.find({c.job, c.group});
@@ -673,12 +687,15 @@ void NcclBackend::DropLocked(Comms& c, const absl::Status& why) {
   c.erased = true;
 }
 
-void NcclBackend::AbortLocked(Comms& c, const absl::Status& why) {
-  if (c.store != nullptr && !c.comms.empty()) {
+absl::Status NcclBackend::AbortLocked(Comms& c, const absl::Status& why) {
+  if (c.comms.empty()) return absl::OkStatus();
+  if (c.store != nullptr) {
     Tell(c.store, c.job, c.run, BrokenKey(c.run, c.group, c.built_at),
          absl::StrCat(c.node, ": ", why.message()));
   }
   for (gpu::Comm comm : c.comms) {
+    // A non-blocking communicator may answer ncclInProgress: the abort goes on in NCCL's
+    // background, and its kernels may still be on the streams (hence DrainLocked).
     if (absl::Status s = api_->NcclCommAbort(comm); !s.ok()) {
       Log()->warn("ncclCommAbort failed error={}", s.ToString());
     }
@@ -687,6 +704,39 @@ void NcclBackend::AbortLocked(Comms& c, const absl::Status& why) {
   c.devices.clear();
   c.ranks.clear();
   c.group_size = 0;
+  return DrainLocked(c);
+}
+
+absl::Status NcclBackend::DrainLocked(Comms& c) {
+  const absl::Time start = absl::Now();
+  Backoff backoff;
+  std::vector<int> busy;
+  while (true) {
+    busy.clear();
+    for (const auto& [device, stream] : c.streams) {
+      absl::StatusOr<bool> done = api_->StreamDone(device, stream);
+      if (!done.ok()) {  // a failed stream runs nothing more
+        Log()->warn("stream failed after abort job={} group={} device={} error={}", c.job, c.group,
+                    device, done.status().ToString());
+        continue;
+      }
+      if (!*done) busy.push_back(device);
+    }
+    if (busy.empty()) return absl::OkStatus();
+    if (absl::Now() - start >= options_.abort_drain) break;
+    backoff.Pause();
+  }
+  const std::string devices = absl::StrJoin(busy, ",");
+  Log()->error(
+      "nccl streams still busy after abort, abandoned job={} group={} devices={} waited={}: the "
+      "op's buffers are released while aborted kernels may still use them",
+      c.job, c.group, devices, absl::FormatDuration(options_.abort_drain));
+  // Abandoned: the next op gets fresh streams rather than queueing behind kernels that may never
+  // end (cudaStreamDestroy returns at once and frees the stream once its work is done).
+  DestroyStreamsLocked(c);
+  return absl::InternalError(absl::StrCat("the streams of device(s) ", devices, " were still busy ",
+                                          absl::FormatDuration(options_.abort_drain),
+                                          " after ncclCommAbort; abandoned"));
 }
 
 void NcclBackend::DestroyStreamsLocked(Comms& c) {
@@ -701,7 +751,7 @@ void NcclBackend::AbortJob(const std::string& job, const absl::Status& reason) {
       c->abort_reason = reason;
     }
     if (c->mu.TryLock()) {  // idle: abort now
-      AbortLocked(*c, reason);
+      (void)AbortLocked(*c, reason);
       c->mu.Unlock();
     } else {  // running an op (possibly the caller's own): it aborts when it next polls
       c->abort_requested = true;

@@ -29,6 +29,13 @@ struct NcclOptions {
   /// NCCL's initialisation. Groups spanning nodes are dropped at once: every node rebuilds them.
   /// Kept communicators past their time go at the watchdog's next look.
   absl::Duration keep_after_job = absl::ZeroDuration();
+  /// After aborting a group's communicators, how long to wait for the group's streams to go
+  /// idle. ncclCommAbort on a non-blocking communicator may return while NCCL's aborted kernels
+  /// still run on them, and the op's buffers (CUDA IPC mappings) are released when the op
+  /// returns: unmapping under a live kernel is a sticky illegal-address error for the whole
+  /// daemon. Past this bound the streams are abandoned (logged, named in the op's error, and
+  /// replaced at the next op).
+  absl::Duration abort_drain = absl::Seconds(10);
 };
 
 /// The GPU data plane: collectives on trainers' CUDA buffers with NCCL communicators the daemon
@@ -44,7 +51,9 @@ struct NcclOptions {
 /// Health: while an op runs, the daemon polls its streams and ncclCommGetAsyncError. On an
 /// error or at the deadline it aborts every NCCL communicator of the job on this node together
 /// (a communicator's local ranks must abort together), fails the op with the reason, and the
-/// next op of each aborted group builds its communicators again.
+/// next op of each aborted group builds its communicators again. Every abort waits (bounded by
+/// NcclOptions::abort_drain) until the group's streams are idle, so an op never returns, and
+/// its buffers are never unmapped, while its kernels may still touch them.
 ///
 /// Groups spanning nodes tell each other through the job's store, so that no node waits out
 /// its deadline for a peer that has already given up: a node that fails op `s` of a group (for
@@ -113,8 +122,11 @@ class NcclBackend final : public core::Backend {
   // it out of comms_ (its mu held; mu_ is taken inside, the one lock order).
   void DropLocked(Comms& c, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // Aborts `c`'s communicators (its mu held); they are rebuilt at the next op. A group spanning
-  // nodes tells the other nodes (`broken` key) with `why`.
-  void AbortLocked(Comms& c, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  // nodes tells the other nodes (`broken` key) with `why`. Returns once the group's streams are
+  // idle: OK, or (after NcclOptions::abort_drain) why they were abandoned still busy.
+  absl::Status AbortLocked(Comms& c, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  // Waits until `c`'s streams have no work left, at most abort_drain; then abandons them.
+  absl::Status DrainLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   void DestroyStreamsLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // One look at every idle group's communicators (the watchdog's tick).
   void WatchIdle();

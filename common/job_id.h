@@ -1,0 +1,19 @@
+#pragma once
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace gradsync {
+
+/// Longest job id, in bytes.
+inline constexpr size_t kMaxJobIdBytes = 128;
+
+/// The one rule for job ids, on every path that takes one (trainer sessions, the store,
+/// inspection): 1 to kMaxJobIdBytes of letters, digits, '-', '_' and '.', and not "." or "..".
+/// So an id is safe in a log line, a store key, a file or shared-memory name. InvalidArgument
+/// naming the id (escaped) otherwise.
+absl::Status CheckJobId(absl::string_view job);
+
+}  // namespace gradsync

@@ -1,0 +1,246 @@
+#include "daemon/ipc/fd_channel.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+
+namespace gradsync::ipc {
+namespace {
+
+auto Log() { return logging::Logger("fd_channel"); }
+
+void Reply(int fd, int code, const std::string& payload) {
+  std::string msg;
+  msg.push_back(static_cast<char>(code));
+  const size_t n = std::min<size_t>(payload.size(), 255);
+  msg.push_back(static_cast<char>(n));
+  msg.append(payload, 0, n);
+  // A client that does not read its replies only hurts itself: never block on it.
+  (void)::send(fd, msg.data(), msg.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+absl::StatusOr<std::string> NewToken() {
+  unsigned char bytes[FdChannel::kTokenHexChars / 2];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(errno)));
+    }
+    got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+}  // namespace
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.Release();
+  }
+  return *this;
+}
+
+UniqueFd::~UniqueFd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+int UniqueFd::Release() {
+  const int fd = fd_;
+  fd_ = -1;
+  return fd;
+}
+
+absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Listen(const std::string& path, mode_t mode,
+                                                             FdChannelLimits limits) {
+  sockaddr_un addr{};
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("fd channel path '", path, "' is too long"));
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      ::close(fd);
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, " exists and is not a socket; refusing to replace it"));
+    }
+    ::unlink(path.c_str());  // stale: the caller made sure no daemon serves the gRPC socket
+  }
+  const mode_t old_umask = ::umask(0777 & ~mode);
+  const int bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  ::umask(old_umask);
+  if (bound != 0 || ::chmod(path.c_str(), mode) != 0 || ::listen(fd, 128) != 0 ||
+      ::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", path, ": ", std::strerror(err)));
+  }
+  std::unique_ptr<FdChannel> channel(new FdChannel(path, fd, st.st_ino, limits));
+  if (::pipe2(channel->wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    return absl::InternalError(absl::StrCat("pipe2: ", std::strerror(errno)));
+  }
+  channel->thread_ = std::thread([c = channel.get()] { c->Loop(); });
+  Log()->info("fd channel listening path={}", path);
+  return channel;
+}
+
+FdChannel::FdChannel(std::string path, int listen_fd, ino_t inode, FdChannelLimits limits)
+    : path_(std::move(path)), listen_fd_(listen_fd), inode_(inode), limits_(limits) {}
+
+FdChannel::~FdChannel() {
+  if (thread_.joinable()) {
+    const char c = 0;
+    (void)::write(wake_[1], &c, 1);
+    thread_.join();
+  }
+  for (int fd : wake_) {
+    if (fd >= 0) ::close(fd);
+  }
+  struct stat st {};
+  if (::stat(path_.c_str(), &st) == 0 && st.st_ino == inode_) ::unlink(path_.c_str());
+  ::close(listen_fd_);
+}
+
+int FdChannel::pending() {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(pending_.size());
+}
+
+absl::StatusOr<UniqueFd> FdChannel::Redeem(const std::string& token) {
+  absl::MutexLock lock(&mu_);
+  auto it = pending_.find(token);
+  if (it == pending_.end() || it->second.expires <= absl::Now()) {
+    if (it != pending_.end()) pending_.erase(it);
+    return absl::NotFoundError(
+        "no descriptor under this fd_token: unknown, already used, or older than the token "
+        "lifetime (send the memfd over the fd channel, then register at once)");
+  }
+  UniqueFd fd = std::move(it->second.fd);
+  pending_.erase(it);
+  return fd;
+}
+
+void FdChannel::Expire(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  absl::erase_if(pending_, [now](const auto& kv) { return kv.second.expires <= now; });
+}
+
+bool FdChannel::Serve(int fd) {
+  char byte = 0;
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return true;
+  // Every descriptor that came along is ours to close, whatever else is wrong.
+  std::vector<UniqueFd> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int received = -1;
+      std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds.emplace_back(received);
+    }
+  }
+  if (n <= 0) return false;  // closed or broken
+  if (byte != kRequestFd || fds.size() != 1 || (msg.msg_flags & MSG_CTRUNC) != 0) {
+    Reply(fd, static_cast<int>(absl::StatusCode::kInvalidArgument),
+          "send one byte 'F' with exactly one descriptor");
+    return true;
+  }
+  absl::StatusOr<std::string> token = NewToken();
+  if (!token.ok()) {
+    Reply(fd, static_cast<int>(token.status().code()), std::string(token.status().message()));
+    return true;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int>(pending_.size()) >= limits_.max_pending) {
+      Reply(fd, static_cast<int>(absl::StatusCode::kResourceExhausted),
+            absl::StrCat(limits_.max_pending,
+                         " descriptors already wait to be registered on this node"));
+      return true;
+    }
+    pending_[*token] = Pending{std::move(fds[0]), absl::Now() + limits_.token_lifetime};
+  }
+  Reply(fd, 0, *token);
+  return true;
+}
+
+void FdChannel::Loop() {
+  std::vector<pollfd> polled;
+  std::vector<int> clients;
+  for (;;) {
+    polled.clear();
+    polled.push_back({wake_[0], POLLIN, 0});
+    polled.push_back({listen_fd_, POLLIN, 0});
+    for (int c : clients) polled.push_back({c, POLLIN, 0});
+    const int ready = ::poll(polled.data(), polled.size(), 1000);
+    Expire(absl::Now());
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      Log()->error("fd channel poll failed error={}", std::strerror(errno));
+      break;
+    }
+    if (polled[0].revents != 0) break;
+    std::vector<int> keep;
+    for (size_t i = 2; i < polled.size(); ++i) {
+      const int c = polled[i].fd;
+      bool open = true;
+      if ((polled[i].revents & POLLIN) != 0) {
+        open = Serve(c);
+      } else if ((polled[i].revents & (POLLHUP | POLLERR | POLLNVAL)) != 0) {
+        open = false;
+      }
+      if (open) {
+        keep.push_back(c);
+      } else {
+        ::close(c);
+      }
+    }
+    clients.swap(keep);
+    if ((polled[1].revents & POLLIN) != 0) {
+      for (int k = 0; k < 64; ++k) {  // bounded per round: poll the others too
+        const int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (c < 0) break;
+        if (static_cast<int>(clients.size()) >= limits_.max_connections) {
+          Reply(c, static_cast<int>(absl::StatusCode::kResourceExhausted),
+                "too many fd channel connections on this node");
+          ::close(c);
+          continue;
+        }
+        clients.push_back(c);
+      }
+    }
+  }
+  for (int c : clients) ::close(c);
+  absl::MutexLock lock(&mu_);
+  pending_.clear();
+}
+
+}  // namespace gradsync::ipc
