@@ -28,14 +28,23 @@ class MappedBuffer {
   virtual void* done_event() const { return nullptr; }
 };
 
-/// Turns a handle a trainer sent (shared-memory name; CUDA IPC handle on GPU nodes) into a
-/// mapping. Thread-safe. Errors: NOT_FOUND (no such object), FAILED_PRECONDITION (too small,
-/// not accessible), INVALID_ARGUMENT (malformed handle).
+/// Turns a handle a trainer sent (a shared-memory descriptor's token; a CUDA IPC handle on GPU
+/// nodes) into a mapping. Thread-safe. Errors: NOT_FOUND (no such object), FAILED_PRECONDITION
+/// (too small, not accessible), INVALID_ARGUMENT (malformed handle).
 class BufferImporter {
  public:
   virtual ~BufferImporter() = default;
   virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> Import(
       const v1::RegisterBufferRequest& request) = 0;
+  /// A session's doorbell region: `bytes` of shared memory handed over under `fd_token`. The
+  /// same memory is never both a doorbell and a data buffer (a trainer could otherwise have the
+  /// daemon write collective results into its ring). UNIMPLEMENTED where there are none.
+  virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> ImportDoorbell(
+      const std::string& fd_token, int64_t bytes) {
+    (void)fd_token;
+    (void)bytes;
+    return absl::UnimplementedError("this importer maps no doorbells");
+  }
 };
 
 }  // namespace gradsync::core

@@ -64,6 +64,10 @@ class DispatchImporter final : public core::BufferImporter {
       : shm_(shm), cuda_(cuda) {}
   absl::StatusOr<std::unique_ptr<core::MappedBuffer>> Import(
       const v1::RegisterBufferRequest& request) override;
+  absl::StatusOr<std::unique_ptr<core::MappedBuffer>> ImportDoorbell(const std::string& fd_token,
+                                                                     int64_t bytes) override {
+    return shm_->ImportDoorbell(fd_token, bytes);
+  }
 
  private:
   core::BufferImporter* const shm_;

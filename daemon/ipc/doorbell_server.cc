@@ -17,10 +17,7 @@ constexpr absl::Duration kIdleWait = absl::Milliseconds(100);
 absl::StatusOr<std::shared_ptr<DoorbellServer>> DoorbellServer::Open(
     core::BufferImporter& importer, const std::string& fd_token, core::Engine* engine,
     std::shared_ptr<core::Session> session, std::function<void(absl::Status)> on_error) {
-  v1::RegisterBufferRequest req;
-  req.set_fd_token(fd_token);
-  req.set_bytes(static_cast<int64_t>(doorbell::RegionBytes()));
-  auto region = importer.Import(req);
+  auto region = importer.ImportDoorbell(fd_token, static_cast<int64_t>(doorbell::RegionBytes()));
   if (!region.ok()) {
     return absl::Status(region.status().code(),
                         absl::StrCat("doorbell: ", region.status().message()));

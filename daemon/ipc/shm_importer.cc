@@ -16,16 +16,28 @@ namespace {
 
 class ShmMapping final : public core::MappedBuffer {
  public:
-  // `usage` already counts this mapping (when size > 0); the destructor gives it back.
+  using Object = std::pair<uint64_t, uint64_t>;  // (st_dev, st_ino)
+  // `usage` already counts this mapping (its bytes when size > 0, its object always); the
+  // destructor gives it back.
   ShmMapping(std::string name, std::byte* data, int64_t size,
-             std::shared_ptr<ShmImporter::Usage> usage)
-      : name_(std::move(name)), data_(data), size_(size), usage_(std::move(usage)) {}
+             std::shared_ptr<ShmImporter::Usage> usage, Object object, bool doorbell)
+      : name_(std::move(name)),
+        data_(data),
+        size_(size),
+        usage_(std::move(usage)),
+        object_(object),
+        doorbell_(doorbell) {}
   ~ShmMapping() override {
     if (size_ > 0) {
       ::munmap(data_, static_cast<size_t>(size_));
       usage_->mappings.fetch_sub(1);
       usage_->bytes.fetch_sub(size_);
     }
+    absl::MutexLock lock(&usage_->mu);
+    auto it = usage_->objects.find(object_);
+    if (it == usage_->objects.end()) return;
+    (doorbell_ ? it->second.second : it->second.first) -= 1;
+    if (it->second.first == 0 && it->second.second == 0) usage_->objects.erase(it);
   }
   std::byte* data() const override { return data_; }
   int64_t size() const override { return size_; }
@@ -36,6 +48,8 @@ class ShmMapping final : public core::MappedBuffer {
   std::byte* const data_;
   const int64_t size_;
   const std::shared_ptr<ShmImporter::Usage> usage_;
+  const Object object_;
+  const bool doorbell_;
 };
 
 MappingLimits Resolved(MappingLimits limits) {
@@ -53,6 +67,19 @@ ShmImporter::ShmImporter(MappingLimits limits)
 
 absl::StatusOr<std::unique_ptr<core::MappedBuffer>> ShmImporter::Import(
     const v1::RegisterBufferRequest& request) {
+  return ImportFd(request, /*doorbell=*/false);
+}
+
+absl::StatusOr<std::unique_ptr<core::MappedBuffer>> ShmImporter::ImportDoorbell(
+    const std::string& fd_token, int64_t bytes) {
+  v1::RegisterBufferRequest request;
+  request.set_fd_token(fd_token);
+  request.set_bytes(bytes);
+  return ImportFd(request, /*doorbell=*/true);
+}
+
+absl::StatusOr<std::unique_ptr<core::MappedBuffer>> ShmImporter::ImportFd(
+    const v1::RegisterBufferRequest& request, bool doorbell) {
   if (!request.shm_name().empty()) {
     return absl::InvalidArgumentError(
         "shared memory is never registered by name (shm_name): hand it over the daemon's fd "
@@ -89,6 +116,35 @@ absl::StatusOr<std::unique_ptr<core::MappedBuffer>> ShmImporter::Import(
                                                       " bytes, fewer than the ", request.bytes(),
                                                       " registered"));
   }
+  // One memory object is a doorbell or data, never both, and a doorbell belongs to one session.
+  const ShmMapping::Object object{static_cast<uint64_t>(st.st_dev),
+                                  static_cast<uint64_t>(st.st_ino)};
+  {
+    absl::MutexLock lock(&usage_->mu);
+    auto& [as_data, as_doorbell] = usage_->objects[object];
+    if (as_doorbell > 0 || (doorbell && as_data > 0)) {
+      if (as_data == 0 && as_doorbell == 0) usage_->objects.erase(object);
+      return absl::InvalidArgumentError(
+          doorbell ? "this memory is already mapped as a data buffer; a doorbell needs its own"
+                   : "this memory is a session's doorbell; it cannot also be a data buffer");
+    }
+    (doorbell ? as_doorbell : as_data) += 1;
+  }
+  // Until the mapping owns it, the object's count is ours to give back.
+  struct ObjectClaim {
+    ShmImporter::Usage* usage;
+    ShmMapping::Object object;
+    bool doorbell;
+    bool released = false;
+    ~ObjectClaim() {
+      if (released) return;
+      absl::MutexLock lock(&usage->mu);
+      auto it = usage->objects.find(object);
+      if (it == usage->objects.end()) return;
+      (doorbell ? it->second.second : it->second.first) -= 1;
+      if (it->second.first == 0 && it->second.second == 0) usage->objects.erase(it);
+    }
+  } claim{usage_.get(), object, doorbell};
   std::byte* data = nullptr;
   if (request.bytes() > 0) {
     // Taken before mapping, given back if the mapping is refused or fails.
@@ -122,7 +178,8 @@ absl::StatusOr<std::unique_ptr<core::MappedBuffer>> ShmImporter::Import(
     data = static_cast<std::byte*>(p);
   }
   // `owned` closes the descriptor: the mapping keeps the memory.
-  return std::make_unique<ShmMapping>(name, data, request.bytes(), usage_);
+  claim.released = true;
+  return std::make_unique<ShmMapping>(name, data, request.bytes(), usage_, object, doorbell);
 }
 
 }  // namespace gradsync::ipc

@@ -3,6 +3,11 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 
 #include "daemon/core/buffer_importer.h"
 #include "daemon/ipc/fd_channel.h"
@@ -32,6 +37,8 @@ class ShmImporter final : public core::BufferImporter {
 
   absl::StatusOr<std::unique_ptr<core::MappedBuffer>> Import(
       const v1::RegisterBufferRequest& request) override;
+  absl::StatusOr<std::unique_ptr<core::MappedBuffer>> ImportDoorbell(const std::string& fd_token,
+                                                                     int64_t bytes) override;
 
   /// The channel descriptors are redeemed from; set before serving, outlives the importer's use.
   void set_fd_channel(FdChannel* channel) { channel_.store(channel); }
@@ -43,9 +50,16 @@ class ShmImporter final : public core::BufferImporter {
   struct Usage {
     std::atomic<int64_t> mappings{0};
     std::atomic<int64_t> bytes{0};
+    // Live mappings per memory object (st_dev, st_ino): as data buffers, as doorbells.
+    absl::Mutex mu;
+    absl::flat_hash_map<std::pair<uint64_t, uint64_t>, std::pair<int, int>> objects
+        ABSL_GUARDED_BY(mu);
   };
 
  private:
+  absl::StatusOr<std::unique_ptr<core::MappedBuffer>> ImportFd(
+      const v1::RegisterBufferRequest& request, bool doorbell);
+
   const MappingLimits limits_;
   const std::shared_ptr<Usage> usage_;
   std::atomic<FdChannel*> channel_{nullptr};

@@ -17,6 +17,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/gradsync_client.h"
+#include "common/doorbell.h"
+#include "gradsync/v1/gradsync.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
@@ -200,6 +202,54 @@ TEST_F(SharedMemoryTest, TokensAreRedeemedOnce) {
   EXPECT_EQ(a->RegisterBuffer(req).status().code(), absl::StatusCode::kNotFound);
   req.clear_fd_token();
   EXPECT_EQ(a->RegisterBuffer(req).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Serving());
+}
+
+// A trainer hands its doorbell over twice and registers the second copy as a data buffer (so
+// that collective results would land in its ring): refused; the session and daemon go on.
+TEST_F(SharedMemoryTest, ADoorbellCannotAlsoBeADataBuffer) {
+  const int fd = SealedMemfd(doorbell::RegionBytes(), F_SEAL_SHRINK);
+  ASSERT_GE(fd, 0);
+  void* p = ::mmap(nullptr, doorbell::RegionBytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  doorbell::Doorbell(static_cast<std::byte*>(p)).Initialize();
+  auto sock = client::ConnectFdChannel(daemon_->socket_path() + ".fd");
+  ASSERT_TRUE(sock.ok()) << sock.status();
+  auto first = client::SendFd(*sock, fd, absl::Now() + absl::Seconds(10));
+  auto second = client::SendFd(*sock, fd, absl::Now() + absl::Seconds(10));
+  ::close(*sock);
+  ::close(fd);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_NE(*first, *second);
+
+  auto stub = v1::GradSync::NewStub(client::Connect(daemon_->unix_target()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  auto stream = stub->Session(&ctx);
+  v1::TrainerRequest reg;
+  reg.set_tag(1);
+  v1::RegisterRequest& r = *reg.mutable_register_session();
+  r.set_job("twice");
+  r.set_world_size(1);
+  r.set_local_world_size(1);
+  r.set_doorbell_fd_token(*first);
+  ASSERT_TRUE(stream->Write(reg));
+  v1::TrainerEvent event;
+  ASSERT_TRUE(stream->Read(&event));
+  EXPECT_EQ(event.code(), 0) << event.message();
+
+  v1::TrainerRequest buf;
+  buf.set_tag(2);
+  buf.mutable_register_buffer()->set_fd_token(*second);
+  buf.mutable_register_buffer()->set_bytes(4096);
+  ASSERT_TRUE(stream->Write(buf));
+  ASSERT_TRUE(stream->Read(&event));
+  EXPECT_EQ(event.tag(), 2u);
+  EXPECT_EQ(event.code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT)) << event.message();
+  EXPECT_TRUE(absl::StrContains(event.message(), "doorbell")) << event.message();
+  stream->WritesDone();
+  stream->Finish();
+  ::munmap(p, doorbell::RegionBytes());
   EXPECT_TRUE(Serving());
 }
 

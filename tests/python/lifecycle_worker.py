@@ -68,7 +68,7 @@ def plain():
     emit(rank=r, value=list(a), torch_loaded="torch" in sys.modules)
 
 
-def interrupt(folder):
+def interrupt(folder, where="all_reduce"):
     import gradsync
     gradsync.init()
     r = gradsync.get_rank()
@@ -82,11 +82,30 @@ def interrupt(folder):
         emit(rank=r, released=True)
         return
     a = array.array("f", [1.0] * 4)
+    if where == "backward":
+        # The optimizer's one wait, at the end of backward, is what gets interrupted.
+        import torch
+
+        import gradsync.torch as gt
+        model = torch.nn.Linear(4, 1)
+        opt = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      reduce_method="mean", dist_group=gradsync.new_group([0, 1]),
+                                      bcast_period=-1, timeout=120)
     if r == 0:
         emit(rank=r, waiting=True)
+    elif where == "backward":
+        # Rank 1 comes only once rank 0 was interrupted, then submits and is told.
+        for _ in range(600):
+            if os.path.exists(os.path.join(folder, "interrupted")):
+                break
+            time.sleep(0.05)
     started = time.monotonic()
     try:
-        gradsync.all_reduce(a, name="stuck", timeout=120)
+        if where == "backward":
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+        else:
+            gradsync.all_reduce(a, name="stuck", timeout=120)
         emit(rank=r, outcome="ok")
     except KeyboardInterrupt:
         emit(rank=r, outcome="KeyboardInterrupt", after_s=time.monotonic() - started,
@@ -142,7 +161,7 @@ def reinit(rounds):
 if __name__ == "__main__":
     scenario, rest = sys.argv[1], sys.argv[2:]
     if scenario == "interrupt":
-        interrupt(rest[0])
+        interrupt(*rest)
     elif scenario == "reinit":
         reinit(int(rest[0]))
     else:

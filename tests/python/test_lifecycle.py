@@ -57,19 +57,23 @@ def read_json(ranks, i):
     return [json.loads(l) for l in ranks.output(i).splitlines() if l.startswith("{")]
 
 
-def test_sigint_during_a_wait_raises_keyboard_interrupt_and_tells_the_other_rank(tmp, daemon):
-    ranks = launch(tmp, [daemon] * 3, "sigint", lambda r: [WORKER, "interrupt", tmp])
+@pytest.mark.parametrize("where", ["all_reduce", "backward"])
+def test_sigint_during_a_wait_raises_keyboard_interrupt_and_tells_the_other_rank(tmp, daemon,
+                                                                                 where):
+    ranks = launch(tmp, [daemon] * 3, "sigint" + where,
+                   lambda r: [WORKER, "interrupt", tmp, where])
     try:
-        for _ in range(600):  # rank 0 is about to wait for rank 2, which never comes
+        for _ in range(600):  # rank 0 is about to wait for a rank that does not come
             if any(j.get("waiting") for j in read_json(ranks, 0)):
                 break
             assert ranks.procs[0].poll() is None, ranks.output(0)
             time.sleep(0.05)
         else:
             pytest.fail("rank 0 never started its op:\n" + ranks.output(0))
-        time.sleep(0.5)  # inside the wait (its deadline is 120 s)
+        time.sleep(1.0)  # inside the wait (its deadline is 120 s)
         ranks.procs[0].send_signal(signal.SIGINT)
         ranks.procs[0].wait(60)  # a wait that ignored SIGINT would run to its 120 s deadline
+        open(os.path.join(tmp, "interrupted"), "w").close()
         ranks.procs[1].wait(60)
     finally:
         open(os.path.join(tmp, "release"), "w").close()
@@ -78,7 +82,7 @@ def test_sigint_during_a_wait_raises_keyboard_interrupt_and_tells_the_other_rank
     out0, out1 = results[0]["json"][-1], results[1]["json"][-1]
     assert out0["outcome"] == "KeyboardInterrupt", out0
     assert out0["initialized"] is False  # the interrupted session was ended
-    # The daemon failed the op on rank 1 at once, naming rank 0 (not at the deadline).
+    # The daemon failed the op on rank 1 (not at the deadline), naming rank 0.
     assert out1["outcome"] == "error", out1
     assert out1["code"] in ("UNAVAILABLE", "ABORTED"), out1
     assert "rank 0" in out1["message"], out1

@@ -227,6 +227,7 @@ def _after_fork_in_child():
         ctx.client.forget()
 
 
+_native.on_interrupt = _interrupted
 atexit.register(shutdown)
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
@@ -416,7 +417,7 @@ class Work:
     def wait(self):
         with self._lock:
             try:
-                _wait(self._handle)  # a failed op raises the same error on every wait
+                self._handle.wait()  # a failed op raises the same error on every wait
                 if self._finish:
                     finish, self._finish = self._finish, None
                     finish()
@@ -428,15 +429,6 @@ class Work:
 
     def is_completed(self):
         return self._handle.done()
-
-
-def _wait(handle):
-    """handle.wait(); an interrupted wait ends the session (see _interrupted)."""
-    try:
-        handle.wait()
-    except KeyboardInterrupt:
-        _interrupted()
-        raise
 
 
 def _in_place(objs, submit, result, async_op):

@@ -13,6 +13,9 @@ import threading
 import time
 
 WAKE_S = 0.05  # longest a wait stays in C before Python may handle a signal
+# Called when KeyboardInterrupt (or another exception from a signal handler) interrupts an op's
+# wait: the package ends the session there, so the daemon fails the op on the other ranks.
+on_interrupt = None
 
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
@@ -410,16 +413,21 @@ class Handle:
         self._seq = _lib.gs_op_seq(self._ptr)
 
     def wait(self):
-        while self._status is None:
-            done = ctypes.c_int(0)
-            try:
-                rc = self._client._use(_lib.gs_op_wait_for, self._ptr, int(WAKE_S * 1000),
-                                       ctypes.byref(done))
-            except Error:
-                self._status = _closed()  # the session ended while the op was pending
-                break
-            if done.value:
-                self._finish(rc)
+        try:
+            while self._status is None:
+                done = ctypes.c_int(0)
+                try:
+                    rc = self._client._use(_lib.gs_op_wait_for, self._ptr, int(WAKE_S * 1000),
+                                           ctypes.byref(done))
+                except Error:
+                    self._status = _closed()  # the session ended while the op was pending
+                    break
+                if done.value:
+                    self._finish(rc)
+        except KeyboardInterrupt:
+            if on_interrupt is not None:
+                on_interrupt()
+            raise
         if self._status != 0:
             raise self._status
 
