@@ -17,6 +17,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "client/gradsync_client.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -254,6 +255,31 @@ bool DaemonProcess::WaitForNotification(const std::string& needle, absl::Duratio
     absl::SleepFor(absl::Milliseconds(5));
   }
   return false;
+}
+
+bool RawSession::Start(const std::string& unix_target, const std::string& job,
+                       const std::string& doorbell_fd_token,
+                       const std::string& doorbell_shm_name) {
+  stub = v1::GradSync::NewStub(client::Connect(unix_target));
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  stream = stub->Session(&ctx);
+  v1::TrainerRequest reg;
+  reg.set_tag(1);
+  v1::RegisterRequest& r = *reg.mutable_register_session();
+  r.set_job(job);
+  r.set_world_size(1);
+  r.set_local_world_size(1);
+  r.set_doorbell_fd_token(doorbell_fd_token);
+  r.set_doorbell_shm_name(doorbell_shm_name);
+  return stream->Write(reg);
+}
+
+absl::StatusOr<std::string> ShareFd(const std::string& socket_path, int fd) {
+  absl::StatusOr<int> sock = client::ConnectFdChannel(socket_path + ".fd");
+  if (!sock.ok()) return sock.status();
+  absl::StatusOr<std::string> token = client::SendFd(*sock, fd, absl::Now() + absl::Seconds(10));
+  ::close(*sock);
+  return token;
 }
 
 }  // namespace gradsync::testing

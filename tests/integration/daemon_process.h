@@ -14,6 +14,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "gradsync/v1/gradsync.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
 
 namespace gradsync::testing {
 
@@ -48,6 +50,21 @@ class TempDir {
  private:
   std::string path_;
 };
+
+/// A trainer's session stream spoken by hand (no Client), for tests of what a broken or hostile
+/// trainer sends. Start() writes the registration; the caller reads its answer.
+struct RawSession {
+  /// Opens the stream to `unix_target` and sends a registration of rank 0 of a one-rank `job`
+  /// naming `doorbell_fd_token` or `doorbell_shm_name` (either may be empty); 20 s deadline.
+  bool Start(const std::string& unix_target, const std::string& job,
+             const std::string& doorbell_fd_token, const std::string& doorbell_shm_name = "");
+  std::unique_ptr<v1::GradSync::Stub> stub;
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::TrainerRequest, v1::TrainerEvent>> stream;
+};
+
+/// Hands `fd` to the daemon serving `socket_path` over its fd channel; the one-time token.
+absl::StatusOr<std::string> ShareFd(const std::string& socket_path, int fd);
 
 class DaemonProcess {
  public:

@@ -143,18 +143,9 @@ TEST_F(SharedMemoryTest, NothingIsRegisteredOrCreatedByName) {
   ::shm_unlink(name.c_str());
 
   // A doorbell by name ends the registration.
-  auto stub = v1::GradSync::NewStub(client::Connect(daemon_->unix_target()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
-  auto stream = stub->Session(&ctx);
-  v1::TrainerRequest reg;
-  reg.set_tag(1);
-  v1::RegisterRequest& r = *reg.mutable_register_session();
-  r.set_job("named-doorbell");
-  r.set_world_size(1);
-  r.set_local_world_size(1);
-  r.set_doorbell_shm_name("/gradsync-whatever");
-  ASSERT_TRUE(stream->Write(reg));
+  RawSession raw;
+  ASSERT_TRUE(raw.Start(daemon_->unix_target(), "named-doorbell", "", "/gradsync-whatever"));
+  auto& stream = raw.stream;
   v1::TrainerEvent event;
   EXPECT_FALSE(stream->Read(&event));
   const grpc::Status end = stream->Finish();
@@ -213,27 +204,15 @@ TEST_F(SharedMemoryTest, ADoorbellCannotAlsoBeADataBuffer) {
   void* p = ::mmap(nullptr, doorbell::RegionBytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ASSERT_NE(p, MAP_FAILED);
   doorbell::Doorbell(static_cast<std::byte*>(p)).Initialize();
-  auto sock = client::ConnectFdChannel(daemon_->socket_path() + ".fd");
-  ASSERT_TRUE(sock.ok()) << sock.status();
-  auto first = client::SendFd(*sock, fd, absl::Now() + absl::Seconds(10));
-  auto second = client::SendFd(*sock, fd, absl::Now() + absl::Seconds(10));
-  ::close(*sock);
+  auto first = ShareFd(daemon_->socket_path(), fd);
+  auto second = ShareFd(daemon_->socket_path(), fd);
   ::close(fd);
   ASSERT_TRUE(first.ok() && second.ok());
   EXPECT_NE(*first, *second);
 
-  auto stub = v1::GradSync::NewStub(client::Connect(daemon_->unix_target()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
-  auto stream = stub->Session(&ctx);
-  v1::TrainerRequest reg;
-  reg.set_tag(1);
-  v1::RegisterRequest& r = *reg.mutable_register_session();
-  r.set_job("twice");
-  r.set_world_size(1);
-  r.set_local_world_size(1);
-  r.set_doorbell_fd_token(*first);
-  ASSERT_TRUE(stream->Write(reg));
+  RawSession raw;
+  ASSERT_TRUE(raw.Start(daemon_->unix_target(), "twice", *first));
+  auto& stream = raw.stream;
   v1::TrainerEvent event;
   ASSERT_TRUE(stream->Read(&event));
   EXPECT_EQ(event.code(), 0) << event.message();
