@@ -89,7 +89,7 @@ absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Listen(const std::string& 
   const mode_t old_umask = ::umask(0777 & ~mode);
   const int bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   ::umask(old_umask);
-  if (bound != 0 || ::chmod(path.c_str(), mode) != 0 || ::listen(fd, 128) != 0 ||
+  if (bound != 0 || ::chmod(path.c_str(), mode) != 0 || ::listen(fd, SOMAXCONN) != 0 ||
       ::stat(path.c_str(), &st) != 0) {
     const int err = errno;
     ::close(fd);
@@ -130,22 +130,30 @@ absl::StatusOr<UniqueFd> FdChannel::Redeem(const std::string& token) {
   absl::MutexLock lock(&mu_);
   auto it = pending_.find(token);
   if (it == pending_.end() || it->second.expires <= absl::Now()) {
-    if (it != pending_.end()) pending_.erase(it);
+    if (it != pending_.end()) {
+      if (--pending_by_uid_[it->second.uid] == 0) pending_by_uid_.erase(it->second.uid);
+      pending_.erase(it);
+    }
     return absl::NotFoundError(
         "no descriptor under this fd_token: unknown, already used, or older than the token "
         "lifetime (send the memfd over the fd channel, then register at once)");
   }
   UniqueFd fd = std::move(it->second.fd);
+  if (--pending_by_uid_[it->second.uid] == 0) pending_by_uid_.erase(it->second.uid);
   pending_.erase(it);
   return fd;
 }
 
 void FdChannel::Expire(absl::Time now) {
   absl::MutexLock lock(&mu_);
-  absl::erase_if(pending_, [now](const auto& kv) { return kv.second.expires <= now; });
+  absl::erase_if(pending_, [&](const auto& kv) {
+    if (kv.second.expires > now) return false;
+    if (--pending_by_uid_[kv.second.uid] == 0) pending_by_uid_.erase(kv.second.uid);
+    return true;
+  });
 }
 
-bool FdChannel::Serve(int fd) {
+bool FdChannel::Serve(int fd, uid_t uid) {
   char byte = 0;
   iovec iov{&byte, 1};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
@@ -186,7 +194,15 @@ bool FdChannel::Serve(int fd) {
                          " descriptors already wait to be registered on this node"));
       return true;
     }
-    pending_[*token] = Pending{std::move(fds[0]), absl::Now() + limits_.token_lifetime};
+    int& mine = pending_by_uid_[uid];
+    if (mine >= limits_.max_pending_per_uid) {
+      Reply(fd, static_cast<int>(absl::StatusCode::kResourceExhausted),
+            absl::StrCat("this user has ", mine,
+                         " descriptors waiting to be registered, the most one user may"));
+      return true;
+    }
+    ++mine;
+    pending_[*token] = Pending{std::move(fds[0]), absl::Now() + limits_.token_lifetime, uid};
   }
   Reply(fd, 0, *token);
   return true;
@@ -194,12 +210,12 @@ bool FdChannel::Serve(int fd) {
 
 void FdChannel::Loop() {
   std::vector<pollfd> polled;
-  std::vector<int> clients;
+  std::vector<std::pair<int, uid_t>> clients;  // connection, its peer's uid (SO_PEERCRED)
   for (;;) {
     polled.clear();
     polled.push_back({wake_[0], POLLIN, 0});
     polled.push_back({listen_fd_, POLLIN, 0});
-    for (int c : clients) polled.push_back({c, POLLIN, 0});
+    for (const auto& [c, uid] : clients) polled.push_back({c, POLLIN, 0});
     const int ready = ::poll(polled.data(), polled.size(), 1000);
     Expire(absl::Now());
     if (ready < 0) {
@@ -208,17 +224,17 @@ void FdChannel::Loop() {
       break;
     }
     if (polled[0].revents != 0) break;
-    std::vector<int> keep;
+    std::vector<std::pair<int, uid_t>> keep;
     for (size_t i = 2; i < polled.size(); ++i) {
-      const int c = polled[i].fd;
+      const auto [c, uid] = clients[i - 2];
       bool open = true;
       if ((polled[i].revents & POLLIN) != 0) {
-        open = Serve(c);
+        open = Serve(c, uid);
       } else if ((polled[i].revents & (POLLHUP | POLLERR | POLLNVAL)) != 0) {
         open = false;
       }
       if (open) {
-        keep.push_back(c);
+        keep.emplace_back(c, uid);
       } else {
         ::close(c);
       }
@@ -234,13 +250,20 @@ void FdChannel::Loop() {
           ::close(c);
           continue;
         }
-        clients.push_back(c);
+        ucred cred{};
+        socklen_t len = sizeof(cred);
+        if (::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+          ::close(c);
+          continue;
+        }
+        clients.emplace_back(c, cred.uid);
       }
     }
   }
-  for (int c : clients) ::close(c);
+  for (const auto& [c, uid] : clients) ::close(c);
   absl::MutexLock lock(&mu_);
   pending_.clear();
+  pending_by_uid_.clear();
 }
 
 }  // namespace gradsync::ipc

@@ -50,6 +50,8 @@ struct FdChannelLimits {
   int max_connections = 1024;
   /// Descriptors received and not yet redeemed, node-wide (RESOURCE_EXHAUSTED beyond).
   int max_pending = 4096;
+  /// The same, per sending user (SO_PEERCRED): one user cannot take every slot of the node.
+  int max_pending_per_uid = 1024;
   /// How long a token may wait to be redeemed.
   absl::Duration token_lifetime = absl::Seconds(60);
 };
@@ -79,11 +81,13 @@ class FdChannel {
   struct Pending {
     UniqueFd fd;
     absl::Time expires;
+    uid_t uid;
   };
   FdChannel(std::string path, int listen_fd, ino_t inode, FdChannelLimits limits);
   void Loop();
-  // Reads one request from `fd` and answers it; false when the connection is to be closed.
-  bool Serve(int fd);
+  // Reads one request from `fd` (a client of user `uid`) and answers it; false when the
+  // connection is to be closed.
+  bool Serve(int fd, uid_t uid);
   void Expire(absl::Time now);
 
   const std::string path_;
@@ -93,6 +97,7 @@ class FdChannel {
   int wake_[2] = {-1, -1};  // a pipe: the destructor writes to stop Loop
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uid_t, int> pending_by_uid_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 

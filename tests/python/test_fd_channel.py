@@ -1,0 +1,108 @@
+"""The fd channel (`<socket>.fd`) attacked from outside, as a hostile local process would: wrong
+requests, wrong descriptor counts, many idle connections, a flood of descriptors. The daemon
+answers each clearly, closes what it does not keep, stays up, and other trainers go on. Real
+gradsyncd, raw sockets, a second user through setpriv."""
+import os
+import socket
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, env_for
+
+LIFECYCLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lifecycle_worker.py")
+
+
+def request(sock, data, fds):
+    socket.send_fds(sock, [data], fds)
+    head = sock.recv(2)
+    assert len(head) == 2
+    body = b""
+    while len(body) < head[1]:
+        chunk = sock.recv(head[1] - len(body))
+        assert chunk
+        body += chunk
+    return head[0], body.decode()
+
+
+def channel(daemon):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(daemon.socket + ".fd")  # blocking, as clients connect: waits for the backlog
+    s.settimeout(20)
+    return s
+
+
+def daemon_fds(daemon):
+    return len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+
+
+def memfd(sealed=True):
+    fd = os.memfd_create("attack", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    return fd
+
+
+def trainer_works(daemon, job, user=None):
+    env = env_for(daemon, job, 0, 1)
+    cmd = [PYTHON, LIFECYCLE, "plain"]
+    if user:
+        cmd = ["/usr/bin/setpriv", "--reuid=65534", "--regid=0", "--clear-groups"] + cmd
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert '"value": [1.0, 1.0, 1.0, 1.0]' in out.stdout, out.stdout
+
+
+def test_wrong_requests_get_clear_answers_and_nothing_is_kept(tmp, daemon):
+    s = channel(daemon)
+    a, b, c = memfd(), memfd(), memfd()
+    try:
+        assert request(s, b"F", [])[0] == 3         # no descriptor: INVALID_ARGUMENT
+        before = daemon_fds(daemon)                 # the connection is accepted by now
+        assert request(s, b"X", [a])[0] == 3        # not the request byte
+        code, text = request(s, b"F", [a, b, c])   # more than one
+        assert code == 3 and "exactly one" in text, text
+        assert daemon_fds(daemon) == before         # every descriptor sent was closed
+        code, token = request(s, b"F", [a])
+        assert code == 0 and len(token) == 32 and int(token, 16) >= 0
+        assert daemon_fds(daemon) == before + 1     # kept until redeemed (or 60 s)
+    finally:
+        for fd in (a, b, c):
+            os.close(fd)
+        s.close()
+    trainer_works(daemon, "after-wrong")
+    assert daemon.ctl("health").returncode == 0
+
+
+def test_many_idle_connections_do_not_stop_trainers(tmp, daemon):
+    held = [channel(daemon) for _ in range(300)]
+    try:
+        trainer_works(daemon, "idle-conns")
+    finally:
+        for s in held:
+            s.close()
+    assert daemon.ctl("health").returncode == 0
+
+
+def test_one_user_flooding_descriptors_cannot_lock_out_another(tmp, daemon):
+    if os.geteuid() != 0 or not os.access("/usr/bin/setpriv", os.X_OK):
+        pytest.skip("needs root and setpriv to act as another user")
+    s = channel(daemon)
+    codes = []
+    try:
+        for _ in range(1100):  # root's share is 1,024 waiting descriptors
+            fd = memfd()
+            try:
+                code, text = request(s, b"F", [fd])
+            finally:
+                os.close(fd)
+            codes.append(code)
+            if code != 0:
+                break
+        assert codes.count(0) == 1024, codes[-3:]
+        assert codes[-1] == 8 and "this user" in text, text  # RESOURCE_EXHAUSTED
+        # Another user of the socket's group still registers memory and reduces.
+        os.chmod(tmp, 0o755)
+        trainer_works(daemon, "other-user", user="nobody")
+    finally:
+        s.close()
+    assert daemon.ctl("health").returncode == 0
