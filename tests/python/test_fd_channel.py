@@ -1,7 +1,8 @@
-"""The fd channel (`<socket>.fd`) attacked from outside, as a hostile local process would: wrong
-requests, wrong descriptor counts, many idle connections, a flood of descriptors. The daemon
-answers each clearly, closes what it does not keep, stays up, and other trainers go on. Real
-gradsyncd, raw sockets, a second user through setpriv."""
+"""How trainers reach the daemon, attacked from outside as a hostile local process would: the fd
+channel (`<socket>.fd`) with wrong requests, wrong descriptor counts, many idle connections, a
+flood of descriptors; and a trainer session over loopback TCP. The daemon answers each clearly,
+closes what it does not keep, stays up, and other trainers go on. Real gradsyncd, raw sockets,
+a second user through setpriv."""
 import os
 import socket
 import subprocess
@@ -106,3 +107,59 @@ def test_one_user_flooding_descriptors_cannot_lock_out_another(tmp, daemon):
     finally:
         s.close()
     assert daemon.ctl("health").returncode == 0
+
+
+SESSION_OVER_TCP = r"""
+import json, sys
+import grpc
+
+def field(number, kind, value):  # protobuf wire format, by hand: no generated code needed
+    key = bytes([number << 3 | kind])
+    if kind == 0:
+        return key + bytes([value])
+    return key + bytes([len(value)]) + value
+
+# TrainerRequest{tag: 1, register_session: RegisterRequest{job: "tcp", world_size: 1,
+# local_world_size: 1}}: what our client library would send, spoken raw as an attacker would.
+register = field(1, 2, b"tcp") + field(2, 0, 1) + field(5, 0, 1)
+request = field(1, 0, 1) + field(2, 2, register)
+metadata = []
+if len(sys.argv) > 2:
+    metadata = [("authorization", "Bearer " + open(sys.argv[2]).read().strip())]
+channel = grpc.insecure_channel(sys.argv[1])
+call = channel.stream_stream("/gradsync.v1.GradSync/Session",
+                             request_serializer=lambda b: b, response_deserializer=lambda b: b)
+try:
+    for reply in call(iter([request]), metadata=metadata, timeout=20):
+        print(json.dumps({"outcome": "session", "reply": reply.hex()}))
+        break
+    print(json.dumps({"outcome": "no reply"}))
+except grpc.RpcError as e:
+    print(json.dumps({"outcome": e.code().name, "message": e.details()}))
+"""
+
+
+def test_no_session_over_tcp_for_another_user_or_with_the_token(tmp):
+    """A user the unix socket refuses tries loopback TCP: no session, so no memory of anyone's
+    reachable; with the cluster token (a daemon's credential) it is refused all the same."""
+    from conftest import Daemon
+    if os.geteuid() != 0 or not os.access("/usr/bin/setpriv", os.X_OK):
+        pytest.skip("needs root and setpriv to act as another user")
+    d = Daemon(tmp, "tcpnode", tcp=True)
+    try:
+        env = dict(os.environ, PYTHONPATH=env_for(d, "tcp", 0, 1)["PYTHONPATH"])
+        os.chmod(tmp, 0o755)
+        runs = {
+            "nobody": ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                       PYTHON, "-c", SESSION_OVER_TCP, d.tcp],
+            "token": [PYTHON, "-c", SESSION_OVER_TCP, d.tcp, d.token_file],
+        }
+        for who, cmd in runs.items():
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stdout + out.stderr
+            result = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+            assert result["outcome"] in ("PERMISSION_DENIED", "UNAUTHENTICATED"), (who, result)
+        assert d.ctl("health").returncode == 0
+        trainer_works(d, "after-tcp")
+    finally:
+        d.stop()
