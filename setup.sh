@@ -13,8 +13,9 @@ cd "$(dirname "$(readlink -f "$0")")"
 packages=(
   build-essential cmake pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
-  libabsl-dev libspdlog-dev libfmt-dev libsystemd-dev
+  libabsl-dev libspdlog-dev libfmt-dev libsystemd-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev googletest
+  clang libclang-rt-14-dev
   libgloo-dev
   python3-torch python3-grpcio python3-pytest python3-numpy
   openmpi-bin libopenmpi-dev

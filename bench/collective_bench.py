@@ -164,7 +164,8 @@ def run_gradsync(args, n, tmp):
             tcp = ["--port=-1"] if nodes == 1 else ["--port=0", f"--token_file={token_file}"]
             daemons.append(subprocess.Popen(
                 [daemon_bin, f"--socket={sock}", *tcp,
-                 "--log_sink=stderr", "--log_level=warning" if nodes == 1 else "--log_level=info"],
+                 "--log_sink=stderr", "--log_level=warning" if nodes == 1 else "--log_level=info",
+                 *args.daemon_flags.split()],
                 stderr=err))
     daemon = daemons[0]
     try:
@@ -382,6 +383,9 @@ def main():
     ap.add_argument("--nodes", type=int, default=1,
                     help="gradsync daemons to spread the ranks over (loopback TCP between them, "
                          "Gloo); Open MPI then uses btl tcp instead of shared memory")
+    ap.add_argument("--daemon-flags", default="",
+                    help="extra gradsyncd flags, space-separated (e.g. '--history_size=0 "
+                         "--stall_warn=0' against '--metrics_port=0' for the observability cost)")
     args = ap.parse_args()
     try:
         ranks = list(dict.fromkeys(int(r) for r in args.ranks.split(",")))

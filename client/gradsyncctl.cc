@@ -16,6 +16,7 @@
 #include "client/store_client.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
+#include "common/tls.h"
 #include "common/token.h"
 #include "gradsync/v1/inspect.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -26,6 +27,11 @@ ABSL_FLAG(std::string, job, "default", "Job namespace");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "Deadline of each call");
 ABSL_FLAG(std::string, token_file, "",
           "File with the cluster token (needed with --address when the daemon has one)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "With --address: PEM client certificate for a daemon started with --tls_* (with "
+          "--tls_key and --tls_ca: all three or none)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert (mode 600/640)");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA the daemon's certificate must chain to");
 
 namespace gradsync::ctl {
 namespace {
@@ -35,6 +41,8 @@ constexpr char kUsage[] =
     "  health [SERVICE]            overall or per-service health\n"
     "  jobs                        jobs held by the daemon's store\n"
     "  sessions [JOB]              trainer sessions (of every job, or of JOB)\n"
+    "  ops [JOB]                   pending ops of JOB (default --job) on every node: who is missing\n"
+    "  history JOB [GROUP]         this node's last ops of GROUP (default world)\n"
     "  store get KEY               value of KEY (waits up to --timeout)\n"
     "  store set KEY VALUE\n"
     "  store add KEY DELTA         atomic counter\n"
@@ -67,7 +75,7 @@ class Ctl {
         job_(absl::GetFlag(FLAGS_job)),
         timeout_(absl::GetFlag(FLAGS_timeout)),
         options_(std::move(options)),
-        channel_(client::Connect(target_)),
+        channel_(client::Connect(target_, options_)),
         inspect_(v1::Inspect::NewStub(channel_)),
         store_(channel_, options_) {}
 
@@ -78,6 +86,8 @@ class Ctl {
     if (cmd == "health") return Health(arg(1));
     if (cmd == "jobs" && args.size() == 1) return Jobs();
     if (cmd == "sessions" && args.size() <= 2) return Sessions(arg(1));
+    if (cmd == "ops" && args.size() <= 2) return Ops(args.size() == 2 ? args[1] : job_);
+    if (cmd == "history" && (args.size() == 2 || args.size() == 3)) return History(args[1], arg(2));
     if (cmd == "store" && args.size() >= 2) {
       const std::string& sub = args[1];
       if (sub == "get" && args.size() == 3) return StoreGet(args[2]);
@@ -148,6 +158,88 @@ class Ctl {
                                    s.rank(), s.local_rank(), s.world_size(), s.buffers(),
                                    HumanBytes(s.mapped_bytes()));
     }
+    return 0;
+  }
+
+  static std::string WaitName(v1::WaitingFor w) {
+    switch (w) {
+      case v1::TRAINER:
+        return "trainer";
+      case v1::EARLIER_OP:
+        return "earlier op";
+      case v1::LOCAL_COPY:
+        return "running";
+      case v1::NETWORK:
+        return "network";
+      case v1::NCCL:
+        return "nccl";
+      case v1::NODE_UNREACHABLE:
+        return "node unreachable";
+      default:
+        return "?";
+    }
+  }
+
+  int Ops(const std::string& job) {
+    v1::ListOpsRequest req;
+    req.set_job(job);
+    v1::ListOpsResponse resp;
+    if (absl::Status s = CallInspect(&v1::Inspect::Stub::ListOps, req, &resp); !s.ok()) {
+      return Fail(s);
+    }
+    std::cout << absl::StrFormat("%-12s %6s %-6s %8s  %-40s %-12s %s\n", "GROUP", "SEQ", "PLANE",
+                                 "AGE", "OP", "ARRIVED", "MISSING (node: waiting for)");
+    for (const v1::PendingOp& op : resp.ops()) {
+      std::vector<std::string> missing;
+      for (const v1::MissingRank& m : op.missing_ranks()) {
+        missing.push_back(absl::StrCat(m.rank(), m.node().empty() ? "" : " @" + m.node(), ": ",
+                                       WaitName(m.waiting_for())));
+      }
+      std::vector<std::string> nodes;
+      for (const v1::NodeOpState& n : op.nodes()) {
+        nodes.push_back(absl::StrCat(n.node().empty() ? "local" : n.node(), " ",
+                                     WaitName(n.waiting_for())));
+      }
+      std::cout << absl::StrFormat("%-12s %6d %-6s %7.1fs  %-40s %-12s %s\n", op.group(), op.seq(),
+                                   op.plane(), op.age_seconds(), op.fingerprint(),
+                                   absl::StrJoin(op.arrived_ranks(), ","),
+                                   missing.empty() ? "-" : absl::StrJoin(missing, "; "));
+      std::cout << absl::StrFormat("%-12s %6s   nodes: %s\n", "", "", absl::StrJoin(nodes, "; "));
+    }
+    for (const v1::NodeAnswer& n : resp.nodes()) {
+      if (!n.answered()) {
+        std::cout << "node " << n.node() << " (ranks " << absl::StrJoin(n.ranks(), ",")
+                  << ") did not answer: " << n.error() << "\n";
+      }
+    }
+    if (resp.ops().empty()) std::cout << "(no pending ops)\n";
+    return 0;
+  }
+
+  int History(const std::string& job, const std::string& group) {
+    v1::GetHistoryRequest req;
+    req.set_job(job);
+    req.set_group(group);
+    v1::GetHistoryResponse resp;
+    if (absl::Status s = CallInspect(&v1::Inspect::Stub::GetHistory, req, &resp); !s.ok()) {
+      return Fail(s);
+    }
+    std::cout << absl::StrFormat("%6s %-26s %-6s %10s %10s %10s  %-18s %s\n", "SEQ", "QUEUED",
+                                 "PLANE", "BYTES", "WAIT", "RUN", "OUTCOME", "OP");
+    const auto ms = [](int64_t from, int64_t to) {
+      return from == 0 || to == 0 ? std::string("-") : absl::StrFormat("%.3fms", (to - from) / 1e3);
+    };
+    for (const v1::HistoryEntry& e : resp.ops()) {
+      const std::string queued = absl::FormatTime("%Y-%m-%d %H:%M:%E3S",
+                                                  absl::FromUnixMicros(e.queued_unix_us()),
+                                                  absl::LocalTimeZone());
+      std::cout << absl::StrFormat(
+          "%6d %-26s %-6s %10s %10s %10s  %-18s %s%s\n", e.seq(), queued, e.plane(),
+          HumanBytes(e.bytes()), ms(e.queued_unix_us(), e.started_unix_us()),
+          ms(e.started_unix_us(), e.finished_unix_us()), e.outcome(), e.fingerprint(),
+          e.error().empty() ? "" : "  " + e.error());
+    }
+    if (resp.dropped() > 0) std::cout << "(" << resp.dropped() << " older ops not kept)\n";
     return 0;
   }
 
@@ -249,5 +341,12 @@ int main(int argc, char** argv) {
     }
     options.token = *std::move(token);
   }
+  auto tls = gradsync::ReadTlsFiles(
+      {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)});
+  if (!tls.ok()) {
+    std::cerr << "gradsyncctl: " << tls.status().message() << "\n";
+    return 2;
+  }
+  options.tls = *std::move(tls);
   return gradsync::ctl::Ctl(std::move(options)).Run(args);
 }

@@ -20,8 +20,15 @@ std::shared_ptr<grpc::Channel> Connect(absl::string_view target, const ClientOpt
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  return grpc::CreateCustomChannel(NormalizeTarget(target), grpc::InsecureChannelCredentials(),
-                                   args);
+  const std::string normalized = NormalizeTarget(target);
+  if (!options.tls.has_value() || absl::StartsWith(normalized, "unix:")) {
+    return grpc::CreateCustomChannel(normalized, grpc::InsecureChannelCredentials(), args);
+  }
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = options.tls->ca;
+  ssl.pem_private_key = options.tls->private_key;
+  ssl.pem_cert_chain = options.tls->cert_chain;
+  return grpc::CreateCustomChannel(normalized, grpc::SslCredentials(ssl), args);
 }
 
 void Authorize(grpc::ClientContext& ctx, const ClientOptions& options) {

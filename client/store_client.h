@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/store.h"
+#include "common/tls.h"
 #include "gradsync/v1/store.grpc.pb.h"
 #include "gradsync/v1/types.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -25,6 +26,11 @@ struct ClientOptions {
   bool doorbell = true;
   /// The cluster token (common/token.h) sent with every call; daemons require it over TCP.
   std::string token;
+  /// Mutual TLS for TCP targets (common/tls.h: ReadTlsFiles): this client's certificate and key
+  /// are presented, and the daemon must present a certificate signed by `tls->ca` that names the
+  /// host of the target (subjectAltName). Required by daemons started with --tls_*; the token is
+  /// still sent. Unix-socket targets ignore it (local, plaintext).
+  std::optional<TlsPem> tls;
 };
 
 /// Adds the cluster token of `options` (if any) to a call.
@@ -33,7 +39,8 @@ void Authorize(grpc::ClientContext& ctx, const ClientOptions& options);
 /// "unix:/p" or "host:port" as given; a bare absolute path becomes "unix:<path>".
 std::string NormalizeTarget(absl::string_view target);
 
-/// A channel to a gradsyncd (unix socket or TCP), with the client limits applied.
+/// A channel to a gradsyncd (unix socket or TCP), with the client limits applied; over TCP with
+/// mutual TLS when `options.tls` is set, else plaintext.
 std::shared_ptr<grpc::Channel> Connect(absl::string_view target, const ClientOptions& options = {});
 
 /// The Store of a remote gradsyncd, over gRPC. Thread-safe; calls may run concurrently.

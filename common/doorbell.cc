@@ -93,7 +93,10 @@ absl::Status Doorbell::Pop(std::string* record, bool* got) {
     uint64_t len;
     std::memcpy(&len, requests() + pos, 8);
     if (len == kSkip) {
+      // Consumed now: with no record behind it the ring is empty, which DaemonWait must see
+      // (else the daemon's thread spins on a ring it never drains).
       tail += kRequestRingBytes - pos;
+      header_->request_tail.store(tail, std::memory_order_release);
       continue;
     }
     const uint64_t need = 8 + Align8(len);

@@ -39,6 +39,14 @@ ABSL_FLAG(absl::Duration, nccl_keep, absl::Minutes(5),
           "How long a finished job's NCCL communicators that lie on this node alone are kept for "
           "a restart of the job (same id and rank layout); another job needing their GPUs "
           "drops them sooner; 0 drops them at once");
+ABSL_FLAG(int, history_size, 2000,
+          "Finished ops each group remembers for Inspect/GetHistory (0: none)");
+ABSL_FLAG(absl::Duration, stall_warn, absl::Seconds(60),
+          "One warning per op still waiting this long, naming the ranks and nodes it waits for "
+          "(0: off)");
+ABSL_FLAG(int, metrics_port, -1,
+          "Prometheus metrics over HTTP (/metrics) on this port; -1: off, 0: a free port (logged)");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1", "Address the metrics port binds");
 ABSL_FLAG(int, max_buffers_per_session, 4096, "Most buffers one trainer session may register");
 ABSL_FLAG(int, max_ops_in_flight_per_session, 1024,
           "Most ops one trainer session may have submitted and not yet been answered (at most "
@@ -53,11 +61,27 @@ ABSL_FLAG(int64_t, max_mapped_bytes, 0,
 ABSL_FLAG(std::string, token_file, "",
           "File holding the cluster token that TCP calls must carry (mode 600/640); required "
           "when TCP listens");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain) this daemon presents on TCP, to daemons and tools it serves "
+          "and to daemons it calls; it must name --advertise_address (subjectAltName). With "
+          "--tls_key and --tls_ca: all three or none");
+ABSL_FLAG(std::string, tls_key, "",
+          "PEM private key of --tls_cert (mode 600/640, like the token file)");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificate(s) every peer's certificate must chain to: TCP then needs mutual "
+          "TLS both ways (the cluster token is still required)");
 ABSL_FLAG(std::string, log_level, "info", "trace|debug|info|warn|error|off");
 ABSL_FLAG(std::string, log_sink, "auto",
           "stderr|journal|auto (the journal when started by systemd)");
 
 namespace gradsync::daemon {
+namespace {
+
+bool IsWildcard(const std::string& address) {
+  return address == "0.0.0.0" || address == "::" || address == "[::]";
+}
+
+}  // namespace
 
 absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   DaemonConfig c;
@@ -92,12 +116,20 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.mappings.max_mapped_bytes = absl::GetFlag(FLAGS_max_mapped_bytes);
   c.workers = absl::GetFlag(FLAGS_workers);
   c.nccl_keep = absl::GetFlag(FLAGS_nccl_keep);
+  c.engine.history_size = absl::GetFlag(FLAGS_history_size);
+  c.engine.stall_warn = absl::GetFlag(FLAGS_stall_warn);
+  c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  c.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
     auto token = ReadTokenFile(path);
     if (!token.ok())
       return absl::InvalidArgumentError(absl::StrCat("--token_file: ", token.status().message()));
     c.cluster_token = *std::move(token);
   }
+  auto tls = ReadTlsFiles(
+      {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)});
+  if (!tls.ok()) return absl::InvalidArgumentError(tls.status().message());
+  c.tls = *std::move(tls);
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.log_sink = absl::GetFlag(FLAGS_log_sink);
   if (absl::Status s = Validate(c); !s.ok()) return s;
@@ -129,11 +161,16 @@ absl::Status Validate(const DaemonConfig& c) {
   if (c.port >= 0 && c.bind_address.empty()) {
     return absl::InvalidArgumentError("--bind_address is empty; use --port=-1 to disable TCP");
   }
-  if (c.port >= 0 && c.advertise_address.empty() &&
-      (c.bind_address == "0.0.0.0" || c.bind_address == "::" || c.bind_address == "[::]")) {
+  if (c.port >= 0 && c.advertise_address.empty() && IsWildcard(c.bind_address)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--bind_address=", c.bind_address,
         " listens on every interface; set --advertise_address to the one other daemons use"));
+  }
+  if (IsWildcard(c.advertise_address)) {
+    // Peers could not dial it, and Gloo's links, which listen on it, would take every interface.
+    return absl::InvalidArgumentError(
+        absl::StrCat("--advertise_address=", c.advertise_address,
+                     " is every interface; set the address other daemons reach this node at"));
   }
   if (c.max_message_bytes < 4096) {
     return absl::InvalidArgumentError("--max_message_bytes must be at least 4096");
@@ -175,6 +212,16 @@ absl::Status Validate(const DaemonConfig& c) {
     return absl::InvalidArgumentError(
         "--max_sessions, --max_buffers and --max_mappings must be positive, --max_mapped_bytes "
         "not negative");
+  }
+  if (c.engine.history_size < 0 || c.engine.history_size > 1000000 ||
+      c.engine.stall_warn < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--history_size must be in [0, 1000000] and --stall_warn not negative");
+  }
+  if (c.metrics_port < -1 || c.metrics_port > 65535 ||
+      (c.metrics_port >= 0 && c.metrics_address.empty())) {
+    return absl::InvalidArgumentError(
+        "--metrics_port must be -1 (off) or in [0, 65535], with a --metrics_address");
   }
   return absl::OkStatus();
 }

@@ -1,9 +1,11 @@
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/tls.h"
 #include "daemon/core/engine.h"
 #include "daemon/ipc/shm_importer.h"
 #include "daemon/store/memory_store.h"
@@ -30,6 +32,12 @@ struct DaemonConfig {
   // A finished job's NCCL communicators on one node, kept for its restart (0: dropped at once).
   absl::Duration nccl_keep = absl::Minutes(5);
   std::string cluster_token;  // TCP calls must carry it (required with TCP); from --token_file
+  // Mutual TLS on the TCP listener and on every channel to another daemon (--tls_*); nullopt:
+  // plaintext TCP. The unix socket is plaintext either way.
+  std::optional<TlsPem> tls;
+  // Prometheus text on http://metrics_address:metrics_port/metrics; -1: off, 0: a free port.
+  int metrics_port = -1;
+  std::string metrics_address = "127.0.0.1";
   std::string log_level = "info";
   std::string log_sink = "auto";
 

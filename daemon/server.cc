@@ -23,10 +23,18 @@ auto Log() { return logging::Logger("daemon"); }
 // What a reply's payload may take of --max_message_bytes, the rest left for its envelope.
 int64_t ReplyBytes(const DaemonConfig& config) { return config.max_message_bytes - 4096; }
 
-backend::nccl::NcclOptions NcclOptionsFor(const DaemonConfig& config) {
+backend::nccl::NcclOptions NcclOptionsFor(const DaemonConfig& config,
+                                          core::OpCounters* counters) {
   backend::nccl::NcclOptions options;
+  options.counters = counters;
   options.watch_every = absl::Milliseconds(100);  // idle communicators (an op watches its own)
   options.keep_after_job = config.nccl_keep;
+  return options;
+}
+
+core::EngineOptions EngineOptionsFor(const DaemonConfig& config, core::OpCounters* counters) {
+  core::EngineOptions options = config.engine;
+  options.counters = counters;
   return options;
 }
 
@@ -35,6 +43,17 @@ store::MemoryStoreOptions StoreOptionsFor(const DaemonConfig& config) {
   store::MemoryStoreOptions options = config.store;
   options.max_reply_bytes = ReplyBytes(config);
   return options;
+}
+
+// The TCP listener's credentials: mutual TLS when configured (a client must present a
+// certificate that chains to the CA, or the handshake fails before any call), else plaintext.
+// Either way every call but health and reflection still needs the cluster token (PeerAuth).
+std::shared_ptr<grpc::ServerCredentials> TcpCredentials(const DaemonConfig& config) {
+  if (!config.tls.has_value()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  ssl.pem_root_certs = config.tls->ca;
+  ssl.pem_key_cert_pairs.push_back({config.tls->private_key, config.tls->cert_chain});
+  return grpc::SslServerCredentials(ssl);
 }
 
 // True if something accepts connections on the unix socket at `path`.
@@ -60,10 +79,10 @@ DaemonServer::DaemonServer(DaemonConfig config)
       cuda_importer_(gpu_.get()),
       importer_(&shm_importer_, &cuda_importer_),
       backend_(&pool_),
-      nccl_backend_(gpu_.get(), NcclOptionsFor(config_)),
+      nccl_backend_(gpu_.get(), NcclOptionsFor(config_, &counters_)),
       dispatch_backend_(&backend_, &nccl_backend_),
       engine_(
-          &dispatch_backend_, &importer_, &pool_, config_.engine,
+          &dispatch_backend_, &importer_, &pool_, EngineOptionsFor(config_, &counters_),
           [this](const std::string& job) {
             nccl_backend_.JobEnded(job);  // first: it may tell the job's other nodes
             store_.DeleteJob(job);
@@ -74,7 +93,9 @@ DaemonServer::DaemonServer(DaemonConfig config)
                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
       gradsync_service_(&engine_, &importer_, &auth_),
       store_service_(&store_, config_.max_wait, ReplyBytes(config_), &auth_),
-      inspect_service_(&store_, &engine_, ReplyBytes(config_), &auth_),
+      inspect_service_(&store_, &engine_, ReplyBytes(config_), &auth_,
+                       rpc::PeerLink{[this](const std::string& a) { return PeerChannel(a); },
+                                     PeerOptions()}),
       health_service_(ServiceNames()) {}
 
 void DaemonServer::OnGpuBroken(const absl::Status& why) {
@@ -141,7 +162,7 @@ absl::Status DaemonServer::Start() {
   }
   if (config_.port >= 0) {
     builder.AddListeningPort(absl::StrCat(config_.bind_address, ":", config_.port),
-                             grpc::InsecureServerCredentials(), &tcp_port_);
+                             TcpCredentials(config_), &tcp_port_);
   }
   // The socket is created inside BuildAndStart; the umask keeps it from ever being wider than
   // the mode we set right after.
@@ -150,8 +171,10 @@ absl::Status DaemonServer::Start() {
   ::umask(old_umask);
   if (!server_ || (config_.port >= 0 && tcp_port_ <= 0)) {
     server_.reset();
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", Endpoints(), " (address in use or not permitted?)"));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", Endpoints(), " (address in use or not permitted?",
+        config_.tls.has_value() ? " or --tls_cert, --tls_key and --tls_ca not a usable set?" : "",
+        ")"));
   }
   if (!config_.unix_socket.empty()) {
     struct stat st {};
@@ -170,9 +193,18 @@ absl::Status DaemonServer::Start() {
     }
     engine_.SetNodeAddress(node);
   }
+  if (config_.metrics_port >= 0) {
+    auto metrics = metrics::MetricsServer::Start(config_.metrics_address, config_.metrics_port,
+                                                 {&counters_, &engine_, &store_});
+    if (!metrics.ok()) return metrics.status();
+    metrics_ = *std::move(metrics);
+    Log()->info("metrics serving http://{}:{}/metrics", config_.metrics_address,
+                metrics_->port());
+  }
   health_service_.SetServing(true);
-  Log()->info("serving {} max_message_bytes={} max_concurrent_streams={}", Endpoints(),
-              config_.max_message_bytes, config_.max_concurrent_streams);
+  Log()->info("serving {} tcp_tls={} max_message_bytes={} max_concurrent_streams={}", Endpoints(),
+              config_.tls.has_value() ? "mutual" : "off", config_.max_message_bytes,
+              config_.max_concurrent_streams);
   return absl::OkStatus();
 }
 
@@ -195,6 +227,7 @@ void DaemonServer::Shutdown(absl::Duration grace) {
   server_->Wait();
   Log()->debug("grpc shutdown took={}", absl::FormatDuration(absl::Now() - start));
   server_.reset();
+  metrics_.reset();
   shm_importer_.set_fd_channel(nullptr);
   fd_channel_.reset();  // closes descriptors never registered and removes <socket>.fd
   nccl_backend_.StopWatchdog();  // before the peer stores it may report to go
@@ -211,11 +244,24 @@ absl::StatusOr<gradsync::Store*> DaemonServer::PeerStore(const std::string& addr
   if (address == node_address_) return &store_;
   auto& peer = peer_stores_[address];
   if (!peer) {
-    client::ClientOptions options;
-    options.token = config_.cluster_token;
+    const client::ClientOptions options = PeerOptions();
     peer = std::make_unique<client::StoreClient>(client::Connect(address, options), options);
   }
   return peer.get();
+}
+
+client::ClientOptions DaemonServer::PeerOptions() const {
+  client::ClientOptions options;
+  options.token = config_.cluster_token;
+  options.tls = config_.tls;  // the peer is verified against our CA and sees our certificate
+  return options;
+}
+
+std::shared_ptr<grpc::Channel> DaemonServer::PeerChannel(const std::string& address) {
+  absl::MutexLock lock(&peers_mu_);
+  std::shared_ptr<grpc::Channel>& channel = peer_channels_[address];
+  if (!channel) channel = client::Connect(address, PeerOptions());
+  return channel;
 }
 
 std::string DaemonServer::Endpoints() const {

@@ -15,6 +15,7 @@
 #include "daemon/core/engine.h"
 #include "daemon/ipc/cuda_importer.h"
 #include "daemon/ipc/shm_importer.h"
+#include "daemon/metrics/metrics_server.h"
 #include "daemon/rpc/gradsync_service.h"
 #include "daemon/rpc/health_service.h"
 #include "daemon/rpc/inspect_service.h"
@@ -60,8 +61,14 @@ class DaemonServer {
   void OnGpuBroken(const absl::Status& why);
   // The job store at a root daemon's address: ours, or a (cached) client of the peer's.
   absl::StatusOr<gradsync::Store*> PeerStore(const std::string& address);
+  // A (cached) channel to the peer daemon at `address`, for Inspect/ListOps.
+  std::shared_ptr<grpc::Channel> PeerChannel(const std::string& address);
+  // The options of every channel to a peer daemon: the cluster token, and mutual TLS with our
+  // certificate when --tls_* are set. The one place peer channels get their credentials.
+  client::ClientOptions PeerOptions() const;
 
   const DaemonConfig config_;
+  core::OpCounters counters_;  // bumped by the engine and NCCL: before (outlives) them
   store::MemoryStore store_;
   rpc::PeerAuth auth_;
   // Trainers hand their memory over it (beside the unix socket); after the importer that
@@ -86,6 +93,10 @@ class DaemonServer {
   std::string node_address_ ABSL_GUARDED_BY(peers_mu_);
   absl::flat_hash_map<std::string, std::unique_ptr<client::StoreClient>> peer_stores_
       ABSL_GUARDED_BY(peers_mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> peer_channels_
+      ABSL_GUARDED_BY(peers_mu_);
+  // Last: its HTTP threads read the engine, store and counters, so it goes first.
+  std::unique_ptr<metrics::MetricsServer> metrics_;
   int tcp_port_ = -1;
   bool draining_ = false;
   ino_t socket_inode_ = 0;  // of the socket file we created, to remove only our own

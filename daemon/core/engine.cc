@@ -166,6 +166,10 @@ struct Pending {
   absl::Time deadline = absl::InfiniteFuture();
   absl::Duration timeout;
   std::vector<DeadlineTimer::Id> timers;
+  absl::Time queued;  // the first local member's submission
+  Plane plane = Plane::kHost;
+  int64_t bytes = 0;
+  bool stall_warned = false;
 };
 
 // Op k of a group, matched, waiting for op k-1 to finish.
@@ -176,6 +180,22 @@ struct Ready {
   std::vector<std::pair<std::shared_ptr<SessionSink>, uint64_t>> to;  // (sink, tag)
   std::vector<std::shared_ptr<MappedBuffer>> pins;
   int64_t bytes = 0;
+  // For history, ListOps and stall warnings.
+  Fingerprint fp;
+  absl::Time queued, started;
+  Plane plane = Plane::kHost;
+  bool record = true;  // false: a verdict already recorded here, carried to the other nodes
+  bool stall_warned = false;
+};
+
+// One finished op in a group's history ring.
+struct HistorySlot {
+  uint64_t seq = 0;
+  Fingerprint fp;
+  int64_t bytes = 0;
+  Plane plane = Plane::kHost;
+  absl::Time queued, started, finished;
+  absl::Status outcome;
 };
 
 // An op that failed before it could run, kept for the members that have not submitted it yet.
@@ -196,6 +216,13 @@ struct Group {
   std::deque<Ready> ready;
   bool running = false;  // a Drain owns `ready`
   std::string broken;    // non-empty once a member left: every op fails with it
+  // The op a Drain popped and runs outside the lock (its local); set and cleared under the
+  // job's mutex, so readers holding it may look at it.
+  Ready* running_op = nullptr;
+  // The last EngineOptions::history_size finished ops: a ring filled in place, so recording
+  // an op allocates nothing once it is full (a fingerprint name past the SSO aside).
+  std::vector<HistorySlot> history;
+  uint64_t history_written = 0;
 };
 
 struct Job : std::enable_shared_from_this<Job> {
@@ -271,6 +298,7 @@ internal::Ready FailedOp(const internal::Group& group, uint64_t seq, const Finge
   r.op.fingerprint = absl::StrCat(fp.Describe(), " seq=", seq);
   r.op.local_failure = status;
   r.op.failed_on_device = on_device;
+  r.record = false;
   return r;
 }
 
@@ -286,6 +314,34 @@ bool AnswerFailedLocked(internal::Group& group, uint64_t seq,
   return true;
 }
 
+Plane PlaneOf(std::optional<bool> on_device) {
+  return on_device.value_or(false) ? Plane::kDevice : Plane::kHost;
+}
+
+// Notes an op that finished on this node in its group's history ring and in the counters.
+// The group's job mutex must be held.
+void NoteFinished(internal::Group& group, const EngineOptions& options, uint64_t seq,
+                  const Fingerprint& fp, Plane plane, int64_t bytes, absl::Time queued,
+                  absl::Time started, absl::Time finished, const absl::Status& status) {
+  if (options.history_size > 0) {
+    const size_t size = static_cast<size_t>(options.history_size);
+    if (group.history.size() < size) group.history.emplace_back();
+    internal::HistorySlot& slot = group.history[group.history_written % size];
+    ++group.history_written;
+    slot.seq = seq;
+    slot.fp = fp;
+    slot.bytes = bytes;
+    slot.plane = plane;
+    slot.queued = queued;
+    slot.started = started;
+    slot.finished = finished;
+    slot.outcome = status;
+  }
+  if (options.counters != nullptr) {
+    options.counters->OpFinished(fp.kind, plane, status.code(), bytes, finished - queued);
+  }
+}
+
 }  // namespace
 using internal::Pending;
 using internal::Ready;
@@ -297,7 +353,11 @@ Engine::Engine(Backend* backend, BufferImporter* importer, WorkerPool* pool, Eng
       pool_(pool),
       options_(options),
       on_job_end_(std::move(on_job_end)),
-      resolve_store_(std::move(resolve_store)) {}
+      resolve_store_(std::move(resolve_store)) {
+  if (options_.stall_warn > absl::ZeroDuration()) {
+    timer_.Schedule(absl::Now() + absl::Seconds(1), [this] { SweepStalls(); });
+  }
+}
 
 void Engine::SetNodeAddress(std::string address) {
   absl::MutexLock lock(&mu_);
@@ -746,6 +806,8 @@ void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& s
     if (!on_device) on_device = OnDevice(*a);
     out.push_back([s = a->sink, tag = a->tag, seq, status] { s->OpDone(tag, seq, status); });
   }
+  NoteFinished(group, options_, seq, p.fp, p.plane, p.bytes, p.queued, absl::InfinitePast(),
+               absl::Now(), status);
   if (group.spans_nodes && tell_peers) {
     // The other nodes learn of it through the op's cross-node exchange (see Collective).
     EnqueueRemoteLocked(group, FailedOp(group, seq, p.fp, p.deadline, status, on_device), out);
@@ -844,6 +906,9 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
           p.fp = a.fp;
           p.first_rank = session->rank;
           p.by_member.resize(local);
+          p.queued = a.deadline - a.timeout;  // when Resolve took it
+          p.plane = PlaneOf(OnDevice(a));
+          p.bytes = a.bytes;
         }
         if (!(p.fp == a.fp)) {
           const absl::Status desync = absl::FailedPreconditionError(
@@ -851,6 +916,7 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
                            p.first_rank, " submitted ", p.fp.Describe(), " but rank ",
                            session->rank, " submitted ", a.fp.Describe()));
           Log()->warn("{}", std::string(desync.message()));
+          if (options_.counters != nullptr) options_.counters->desyncs.fetch_add(1);
           out.push_back([sink, tag, seq, desync] { sink->OpDone(tag, seq, desync); });
           ++p.arrived;  // this one is told here, not by the failed record
           FailPendingLocked(*group, seq, desync, out);
@@ -890,6 +956,9 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
               r.bytes = std::max(r.bytes, m->bytes);
             }
             for (DeadlineTimer::Id id : p.timers) timer_.Cancel(id);
+            r.fp = std::move(p.fp);
+            r.queued = p.queued;
+            r.plane = p.plane;
             group->pending.erase(seq);
             group->ready.push_back(std::move(r));
             if (!group->running) {
@@ -1025,6 +1094,7 @@ void Engine::OnDeadline(const std::weak_ptr<Job>& weak, Group* group, uint64_t s
                      ": rank(s) ", JoinBounded(missing, ","),
                      " never submitted it (arrived: ", JoinBounded(arrived, ","), ")"));
     Log()->warn("{}", std::string(status.message()));
+    if (options_.counters != nullptr) options_.counters->deadline_expiries.fetch_add(1);
     FailPendingLocked(*group, seq, status, out);
   }
   for (auto& fn : out) fn();
@@ -1046,8 +1116,17 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
       }
       r = std::move(group->ready.front());
       group->ready.pop_front();
+      r.started = absl::Now();
+      if (r.record) group->running_op = &r;
     }
     absl::Status status = group->comm->Run(r.op);
+    if (r.record) {  // before the members hear of it: history never lags the trainers
+      const absl::Time finished = absl::Now();
+      absl::MutexLock lock(&job->mu);
+      group->running_op = nullptr;
+      NoteFinished(*group, options_, r.seq, r.fp, r.plane, r.bytes, r.queued, r.started, finished,
+                   status);
+    }
     if (!status.ok()) {
       Log()->warn("op failed {} status={}", r.op.label, status.ToString());
     } else {
@@ -1095,6 +1174,203 @@ std::vector<Engine::SessionInfo> Engine::ListSessions() const {
     return std::tie(x.job, x.rank) < std::tie(y.job, y.rank);
   });
   return out;
+}
+
+}  // namespace gradsync::core
+
+namespace gradsync::core {
+namespace {
+
+// The view of a matched op (queued or running) of a group on this node.
+Engine::OpView ReadyView(const internal::Group& group, const Ready& r, Engine::OpWait waiting) {
+  Engine::OpView v;
+  v.group = group.key;
+  v.seq = r.seq;
+  v.fingerprint = r.fp.Describe();
+  v.plane = r.plane;
+  v.waiting_for = waiting;
+  v.queued = r.queued;
+  for (int gr : group.local_group_ranks) v.arrived.push_back(group.members[gr]);
+  v.bytes = r.bytes;
+  return v;
+}
+
+Engine::OpWait RunningWait(const internal::Group& group, const Ready& r) {
+  if (r.plane == Plane::kDevice) return Engine::OpWait::kNccl;
+  return group.spans_nodes ? Engine::OpWait::kNetwork : Engine::OpWait::kLocalCopy;
+}
+
+// "3 (node 10.0.0.2:7451), 5 (node ...)": ranks with the node that holds each, when known.
+std::string RanksWithNodes(const std::vector<int>& ranks, const std::vector<std::string>& node_of,
+                           const std::string& fallback) {
+  std::vector<std::string> parts;
+  for (int r : ranks) {
+    const std::string& node =
+        r < static_cast<int>(node_of.size()) ? node_of[r] : fallback;
+    parts.push_back(node.empty() ? absl::StrCat(r) : absl::StrCat(r, " (node ", node, ")"));
+    if (parts.size() == 16 && ranks.size() > 16) {
+      parts.push_back(absl::StrCat("... ", ranks.size() - 16, " more"));
+      break;
+    }
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+}  // namespace
+
+void Engine::SweepStalls() {
+  const absl::Time now = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_) return;
+    for (const auto& [id, job] : jobs_) {
+      absl::MutexLock job_lock(&job->mu);
+      const std::string node = job->node.empty() ? node_address_ : job->node;
+      for (const auto& [key, group] : job->groups) {
+        for (auto& [seq, p] : group->pending) {
+          if (p.stall_warned || now - p.queued < options_.stall_warn) continue;
+          p.stall_warned = true;
+          std::vector<int> arrived, missing;
+          for (size_t i = 0; i < p.by_member.size(); ++i) {
+            (p.by_member[i].has_value() ? arrived : missing)
+                .push_back(group->members[group->local_group_ranks[i]]);
+          }
+          Log()->warn(
+              "op stalled job={} group={} seq={} op={} waited={} deadline_in={}: rank(s) {} have "
+              "not submitted it (arrived here: {})",
+              job->id, key, seq, p.fp.Describe(), absl::FormatDuration(now - p.queued),
+              absl::FormatDuration(p.deadline - now),
+              RanksWithNodes(missing, job->node_of_rank, node), JoinBounded(arrived, ","));
+          if (options_.counters != nullptr) options_.counters->stalls.fetch_add(1);
+        }
+        Ready* r = group->running_op;
+        if (r == nullptr || r->stall_warned || now - r->queued < options_.stall_warn) continue;
+        r->stall_warned = true;
+        std::vector<int> remote;  // members on other nodes
+        for (size_t i = 0, l = 0; i < group->members.size(); ++i) {
+          if (l < group->local_group_ranks.size() &&
+              group->local_group_ranks[l] == static_cast<int>(i)) {
+            ++l;
+          } else {
+            remote.push_back(group->members[i]);
+          }
+        }
+        const OpWait wait = RunningWait(*group, *r);
+        Log()->warn(
+            "op stalled job={} group={} seq={} op={} waited={}: every rank here submitted it; "
+            "waiting on {}{}{}",
+            job->id, key, r->seq, r->fp.Describe(), absl::FormatDuration(now - r->queued),
+            wait == OpWait::kNccl ? "NCCL" : wait == OpWait::kNetwork ? "the network" : "the copy",
+            remote.empty() ? "" : " for rank(s) ",
+            RanksWithNodes(remote, job->node_of_rank, ""));
+        if (options_.counters != nullptr) options_.counters->stalls.fetch_add(1);
+      }
+    }
+  }
+  const absl::Duration period =
+      std::clamp(options_.stall_warn / 4, absl::Milliseconds(100), absl::Seconds(1));
+  timer_.Schedule(now + period, [this] { SweepStalls(); });
+}
+
+absl::StatusOr<Engine::JobOpsView> Engine::ListOps(const std::string& job_id,
+                                                   const std::string& group_filter) const {
+  std::shared_ptr<Job> job;
+  JobOpsView view;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat("no rank of job ", job_id, " is attached here"));
+    }
+    job = it->second;
+    view.node = node_address_;
+  }
+  absl::MutexLock lock(&job->mu);
+  if (!job->node.empty()) view.node = job->node;
+  view.node_of_rank = job->node_of_rank;
+  for (Session* s : job->ranks) {
+    if (s != nullptr) view.local_ranks.push_back(s->rank);
+  }
+  for (const auto& [key, group] : job->groups) {
+    if (!group_filter.empty() && key != group_filter) continue;
+    for (const auto& [seq, p] : group->pending) {
+      OpView v;
+      v.group = key;
+      v.seq = seq;
+      v.fingerprint = p.fp.Describe();
+      v.plane = p.plane;
+      v.waiting_for = OpWait::kTrainers;
+      v.queued = p.queued;
+      v.bytes = p.bytes;
+      for (size_t i = 0; i < p.by_member.size(); ++i) {
+        (p.by_member[i].has_value() ? v.arrived : v.missing)
+            .push_back(group->members[group->local_group_ranks[i]]);
+      }
+      view.ops.push_back(std::move(v));
+    }
+    if (group->running_op != nullptr) {
+      view.ops.push_back(
+          ReadyView(*group, *group->running_op, RunningWait(*group, *group->running_op)));
+    }
+    for (const Ready& r : group->ready) {
+      if (r.record) view.ops.push_back(ReadyView(*group, r, OpWait::kEarlierOp));
+    }
+  }
+  std::sort(view.ops.begin(), view.ops.end(), [](const OpView& x, const OpView& y) {
+    return std::tie(x.group, x.seq) < std::tie(y.group, y.seq);
+  });
+  return view;
+}
+
+absl::StatusOr<Engine::GroupHistory> Engine::GetHistory(const std::string& job_id,
+                                                        const std::string& group_key) const {
+  std::shared_ptr<Job> job;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat("no rank of job ", job_id, " is attached here"));
+    }
+    job = it->second;
+  }
+  const std::string key = group_key.empty() ? std::string(kWorldGroup) : group_key;
+  GroupHistory out;
+  absl::MutexLock lock(&job->mu);
+  auto it = job->groups.find(key);
+  if (it == job->groups.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("job ", job_id, " has no group ", key, " on this node (no op yet)"));
+  }
+  const Group& group = *it->second;
+  const uint64_t held = std::min<uint64_t>(group.history_written, group.history.size());
+  out.dropped = group.history_written - held;
+  out.ops.reserve(held);
+  for (uint64_t i = group.history_written - held; i < group.history_written; ++i) {
+    const internal::HistorySlot& slot = group.history[i % group.history.size()];
+    out.ops.push_back({slot.seq, slot.fp.Describe(), slot.bytes, slot.plane, slot.queued,
+                       slot.started, slot.finished, slot.outcome});
+  }
+  return out;
+}
+
+Engine::Totals Engine::GetTotals() const {
+  Totals t;
+  absl::MutexLock lock(&mu_);
+  t.jobs = static_cast<int>(jobs_.size());
+  t.sessions = sessions_;
+  for (const auto& [id, job] : jobs_) {
+    absl::MutexLock job_lock(&job->mu);
+    for (const auto& [key, group] : job->groups) {
+      t.pending_ops += static_cast<int>(group->pending.size() + group->ready.size()) +
+                       (group->running_op != nullptr ? 1 : 0);
+    }
+    for (Session* s : job->ranks) {
+      if (s == nullptr) continue;
+      absl::MutexLock session_lock(&s->mu);
+      for (const auto& [bid, b] : s->buffers) t.mapped_bytes += b.mapping->size();
+    }
+  }
+  return t;
 }
 
 }  // namespace gradsync::core

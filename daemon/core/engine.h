@@ -16,6 +16,7 @@
 #include "daemon/core/backend.h"
 #include "daemon/core/buffer_importer.h"
 #include "daemon/core/deadline_timer.h"
+#include "daemon/core/op_counters.h"
 #include "gradsync/v1/gradsync.pb.h"
 
 namespace gradsync::core {
@@ -35,6 +36,13 @@ struct EngineOptions {
   /// Matched ops moving at most this many bytes per member run on the thread that matched
   /// them (no hand-off); larger ones run on the worker pool.
   int64_t inline_bytes = 256 << 10;
+  /// Finished ops each group remembers (Engine::GetHistory); 0: none.
+  int history_size = 2000;
+  /// An op still waiting this long after its first local submission gets one warning naming
+  /// the ranks (and nodes) it waits for; zero: never.
+  absl::Duration stall_warn = absl::Seconds(60);
+  /// Bumped as ops finish; may be null. Must outlive the engine.
+  OpCounters* counters = nullptr;
 };
 
 /// Where the engine delivers op outcomes (the transport an op came by: the gRPC stream or the
@@ -125,6 +133,53 @@ class Engine {
   };
   std::vector<SessionInfo> ListSessions() const;
 
+  /// What this node's daemon waits for before an op can complete here.
+  enum class OpWait { kTrainers, kEarlierOp, kLocalCopy, kNetwork, kNccl };
+  /// An op of a group that has not finished on this node.
+  struct OpView {
+    std::string group;
+    uint64_t seq = 0;
+    std::string fingerprint;
+    Plane plane = Plane::kHost;
+    OpWait waiting_for = OpWait::kTrainers;
+    absl::Time queued;              // the first local rank submitted it
+    std::vector<int> arrived;       // local ranks (global numbers) that submitted it
+    std::vector<int> missing;       // local ranks that did not
+    int64_t bytes = 0;              // per member
+  };
+  struct JobOpsView {
+    std::string node;                       // this daemon's address in the job ("" if none)
+    std::vector<std::string> node_of_rank;  // jobs spanning nodes, once formed; else empty
+    std::vector<int> local_ranks;           // attached here, ascending
+    std::vector<OpView> ops;                // by group, then seq
+  };
+  /// This node's unfinished ops of `job` (of `group` only, unless empty). NOT_FOUND when no
+  /// rank of the job is attached here. Takes the job's lock briefly; never waits otherwise.
+  absl::StatusOr<JobOpsView> ListOps(const std::string& job, const std::string& group) const;
+
+  struct HistoryEntry {
+    uint64_t seq = 0;
+    std::string fingerprint;
+    int64_t bytes = 0;
+    Plane plane = Plane::kHost;
+    absl::Time queued, started = absl::InfinitePast(), finished;  // started: never ran
+    absl::Status outcome;
+  };
+  struct GroupHistory {
+    std::vector<HistoryEntry> ops;  // oldest first
+    uint64_t dropped = 0;           // older ops the ring no longer holds
+  };
+  /// The group's last EngineOptions::history_size ops finished on this node. NOT_FOUND for a
+  /// job with no rank attached here or a group that never had an op.
+  absl::StatusOr<GroupHistory> GetHistory(const std::string& job, const std::string& group) const;
+
+  struct Totals {
+    int jobs = 0, sessions = 0, pending_ops = 0;
+    int64_t mapped_bytes = 0;
+  };
+  /// Node-wide gauges for metrics (locks every job briefly).
+  Totals GetTotals() const;
+
  private:
   using Job = internal::Job;
   using Group = internal::Group;
@@ -144,6 +199,8 @@ class Engine {
   // makes sure a Drain runs it on the pool.
   void EnqueueRemoteLocked(Group& group, Ready ready, Completions& out);
   void OnDeadline(const std::weak_ptr<Job>& job, Group* group, uint64_t seq);
+  // Warns once about each op waiting longer than stall_warn; reschedules itself.
+  void SweepStalls();
   // Runs a group's matched ops in order until none is left; large ones move to the pool.
   void Drain(std::shared_ptr<Job> job, Group* group, bool on_pool);
   // Jobs spanning nodes: publish this node's ranks in the root store, wait for everyone's.

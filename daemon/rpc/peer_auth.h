@@ -11,8 +11,10 @@ namespace gradsync::rpc {
 /// and group guard it, and only it serves trainer sessions (CheckTrainer). TCP is for other
 /// daemons and remote tools: a TCP call must carry the metadata "authorization: Bearer <token>",
 /// else it is refused UNAUTHENTICATED before it touches anything (the daemon does not listen on
-/// TCP without a token). Health and reflection stay open (they reveal no job data). Immutable;
-/// thread-safe.
+/// TCP without a token). Health and reflection stay open (they reveal no job data). With --tls_*
+/// the TCP listener also requires a client certificate from the cluster's CA (checked in the
+/// TLS handshake, before any call reaches this class); the token is required all the same.
+/// Immutable; thread-safe.
 class PeerAuth {
  public:
   /// An empty token checks nothing (TCP is then as open as the bind address makes it).

@@ -169,6 +169,7 @@ void MemoryStore::Run(std::vector<Fired>& fired) {
 }
 
 absl::Status MemoryStore::Set(absl::string_view job, absl::string_view key, std::string value) {
+  calls_.fetch_add(1, std::memory_order_relaxed);
   if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
   std::vector<Fired> fired;
   absl::Status status;
@@ -182,6 +183,7 @@ absl::Status MemoryStore::Set(absl::string_view job, absl::string_view key, std:
 
 Store::WaitId MemoryStore::WaitAsync(absl::string_view job, std::vector<std::string> keys,
                                      absl::Time deadline, WaitCallback done) {
+  calls_.fetch_add(1, std::memory_order_relaxed);
   absl::Status invalid;
   if (keys.empty()) invalid = absl::InvalidArgumentError("wait needs at least one key");
   for (const std::string& key : keys) {
@@ -234,6 +236,7 @@ void MemoryStore::CancelWait(WaitId id) {
 
 absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view job, absl::string_view key,
                                          int64_t delta) {
+  calls_.fetch_add(1, std::memory_order_relaxed);
   if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
   std::vector<Fired> fired;
   absl::StatusOr<int64_t> result;
@@ -264,6 +267,7 @@ absl::StatusOr<CompareSetResult> MemoryStore::CompareSet(absl::string_view job,
                                                          absl::string_view key,
                                                          std::optional<std::string> expected,
                                                          std::string desired) {
+  calls_.fetch_add(1, std::memory_order_relaxed);
   if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
   std::vector<Fired> fired;
   absl::StatusOr<CompareSetResult> result;
@@ -290,6 +294,7 @@ absl::StatusOr<CompareSetResult> MemoryStore::CompareSet(absl::string_view job,
 }
 
 absl::StatusOr<bool> MemoryStore::Delete(absl::string_view job, absl::string_view key) {
+  calls_.fetch_add(1, std::memory_order_relaxed);
   if (absl::Status s = CheckKey(job, key); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   auto job_it = jobs_.find(job);
@@ -321,6 +326,7 @@ absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> MemoryStore::ListSi
 
 absl::StatusOr<std::vector<std::string>> MemoryStore::List(absl::string_view job,
                                                            absl::string_view prefix) {
+  calls_.fetch_add(1, std::memory_order_relaxed);
   auto sizes = ListSizes(job, prefix);
   if (!sizes.ok()) return sizes.status();
   std::vector<std::string> keys;

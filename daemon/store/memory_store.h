@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -43,6 +44,10 @@ class MemoryStore final : public Store {
  public:
   explicit MemoryStore(MemoryStoreOptions options = {});
   ~MemoryStore() override;  // Shutdown()
+
+  /// Calls of the Store methods so far (Set, WaitAsync, Add, CompareSet, Delete, List), for
+  /// metrics. Thread-safe.
+  uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
 
   absl::Status Set(absl::string_view job, absl::string_view key, std::string value) override;
   WaitId WaitAsync(absl::string_view job, std::vector<std::string> keys, absl::Time deadline,
@@ -103,6 +108,7 @@ class MemoryStore final : public Store {
   void TimerLoop();
 
   const MemoryStoreOptions options_;
+  std::atomic<uint64_t> calls_{0};
   absl::Mutex mu_;
   std::map<std::string, Job, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<WaitId, Waiter> waiters_ ABSL_GUARDED_BY(mu_);

@@ -529,6 +529,38 @@ void Idle(Client& c) {
   }
 }
 
+// Observability: `ops=N` small all-reduces named "step"; rank `freeze` stops itself (SIGSTOP)
+// before op `freeze_at` and goes on when the test sends SIGCONT. Every sum is checked.
+void Steps(Client& c) {
+  const int ops = std::stoi(Arg("ops", "20"));
+  const int freeze = std::stoi(Arg("freeze", "-1"));
+  const int freeze_at = std::stoi(Arg("freeze_at", "10"));
+  auto b = MustBuffer(c, 16 * 4, v1::FLOAT32);
+  float* v = reinterpret_cast<float*>(b->data());
+  int wrong = 0;
+  for (int k = 0; k < ops; ++k) {
+    if (g_rank == freeze && k == freeze_at) {
+      std::printf("freezing before op %d\n", k);
+      std::fflush(stdout);
+      ::raise(SIGSTOP);
+    }
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(g_rank + k);
+    absl::Status s = c.AllReduce(v1::FLOAT32, v1::SUM, {{b->id(), 0, 16}},
+                                 Opt("world", "step", absl::Seconds(120)));
+    EXPECT_TRUE_OR_REPORT(s.ok(), "step ", k, " ", s.ToString());
+    const float want = static_cast<float>(g_world * k + g_world * (g_world - 1) / 2);
+    for (int i = 0; i < 16; ++i) wrong += v[i] != want;
+  }
+  EXPECT_TRUE_OR_REPORT(wrong == 0, "steps wrong=", wrong);
+  std::printf("steps ok ops=%d wrong=%d\n", ops, wrong);
+  std::fflush(stdout);
+  // hold=PATH: stay attached (the job, and its history, live on) until PATH exists (<= 60 s).
+  const std::string hold = Arg("hold", "");
+  for (int i = 0; !hold.empty() && i < 600 && ::access(hold.c_str(), F_OK) != 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
 // Another node's daemon dies while this rank's op waits on it: UNAVAILABLE well before the
 // op's deadline, naming the op; this node's daemon stays up.
 void NodeSurvivor(Client& c) {
@@ -790,6 +822,8 @@ int main(int argc, char** argv) {
     NoForm(**c);
   else if (scenario == "idle")
     Idle(**c);
+  else if (scenario == "steps")
+    Steps(**c);
   else if (scenario == "nodesurvivor")
     NodeSurvivor(**c);
   else {

@@ -128,6 +128,9 @@ TEST(DaemonConfigTest, RejectsBadSettings) {
               c.port = -1;
             }),
             absl::StatusCode::kOk);
+  // Peers dial the advertised address and Gloo's links listen on it: never every interface.
+  EXPECT_EQ(bad([](auto& c) { c.advertise_address = "0.0.0.0"; }),
+            absl::StatusCode::kInvalidArgument);
   // TCP serves other daemons and always needs the cluster token.
   EXPECT_EQ(bad([](auto& c) { c.cluster_token.clear(); }), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad([](auto& c) {

@@ -59,6 +59,27 @@ TEST_F(DoorbellTest, CorruptLengthIsAnErrorNotACrash) {
   EXPECT_EQ(db_.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Found by tests/fuzz/doorbell_fuzzer (corpus regression-skip_marker_with_no_record_behind).
+TEST_F(DoorbellTest, SkipMarkerWithNoRecordBehindItIsConsumedSoTheDaemonCanSleep) {
+  // A trainer publishes only the marker that skips the ring's last 16 bytes. DaemonWait sleeps
+  // only while head == tail: unless Pop consumes the marker, the daemon's thread spins for ever.
+  const uint64_t tail = 3 * kRequestRingBytes - 16;
+  const uint64_t skip = ~uint64_t{0};
+  std::memcpy(Base() + kHeaderBytes + kRequestRingBytes - 16, &skip, 8);
+  header()->request_tail.store(tail);
+  header()->request_head.store(tail + 16);
+  std::string got;
+  bool have = true;
+  ASSERT_TRUE(db_.Pop(&got, &have).ok());
+  EXPECT_FALSE(have);
+  EXPECT_EQ(header()->request_tail.load(), tail + 16);
+  // The next record starts the ring and comes out.
+  ASSERT_TRUE(db_.Push("next"));
+  ASSERT_TRUE(db_.Pop(&got, &have).ok());
+  EXPECT_TRUE(have);
+  EXPECT_EQ(got, "next");
+}
+
 TEST_F(DoorbellTest, CompletionsCarryStatusAndWakeASleepingTrainer) {
   Completion c;
   EXPECT_FALSE(db_.Next(&c));

@@ -178,6 +178,44 @@ TEST_F(EngineTest, OpRunsOnlyWhenEveryMemberArrivedAndOpsCompleteInSequence) {
   EXPECT_EQ((*b.memory)[0], 12.0f);
 }
 
+TEST_F(EngineTest, ListOpsShowsWhoArrivedAndHistoryKeepsFinishedOpsInOrderWithOutcomes) {
+  Rank a = Join("j", 3, 0), b = Join("j", 3, 1), c = Join("j", 3, 2);
+  EXPECT_EQ(engine_.ListOps("nope", "").status().code(), absl::StatusCode::kNotFound);
+  // Op 0 fails at its deadline (rank 2 missing), op 1 completes.
+  engine_.Submit(a.session, a.sink, 1, AllReduce(a, 4, "world", 300));
+  engine_.Submit(b.session, b.sink, 2, AllReduce(b, 4));
+  auto view = engine_.ListOps("j", "");
+  ASSERT_TRUE(view.ok()) << view.status();
+  ASSERT_EQ(view->ops.size(), 1u);
+  EXPECT_EQ(view->ops[0].group, "world");
+  EXPECT_EQ(view->ops[0].seq, 0u);
+  EXPECT_EQ(view->ops[0].waiting_for, Engine::OpWait::kTrainers);
+  EXPECT_EQ(view->ops[0].arrived, (std::vector<int>{0, 1}));
+  EXPECT_EQ(view->ops[0].missing, (std::vector<int>{2}));
+  EXPECT_EQ(view->ops[0].bytes, 16);
+  EXPECT_TRUE(absl::StrContains(view->ops[0].fingerprint, "all_reduce(sum, float32, count=4"));
+  EXPECT_EQ(view->local_ranks, (std::vector<int>{0, 1, 2}));
+  ASSERT_TRUE(a.sink->WaitFor(1, absl::Seconds(5)));
+  engine_.Submit(c.session, c.sink, 3, AllReduce(c, 4));  // told op 0's verdict
+  for (Rank* r : {&a, &b, &c}) engine_.Submit(r->session, r->sink, 9, AllReduce(*r, 4));
+  for (Rank* r : {&a, &b, &c}) ASSERT_TRUE(r->sink->WaitFor(2));
+  auto view_after = engine_.ListOps("j", "world");
+  ASSERT_TRUE(view_after.ok());
+  EXPECT_TRUE(view_after->ops.empty());
+  auto history = engine_.GetHistory("j", "world");
+  ASSERT_TRUE(history.ok()) << history.status();
+  ASSERT_EQ(history->ops.size(), 2u);
+  EXPECT_EQ(history->dropped, 0u);
+  EXPECT_EQ(history->ops[0].seq, 0u);
+  EXPECT_EQ(history->ops[0].outcome.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(history->ops[0].started, absl::InfinitePast());  // never ran
+  EXPECT_EQ(history->ops[1].seq, 1u);
+  EXPECT_TRUE(history->ops[1].outcome.ok()) << history->ops[1].outcome;
+  EXPECT_LE(history->ops[1].queued, history->ops[1].started);
+  EXPECT_LE(history->ops[1].started, history->ops[1].finished);
+  EXPECT_EQ(engine_.GetHistory("j", "0,1").status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(EngineTest, MismatchNamesBothRanksAndBothFingerprints) {
   Rank a = Join("j", 2, 0), b = Join("j", 2, 1);
   engine_.Submit(a.session, a.sink, 1, AllReduce(a, 4));

@@ -459,6 +459,10 @@ class NcclCommunicator final : public core::Communicator {
     }
     if (Spanning() && RootHere()) c.id_built_at = op.seq;
     c.built_at = op.seq;
+    if (c.aborted && backend_->options_.counters != nullptr) {
+      backend_->options_.counters->nccl_rebuilds.fetch_add(1);
+    }
+    c.aborted = false;
     c.store = Spanning() ? spec_.rendezvous : nullptr;
     c.run = spec_.run;
     c.node = Who();
@@ -693,6 +697,8 @@ absl::Status NcclBackend::AbortLocked(Comms& c, const absl::Status& why) {
     Tell(c.store, c.job, c.run, BrokenKey(c.run, c.group, c.built_at),
          absl::StrCat(c.node, ": ", why.message()));
   }
+  c.aborted = true;
+  if (options_.counters != nullptr) options_.counters->nccl_aborts.fetch_add(c.comms.size());
   for (gpu::Comm comm : c.comms) {
     // A non-blocking communicator may answer ncclInProgress: the abort goes on in NCCL's
     // background, and its kernels may still be on the streams (hence DrainLocked).

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "daemon/backend/nccl/gpu_api.h"
 #include "daemon/core/backend.h"
+#include "daemon/core/op_counters.h"
 
 namespace gradsync::backend::nccl {
 
@@ -36,6 +37,9 @@ struct NcclOptions {
   /// daemon. Past this bound the streams are abandoned (logged, named in the op's error, and
   /// replaced at the next op).
   absl::Duration abort_drain = absl::Seconds(10);
+  /// Aborts and rebuilds are counted here (nccl_aborts, nccl_rebuilds); may be null. Must
+  /// outlive the backend.
+  core::OpCounters* counters = nullptr;
 };
 
 /// The GPU data plane: collectives on trainers' CUDA buffers with NCCL communicators the daemon
@@ -109,6 +113,7 @@ class NcclBackend final : public core::Backend {
     // After its job ended: kept for a restart until then (InfinitePast: in use, not kept).
     absl::Time kept_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
     bool erased ABSL_GUARDED_BY(mu) = false;  // no longer in comms_: look it up again
+    bool aborted ABSL_GUARDED_BY(mu) = false;  // since the last build (the next is a rebuild)
     std::atomic<bool> abort_requested{false};
     absl::Mutex reason_mu;
     absl::Status abort_reason ABSL_GUARDED_BY(reason_mu);

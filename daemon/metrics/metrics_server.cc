@@ -1,0 +1,163 @@
+#include "daemon/metrics/metrics_server.h"
+
+#include <exception>
+#include <limits>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "prometheus/collectable.h"
+#include "prometheus/exposer.h"
+
+namespace gradsync::metrics {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+class SourcesCollectable final : public prometheus::Collectable {
+ public:
+  explicit SourcesCollectable(MetricSources sources) : sources_(sources) {}
+  std::vector<MetricFamily> Collect() const override { return CollectMetrics(sources_); }
+
+ private:
+  const MetricSources sources_;
+};
+
+namespace {
+
+const char* const kPlaneNames[core::OpCounters::kPlanes] = {"host", "device"};
+
+std::string KindLabel(int kind) {
+  if (kind == 0) return "unknown";
+  return absl::AsciiStrToLower(v1::OpKind_Name(static_cast<v1::OpKind>(kind)));
+}
+
+MetricFamily Family(std::string name, std::string help, MetricType type) {
+  MetricFamily f;
+  f.name = std::move(name);
+  f.help = std::move(help);
+  f.type = type;
+  return f;
+}
+
+void AddScalar(std::vector<MetricFamily>& out, std::string name, std::string help,
+               MetricType type, double value) {
+  MetricFamily f = Family(std::move(name), std::move(help), type);
+  ClientMetric m;
+  (type == MetricType::Counter ? m.counter.value : m.gauge.value) = value;
+  f.metric.push_back(std::move(m));
+  out.push_back(std::move(f));
+}
+
+}  // namespace
+
+std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
+  using Counters = core::OpCounters;
+  std::vector<MetricFamily> out;
+  if (const Counters* c = s.counters) {
+    MetricFamily ops = Family("gradsync_ops_total",
+                              "Ops finished on this node (once per op, not per rank), by kind, "
+                              "plane and outcome (OK or the status code)",
+                              MetricType::Counter);
+    MetricFamily bytes = Family("gradsync_op_bytes_total",
+                                "Bytes per member moved by ops that succeeded, by kind and plane",
+                                MetricType::Counter);
+    for (int k = 0; k < Counters::kKinds; ++k) {
+      for (int p = 0; p < Counters::kPlanes; ++p) {
+        for (int code = 0; code < Counters::kCodes; ++code) {
+          const uint64_t n = c->ops(k, p, code);
+          if (n == 0 && code != 0) continue;  // every outcome but OK appears once it happens
+          if (n == 0 && k == 0) continue;
+          ClientMetric m;
+          m.label = {{"kind", KindLabel(k)},
+                     {"outcome", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))},
+                     {"plane", kPlaneNames[p]}};
+          m.counter.value = static_cast<double>(n);
+          ops.metric.push_back(std::move(m));
+        }
+        if (k == 0) continue;
+        ClientMetric b;
+        b.label = {{"kind", KindLabel(k)}, {"plane", kPlaneNames[p]}};
+        b.counter.value = static_cast<double>(c->bytes(k, p));
+        bytes.metric.push_back(std::move(b));
+      }
+    }
+    out.push_back(std::move(ops));
+    out.push_back(std::move(bytes));
+    MetricFamily latency =
+        Family("gradsync_op_latency_seconds",
+               "Op latency on this node, from the first local submission to the end, by plane",
+               MetricType::Histogram);
+    for (int p = 0; p < Counters::kPlanes; ++p) {
+      ClientMetric m;
+      m.label = {{"plane", kPlaneNames[p]}};
+      uint64_t cumulative = 0;
+      for (size_t b = 0; b <= Counters::kLatencyBounds.size(); ++b) {
+        cumulative += c->latency_bucket(p, b);
+        m.histogram.bucket.push_back(
+            {cumulative, b < Counters::kLatencyBounds.size()
+                             ? Counters::kLatencyBounds[b]
+                             : std::numeric_limits<double>::infinity()});
+      }
+      m.histogram.sample_count = cumulative;
+      m.histogram.sample_sum = c->latency_sum_seconds(p);
+      latency.metric.push_back(std::move(m));
+    }
+    out.push_back(std::move(latency));
+    AddScalar(out, "gradsync_deadline_expiries_total",
+              "Pending ops failed by their deadline on this node", MetricType::Counter,
+              static_cast<double>(c->deadline_expiries.load()));
+    AddScalar(out, "gradsync_desyncs_total", "Fingerprint mismatches (desyncs) seen on this node",
+              MetricType::Counter, static_cast<double>(c->desyncs.load()));
+    AddScalar(out, "gradsync_stall_warnings_total", "Ops that waited past --stall_warn",
+              MetricType::Counter, static_cast<double>(c->stalls.load()));
+    AddScalar(out, "gradsync_nccl_aborts_total", "NCCL communicators aborted on this node",
+              MetricType::Counter, static_cast<double>(c->nccl_aborts.load()));
+    AddScalar(out, "gradsync_nccl_rebuilds_total",
+              "NCCL communicators built again after an abort", MetricType::Counter,
+              static_cast<double>(c->nccl_rebuilds.load()));
+  }
+  if (s.engine != nullptr) {
+    const core::Engine::Totals t = s.engine->GetTotals();
+    AddScalar(out, "gradsync_pending_ops", "Ops not finished on this node (waiting or running)",
+              MetricType::Gauge, t.pending_ops);
+    AddScalar(out, "gradsync_sessions", "Trainer sessions attached", MetricType::Gauge,
+              t.sessions);
+    AddScalar(out, "gradsync_jobs", "Jobs with a session on this node", MetricType::Gauge, t.jobs);
+    AddScalar(out, "gradsync_mapped_bytes", "Bytes of trainer buffers mapped by the daemon",
+              MetricType::Gauge, static_cast<double>(t.mapped_bytes));
+  }
+  if (s.store != nullptr) {
+    AddScalar(out, "gradsync_store_calls_total",
+              "Calls of this daemon's job store (local and from peers)", MetricType::Counter,
+              static_cast<double>(s.store->calls()));
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& address,
+                                                                     int port,
+                                                                     MetricSources sources) {
+  std::unique_ptr<MetricsServer> server(new MetricsServer());
+  const std::string bind = address.find(':') != std::string::npos
+                               ? absl::StrCat("[", address, "]:", port)
+                               : absl::StrCat(address, ":", port);
+  try {
+    server->exposer_ = std::make_unique<prometheus::Exposer>(bind, /*num_threads=*/1);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", bind, " (--metrics_port): ", e.what()));
+  }
+  server->collectable_ = std::make_shared<SourcesCollectable>(sources);
+  server->exposer_->RegisterCollectable(server->collectable_);
+  const std::vector<int> ports = server->exposer_->GetListeningPorts();
+  server->port_ = ports.empty() ? port : ports[0];
+  return server;
+}
+
+MetricsServer::~MetricsServer() {
+  exposer_.reset();  // joins the HTTP threads before the collectable goes
+}
+
+}  // namespace gradsync::metrics
