@@ -177,6 +177,7 @@ bool FdChannel::Serve(int fd, uid_t uid) {
   }
   if (n <= 0) return false;  // closed or broken
   if (byte != kRequestFd || fds.size() != 1 || (msg.msg_flags & MSG_CTRUNC) != 0) {
+    fds.clear();  // closed before the answer goes out: the sender may count on it
     Reply(fd, static_cast<int>(absl::StatusCode::kInvalidArgument),
           "send one byte 'F' with exactly one descriptor");
     return true;
