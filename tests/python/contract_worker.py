@@ -147,13 +147,18 @@ class Ctx:
         return contextlib.nullcontext()
 
 
-def s_plain(c):
-    c.build(sgd)
+def plain_steps(c):
+    """STEPS steps of the ordinary loop: zero_grad, backward on this rank's shard, step."""
     for step in range(STEPS):
         x, y = batch(step)
         c.opt.zero_grad()
         c.loss(c.shard(x)[0], c.shard(y)[0]).backward()
         c.opt.step()
+
+
+def s_plain(c):
+    c.build(sgd)
+    plain_steps(c)
 
 
 def s_clip(c):
@@ -238,11 +243,7 @@ def s_odd_model_none(c):
 
 def s_adam_groups(c):
     c.build(adam_groups)
-    for step in range(STEPS):
-        x, y = batch(step)
-        c.opt.zero_grad()
-        c.loss(c.shard(x)[0], c.shard(y)[0]).backward()
-        c.opt.step()
+    plain_steps(c)
 
 
 def s_state_dict(c):
