@@ -99,6 +99,14 @@ TEST(ReflectionTest, ListsServicesAndResolvesEveryOneLikeGrpcurl) {
     const auto* get = inspect->FindMethodByName("GetPackList");
     ASSERT_NE(get, nullptr);
     EXPECT_NE(get->output_type()->FindFieldByName("pack_list"), nullptr);
+    // "Who is stuck where", with no .proto at hand.
+    const auto* list_ops = inspect->FindMethodByName("ListOps");
+    ASSERT_NE(list_ops, nullptr);
+    EXPECT_NE(list_ops->output_type()->FindFieldByName("ops"), nullptr);
+    EXPECT_NE(list_ops->output_type()->FindFieldByName("nodes"), nullptr);
+    const auto* history = inspect->FindMethodByName("GetHistory");
+    ASSERT_NE(history, nullptr);
+    EXPECT_NE(history->output_type()->FindFieldByName("ops"), nullptr);
 
     ASSERT_TRUE(reflection.Resolve("gradsync.v1.Store", pool));
     const auto* store = pool.FindServiceByName("gradsync.v1.Store");
