@@ -11,6 +11,7 @@
 #include "client/store_client.h"
 #include "common/dtype.h"
 #include "common/pack_list.h"
+#include "common/tls.h"
 #include "google/protobuf/util/json_util.h"
 
 struct gs_client {
@@ -133,6 +134,13 @@ int gs_connect_ex(const char* target, const char* job, int world_size, int rank,
   if (options != nullptr && options->token != nullptr) client_options.token = options->token;
   if (options != nullptr && options->rpc_timeout_ms > 0) {
     client_options.rpc_timeout = absl::Milliseconds(options->rpc_timeout_ms);
+  }
+  if (options != nullptr) {
+    auto text = [](const char* s) { return std::string(s != nullptr ? s : ""); };
+    auto tls = gradsync::ReadTlsFiles(
+        {text(options->tls_cert_file), text(options->tls_key_file), text(options->tls_ca_file)});
+    if (!tls.ok()) return Fail(tls.status());
+    client_options.tls = *std::move(tls);
   }
   auto client = gradsync::client::Client::Connect(target, placement, client_options);
   if (!client.ok()) return Fail(client.status());

@@ -56,6 +56,11 @@ typedef struct gs_connect_options {
   const char* root_address; /* the job's root daemon (host:port) when it spans nodes; NULL: this one */
   const char* token;        /* the cluster token, for a root daemon over TCP; NULL: none */
   int64_t rpc_timeout_ms;   /* deadline of calls that do not wait; 0: 10 s */
+  /* Mutual TLS to a root daemon started with --tls_*: PEM files (all three or none; the key
+   * readable by no "other"); NULL: plaintext. */
+  const char* tls_cert_file;
+  const char* tls_key_file;
+  const char* tls_ca_file;
 } gs_connect_options;
 
 /* gs_connect, and a connection to the job's store (the root daemon's, else this daemon's). */

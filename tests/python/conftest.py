@@ -32,7 +32,7 @@ def _need(path):
 class Daemon:
     """One real gradsyncd on a private unix socket (and a loopback TCP port when tcp=True)."""
 
-    def __init__(self, tmp, name, tcp=False):
+    def __init__(self, tmp, name, tcp=False, flags=()):
         self.dir = tmp
         self.socket = os.path.join(tmp, f"{name}.sock")
         self.log = os.path.join(tmp, f"{name}.log")
@@ -46,6 +46,7 @@ class Daemon:
             with open(os.open(self.token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
                 f.write("gradsync-test-token\n")
             args.append(f"--token_file={self.token_file}")
+        args += list(flags)
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen(args, stderr=err)
         deadline = time.monotonic() + 20

@@ -154,7 +154,7 @@ def _env_int(name, default):
 
 
 def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size=None,
-         root_address=None, socket=None, token_file=None, rpc_timeout=None):
+         root_address=None, socket=None, token_file=None, rpc_timeout=None, tls=None):
     """Connects to this node's gradsyncd and registers the rank.
 
     Omitted arguments come from the environment torchrun sets: RANK, WORLD_SIZE, LOCAL_RANK,
@@ -163,7 +163,9 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
     (default 7451). MASTER_PORT is not used: it is torch's own store, not the daemon.
     The job id: `job`, else GRADSYNC_JOB, else "torchrun-" + TORCHELASTIC_RUN_ID. The socket:
     `socket`, else GRADSYNC_SOCKET, else /run/gradsync/gradsyncd.sock. The cluster token (only
-    for a root daemon on another node): `token_file`, else GRADSYNC_TOKEN_FILE.
+    for a root daemon on another node): `token_file`, else GRADSYNC_TOKEN_FILE. Mutual TLS to a
+    root daemon started with --tls_*: `tls` = (cert, key, ca) PEM file paths, else
+    GRADSYNC_TLS_CERT, GRADSYNC_TLS_KEY and GRADSYNC_TLS_CA.
     After shutdown() (or a session ended by Ctrl-C) init() may be called again.
     """
     global _context
@@ -190,9 +192,11 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
     if token_file:
         with open(token_file) as f:
             token = f.read().strip()
+    if tls is None:
+        tls = tuple(os.environ.get(f"GRADSYNC_TLS_{k}") for k in ("CERT", "KEY", "CA"))
     client = _native.Client(socket, job, world_size, rank, local_rank, local_world_size,
                             root_address=root_address, token=token,
-                            rpc_timeout_s=float(rpc_timeout or 0))
+                            rpc_timeout_s=float(rpc_timeout or 0), tls=tls)
     _context = _Context(client, job, rank, world_size, local_rank, local_world_size)
     return _context
 
