@@ -69,7 +69,8 @@ gradsync::v1::ReduceOp ToReduce(int op) { return static_cast<gradsync::v1::Reduc
 int NeedStore(const gs_client* client) {
   if (int rc = Check(client, "client"); rc != 0) return rc;
   if (client->store) return 0;
-  return Fail(absl::FailedPreconditionError("this client has no store: connect with gs_connect_ex"));
+  return Fail(
+      absl::FailedPreconditionError("this client has no store: connect with gs_connect_ex"));
 }
 
 absl::Time Within(int64_t timeout_ms) { return absl::Now() + absl::Milliseconds(timeout_ms); }
@@ -96,8 +97,8 @@ int ToJson(const google::protobuf::Message& message, char** out) {
 int FromJson(const char* json, google::protobuf::Message* message) {
   if (int rc = Check(json, "json"); rc != 0) return rc;
   if (auto s = google::protobuf::util::JsonStringToMessage(json, message); !s.ok()) {
-    return Fail(absl::InvalidArgumentError("bad " + message->GetTypeName() + " JSON: " +
-                                           std::string(s.message())));
+    return Fail(absl::InvalidArgumentError("bad " + message->GetTypeName() +
+                                           " JSON: " + std::string(s.message())));
   }
   return 0;
 }
@@ -128,8 +129,7 @@ int gs_connect_ex(const char* target, const char* job, int world_size, int rank,
   if (int rc = Check(target, "target") + Check(job, "job") + Check(out, "out"); rc != 0) return rc;
   const std::string root =
       options != nullptr && options->root_address != nullptr ? options->root_address : "";
-  gradsync::client::Placement placement{job,        world_size,       rank,
-                                        local_rank, local_world_size, root};
+  gradsync::client::Placement placement{job, world_size, rank, local_rank, local_world_size, root};
   gradsync::client::ClientOptions client_options;
   if (options != nullptr && options->token != nullptr) client_options.token = options->token;
   if (options != nullptr && options->rpc_timeout_ms > 0) {
@@ -267,8 +267,8 @@ int gs_all_reduce(gs_client* client, int dtype, int reduce_op, const gs_segment*
 int gs_store_set(gs_client* client, const char* key, const void* value, size_t n) {
   if (int rc = NeedStore(client) + Check(key, "key"); rc != 0) return rc;
   if (n > 0 && value == nullptr) return Check(value, "value");
-  return Report(client->store->Set(
-      client->job, key, std::string(static_cast<const char*>(value), n)));
+  return Report(
+      client->store->Set(client->job, key, std::string(static_cast<const char*>(value), n)));
 }
 
 int gs_store_add(gs_client* client, const char* key, int64_t delta, int64_t* out) {
@@ -279,8 +279,7 @@ int gs_store_add(gs_client* client, const char* key, int64_t delta, int64_t* out
   return 0;
 }
 
-int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** value,
-                 size_t* n) {
+int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** value, size_t* n) {
   if (int rc = NeedStore(client) + Check(key, "key") + Check(value, "value") + Check(n, "n");
       rc != 0) {
     return rc;

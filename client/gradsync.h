@@ -53,9 +53,10 @@ int gs_connect(const char* target, const char* job, int world_size, int rank, in
 
 /* Options of gs_connect_ex; NULL means the defaults. */
 typedef struct gs_connect_options {
-  const char* root_address; /* the job's root daemon (host:port) when it spans nodes; NULL: this one */
-  const char* token;        /* the cluster token, for a root daemon over TCP; NULL: none */
-  int64_t rpc_timeout_ms;   /* deadline of calls that do not wait; 0: 10 s */
+  const char*
+      root_address;  /* the job's root daemon (host:port) when it spans nodes; NULL: this one */
+  const char* token; /* the cluster token, for a root daemon over TCP; NULL: none */
+  int64_t rpc_timeout_ms; /* deadline of calls that do not wait; 0: 10 s */
   /* Mutual TLS to a root daemon started with --tls_*: PEM files (all three or none; the key
    * readable by no "other"); NULL: plaintext. */
   const char* tls_cert_file;
@@ -115,8 +116,7 @@ void gs_op_free(gs_op* op);
 int gs_store_set(gs_client* client, const char* key, const void* value, size_t n);
 int gs_store_add(gs_client* client, const char* key, int64_t delta, int64_t* out);
 /* Waits until `key` exists, at most timeout_ms (then DEADLINE_EXCEEDED naming it). */
-int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** value,
-                 size_t* n);
+int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** value, size_t* n);
 void gs_free(void* p);
 
 /* Pack plans, as the JSON of gradsync.v1.PackList (proto field names, enums by name). */

@@ -2,9 +2,9 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -41,8 +41,8 @@ absl::StatusOr<int> CreateSealedMemfd(const char* label, int64_t bytes) {
       ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     const int err = errno;
     ::close(fd);
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot size and seal ", bytes, " bytes of shared memory: ", std::strerror(err)));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot size and seal ", bytes, " bytes of shared memory: ", std::strerror(err)));
   }
   return fd;
 }
@@ -223,8 +223,8 @@ absl::StatusOr<std::string> SendFd(int sock, int fd, absl::Time deadline) {
   size_t want = 2;
   while (reply.size() < want) {
     pollfd p{sock, POLLIN, 0};
-    const int left = static_cast<int>(
-        std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now())));
+    const int left =
+        static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now())));
     if (::poll(&p, 1, left) <= 0) {
       return absl::DeadlineExceededError("no answer from gradsyncd's fd channel");
     }
@@ -271,11 +271,12 @@ Client::~Client() {
   std::unique_lock<std::mutex> lock(mu_);
   // Let queued requests go out, then close our side; the daemon ends the session and the
   // stream finishes. If it does not in time, cancel.
-  DriveUntilLocked(lock, [&] { return !broken_.ok() || (!writing_ && writes_.empty()); },
-                   deadline);
+  DriveUntilLocked(
+      lock, [&] { return !broken_.ok() || (!writing_ && writes_.empty()); }, deadline);
   if (broken_.ok()) {
     stream_->WritesDone(TagOf(kWritesDone));
-    DriveUntilLocked(lock, [&] { return !broken_.ok(); }, deadline);
+    DriveUntilLocked(
+        lock, [&] { return !broken_.ok(); }, deadline);
   }
   if (read_pending_ || finish_pending_ || writing_) ctx_.TryCancel();
   lock.unlock();
@@ -385,8 +386,8 @@ grpc::CompletionQueue::NextStatus Client::DriveOnceLocked(std::unique_lock<std::
   return r;
 }
 
-bool Client::DriveUntilLocked(std::unique_lock<std::mutex>& lock,
-                              const std::function<bool()>& done, absl::Time deadline) {
+bool Client::DriveUntilLocked(std::unique_lock<std::mutex>& lock, const std::function<bool()>& done,
+                              absl::Time deadline) {
   while (!done()) {
     if (absl::Now() >= deadline) return false;
     if (driving_) {  // another thread polls; it wakes us after each event
@@ -487,7 +488,8 @@ absl::Status Client::Await(Op::State& state, absl::Time deadline) {
       lock.lock();
     }
   }
-  if (!DriveUntilLocked(lock, [&] { return state.done; }, deadline)) {
+  if (!DriveUntilLocked(
+          lock, [&] { return state.done; }, deadline)) {
     return absl::DeadlineExceededError(
         "no answer from gradsyncd by the op's deadline (plus margin); is the daemon stuck?");
   }

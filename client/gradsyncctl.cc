@@ -41,7 +41,8 @@ constexpr char kUsage[] =
     "  health [SERVICE]            overall or per-service health\n"
     "  jobs                        jobs held by the daemon's store\n"
     "  sessions [JOB]              trainer sessions (of every job, or of JOB)\n"
-    "  ops [JOB]                   pending ops of JOB (default --job) on every node: who is missing\n"
+    "  ops [JOB]                   pending ops of JOB (default --job) on every node: who is "
+    "missing\n"
     "  history JOB [GROUP]         this node's last ops of GROUP (default world)\n"
     "  store get KEY               value of KEY (waits up to --timeout)\n"
     "  store set KEY VALUE\n"
@@ -197,8 +198,8 @@ class Ctl {
       }
       std::vector<std::string> nodes;
       for (const v1::NodeOpState& n : op.nodes()) {
-        nodes.push_back(absl::StrCat(n.node().empty() ? "local" : n.node(), " ",
-                                     WaitName(n.waiting_for())));
+        nodes.push_back(
+            absl::StrCat(n.node().empty() ? "local" : n.node(), " ", WaitName(n.waiting_for())));
       }
       std::cout << absl::StrFormat("%-12s %6d %-6s %7.1fs  %-40s %-12s %s\n", op.group(), op.seq(),
                                    op.plane(), op.age_seconds(), op.fingerprint(),
@@ -230,14 +231,13 @@ class Ctl {
       return from == 0 || to == 0 ? std::string("-") : absl::StrFormat("%.3fms", (to - from) / 1e3);
     };
     for (const v1::HistoryEntry& e : resp.ops()) {
-      const std::string queued = absl::FormatTime("%Y-%m-%d %H:%M:%E3S",
-                                                  absl::FromUnixMicros(e.queued_unix_us()),
-                                                  absl::LocalTimeZone());
-      std::cout << absl::StrFormat(
-          "%6d %-26s %-6s %10s %10s %10s  %-18s %s%s\n", e.seq(), queued, e.plane(),
-          HumanBytes(e.bytes()), ms(e.queued_unix_us(), e.started_unix_us()),
-          ms(e.started_unix_us(), e.finished_unix_us()), e.outcome(), e.fingerprint(),
-          e.error().empty() ? "" : "  " + e.error());
+      const std::string queued = absl::FormatTime(
+          "%Y-%m-%d %H:%M:%E3S", absl::FromUnixMicros(e.queued_unix_us()), absl::LocalTimeZone());
+      std::cout << absl::StrFormat("%6d %-26s %-6s %10s %10s %10s  %-18s %s%s\n", e.seq(), queued,
+                                   e.plane(), HumanBytes(e.bytes()),
+                                   ms(e.queued_unix_us(), e.started_unix_us()),
+                                   ms(e.started_unix_us(), e.finished_unix_us()), e.outcome(),
+                                   e.fingerprint(), e.error().empty() ? "" : "  " + e.error());
     }
     if (resp.dropped() > 0) std::cout << "(" << resp.dropped() << " older ops not kept)\n";
     return 0;

@@ -23,8 +23,7 @@ auto Log() { return logging::Logger("daemon"); }
 // What a reply's payload may take of --max_message_bytes, the rest left for its envelope.
 int64_t ReplyBytes(const DaemonConfig& config) { return config.max_message_bytes - 4096; }
 
-backend::nccl::NcclOptions NcclOptionsFor(const DaemonConfig& config,
-                                          core::OpCounters* counters) {
+backend::nccl::NcclOptions NcclOptionsFor(const DaemonConfig& config, core::OpCounters* counters) {
   backend::nccl::NcclOptions options;
   options.counters = counters;
   options.watch_every = absl::Milliseconds(100);  // idle communicators (an op watches its own)
@@ -93,9 +92,9 @@ DaemonServer::DaemonServer(DaemonConfig config)
                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
       gradsync_service_(&engine_, &importer_, &auth_),
       store_service_(&store_, config_.max_wait, ReplyBytes(config_), &auth_),
-      inspect_service_(&store_, &engine_, ReplyBytes(config_), &auth_,
-                       rpc::PeerLink{[this](const std::string& a) { return PeerChannel(a); },
-                                     PeerOptions()}),
+      inspect_service_(
+          &store_, &engine_, ReplyBytes(config_), &auth_,
+          rpc::PeerLink{[this](const std::string& a) { return PeerChannel(a); }, PeerOptions()}),
       health_service_(ServiceNames()) {}
 
 void DaemonServer::OnGpuBroken(const absl::Status& why) {
@@ -198,8 +197,7 @@ absl::Status DaemonServer::Start() {
                                                  {&counters_, &engine_, &store_});
     if (!metrics.ok()) return metrics.status();
     metrics_ = *std::move(metrics);
-    Log()->info("metrics serving http://{}:{}/metrics", config_.metrics_address,
-                metrics_->port());
+    Log()->info("metrics serving http://{}:{}/metrics", config_.metrics_address, metrics_->port());
   }
   health_service_.SetServing(true);
   Log()->info("serving {} tcp_tls={} max_message_bytes={} max_concurrent_streams={}", Endpoints(),
@@ -229,7 +227,7 @@ void DaemonServer::Shutdown(absl::Duration grace) {
   server_.reset();
   metrics_.reset();
   shm_importer_.set_fd_channel(nullptr);
-  fd_channel_.reset();  // closes descriptors never registered and removes <socket>.fd
+  fd_channel_.reset();           // closes descriptors never registered and removes <socket>.fd
   nccl_backend_.StopWatchdog();  // before the peer stores it may report to go
   struct stat st {};
   if (socket_inode_ != 0 && ::stat(config_.unix_socket.c_str(), &st) == 0 &&

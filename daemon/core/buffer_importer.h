@@ -39,8 +39,8 @@ class BufferImporter {
   /// A session's doorbell region: `bytes` of shared memory handed over under `fd_token`. The
   /// same memory is never both a doorbell and a data buffer (a trainer could otherwise have the
   /// daemon write collective results into its ring). UNIMPLEMENTED where there are none.
-  virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> ImportDoorbell(
-      const std::string& fd_token, int64_t bytes) {
+  virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> ImportDoorbell(const std::string& fd_token,
+                                                                       int64_t bytes) {
     (void)fd_token;
     (void)bytes;
     return absl::UnimplementedError("this importer maps no doorbells");

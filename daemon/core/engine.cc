@@ -1205,8 +1205,7 @@ std::string RanksWithNodes(const std::vector<int>& ranks, const std::vector<std:
                            const std::string& fallback) {
   std::vector<std::string> parts;
   for (int r : ranks) {
-    const std::string& node =
-        r < static_cast<int>(node_of.size()) ? node_of[r] : fallback;
+    const std::string& node = r < static_cast<int>(node_of.size()) ? node_of[r] : fallback;
     parts.push_back(node.empty() ? absl::StrCat(r) : absl::StrCat(r, " (node ", node, ")"));
     if (parts.size() == 16 && ranks.size() > 16) {
       parts.push_back(absl::StrCat("... ", ranks.size() - 16, " more"));
@@ -1260,9 +1259,10 @@ void Engine::SweepStalls() {
             "op stalled job={} group={} seq={} op={} waited={}: every rank here submitted it; "
             "waiting on {}{}{}",
             job->id, key, r->seq, r->fp.Describe(), absl::FormatDuration(now - r->queued),
-            wait == OpWait::kNccl ? "NCCL" : wait == OpWait::kNetwork ? "the network" : "the copy",
-            remote.empty() ? "" : " for rank(s) ",
-            RanksWithNodes(remote, job->node_of_rank, ""));
+            wait == OpWait::kNccl      ? "NCCL"
+            : wait == OpWait::kNetwork ? "the network"
+                                       : "the copy",
+            remote.empty() ? "" : " for rank(s) ", RanksWithNodes(remote, job->node_of_rank, ""));
         if (options_.counters != nullptr) options_.counters->stalls.fetch_add(1);
       }
     }

@@ -142,10 +142,10 @@ class Engine {
     std::string fingerprint;
     Plane plane = Plane::kHost;
     OpWait waiting_for = OpWait::kTrainers;
-    absl::Time queued;              // the first local rank submitted it
-    std::vector<int> arrived;       // local ranks (global numbers) that submitted it
-    std::vector<int> missing;       // local ranks that did not
-    int64_t bytes = 0;              // per member
+    absl::Time queued;         // the first local rank submitted it
+    std::vector<int> arrived;  // local ranks (global numbers) that submitted it
+    std::vector<int> missing;  // local ranks that did not
+    int64_t bytes = 0;         // per member
   };
   struct JobOpsView {
     std::string node;                       // this daemon's address in the job ("" if none)

@@ -93,7 +93,8 @@ absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Listen(const std::string& 
       ::stat(path.c_str(), &st) != 0) {
     const int err = errno;
     ::close(fd);
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", path, ": ", std::strerror(err)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", path, ": ", std::strerror(err)));
   }
   std::unique_ptr<FdChannel> channel(new FdChannel(path, fd, st.st_ino, limits));
   if (::pipe2(channel->wake_, O_CLOEXEC | O_NONBLOCK) != 0) {

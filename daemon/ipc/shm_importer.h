@@ -8,7 +8,6 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
-
 #include "daemon/core/buffer_importer.h"
 #include "daemon/ipc/fd_channel.h"
 

@@ -41,8 +41,8 @@ MetricFamily Family(std::string name, std::string help, MetricType type) {
   return f;
 }
 
-void AddScalar(std::vector<MetricFamily>& out, std::string name, std::string help,
-               MetricType type, double value) {
+void AddScalar(std::vector<MetricFamily>& out, std::string name, std::string help, MetricType type,
+               double value) {
   MetricFamily f = Family(std::move(name), std::move(help), type);
   ClientMetric m;
   (type == MetricType::Counter ? m.counter.value : m.gauge.value) = value;
@@ -95,10 +95,9 @@ std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
       uint64_t cumulative = 0;
       for (size_t b = 0; b <= Counters::kLatencyBounds.size(); ++b) {
         cumulative += c->latency_bucket(p, b);
-        m.histogram.bucket.push_back(
-            {cumulative, b < Counters::kLatencyBounds.size()
-                             ? Counters::kLatencyBounds[b]
-                             : std::numeric_limits<double>::infinity()});
+        m.histogram.bucket.push_back({cumulative, b < Counters::kLatencyBounds.size()
+                                                      ? Counters::kLatencyBounds[b]
+                                                      : std::numeric_limits<double>::infinity()});
       }
       m.histogram.sample_count = cumulative;
       m.histogram.sample_sum = c->latency_sum_seconds(p);
@@ -114,16 +113,14 @@ std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
               MetricType::Counter, static_cast<double>(c->stalls.load()));
     AddScalar(out, "gradsync_nccl_aborts_total", "NCCL communicators aborted on this node",
               MetricType::Counter, static_cast<double>(c->nccl_aborts.load()));
-    AddScalar(out, "gradsync_nccl_rebuilds_total",
-              "NCCL communicators built again after an abort", MetricType::Counter,
-              static_cast<double>(c->nccl_rebuilds.load()));
+    AddScalar(out, "gradsync_nccl_rebuilds_total", "NCCL communicators built again after an abort",
+              MetricType::Counter, static_cast<double>(c->nccl_rebuilds.load()));
   }
   if (s.engine != nullptr) {
     const core::Engine::Totals t = s.engine->GetTotals();
     AddScalar(out, "gradsync_pending_ops", "Ops not finished on this node (waiting or running)",
               MetricType::Gauge, t.pending_ops);
-    AddScalar(out, "gradsync_sessions", "Trainer sessions attached", MetricType::Gauge,
-              t.sessions);
+    AddScalar(out, "gradsync_sessions", "Trainer sessions attached", MetricType::Gauge, t.sessions);
     AddScalar(out, "gradsync_jobs", "Jobs with a session on this node", MetricType::Gauge, t.jobs);
     AddScalar(out, "gradsync_mapped_bytes", "Bytes of trainer buffers mapped by the daemon",
               MetricType::Gauge, static_cast<double>(t.mapped_bytes));
@@ -137,8 +134,8 @@ std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
 }
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& address,
-                                                                     int port,
-                                                                     MetricSources sources) {
+                                                                    int port,
+                                                                    MetricSources sources) {
   std::unique_ptr<MetricsServer> server(new MetricsServer());
   const std::string bind = address.find(':') != std::string::npos
                                ? absl::StrCat("[", address, "]:", port)

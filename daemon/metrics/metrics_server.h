@@ -32,8 +32,8 @@ std::vector<prometheus::MetricFamily> CollectMetrics(const MetricSources& source
 class MetricsServer {
  public:
   /// UNAVAILABLE when the port cannot be bound. `port` 0 takes a free one (see port()).
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& address,
-                                                              int port, MetricSources sources);
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& address, int port,
+                                                              MetricSources sources);
   ~MetricsServer();  // stops serving; no scrape runs after it returns
 
   int port() const { return port_; }

@@ -126,9 +126,7 @@ const char* PlaneName(core::Plane plane) {
   return plane == core::Plane::kDevice ? "device" : "host";
 }
 
-int64_t UnixMicros(absl::Time t) {
-  return t == absl::InfinitePast() ? 0 : absl::ToUnixMicros(t);
-}
+int64_t UnixMicros(absl::Time t) { return t == absl::InfinitePast() ? 0 : absl::ToUnixMicros(t); }
 
 // A ListOps call waiting for the job's other nodes; finishes the call when the last answers.
 struct OpsFanOut {
@@ -155,9 +153,9 @@ struct OpsFanOut {
       answer.set_answered(true);
       views[i + 1] = std::move(peers[i]->resp);
     } else {
-      answer.set_error(absl::StrCat(absl::StatusCodeToString(
-                                        static_cast<absl::StatusCode>(status.error_code())),
-                                    ": ", status.error_message()));
+      answer.set_error(
+          absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code())),
+                       ": ", status.error_message()));
     }
     if (left.fetch_sub(1) == 1) {
       *out = MergeOpsViews(node_of_rank, world_size, views, answers);

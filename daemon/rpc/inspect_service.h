@@ -65,8 +65,7 @@ class InspectService final : public v1::Inspect::CallbackService {
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
                                          const v1::ListSessionsRequest* req,
                                          v1::ListSessionsResponse* resp) override;
-  grpc::ServerUnaryReactor* ListOps(grpc::CallbackServerContext* ctx,
-                                    const v1::ListOpsRequest* req,
+  grpc::ServerUnaryReactor* ListOps(grpc::CallbackServerContext* ctx, const v1::ListOpsRequest* req,
                                     v1::ListOpsResponse* resp) override;
   grpc::ServerUnaryReactor* GetHistory(grpc::CallbackServerContext* ctx,
                                        const v1::GetHistoryRequest* req,

@@ -17,11 +17,11 @@
 #include <fstream>
 #include <sstream>
 
-#include "client/gradsync_client.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/gradsync_client.h"
 #include "gtest/gtest.h"
 
 extern char** environ;
@@ -258,8 +258,7 @@ bool DaemonProcess::WaitForNotification(const std::string& needle, absl::Duratio
 }
 
 bool RawSession::Start(const std::string& unix_target, const std::string& job,
-                       const std::string& doorbell_fd_token,
-                       const std::string& doorbell_shm_name) {
+                       const std::string& doorbell_fd_token, const std::string& doorbell_shm_name) {
   stub = v1::GradSync::NewStub(client::Connect(unix_target));
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
   stream = stub->Session(&ctx);

@@ -132,8 +132,8 @@ class ObservabilityTest : public ::testing::Test {
 TEST_F(ObservabilityTest, FrozenTrainerIsNamedByListOpsOnTheOtherNodeByStallWarningAndHistory) {
   const int metrics_port = FreePort();
   ASSERT_GT(metrics_port, 0);
-  StartDaemons(2, {{"--stall_warn=2s", absl::StrCat("--metrics_port=", metrics_port)},
-                   {"--stall_warn=2s"}});
+  StartDaemons(
+      2, {{"--stall_warn=2s", absl::StrCat("--metrics_port=", metrics_port)}, {"--stall_warn=2s"}});
   const std::string node1 = daemons_[1]->tcp_target();
 
   // Before any op: the metrics parse, and no op is counted.
@@ -149,8 +149,8 @@ TEST_F(ObservabilityTest, FrozenTrainerIsNamedByListOpsOnTheOtherNodeByStallWarn
   const std::vector<int> node_of = {0, 0, 1, 1};
   std::vector<pid_t> pids;
   for (int r = 0; r < 4; ++r) {
-    auto pid = Spawn({HelperBinary("collective_worker"), daemons_[node_of[r]]->unix_target(),
-                      "obs", "4", std::to_string(r), "steps", "local_world_size=2",
+    auto pid = Spawn({HelperBinary("collective_worker"), daemons_[node_of[r]]->unix_target(), "obs",
+                      "4", std::to_string(r), "steps", "local_world_size=2",
                       "root=" + daemons_[0]->tcp_target(), absl::StrCat("ops=", kOps), "freeze=3",
                       absl::StrCat("freeze_at=", kFreezeAt), "hold=" + hold},
                      {}, absl::StrCat(dirs_[0]->path(), "/out.", r));
@@ -214,8 +214,8 @@ TEST_F(ObservabilityTest, FrozenTrainerIsNamedByListOpsOnTheOtherNodeByStallWarn
     absl::SleepFor(absl::Milliseconds(100));
   }
   EXPECT_TRUE(absl::StrContains(Log(1), named)) << Log(1);
-  EXPECT_TRUE(absl::StrContains(Log(1), absl::StrCat("op stalled job=obs group=world seq=",
-                                                     kFreezeAt)))
+  EXPECT_TRUE(
+      absl::StrContains(Log(1), absl::StrCat("op stalled job=obs group=world seq=", kFreezeAt)))
       << Log(1);
   EXPECT_TRUE(absl::StrContains(Log(0), waits_on_network)) << Log(0);
 

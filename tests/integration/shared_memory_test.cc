@@ -52,7 +52,8 @@ class SharedMemoryTest : public ::testing::Test {
   int DaemonMemfdMappings() {
     std::ifstream maps(absl::StrCat("/proc/", daemon_->pid(), "/maps"));
     int n = 0;
-    for (std::string line; std::getline(maps, line);) n += absl::StrContains(line, "memfd:gradsync-");
+    for (std::string line; std::getline(maps, line);)
+      n += absl::StrContains(line, "memfd:gradsync-");
     return n;
   }
 

@@ -112,7 +112,7 @@ class NcclBackend final : public core::Backend {
     std::optional<uint64_t> id_built_at ABSL_GUARDED_BY(mu);
     // After its job ended: kept for a restart until then (InfinitePast: in use, not kept).
     absl::Time kept_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
-    bool erased ABSL_GUARDED_BY(mu) = false;  // no longer in comms_: look it up again
+    bool erased ABSL_GUARDED_BY(mu) = false;   // no longer in comms_: look it up again
     bool aborted ABSL_GUARDED_BY(mu) = false;  // since the last build (the next is a rebuild)
     std::atomic<bool> abort_requested{false};
     absl::Mutex reason_mu;
