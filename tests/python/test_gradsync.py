@@ -214,35 +214,17 @@ def test_torchrun_one_node_and_across_two_daemons(tmp, two_daemons):
         assert max_diff(torch.load(os.path.join(tmp, f"two{r}.pt")), want) <= 1e-5
 
 
-MAKE_CERTIFICATES = r"""set -e
-ca() {
-  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
-    -subj "/CN=gradsync test $1" -keyout "$1.key" -out "$1.pem" \
-    -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign
-}
-leaf() {
-  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
-    -subj "/CN=gradsync test $1" -keyout "$1.key" -out "$1.csr"
-  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n' > "$1.ext"
-  openssl x509 -req -in "$1.csr" -CA "$2.pem" -CAkey "$2.key" -CAcreateserial -days 1 \
-    -extfile "$1.ext" -out "$1.pem"
-  chmod 600 "$1.key"
-}
-ca ca; leaf node0 ca; leaf node1 ca; leaf trainer ca
-"""
-
-
 def test_two_tls_daemons_two_ranks_each_match_one_process(tmp, monkeypatch):
     """Daemons with mutual TLS; trainers reach the root's store (pack plans) over TLS too."""
     import shutil
     import subprocess
-    from conftest import Daemon
+    from conftest import ROOT, Daemon
     if shutil.which("openssl") is None:
         pytest.skip("openssl makes the test certificates")
     pki = os.path.join(tmp, "pki")
     os.makedirs(pki)
-    subprocess.run(["bash", "-c", MAKE_CERTIFICATES], cwd=pki, check=True, capture_output=True,
-                   timeout=120)
+    subprocess.run(["bash", os.path.join(ROOT, "tests", "make_test_certs.sh")], cwd=pki,
+                   check=True, capture_output=True, timeout=120)
     pem = lambda name, ext: os.path.join(pki, f"{name}.{ext}")  # noqa: E731
     ds = [Daemon(tmp, f"tls{i}", tcp=True,
                  flags=[f"--tls_cert={pem(f'node{i}', 'pem')}",

@@ -170,9 +170,11 @@ def _plan_to_json(plan):
 
 def plan_packs(grads, threshold_bytes, first_alone=0):
     """The pack planner of common/: grads are (index, dtype, shape) in backward order."""
+    for _, d, _ in grads:
+        dtype_code(str(d))  # a clear error for an unknown dtype
     spec = {"indices": [int(i) for i, _, _ in grads],
-            "shapes": [{"dtype": dtype_code(str(d)) and str(d).upper(),
-                        "shape": [int(x) for x in shape]} for _, d, shape in grads]}
+            "shapes": [{"dtype": str(d).upper(), "shape": [int(x) for x in shape]}
+                       for _, d, shape in grads]}
     out = ctypes.c_void_p()
     _check(_lib.gs_plan_packs(json.dumps(spec).encode(), int(threshold_bytes), int(first_alone),
                               ctypes.byref(out)))
