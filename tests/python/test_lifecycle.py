@@ -27,26 +27,28 @@ def clean_exit(results):
         assert "Traceback" not in res["text"], res["text"][-3000:]
 
 
+def run_clean(tmp, daemon, job, *args, extra_env=None):
+    """Two ranks of lifecycle_worker.py `args`; both must exit 0 without an abort."""
+    results = launch(tmp, [daemon] * 2, job, lambda r: [WORKER, *args],
+                     extra_env=extra_env).wait(expect_ok=False)
+    clean_exit(results)
+    return results
+
+
 def test_ddp_hook_trainer_exits_zero_without_cleanup(tmp, daemon):
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    results = launch(tmp, [daemon] * 2, "hookexit", lambda r: [WORKER, "hook"],
-                     extra_env=env).wait(expect_ok=False)
-    clean_exit(results)
+    results = run_clean(tmp, daemon, "hookexit", "hook", extra_env=env)
     grads = [res["json"][-1]["grad"] for res in results]
     assert grads[0] == grads[1]  # averaged through the daemon
 
 
 def test_optimizer_trainer_exits_zero(tmp, daemon):
-    results = launch(tmp, [daemon] * 2, "optexit",
-                     lambda r: [WORKER, "optimizer"]).wait(expect_ok=False)
-    clean_exit(results)
+    results = run_clean(tmp, daemon, "optexit", "optimizer")
     assert results[0]["json"][-1]["weight"] == results[1]["json"][-1]["weight"]
 
 
 def test_plain_collectives_exit_zero_without_torch(tmp, daemon):
-    results = launch(tmp, [daemon] * 2, "plainexit",
-                     lambda r: [WORKER, "plain"]).wait(expect_ok=False)
-    clean_exit(results)
+    results = run_clean(tmp, daemon, "plainexit", "plain")
     for res in results:
         out = res["json"][-1]
         assert out["value"] == [3.0] * 4
@@ -90,9 +92,7 @@ def test_sigint_during_a_wait_raises_keyboard_interrupt_and_tells_the_other_rank
 
 
 def test_fork_dataloader_workers_next_to_a_session(tmp, daemon):
-    results = launch(tmp, [daemon] * 2, "forkdl",
-                     lambda r: [WORKER, "dataloader"]).wait(expect_ok=False)
-    clean_exit(results)
+    results = run_clean(tmp, daemon, "forkdl", "dataloader")
     for res in results:
         out = res["json"][-1]
         assert out["total"] == 2 * float(sum(range(64)))
@@ -100,9 +100,7 @@ def test_fork_dataloader_workers_next_to_a_session(tmp, daemon):
 
 
 def test_repeated_init_and_shutdown_in_one_process(tmp, daemon):
-    results = launch(tmp, [daemon] * 2, "reinit",
-                     lambda r: [WORKER, "reinit", "3"]).wait(expect_ok=False)
-    clean_exit(results)
+    results = run_clean(tmp, daemon, "reinit", "reinit", "3")
     for res in results:
         # Round k: ranks hold k and 1 + k.
         assert res["json"][-1]["values"] == [1.0, 3.0, 5.0]
