@@ -36,6 +36,10 @@ struct LocalMember {
   View output;  // ALL_GATHER and REDUCE_SCATTER only
 };
 
+/// Where an op's bytes live: host memory (the CPU backend, Gloo across nodes) or GPU memory
+/// (NCCL).
+enum class Plane { kHost = 0, kDevice = 1 };
+
 /// A matched collective, ready to run: every local member of the group submitted it with the
 /// same fingerprint, and every buffer it names is mapped (and stays so while it runs).
 struct Collective {
@@ -58,10 +62,10 @@ struct Collective {
   /// empty). A communicator spanning nodes still takes part in the op's cross-node exchange,
   /// so the other nodes fail it at once with this reason instead of waiting out their deadline.
   absl::Status local_failure;
-  /// With a local failure: whether the members that did submit named device buffers (true) or
-  /// host buffers (false), so that the failure reaches the data plane the other nodes run the op
-  /// on; nullopt when none named any.
-  std::optional<bool> failed_on_device;
+  /// The data plane the op runs on, decided once when the engine resolves it: where its
+  /// buffers live; for an op that failed here before any member named a buffer, the plane of
+  /// the group's last op (so the failure reaches the plane the other nodes run the op on).
+  Plane plane = Plane::kHost;
 };
 
 /// The job's store key holding the token of its current run (CommunicatorSpec::run).

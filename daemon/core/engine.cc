@@ -215,6 +215,7 @@ struct Group {
   std::map<uint64_t, Failed> failed;
   std::deque<Ready> ready;
   bool running = false;  // a Drain owns `ready`
+  Plane last_plane = Plane::kHost;  // of the last op matched here (for ops failed before)
   std::string broken;    // non-empty once a member left: every op fails with it
   // The op a Drain popped and runs outside the lock (its local); set and cleared under the
   // job's mutex, so readers holding it may look at it.
@@ -282,6 +283,10 @@ std::optional<bool> OnDevice(const internal::Arrival& a) {
   return std::nullopt;
 }
 
+Plane PlaneOf(std::optional<bool> on_device) {
+  return on_device.value_or(false) ? Plane::kDevice : Plane::kHost;
+}
+
 // An op that failed on this node before it could run, as the other nodes of its group must
 // hear of it (the local members are told directly).
 internal::Ready FailedOp(const internal::Group& group, uint64_t seq, const Fingerprint& fp,
@@ -297,7 +302,7 @@ internal::Ready FailedOp(const internal::Group& group, uint64_t seq, const Finge
       absl::StrCat(KindName(fp.kind), " job=", group.job->id, " group=", group.key, " seq=", seq);
   r.op.fingerprint = absl::StrCat(fp.Describe(), " seq=", seq);
   r.op.local_failure = status;
-  r.op.failed_on_device = on_device;
+  r.op.plane = on_device ? PlaneOf(on_device) : group.last_plane;
   r.record = false;
   return r;
 }
@@ -312,10 +317,6 @@ bool AnswerFailedLocked(internal::Group& group, uint64_t seq,
   out.push_back([sink, tag, seq, status = f->second.status] { sink->OpDone(tag, seq, status); });
   if (--f->second.remaining == 0) group.failed.erase(f);
   return true;
-}
-
-Plane PlaneOf(std::optional<bool> on_device) {
-  return on_device.value_or(false) ? Plane::kDevice : Plane::kHost;
 }
 
 // Notes an op that finished on this node in its group's history ring and in the counters.
@@ -959,6 +960,8 @@ void Engine::SubmitNow(const std::shared_ptr<Session>& session,
             r.fp = std::move(p.fp);
             r.queued = p.queued;
             r.plane = p.plane;
+            c.plane = p.plane;
+            group->last_plane = p.plane;
             group->pending.erase(seq);
             group->ready.push_back(std::move(r));
             if (!group->running) {

@@ -6,13 +6,10 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "daemon/core/backend.h"
 #include "gradsync/v1/gradsync.pb.h"
 
 namespace gradsync::core {
-
-/// Where an op's bytes live: host memory (the CPU backend, Gloo across nodes) or GPU memory
-/// (NCCL).
-enum class Plane { kHost = 0, kDevice = 1 };
 
 /// Counters the engine and the NCCL backend bump as ops finish; read by the metrics exporter at
 /// scrape time. Every member is a relaxed atomic: bumping one is a few uncontended atomic adds,

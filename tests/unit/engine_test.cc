@@ -474,10 +474,10 @@ TEST_F(TwoNodeEngineTest, EveryNodeOfARunSharesItsToken) {
 TEST_F(TwoNodeEngineTest, AFailedOpSaysWhichPlaneItsMembersBuffersAreOn) {
   Collective host = DesyncOnA("cpu");
   EXPECT_EQ(host.local_failure.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(host.failed_on_device, std::optional<bool>(false));
+  EXPECT_EQ(host.plane, Plane::kHost);
   Collective device = DesyncOnA("gpu");
   EXPECT_EQ(device.local_failure.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(device.failed_on_device, std::optional<bool>(true));
+  EXPECT_EQ(device.plane, Plane::kDevice);
 }
 
 }  // namespace

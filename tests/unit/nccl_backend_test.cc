@@ -646,23 +646,21 @@ TEST_F(NcclBackendTest, DispatchSendsHostOpsToTheCpuPlaneAndDeviceOpsToNccl) {
   EXPECT_TRUE(comm->Run(barrier).ok());
   EXPECT_EQ(cpu.runs, 2);
   core::Collective device = AllReduce({{0, 0}, {1, 1}}, 2);
+  device.plane = core::Plane::kDevice;
   EXPECT_TRUE(comm->Run(device).ok());
   EXPECT_EQ(gpu.runs, 1);
   device.local[1].input[0].buffer = nullptr;  // a host buffer among device ones
   EXPECT_EQ(comm->Run(device).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(cpu.runs + gpu.runs, 3);
-  // An op that failed here before it had buffers goes where the group's last op went.
+  // An op that failed here before it had buffers goes to the plane the engine chose for it.
   core::Collective failed;
   failed.local_failure = absl::DeadlineExceededError("rank 1 never submitted");
+  failed.plane = core::Plane::kDevice;
   EXPECT_TRUE(comm->Run(failed).ok());
   EXPECT_EQ(gpu.runs, 2);
-  EXPECT_TRUE(comm->Run(host).ok());
+  failed.plane = core::Plane::kHost;
   EXPECT_TRUE(comm->Run(failed).ok());
-  EXPECT_EQ(cpu.runs, 4);
-  // ... unless its members named buffers: then where those live.
-  failed.failed_on_device = true;
-  EXPECT_TRUE(comm->Run(failed).ok());
-  EXPECT_EQ(gpu.runs, 3);
+  EXPECT_EQ(cpu.runs, 3);
 }
 
 }  // namespace

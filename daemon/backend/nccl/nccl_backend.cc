@@ -802,13 +802,8 @@ class DispatchCommunicator final : public core::Communicator {
       return absl::InvalidArgumentError(
           absl::StrCat(op.label, ": an op takes host or device buffers, not both"));
     }
-    // An op that failed here before it got its buffers still goes to the plane the group's
-    // other nodes run it on, so that they hear of it: the one the buffers its members named
-    // live on, else the one the group's last op ran on.
-    if (!host && !device && !op.local_failure.ok()) {
-      device = op.failed_on_device.value_or(last_on_device_);
-    }
-    if (host || device) last_on_device_ = device;
+    // The engine chose the plane (for a failed op: the one the group's other nodes run it on).
+    device = op.plane == core::Plane::kDevice;
     std::shared_ptr<core::Communicator>& target = device ? gpu_ : cpu_;
     if (!target) {
       absl::StatusOr<std::shared_ptr<core::Communicator>> made =
@@ -825,7 +820,6 @@ class DispatchCommunicator final : public core::Communicator {
   core::Backend* const gpu_backend_;
   // A group's ops run one at a time (Communicator contract): no lock needed.
   std::shared_ptr<core::Communicator> cpu_, gpu_;
-  bool last_on_device_ = false;
 };
 
 }  // namespace
