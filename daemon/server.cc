@@ -83,7 +83,8 @@ DaemonServer::DaemonServer(DaemonConfig config)
       engine_(
           &dispatch_backend_, &importer_, &pool_, EngineOptionsFor(config_, &counters_),
           [this](const std::string& job) {
-            nccl_backend_.JobEnded(job);  // first: it may tell the job's other nodes
+            // First: a data plane may tell the job's other nodes through its store.
+            static_cast<core::Backend&>(dispatch_backend_).JobEnded(job);
             store_.DeleteJob(job);
           },
           [this](const std::string& address) { return PeerStore(address); }),
@@ -242,14 +243,14 @@ absl::StatusOr<gradsync::Store*> DaemonServer::PeerStore(const std::string& addr
   if (address == node_address_) return &store_;
   auto& peer = peer_stores_[address];
   if (!peer) {
-    const client::ClientOptions options = PeerOptions();
-    peer = std::make_unique<client::StoreClient>(client::Connect(address, options), options);
+    const net::ClientOptions options = PeerOptions();
+    peer = std::make_unique<net::StoreClient>(net::Connect(address, options), options);
   }
   return peer.get();
 }
 
-client::ClientOptions DaemonServer::PeerOptions() const {
-  client::ClientOptions options;
+net::ClientOptions DaemonServer::PeerOptions() const {
+  net::ClientOptions options;
   options.token = config_.cluster_token;
   options.tls = config_.tls;  // the peer is verified against our CA and sees our certificate
   return options;
@@ -258,7 +259,7 @@ client::ClientOptions DaemonServer::PeerOptions() const {
 std::shared_ptr<grpc::Channel> DaemonServer::PeerChannel(const std::string& address) {
   absl::MutexLock lock(&peers_mu_);
   std::shared_ptr<grpc::Channel>& channel = peer_channels_[address];
-  if (!channel) channel = client::Connect(address, PeerOptions());
+  if (!channel) channel = net::Connect(address, PeerOptions());
   return channel;
 }
 

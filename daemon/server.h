@@ -6,13 +6,13 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "client/store_client.h"
 #include "common/worker_pool.h"
 #include "daemon/backend/cpu/cpu_backend.h"
-#include "daemon/backend/nccl/gpu_api.h"
+#include "daemon/backend/nccl/dispatch_backend.h"
 #include "daemon/backend/nccl/nccl_backend.h"
 #include "daemon/config.h"
 #include "daemon/core/engine.h"
+#include "daemon/gpu/gpu_api.h"
 #include "daemon/ipc/cuda_importer.h"
 #include "daemon/ipc/shm_importer.h"
 #include "daemon/metrics/metrics_server.h"
@@ -22,6 +22,7 @@
 #include "daemon/rpc/store_service.h"
 #include "daemon/store/memory_store.h"
 #include "grpcpp/grpcpp.h"
+#include "net/store_client.h"
 
 namespace gradsync::daemon {
 
@@ -65,7 +66,7 @@ class DaemonServer {
   std::shared_ptr<grpc::Channel> PeerChannel(const std::string& address);
   // The options of every channel to a peer daemon: the cluster token, and mutual TLS with our
   // certificate when --tls_* are set. The one place peer channels get their credentials.
-  client::ClientOptions PeerOptions() const;
+  net::ClientOptions PeerOptions() const;
 
   const DaemonConfig config_;
   core::OpCounters counters_;  // bumped by the engine and NCCL: before (outlives) them
@@ -91,7 +92,7 @@ class DaemonServer {
   std::unique_ptr<grpc::Server> server_;
   absl::Mutex peers_mu_;
   std::string node_address_ ABSL_GUARDED_BY(peers_mu_);
-  absl::flat_hash_map<std::string, std::unique_ptr<client::StoreClient>> peer_stores_
+  absl::flat_hash_map<std::string, std::unique_ptr<net::StoreClient>> peer_stores_
       ABSL_GUARDED_BY(peers_mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> peer_channels_
       ABSL_GUARDED_BY(peers_mu_);

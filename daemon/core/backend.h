@@ -105,6 +105,12 @@ class Backend {
   virtual ~Backend() = default;
   virtual absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
       const CommunicatorSpec& spec) = 0;
+  /// The job's trainers on this node have all left: state the backend keeps per job (beyond the
+  /// communicators the engine drops) is released or kept for a restart, and the job's other
+  /// nodes may be told through its store, which is still there during the call (the caller
+  /// deletes the job's namespace afterwards). May block until an op of the job still running on
+  /// this node has returned (bounded by its deadline). Default: nothing to do.
+  virtual void JobEnded(const std::string& job) {}
 };
 
 }  // namespace gradsync::core

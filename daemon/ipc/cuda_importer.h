@@ -1,5 +1,8 @@
 #pragma once
 
+// The daemon's side of trainers' CUDA buffers: maps them from their IPC handles, one mapping
+// per allocation; and the importer that sends each registration to shared memory or CUDA.
+
 #include <map>
 #include <memory>
 #include <string>
@@ -7,17 +10,19 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "daemon/backend/nccl/gpu_api.h"
 #include "daemon/core/buffer_importer.h"
+#include "daemon/gpu/gpu_api.h"
 
 namespace gradsync::ipc {
 
 /// Maps trainers' CUDA device buffers from their IPC handles (RegisterBufferRequest.cuda).
 ///
-/// CUDA lets a process open an allocation's handle only once, so mappings are cached per
-/// (device, handle) and shared by every buffer that lies in the same allocation (PyTorch hands
-/// out blocks of one caching-allocator segment); the mapping is closed when the last of them is
-/// dropped (deregistration, session end). Refused with a clear status, changing nothing:
+/// Each allocation is opened once per (device, handle) and the mapping shared by every buffer
+/// that lies in it (PyTorch hands out blocks of one caching-allocator segment); the mapping is
+/// closed when the last of them is dropped (deregistration, session end). CUDA would allow more:
+/// a second cudaIpcOpenMemHandle of the same handle in the same context returns the same
+/// pointer and counts a reference, each open needing its own close; one open and a count of our
+/// own keep that bookkeeping in one place. Refused with a clear status, changing nothing:
 /// a malformed handle or event (INVALID_ARGUMENT), a handle from the daemon's own process
 /// (INVALID_ARGUMENT: CUDA cannot open those), a device this daemon does not have
 /// (INVALID_ARGUMENT; the device is found by its UUID when the trainer sends one, so the two

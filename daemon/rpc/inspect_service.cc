@@ -317,7 +317,7 @@ grpc::ServerUnaryReactor* InspectService::ListOps(grpc::CallbackServerContext* c
     auto peer = std::make_unique<OpsFanOut::Peer>();
     peer->node = node;
     peer->stub = v1::Inspect::NewStub(peers_.channel(node));
-    client::Authorize(peer->ctx, peers_.options);
+    net::Authorize(peer->ctx, peers_.options);
     peer->ctx.set_deadline(absl::ToChronoTime(now + peers_.timeout));
     peer->req.set_job(req->job());
     peer->req.set_group(req->group());

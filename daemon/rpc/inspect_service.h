@@ -5,11 +5,11 @@
 #include <string>
 #include <vector>
 
-#include "client/store_client.h"
 #include "daemon/core/engine.h"
 #include "daemon/rpc/peer_auth.h"
 #include "daemon/store/memory_store.h"
 #include "gradsync/v1/inspect.grpc.pb.h"
+#include "net/store_client.h"
 
 namespace gradsync::rpc {
 
@@ -17,7 +17,7 @@ namespace gradsync::rpc {
 struct PeerLink {
   /// A channel to the daemon at "host:port" (may be cached); null: peers are not asked.
   std::function<std::shared_ptr<grpc::Channel>(const std::string& address)> channel;
-  client::ClientOptions options;  // the cluster token sent to peers
+  net::ClientOptions options;  // the cluster token sent to peers
   absl::Duration timeout = absl::Seconds(2);
 };
 

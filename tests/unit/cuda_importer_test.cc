@@ -49,7 +49,7 @@ TEST_F(CudaImporterTest, BuffersOfOneAllocationShareOneMappingUntilTheLastGoes) 
   auto b = importer_.Import(Cuda(Handle('a'), 4096, 8192));
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(gpu_.opens, 1);  // CUDA allows one open per handle and process
+  EXPECT_EQ(gpu_.opens, 1);  // one open per allocation, counted by the importer
   EXPECT_EQ((*b)->data() - (*a)->data(), 4096);
   EXPECT_EQ((*b)->size(), 8192);
   EXPECT_NE((*a)->Describe().find("cuda:dev0"), std::string::npos) << (*a)->Describe();

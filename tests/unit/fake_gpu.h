@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/backend/nccl/gpu_api.h"
+#include "daemon/gpu/gpu_api.h"
 
 namespace gradsync::testing {
 

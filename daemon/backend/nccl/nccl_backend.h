@@ -1,22 +1,20 @@
 #pragma once
 
+// The GPU data plane's lifecycle on this node: the table of NCCL communicators it owns, the
+// watchdog over idle ones, and what a job's end does to them (dropped, or kept for a restart).
+
 #include <atomic>
-#include <functional>
-#include <map>
 #include <memory>
-#include <optional>
 #include <string>
 #include <thread>
-#include <utility>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "daemon/backend/nccl/gpu_api.h"
+#include "daemon/backend/nccl/comms_table.h"
 #include "daemon/core/backend.h"
 #include "daemon/core/op_counters.h"
+#include "daemon/gpu/gpu_api.h"
 
 namespace gradsync::backend::nccl {
 
@@ -69,7 +67,13 @@ struct NcclOptions {
 /// the job's other groups: the node that failed first has told them itself. A slow op also
 /// publishes its fingerprint under `nccl/<run>/<group>/op/<seq>/<node>` and compares the other
 /// nodes' with it: ranks on different nodes that submitted different ops fail with "desync"
-/// instead of hanging in NCCL (an op that completes removes its fingerprint). Thread-safe.
+/// instead of hanging in NCCL (an op that completes removes its fingerprint). What a failure
+/// or an abort decides to tell the other nodes is written once the group's lock is released
+/// (DeferredWrites); only the op's own rendezvous (the unique id, the watch above) reads and
+/// writes the store while the op holds its group's lock.
+///
+/// The communicators themselves live in a CommsTable, one group's collectives in an
+/// NcclCommunicator, the word between nodes in peer_signals.h. Thread-safe.
 class NcclBackend final : public core::Backend {
  public:
   explicit NcclBackend(gpu::GpuApi* api, NcclOptions options = {});
@@ -81,87 +85,25 @@ class NcclBackend final : public core::Backend {
   /// Aborts every communicator of `job` on this node (see above).
   void AbortJob(const std::string& job, const absl::Status& reason);
   /// Drops the job's communicators (after aborting any still live), or keeps them for a restart
-  /// (NcclOptions::keep_after_job).
-  void JobEnded(const std::string& job);
+  /// (NcclOptions::keep_after_job). Blocks while an op of the job's groups runs here.
+  void JobEnded(const std::string& job) override;
 
   /// Stops the watchdog thread (idempotent; the destructor does it too). Call before the
   /// stores the communicators report to go away.
   void StopWatchdog();
 
   /// NCCL communicators created so far (ncclCommInitRankConfig calls), for tests.
-  int comm_inits() const { return comm_inits_.load(); }
+  int comm_inits() const { return table_.comm_inits(); }
 
  private:
-  friend class NcclCommunicator;
-  /// The NCCL state of one (job, group) on this node.
-  struct Comms {
-    std::string job, group;                            // set once, before it is shared
-    absl::Mutex mu;                                    // held while an op of the group runs
-    std::vector<gpu::Comm> comms ABSL_GUARDED_BY(mu);  // per local member, ascending group rank
-    std::vector<int> devices ABSL_GUARDED_BY(mu);      // the device of each
-    std::vector<int> ranks ABSL_GUARDED_BY(mu);        // and its group rank (NCCL rank)
-    int group_size ABSL_GUARDED_BY(mu) = 0;
-    std::map<int, gpu::Stream> streams ABSL_GUARDED_BY(mu);  // the daemon's stream per device
-    // Groups spanning nodes: the op the communicators were built at, and where and as whom to
-    // say they were abandoned (null store: nobody to tell).
-    uint64_t built_at ABSL_GUARDED_BY(mu) = 0;
-    gradsync::Store* store ABSL_GUARDED_BY(mu) = nullptr;
-    std::string node ABSL_GUARDED_BY(mu);
-    std::string run ABSL_GUARDED_BY(mu);
-    // The op whose id key this node (the group's rank 0) made last; deleted at the next build.
-    std::optional<uint64_t> id_built_at ABSL_GUARDED_BY(mu);
-    // After its job ended: kept for a restart until then (InfinitePast: in use, not kept).
-    absl::Time kept_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
-    bool erased ABSL_GUARDED_BY(mu) = false;   // no longer in comms_: look it up again
-    bool aborted ABSL_GUARDED_BY(mu) = false;  // since the last build (the next is a rebuild)
-    std::atomic<bool> abort_requested{false};
-    absl::Mutex reason_mu;
-    absl::Status abort_reason ABSL_GUARDED_BY(reason_mu);
-  };
-  std::shared_ptr<Comms> CommsFor(const std::string& job, const std::string& group);
-  // The group's Comms with its mu held (the caller unlocks it).
-  std::shared_ptr<Comms> LockedCommsFor(const std::string& job, const std::string& group);
-  // The Comms of `job` (empty: of every job), as they are now.
-  std::vector<std::shared_ptr<Comms>> Listed(const std::string& job);
-  // Aborts `c`'s communicators (telling the other nodes `why`), destroys its streams and takes
-  // it out of comms_ (its mu held; mu_ is taken inside, the one lock order).
-  void DropLocked(Comms& c, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
-  // Aborts `c`'s communicators (its mu held); they are rebuilt at the next op. A group spanning
-  // nodes tells the other nodes (`broken` key) with `why`. Returns once the group's streams are
-  // idle: OK, or (after NcclOptions::abort_drain) why they were abandoned still busy.
-  absl::Status AbortLocked(Comms& c, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
-  // Waits until `c`'s streams have no work left, at most abort_drain; then abandons them.
-  absl::Status DrainLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
-  void DestroyStreamsLocked(Comms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // One look at every idle group's communicators (the watchdog's tick).
   void WatchIdle();
-  // Drops communicators kept after their job ended that use any of `devices`, but those of
-  // `job` (kept for it).
-  void DropKeptOn(const std::vector<int>& devices, const std::string& job);
-  // Drops the kept communicators `which` selects (idle ones only), logging `why`.
-  void DropKept(absl::string_view why, const std::function<bool(const Comms&)>& which);
 
   gpu::GpuApi* const api_;
   const NcclOptions options_;
-  std::atomic<int> comm_inits_{0};
-  absl::Mutex mu_;
-  std::map<std::pair<std::string, std::string>, std::shared_ptr<Comms>> comms_ ABSL_GUARDED_BY(mu_);
+  CommsTable table_;
   absl::Notification stop_;
   std::thread watchdog_;  // last: starts once everything above exists
-};
-
-/// Routes each op of a group to the data plane its buffers live on: host memory to `cpu`,
-/// device memory to `gpu`. Ops without buffers (barrier, empty ops) go to `cpu`. An op mixing
-/// both is INVALID_ARGUMENT.
-class DispatchBackend final : public core::Backend {
- public:
-  DispatchBackend(core::Backend* cpu, core::Backend* gpu) : cpu_(cpu), gpu_(gpu) {}
-  absl::StatusOr<std::shared_ptr<core::Communicator>> CreateCommunicator(
-      const core::CommunicatorSpec& spec) override;
-
- private:
-  core::Backend* const cpu_;
-  core::Backend* const gpu_;
 };
 
 }  // namespace gradsync::backend::nccl

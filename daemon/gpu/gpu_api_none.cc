@@ -1,5 +1,5 @@
 // GpuApi of a daemon built without CUDA: every call says so.
-#include "daemon/backend/nccl/gpu_api.h"
+#include "daemon/gpu/gpu_api.h"
 
 namespace gradsync::gpu {
 namespace {

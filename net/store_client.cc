@@ -1,4 +1,6 @@
-#include "client/store_client.h"
+// A remote gradsyncd's Store over gRPC, and the channel to it (see store_client.h).
+
+#include "net/store_client.h"
 
 #include <mutex>
 #include <thread>
@@ -9,7 +11,7 @@
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 
-namespace gradsync::client {
+namespace gradsync::net {
 
 std::string NormalizeTarget(absl::string_view target) {
   if (absl::StartsWith(target, "/")) return absl::StrCat("unix:", target);
@@ -346,4 +348,4 @@ absl::StatusOr<v1::PackList> StoreClient::GetPackList(absl::string_view job,
   return std::move(*resp.mutable_pack_list());
 }
 
-}  // namespace gradsync::client
+}  // namespace gradsync::net

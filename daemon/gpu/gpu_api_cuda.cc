@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda_util.h"
-#include "daemon/backend/nccl/gpu_api.h"
+#include "daemon/gpu/gpu_api.h"
 
 namespace gradsync::gpu {
 namespace {

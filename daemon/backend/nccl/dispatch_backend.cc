@@ -1,0 +1,48 @@
+// Routes a group's ops to the CPU or the GPU backend (see dispatch_backend.h).
+
+#include "daemon/backend/nccl/dispatch_backend.h"
+
+#include <utility>
+
+namespace gradsync::backend::nccl {
+namespace {
+
+class DispatchCommunicator final : public core::Communicator {
+ public:
+  DispatchCommunicator(core::CommunicatorSpec spec, core::Backend* cpu, core::Backend* gpu)
+      : spec_(std::move(spec)), cpu_backend_(cpu), gpu_backend_(gpu) {}
+
+  absl::Status Run(const core::Collective& op) override {
+    // The engine chose the plane (for a failed op: the one the group's other nodes run it on).
+    const bool device = op.plane == core::Plane::kDevice;
+    std::shared_ptr<core::Communicator>& target = device ? gpu_ : cpu_;
+    if (!target) {
+      absl::StatusOr<std::shared_ptr<core::Communicator>> made =
+          (device ? gpu_backend_ : cpu_backend_)->CreateCommunicator(spec_);
+      if (!made.ok()) return made.status();
+      target = *std::move(made);
+    }
+    return target->Run(op);
+  }
+
+ private:
+  const core::CommunicatorSpec spec_;
+  core::Backend* const cpu_backend_;
+  core::Backend* const gpu_backend_;
+  // A group's ops run one at a time (Communicator contract): no lock needed.
+  std::shared_ptr<core::Communicator> cpu_, gpu_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<core::Communicator>> DispatchBackend::CreateCommunicator(
+    const core::CommunicatorSpec& spec) {
+  return std::make_shared<DispatchCommunicator>(spec, cpu_, gpu_);
+}
+
+void DispatchBackend::JobEnded(const std::string& job) {
+  gpu_->JobEnded(job);
+  cpu_->JobEnded(job);
+}
+
+}  // namespace gradsync::backend::nccl

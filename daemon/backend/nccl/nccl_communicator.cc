@@ -1,0 +1,340 @@
+// One group's NCCL collectives on this node (see nccl_communicator.h).
+
+#include "daemon/backend/nccl/nccl_communicator.h"
+
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "daemon/backend/nccl/backoff.h"
+
+namespace gradsync::backend::nccl {
+namespace {
+
+auto Log() { return logging::Logger("nccl"); }
+
+bool HasOutput(v1::OpKind kind) { return kind == v1::ALL_GATHER || kind == v1::REDUCE_SCATTER; }
+
+absl::Status Context(const core::Collective& op, const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat(op.label, ": ", s.message()));
+}
+
+// The op's failure `s`, saying so when the abort that followed left its streams busy.
+absl::Status WithDrain(const absl::Status& s, const absl::Status& drained) {
+  if (drained.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(s.message(), " (", drained.message(), ")"));
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<NcclCommunicator::Member>> NcclCommunicator::Members(
+    const core::Collective& op) {
+  std::vector<Member> out;
+  for (const core::LocalMember& m : op.local) {
+    Member member;
+    member.group_rank = m.group_rank;
+    const bool two = HasOutput(op.kind);
+    if (m.input.size() != 1 || (two && m.output.size() != 1)) {
+      return absl::UnimplementedError(absl::StrCat(
+          op.label, ": on GPU buffers every rank's data must be one contiguous segment (rank ",
+          m.group_rank, " has ", m.input.size(), "); fused ops are for host buffers"));
+    }
+    member.in = m.input[0];
+    if (two) member.out = m.output[0];
+    for (const core::Run* r : {&member.in, two ? &member.out : nullptr}) {
+      if (r == nullptr) continue;
+      if (r->buffer == nullptr || r->buffer->device() < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(op.label, ": rank ", m.group_rank, " names a host buffer"));
+      }
+      if (member.device >= 0 && r->buffer->device() != member.device) {
+        return absl::InvalidArgumentError(absl::StrCat(op.label, ": rank ", m.group_rank,
+                                                       "'s buffers are on devices ", member.device,
+                                                       " and ", r->buffer->device()));
+      }
+      member.device = r->buffer->device();
+    }
+    out.push_back(member);
+  }
+  return out;
+}
+
+std::string NcclCommunicator::NodeAndRanks() const {
+  return absl::StrCat("node ", spec_.node, " (ranks ", absl::StrJoin(spec_.local_members, ","),
+                      ")");
+}
+
+absl::Status NcclCommunicator::Run(const core::Collective& op) {
+  if (!Spanning() && !op.local_failure.ok()) return op.local_failure;
+  // Declared before the group's lock: what the op decides to tell the other nodes is written
+  // once the lock is released.
+  DeferredWrites later;
+  std::optional<PeerFailureWatch> peers;
+  absl::Status s;
+  while (true) {
+    std::shared_ptr<GroupComms> c = table_->Get(spec_.job, spec_.group);
+    LockedComms locked(c.get());
+    if (c->erased) continue;  // dropped meanwhile: a fresh one is in the table now
+    peers.emplace(Spanning() ? spec_.rendezvous : nullptr, spec_, op);
+    s = RunOnGroupLocked(*c, op, *peers, later);
+    break;
+  }
+  peers->Finished(s);
+  // This node is out of step with the others on this group now (its communicators went under
+  // the lock): the other nodes hear at once that this op failed rather than wait for it.
+  if (!s.ok() && Spanning() && !peers->peers_know()) {
+    later.WriteWhileRunLasts(spec_.rendezvous, spec_.job, spec_.run, FailKey(spec_, op.seq),
+                             absl::StrCat(NodeAndRanks(), ": ", s.message()));
+  }
+  return s;
+}
+
+absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Collective& op,
+                                                PeerFailureWatch& peers, DeferredWrites& later) {
+  if (c.kept_until != absl::InfinitePast()) {
+    Log()->info("nccl communicators kept from the job's last run reused job={} group={}", spec_.job,
+                spec_.group);
+    c.kept_until = absl::InfinitePast();
+  }
+  if (c.abort_requested.exchange(false)) {  // the job's communicators aborted while idle
+    (void)table_->AbortLocked(c, c.AbortReason(), later);
+  }
+  absl::Status s = RunLocked(c, op, peers, later);
+  if (s.ok() || !Spanning()) return s;
+  if (!c.comms.empty()) (void)table_->AbortLocked(c, s, later);
+  return s;
+}
+
+absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& op,
+                                         PeerFailureWatch& peers, DeferredWrites& later) {
+  if (!op.local_failure.ok()) return op.local_failure;
+  absl::StatusOr<std::vector<Member>> members = Members(op);
+  if (!members.ok()) return members.status();
+  if (members->empty()) return absl::OkStatus();
+  std::vector<int> devices, ranks;
+  for (const Member& m : *members) {
+    devices.push_back(m.device);
+    ranks.push_back(m.group_rank);
+  }
+  if (!c.comms.empty() &&
+      (c.devices != devices || c.ranks != ranks || c.group_size != op.group_size)) {
+    Log()->info("nccl layout changed job={} group={}: rebuilding", spec_.job, spec_.group);
+    (void)table_->AbortLocked(c, absl::AbortedError("its local ranks moved to other devices"),
+                              later);
+  }
+  if (c.comms.empty()) {
+    if (absl::Status s = BuildLocked(c, op, *members, devices, peers, later); !s.ok()) return s;
+  } else {
+    peers.RunsOn(c.built_at);
+  }
+  for (int d : devices) {
+    if (c.streams.count(d)) continue;
+    absl::StatusOr<gpu::Stream> stream = api_->CreateStream(d);
+    if (!stream.ok()) return Context(op, stream.status());
+    c.streams[d] = *stream;
+  }
+  // The daemon's streams wait for the trainers' work on the buffers.
+  for (const Member& m : *members) {
+    for (const core::Run* r : {&m.in, HasOutput(op.kind) ? &m.out : nullptr}) {
+      if (r == nullptr || r->buffer->ready_event() == nullptr) continue;
+      if (absl::Status s =
+              api_->StreamWaitEvent(m.device, c.streams[m.device], r->buffer->ready_event());
+          !s.ok()) {
+        return Context(op, s);
+      }
+    }
+  }
+  if (absl::Status s = LaunchLocked(c, op, *members); !s.ok()) {
+    // Some ranks' kernels may be queued already: stopped, and gone, before the buffers go.
+    return Context(op, WithDrain(s, table_->AbortLocked(c, s, later)));
+  }
+  // Non-blocking communicators may still be putting the kernels on the streams after
+  // ncclGroupEnd: until they are, neither the "done" events nor the streams say anything.
+  if (absl::Status s =
+          PollReady(c.comms, op.deadline, peers, "NCCL did not enqueue the op by its deadline");
+      !s.ok()) {
+    return FailLocked(c, op, s, peers, later);
+  }
+  // The trainers' streams may wait for this: record "done" on every written buffer.
+  for (const Member& m : *members) {
+    const core::Run& written = HasOutput(op.kind) ? m.out : m.in;
+    if (written.buffer->done_event() == nullptr) continue;
+    if (absl::Status e =
+            api_->RecordEvent(m.device, written.buffer->done_event(), c.streams[m.device]);
+        !e.ok()) {
+      return FailLocked(c, op, e, peers, later);  // the kernels are queued: abort them first
+    }
+  }
+  return WaitLocked(c, op, devices, peers, later);
+}
+
+absl::StatusOr<std::string> NcclCommunicator::UniqueId(const core::Collective& op,
+                                                       const std::string& key,
+                                                       PeerFailureWatch& peers) {
+  if (RootHere()) {
+    absl::StatusOr<std::string> id = api_->NcclUniqueId();
+    if (!id.ok()) return Context(op, id.status());
+    if (Spanning()) {
+      if (absl::Status s = spec_.rendezvous->Set(spec_.job, key, *id); !s.ok()) {
+        return Context(op, s);
+      }
+    }
+    return id;
+  }
+  if (spec_.rendezvous == nullptr) return absl::InternalError("no store to fetch the id");
+  BackgroundKeyWait id(spec_.rendezvous, spec_.job, key, op.deadline);
+  Backoff backoff;
+  while (true) {
+    if (std::optional<std::string> v = id.value()) return *std::move(v);
+    if (absl::Status s = peers.Check(); !s.ok()) return Context(op, s);
+    if (absl::Now() > op.deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(op.label, ": the NCCL id of group ", spec_.group,
+                       " never came from the node of rank ", spec_.members.front()));
+    }
+    backoff.Pause();
+  }
+}
+
+absl::Status NcclCommunicator::BuildLocked(GroupComms& c, const core::Collective& op,
+                                           const std::vector<Member>& members,
+                                           const std::vector<int>& devices, PeerFailureWatch& peers,
+                                           DeferredWrites& later) {
+  absl::StatusOr<std::string> id = UniqueId(op, IdKey(spec_, op.seq), peers);
+  if (!id.ok()) return id.status();
+  table_->DropKeptOn(devices, spec_.job, later);  // their GPU memory is this job's now
+  std::vector<gpu::Comm> comms;
+  absl::Status s = api_->NcclGroupStart();
+  for (size_t i = 0; s.ok() && i < members.size(); ++i) {
+    absl::StatusOr<gpu::Comm> comm =
+        api_->NcclCommInitRank(members[i].device, op.group_size, *id, members[i].group_rank);
+    table_->CountInit();
+    if (comm.ok()) {
+      comms.push_back(*comm);
+    } else {
+      s = comm.status();
+    }
+  }
+  if (absl::Status end = api_->NcclGroupEnd(); s.ok()) s = end;
+  if (s.ok()) {  // non-blocking init
+    s = PollReady(comms, op.deadline, peers,
+                  absl::StrCat("NCCL communicators of group ", spec_.group, " (", op.group_size,
+                               " ranks) not ready by the deadline: a peer node never joined"));
+  }
+  if (!s.ok()) {
+    for (gpu::Comm comm : comms) (void)api_->NcclCommAbort(comm);
+    return Context(op, s);
+  }
+  c.comms = std::move(comms);
+  c.devices = devices;
+  c.ranks.clear();
+  for (const Member& m : members) c.ranks.push_back(m.group_rank);
+  c.group_size = op.group_size;
+  if (Spanning() && RootHere() && c.id_built_at) {
+    // Every node has its communicators from that id, or gave up on them: it is done.
+    later.Delete(spec_.rendezvous, spec_.job, IdKey(spec_, *c.id_built_at));
+  }
+  if (Spanning() && RootHere()) c.id_built_at = op.seq;
+  c.built_at = op.seq;
+  if (c.aborted) table_->CountRebuild();
+  c.aborted = false;
+  c.store = Spanning() ? spec_.rendezvous : nullptr;
+  c.run = spec_.run;
+  c.node = NodeAndRanks();
+  Log()->info("nccl communicators ready job={} group={} ranks={} local={} devices={}", spec_.job,
+              spec_.group, op.group_size, members.size(), absl::StrJoin(devices, ","));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::LaunchLocked(GroupComms& c, const core::Collective& op,
+                                            const std::vector<Member>& members) {
+  absl::Status s = api_->NcclGroupStart();
+  for (size_t i = 0; s.ok() && i < members.size(); ++i) {
+    const Member& m = members[i];
+    gpu::NcclCall call;
+    call.kind = op.kind;
+    call.reduce_op = op.reduce_op;
+    call.dtype = op.dtype;
+    call.send = m.in.data;
+    call.recv = HasOutput(op.kind) ? m.out.data : m.in.data;
+    call.count = op.count;
+    call.root = op.root;
+    call.comm = c.comms[i];
+    call.stream = c.streams[m.device];
+    s = api_->NcclCollective(call);
+  }
+  if (absl::Status end = api_->NcclGroupEnd(); s.ok()) s = end;
+  return s;
+}
+
+absl::Status NcclCommunicator::PollReady(const std::vector<gpu::Comm>& comms, absl::Time deadline,
+                                         PeerFailureWatch& peers, absl::string_view late) {
+  Backoff backoff;
+  while (true) {
+    bool ready = true;
+    for (gpu::Comm comm : comms) {
+      absl::StatusOr<bool> r = api_->NcclCommReady(comm);
+      if (!r.ok()) return r.status();
+      ready = ready && *r;
+    }
+    if (ready) return absl::OkStatus();
+    if (absl::Status s = peers.Check(); !s.ok()) return s;
+    if (absl::Now() > deadline) return absl::DeadlineExceededError(late);
+    backoff.Pause();
+  }
+}
+
+absl::Status NcclCommunicator::WaitLocked(GroupComms& c, const core::Collective& op,
+                                          const std::vector<int>& devices, PeerFailureWatch& peers,
+                                          DeferredWrites& later) {
+  Backoff backoff;
+  while (true) {
+    bool done = true;
+    for (int d : devices) {
+      absl::StatusOr<bool> r = api_->StreamDone(d, c.streams[d]);
+      if (!r.ok()) return FailLocked(c, op, r.status(), peers, later);
+      done = done && *r;
+    }
+    if (done) return absl::OkStatus();
+    for (gpu::Comm comm : c.comms) {
+      absl::StatusOr<bool> r = api_->NcclCommReady(comm);
+      if (!r.ok()) return FailLocked(c, op, r.status(), peers, later);
+    }
+    if (c.abort_requested.exchange(false)) {
+      const absl::Status why = c.AbortReason();
+      const absl::Status drained = table_->AbortLocked(c, why, later);
+      return Context(op, WithDrain(absl::AbortedError(absl::StrCat(
+                                       "aborted with the job's other NCCL communicators on "
+                                       "this node: ",
+                                       why.message())),
+                                   drained));
+    }
+    if (absl::Status s = peers.Check(); !s.ok()) return FailLocked(c, op, s, peers, later);
+    if (absl::Now() > op.deadline) {
+      return FailLocked(c, op,
+                        absl::DeadlineExceededError(
+                            "did not complete by its deadline (a peer never entered it, or hung)"),
+                        peers, later);
+    }
+    backoff.Pause();
+  }
+}
+
+absl::Status NcclCommunicator::FailLocked(GroupComms& c, const core::Collective& op,
+                                          const absl::Status& why, const PeerFailureWatch& peers,
+                                          DeferredWrites& later) {
+  const absl::Status status = Context(op, why);
+  Log()->warn("nccl op failed, aborting {} job={} error={}",
+              peers.failed_on_peer_word() ? "the group's communicators"
+                                          : "the job's communicators on this node",
+              spec_.job, status.ToString());
+  const absl::Status drained = table_->AbortLocked(c, status, later);
+  if (!peers.failed_on_peer_word()) table_->AbortJob(spec_.job, status, later);
+  return WithDrain(status, drained);
+}
+
+}  // namespace gradsync::backend::nccl

@@ -1,0 +1,92 @@
+#pragma once
+
+// One group's NCCL collectives on this node: builds the group's communicators (the unique id
+// through the job's store), launches an op on them, waits for it under the op's deadline and
+// the other nodes' word, and aborts and drains them when it fails.
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "daemon/backend/nccl/comms_table.h"
+#include "daemon/backend/nccl/peer_signals.h"
+#include "daemon/core/backend.h"
+#include "daemon/gpu/gpu_api.h"
+
+namespace gradsync::backend::nccl {
+
+/// The engine's handle on one group's NCCL collectives; the NCCL state itself lives in the
+/// CommsTable (GroupComms), so that it outlives this object. Runs one op at a time (the
+/// Communicator contract); the group's lock is held while it runs, and no store call that the
+/// op's failure decides (telling the other nodes) is made before it is released.
+class NcclCommunicator final : public core::Communicator {
+ public:
+  /// `table` must outlive this.
+  NcclCommunicator(CommsTable* table, core::CommunicatorSpec spec)
+      : table_(table), api_(table->api()), spec_(std::move(spec)) {}
+
+  absl::Status Run(const core::Collective& op) override;
+
+ private:
+  // A local member's buffers for one op, checked: one device run each.
+  struct Member {
+    int group_rank = 0;
+    int device = -1;
+    core::Run in{};
+    core::Run out{};  // ALL_GATHER, REDUCE_SCATTER
+  };
+  static absl::StatusOr<std::vector<Member>> Members(const core::Collective& op);
+
+  bool Spanning() const {
+    return spec_.rendezvous != nullptr && spec_.local_members.size() != spec_.members.size();
+  }
+  // Whether group rank 0 is on this node (it makes the unique id).
+  bool RootHere() const {
+    return !spec_.local_members.empty() && spec_.local_members.front() == spec_.members.front();
+  }
+  // "node 10.0.0.2:7451 (ranks 2,3)": this node, in what it tells the others.
+  std::string NodeAndRanks() const;
+
+  // The op on the group whose lock is held, from a job-wide abort requested while it was idle
+  // to the end of the op.
+  absl::Status RunOnGroupLocked(GroupComms& c, const core::Collective& op, PeerFailureWatch& peers,
+                                DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  absl::Status RunLocked(GroupComms& c, const core::Collective& op, PeerFailureWatch& peers,
+                         DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  // The unique id of the communicators op `op` builds: made here when the group's rank 0 is
+  // local (and published for the other nodes), otherwise fetched from the job's store, where
+  // that rank's node put it.
+  absl::StatusOr<std::string> UniqueId(const core::Collective& op, const std::string& key,
+                                       PeerFailureWatch& peers);
+  // Creates the group's communicators on this node, one per local member, through one
+  // ncclGroupStart/End.
+  absl::Status BuildLocked(GroupComms& c, const core::Collective& op,
+                           const std::vector<Member>& members, const std::vector<int>& devices,
+                           PeerFailureWatch& peers, DeferredWrites& later)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  absl::Status LaunchLocked(GroupComms& c, const core::Collective& op,
+                            const std::vector<Member>& members) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  // Polls `comms` until all are ready (OK), one reports an error (that error), another node
+  // gives up on the op (its word), or `deadline` passes (DEADLINE_EXCEEDED with `late`).
+  // Non-blocking communicators leave ncclInProgress after initialising and after each
+  // ncclGroupEnd.
+  absl::Status PollReady(const std::vector<gpu::Comm>& comms, absl::Time deadline,
+                         PeerFailureWatch& peers, absl::string_view late);
+  // Until the streams have run the op: an async NCCL error, a job-wide abort, another node's
+  // word or the deadline abort the communicators and fail the op.
+  absl::Status WaitLocked(GroupComms& c, const core::Collective& op,
+                          const std::vector<int>& devices, PeerFailureWatch& peers,
+                          DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  // Aborts the group's communicators on this node, and the job's others with them unless the
+  // op failed on another node's word (that node has told the other groups itself).
+  absl::Status FailLocked(GroupComms& c, const core::Collective& op, const absl::Status& why,
+                          const PeerFailureWatch& peers, DeferredWrites& later)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+
+  CommsTable* const table_;
+  gpu::GpuApi* const api_;
+  const core::CommunicatorSpec spec_;
+};
+
+}  // namespace gradsync::backend::nccl
