@@ -48,6 +48,38 @@ absl::string_view DTypeName(DType dtype) {
   }
 }
 
+absl::string_view OpKindName(v1::OpKind kind) {
+  switch (kind) {
+    case v1::ALL_REDUCE:
+      return "all_reduce";
+    case v1::BROADCAST:
+      return "broadcast";
+    case v1::BARRIER:
+      return "barrier";
+    case v1::ALL_GATHER:
+      return "all_gather";
+    case v1::REDUCE_SCATTER:
+      return "reduce_scatter";
+    default:
+      return "unknown_op";
+  }
+}
+
+absl::string_view ReduceOpName(v1::ReduceOp op) {
+  switch (op) {
+    case v1::SUM:
+      return "sum";
+    case v1::MEAN:
+      return "mean";
+    case v1::MIN:
+      return "min";
+    case v1::MAX:
+      return "max";
+    default:
+      return "none";
+  }
+}
+
 absl::StatusOr<DType> ParseDType(absl::string_view name) {
   static constexpr std::pair<absl::string_view, DType> kAliases[] = {{"float", v1::FLOAT32},
                                                                      {"double", v1::FLOAT64},

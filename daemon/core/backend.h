@@ -1,3 +1,5 @@
+// The core's seam to a data plane: the Collective it hands over (a matched op and its
+// buffers), and the Backend/Communicator interfaces the CPU and NCCL planes implement.
 #pragma once
 
 #include <cstddef>

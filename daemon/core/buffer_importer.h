@@ -1,3 +1,5 @@
+// The core's seam to trainer memory: a handle (shm, memfd, CUDA IPC) imported once into a
+// MappedBuffer the core keeps alive while ops use it.
 #pragma once
 
 #include <cstddef>

@@ -1,3 +1,6 @@
+// The engine's public face: the daemon's core (sessions, buffers, groups, the op matcher,
+// deadlines and faults) as the rpc and ipc layers call it. Its parts live in sessions.cc,
+// resolve.cc, matcher.cc, formation.cc, inspect.cc and engine.cc (the submit path).
 #pragma once
 
 #include <atomic>
@@ -16,6 +19,7 @@
 #include "daemon/core/backend.h"
 #include "daemon/core/buffer_importer.h"
 #include "daemon/core/deadline_timer.h"
+#include "daemon/core/job.h"
 #include "daemon/core/op_counters.h"
 #include "gradsync/v1/gradsync.pb.h"
 
@@ -54,15 +58,9 @@ class SessionSink {
   virtual void OpDone(uint64_t tag, uint64_t seq, const absl::Status& status) = 0;
 };
 
-/// One trainer's attachment to the daemon. Opaque; created by Engine::Register.
+/// One trainer's attachment to the daemon (daemon/core/job.h). Opaque to the engine's callers;
+/// created by Engine::Register.
 class Session;
-
-namespace internal {
-struct Job;
-struct Group;
-struct Arrival;
-struct Ready;
-}  // namespace internal
 
 /// The daemon's core: sessions, buffer registry, groups, the op matcher, deadlines and faults
 /// (DESIGN.md section 4), over any Backend and BufferImporter. Thread-safe.
@@ -187,22 +185,29 @@ class Engine {
   using Ready = internal::Ready;
   using Completions = std::vector<std::function<void()>>;
 
-  absl::StatusOr<Arrival> Resolve(Session& session, const v1::OpRequest& op);
-  // The *Locked helpers need the job's mutex held.
   absl::StatusOr<Group*> GetGroupLocked(Job& job, const std::vector<int>& members,
-                                        const std::string& key);
-  // `tell_peers`: a group spanning nodes also sends the failure through the op's cross-node
-  // exchange (not when the job or the daemon is ending).
+                                        const std::string& key)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  // Hands `arrival` (its session's next op on `group`) to the matcher and carries out the
+  // outcome; `next_seq` is the session's count of ops on the group. True: the caller must Drain.
+  bool ArriveLocked(Group& group, uint64_t& next_seq, Arrival arrival, Completions& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(group.job->mu);
+  // `send_to_other_nodes`: a group spanning nodes also sends the failure through the op's
+  // cross-node exchange (not when the job or the daemon is ending).
   void FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status, Completions& out,
-                         bool tell_peers = true);
+                         bool send_to_other_nodes = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(group.job->mu);
   // Queues an op that runs on other nodes' daemons too (a failed op's verdict, or data) and
   // makes sure a Drain runs it on the pool.
-  void EnqueueRemoteLocked(Group& group, Ready ready, Completions& out);
+  void EnqueueRemoteLocked(Group& group, Ready ready, Completions& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(group.job->mu);
   void OnDeadline(const std::weak_ptr<Job>& job, Group* group, uint64_t seq);
   // Warns once about each op waiting longer than stall_warn; reschedules itself.
   void SweepStalls();
   // Runs a group's matched ops in order until none is left; large ones move to the pool.
-  void Drain(std::shared_ptr<Job> job, Group* group, bool on_pool);
+  // Not checked by clang: it locks job->mu, the group's job's mutex, which the checker cannot
+  // tell is group->job->mu.
+  void Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // Jobs spanning nodes: publish this node's ranks in the root store, wait for everyone's.
   void StartFormation(std::shared_ptr<Job> job, std::string node);
   void OnFormed(const std::weak_ptr<Job>& job, absl::StatusOr<std::vector<std::string>> nodes);
@@ -216,7 +221,7 @@ class Engine {
   const EngineOptions options_;
   const JobEndCallback on_job_end_;
   const StoreResolver resolve_store_;
-  mutable absl::Mutex mu_;
+  mutable absl::Mutex mu_;  // acquired before any Job::mu
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   int sessions_ ABSL_GUARDED_BY(mu_) = 0;  // attached, node-wide

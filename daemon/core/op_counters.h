@@ -1,3 +1,4 @@
+// Op counters the engine and the NCCL backend bump and the metrics exporter reads.
 #pragma once
 
 #include <array>

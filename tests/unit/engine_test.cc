@@ -340,6 +340,36 @@ TEST_F(EngineTest, ManyThreadsManyOpsStayMatched) {
   }
 }
 
+TEST_F(EngineTest, AnOpWhoseBuffersAreBothHostAndDeviceIsRefusedWhenResolved) {
+  Rank a = Join("j", 1, 0);
+  importer_.Create("gpu-grad", 16);
+  v1::RegisterBufferRequest breq;
+  breq.set_shm_name("gpu-grad");  // FakeImporter: a device buffer
+  breq.set_bytes(64);
+  breq.set_dtype(v1::FLOAT32);
+  absl::StatusOr<uint64_t> device = engine_.RegisterBuffer(*a.session, breq);
+  ASSERT_TRUE(device.ok()) << device.status();
+  v1::OpRequest op = AllReduce(a, 4);
+  v1::Segment* s = op.add_input();
+  s->set_buffer_id(*device);
+  s->set_count(4);
+  engine_.Submit(a.session, a.sink, 7, op);
+  ASSERT_TRUE(a.sink->WaitFor(1));
+  const RecordingSink::Event e = a.sink->events()[0];
+  EXPECT_EQ(e.tag, 7u);
+  EXPECT_EQ(e.seq, 0u);  // refused before it took a sequence number
+  EXPECT_EQ(e.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(e.status.message(),
+                                "all_reduce job=j group=world rank=0: an op takes host or device "
+                                "buffers, not both"))
+      << e.status;
+  // The next op is op 0: the refused one took no number.
+  engine_.Submit(a.session, a.sink, 8, AllReduce(a, 4));
+  ASSERT_TRUE(a.sink->WaitFor(2));
+  EXPECT_TRUE(a.sink->events()[1].status.ok()) << a.sink->events()[1].status;
+  EXPECT_EQ(a.sink->events()[1].seq, 0u);
+}
+
 // A backend that records what the engine hands it and runs nothing.
 class RecordingBackend final : public Backend {
  public:
@@ -478,6 +508,47 @@ TEST_F(TwoNodeEngineTest, AFailedOpSaysWhichPlaneItsMembersBuffersAreOn) {
   Collective device = DesyncOnA("gpu");
   EXPECT_EQ(device.local_failure.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(device.plane, Plane::kDevice);
+}
+
+// Ops of a group that failed before any member named a buffer (a barrier) go to the plane of
+// the group's last op, where the other nodes run it.
+TEST_F(TwoNodeEngineTest, AnOpFailedBeforeAnyMemberNamedABufferGoesToTheGroupsLastPlane) {
+  for (const auto& [job, plane] : {std::pair{std::string("gpu"), Plane::kDevice},
+                                   std::pair{std::string("cpu"), Plane::kHost}}) {
+    SCOPED_TRACE(job);
+    const size_t before = a_.backend.ops().size();
+    Member r0 = Join(a_, job, 0, 0, 2), r1 = Join(a_, job, 1, 1, 2), r2 = Join(b_, job, 2, 0, 1);
+    a_.engine.Submit(r0.session, r0.sink, 1, AllReduce(r0, 4));
+    a_.engine.Submit(r1.session, r1.sink, 1, AllReduce(r1, 4));
+    v1::OpRequest barrier;
+    barrier.set_kind(v1::BARRIER);
+    barrier.set_group("world");
+    barrier.set_name("x");
+    a_.engine.Submit(r0.session, r0.sink, 2, barrier);
+    barrier.set_name("y");  // a desync: the barrier fails on node A
+    a_.engine.Submit(r1.session, r1.sink, 2, barrier);
+    ASSERT_TRUE(r0.sink->WaitFor(2));
+    for (const RecordingSink::Event& e : r0.sink->events()) {  // the two may come in any order
+      EXPECT_EQ(e.status.code(),
+                e.tag == 1 ? absl::StatusCode::kOk : absl::StatusCode::kFailedPrecondition)
+          << e.status;
+    }
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    while (a_.backend.ops().size() < before + 2 && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    const std::vector<Collective> ops = a_.backend.ops();
+    ASSERT_EQ(ops.size(), before + 2);
+    EXPECT_TRUE(ops[before].local_failure.ok()) << ops[before].local_failure;
+    EXPECT_EQ(ops[before].plane, plane);
+    const Collective& failed = ops[before + 1];
+    EXPECT_EQ(failed.kind, v1::BARRIER);
+    EXPECT_EQ(failed.local_failure.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(failed.plane, plane);
+    EXPECT_EQ(failed.seq, 1u);
+    EXPECT_EQ(failed.label, absl::StrCat("barrier job=", job, " group=world seq=1"));
+    EXPECT_TRUE(failed.local.empty());
+  }
 }
 
 }  // namespace

@@ -1,0 +1,120 @@
+// Jobs spanning nodes: formation. Once a job's local ranks have all registered, this daemon
+// agrees on the run's token in the root daemon's store, publishes which ranks it holds and waits
+// for every rank's node; ops submitted meanwhile are parked and replayed in order once formed.
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "common/bounded_text.h"
+#include "common/logging.h"
+#include "daemon/core/engine.h"
+
+namespace gradsync::core {
+namespace {
+
+auto Log() { return logging::Logger("core"); }
+
+}  // namespace
+
+namespace {
+// 16 random hex digits.
+std::string RunToken() {
+  std::random_device device;
+  std::mt19937_64 bits((uint64_t{device()} << 32) ^ device() ^
+                       static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
+  return absl::StrCat(absl::Hex(bits(), absl::kZeroPad16));
+}
+}  // namespace
+
+void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
+  std::vector<int> mine;
+  {
+    absl::MutexLock lock(&job->mu);
+    for (int r = 0; r < job->world_size; ++r) {
+      if (job->ranks[r] != nullptr) mine.push_back(r);
+    }
+  }
+  // The run's token: the first node to come sets it, every node reads the same one. The job's
+  // keys are deleted when it ends at the root, so a later run of the same id makes a new one.
+  absl::StatusOr<CompareSetResult> run =
+      job->root_store->CompareSet(job->id, kRunKey, std::nullopt, RunToken());
+  if (!run.ok()) {
+    OnFormed(job, absl::Status(run.status().code(),
+                               absl::StrCat("agreeing on the run: ", run.status().message())));
+    return;
+  }
+  {
+    absl::MutexLock lock(&job->mu);
+    job->run = run->value;
+  }
+  for (int r : mine) {
+    absl::Status s = job->root_store->Set(job->id, absl::StrCat("daemon/rank/", r), node);
+    if (!s.ok()) {
+      OnFormed(job, absl::Status(s.code(), absl::StrCat("publishing rank ", r, ": ", s.message())));
+      return;
+    }
+  }
+  std::vector<std::string> keys;
+  for (int r = 0; r < job->world_size; ++r) keys.push_back(absl::StrCat("daemon/rank/", r));
+  Log()->info("job forming job={} node={} local_ranks={} world_size={}", job->id, node,
+              JoinBounded(mine, ","), job->world_size);
+  job->root_store->WaitAsync(
+      job->id, std::move(keys), absl::Now() + options_.default_op_timeout,
+      [this, weak = std::weak_ptr<Job>(job), node](absl::StatusOr<std::vector<std::string>> v) {
+        // Off the store's thread: replaying parked ops may compute.
+        pool_->Schedule([this, weak, node, v = std::move(v)]() mutable {
+          if (auto job = weak.lock()) {
+            absl::MutexLock lock(&job->mu);
+            job->node = node;
+          }
+          OnFormed(weak, std::move(v));
+        });
+      });
+}
+
+void Engine::OnFormed(const std::weak_ptr<Job>& weak,
+                      absl::StatusOr<std::vector<std::string>> nodes) {
+  std::shared_ptr<Job> job = weak.lock();
+  if (!job) return;
+  std::deque<Job::Parked> failed;
+  absl::Status error;
+  std::string nodes_listed;
+  {
+    absl::MutexLock lock(&job->mu);
+    if (!nodes.ok()) {
+      job->formation = Job::Formation::kFailed;
+      job->formation_error =
+          absl::Status(nodes.status().code() == absl::StatusCode::kDeadlineExceeded
+                           ? absl::StatusCode::kDeadlineExceeded
+                           : absl::StatusCode::kUnavailable,
+                       absl::StrCat("job ", job->id, " did not form across nodes (root ",
+                                    job->root_address, "): ", nodes.status().message()));
+      error = job->formation_error;
+      failed.swap(job->parked);
+    } else {
+      job->node_of_rank = *std::move(nodes);
+      job->formation = Job::Formation::kReplaying;
+      nodes_listed = JoinBounded(job->node_of_rank, ",");
+    }
+  }
+  if (!error.ok()) {
+    Log()->warn("{}", std::string(error.message()));
+    for (Job::Parked& p : failed) p.sink->OpDone(p.tag, 0, error);
+    return;
+  }
+  Log()->info("job formed job={} nodes={}", job->id, nodes_listed);
+  for (;;) {  // parked ops first, in order; new ones park behind them until the queue is empty
+    Job::Parked p;
+    {
+      absl::MutexLock lock(&job->mu);
+      if (job->parked.empty()) {
+        job->formation = Job::Formation::kFormed;
+        return;
+      }
+      p = std::move(job->parked.front());
+      job->parked.pop_front();
+    }
+    SubmitNow(p.session, p.sink, p.tag, p.op);
+  }
+}
+
+}  // namespace gradsync::core

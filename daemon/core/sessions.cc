@@ -1,0 +1,265 @@
+// Trainer sessions: Engine::Register (a rank joins its job, which is made on its first rank),
+// Unregister (a rank leaves: its groups break, the job ends with its last rank), the buffers a
+// session maps (RegisterBuffer, DeregisterBuffer) and ListSessions.
+#include <algorithm>
+#include <tuple>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "common/bounded_text.h"
+#include "common/job_id.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "daemon/core/engine.h"
+
+namespace gradsync::core {
+namespace {
+
+auto Log() { return logging::Logger("core"); }
+
+constexpr int kMaxWorldSize = 1 << 16;
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequest& req) {
+  GRADSYNC_RETURN_IF_ERROR(CheckJobId(req.job()));
+  if (req.world_size() < 1 || req.world_size() > kMaxWorldSize || req.rank() < 0 ||
+      req.rank() >= req.world_size() || req.local_world_size() < 1 ||
+      req.local_world_size() > req.world_size() || req.local_rank() < 0 ||
+      req.local_rank() >= req.local_world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad placement: need 0 <= rank < world_size <= ", kMaxWorldSize,
+                     " and 0 <= local_rank < local_world_size <= world_size; got rank=", req.rank(),
+                     " world_size=", req.world_size(), " local_rank=", req.local_rank(),
+                     " local_world_size=", req.local_world_size()));
+  }
+  const bool spans = req.local_world_size() != req.world_size();
+  if (spans && req.root_address().empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", req.job(), " spans nodes (world_size=", req.world_size(),
+                     " local_world_size=", req.local_world_size(),
+                     ") but names no root_address (host:port of the daemon holding rank 0)"));
+  }
+  bool start_formation = false;
+  std::shared_ptr<Job> started;
+  absl::MutexLock lock(&mu_);
+  if (shutdown_) return absl::UnavailableError("daemon is shutting down");
+  if (sessions_ >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat("the daemon holds ", sessions_,
+                                                     " trainer sessions, the limit "
+                                                     "(--max_sessions); job ",
+                                                     req.job(), " rank ", req.rank(), " refused"));
+  }
+  if (spans && node_address_.empty()) {
+    return absl::FailedPreconditionError(
+        "this daemon has no TCP listener (--port=-1), so it cannot join a job spanning nodes");
+  }
+  if (!jobs_.contains(req.job())) {
+    gradsync::Store* root_store = nullptr;
+    if (spans) {
+      absl::StatusOr<gradsync::Store*> store =
+          resolve_store_ ? resolve_store_(req.root_address())
+                         : absl::StatusOr<gradsync::Store*>(
+                               absl::FailedPreconditionError("this daemon reaches no peers"));
+      if (!store.ok()) {
+        return absl::Status(store.status().code(), absl::StrCat("job store at ", req.root_address(),
+                                                                ": ", store.status().message()));
+      }
+      root_store = *store;
+    }
+    jobs_[req.job()] = std::make_shared<Job>(req.job(), req.world_size(), req.local_world_size(),
+                                             spans ? req.root_address() : "", root_store);
+  }
+  std::shared_ptr<Job>& slot = jobs_[req.job()];
+  Job& job = *slot;
+  absl::MutexLock job_lock(&job.mu);
+  if (job.spans_nodes && job.root_address != req.root_address()) {
+    return absl::InvalidArgumentError(absl::StrCat("job ", job.id, " has root_address ",
+                                                   job.root_address, "; rank ", req.rank(),
+                                                   " says ", req.root_address()));
+  }
+  if (job.world_size != req.world_size() || job.local_world_size != req.local_world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job ", job.id, " has world_size=", job.world_size,
+        " local_world_size=", job.local_world_size, "; rank ", req.rank(),
+        " says world_size=", req.world_size(), " local_world_size=", req.local_world_size()));
+  }
+  if (!job.departed.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job.id, " lost rank(s) ", JoinBounded(job.departed, ","),
+        "; it can start again once its remaining ", job.attached, " session(s) have ended"));
+  }
+  if (Session* other = job.ranks[req.rank()]) {
+    return absl::AlreadyExistsError(absl::StrCat("rank ", req.rank(), " of job ", job.id,
+                                                 " is already registered (session ", other->id,
+                                                 ")"));
+  }
+  if (int other = job.local_ranks[req.local_rank()]; other >= 0) {
+    return absl::AlreadyExistsError(absl::StrCat("local_rank ", req.local_rank(), " of job ",
+                                                 job.id, " is already taken by rank ", other));
+  }
+  auto session =
+      std::make_shared<Session>(absl::StrCat(job.id, "/", req.rank(), "#", next_session_++), slot,
+                                req.rank(), req.local_rank());
+  job.ranks[req.rank()] = session.get();
+  job.local_ranks[req.local_rank()] = req.rank();
+  ++job.attached;
+  ++sessions_;
+  if (job.spans_nodes && job.attached == job.local_world_size &&
+      job.formation == Job::Formation::kLocal) {
+    job.formation = Job::Formation::kForming;
+    start_formation = true;
+    started = slot;
+  }
+  Log()->info("session opened job={} rank={} local_rank={} world_size={} session={}", job.id,
+              req.rank(), req.local_rank(), req.world_size(), session->id);
+  if (start_formation) {
+    pool_->Schedule([this, started, node = node_address_] { StartFormation(started, node); });
+  }
+  return session;
+}
+
+const std::string& Engine::SessionId(const Session& session) { return session.id; }
+
+void Engine::Unregister(Session& session, absl::string_view reason) {
+  Completions out;
+  bool job_ended = false;
+  const std::shared_ptr<Job>& job = session.job;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::MutexLock job_lock(&job->mu);
+    internal::AssertSessionOf(*job, session);
+    if (!session.attached) return;
+    session.attached = false;
+    job->ranks[session.rank] = nullptr;
+    job->local_ranks[session.local_rank] = -1;
+    --job->attached;
+    --sessions_;
+    if (job->attached > 0) {
+      job->departed.push_back(session.rank);
+      const std::string why =
+          absl::StrCat("rank ", session.rank, " left job ", job->id, " (", reason, ")");
+      for (auto& [key, group] : job->groups) {
+        if (!std::binary_search(group->members.begin(), group->members.end(), session.rank)) {
+          continue;
+        }
+        internal::AssertGroupOf(*job, *group);
+        group->broken = why;
+        while (!group->pending.empty()) {
+          const auto& [seq, pending] = *group->pending.begin();
+          FailPendingLocked(*group, seq,
+                            absl::UnavailableError(
+                                absl::StrCat(internal::OpLabel(pending.fp.kind, job->id, key, seq),
+                                             " cannot complete: ", why)),
+                            out);
+        }
+      }
+    } else {
+      for (auto& [key, group] : job->groups) {
+        internal::AssertGroupOf(*job, *group);
+        group->broken = "job ended";
+        while (!group->pending.empty()) {
+          FailPendingLocked(*group, group->pending.begin()->first,
+                            absl::UnavailableError("job ended"), out,
+                            /*send_to_other_nodes=*/false);
+        }
+      }
+      auto it = jobs_.find(job->id);
+      if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+      job_ended = true;
+    }
+  }
+  {
+    absl::MutexLock lock(&session.mu);
+    session.ended = true;
+    buffers_.fetch_sub(static_cast<int64_t>(session.buffers.size()));
+    session.buffers.clear();  // unmapped now, or when the last op using them finishes
+  }
+  Log()->info("session closed job={} rank={} session={} reason={}", job->id, session.rank,
+              session.id, std::string(reason));
+  for (auto& fn : out) fn();
+  if (job_ended) {
+    Log()->info("job ended job={}", job->id);
+    if (on_job_end_) on_job_end_(job->id);
+  }
+}
+
+absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
+                                                const v1::RegisterBufferRequest& req) {
+  if (req.dtype() != v1::DTYPE_UNSPECIFIED && DTypeSize(req.dtype()) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", req.dtype()));
+  }
+  // What names the memory: the shm object, or the CUDA allocation and the offset in it.
+  const std::string handle =
+      req.has_cuda()
+          ? absl::StrCat("cuda:dev", req.cuda().device(), ":",
+                         absl::BytesToHexString(req.cuda().mem_handle()), "+", req.cuda().offset())
+          : (req.fd_token().empty() ? req.shm_name() : absl::StrCat("memfd:", req.fd_token()));
+  {
+    absl::MutexLock lock(&session.mu);
+    if (session.ended) return absl::FailedPreconditionError("session has ended");
+    if (static_cast<int>(session.buffers.size()) >= options_.max_buffers_per_session) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("session has ", session.buffers.size(),
+                       " buffers, the most allowed (--max_buffers_per_session)"));
+    }
+    for (const auto& [id, buffer] : session.buffers) {
+      if (buffer.handle == handle) {
+        return absl::AlreadyExistsError(
+            absl::StrCat(handle, " is already registered as buffer ", id));
+      }
+    }
+  }
+  // The node's count is taken before mapping and given back if the buffer is not kept.
+  if (buffers_.fetch_add(1) >= options_.max_buffers) {
+    const int64_t held = buffers_.fetch_sub(1) - 1;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the daemon holds ", held, " buffers of all sessions, the limit (--max_buffers)"));
+  }
+  // Map without the session lock: mapping a large object takes a while.
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> imported = importer_->Import(req);
+  absl::MutexLock lock(&session.mu);
+  if (!imported.ok() || session.ended) {
+    buffers_.fetch_sub(1);
+    if (!imported.ok()) return imported.status();
+    return absl::FailedPreconditionError("session has ended");
+  }
+  std::unique_ptr<MappedBuffer> mapping = *std::move(imported);
+  const uint64_t id = session.next_buffer_id++;
+  Log()->debug("buffer registered session={} id={} {}", session.id, id, mapping->Describe());
+  session.buffers.emplace(id, Session::Buffer{std::move(mapping), req.dtype(), handle});
+  return id;
+}
+
+absl::Status Engine::DeregisterBuffer(Session& session, uint64_t buffer_id) {
+  absl::MutexLock lock(&session.mu);
+  if (session.buffers.erase(buffer_id) == 0) {
+    return absl::NotFoundError(
+        absl::StrCat("buffer ", buffer_id, " is not registered in this session"));
+  }
+  buffers_.fetch_sub(1);
+  Log()->debug("buffer deregistered session={} id={}", session.id, buffer_id);
+  return absl::OkStatus();
+}
+
+std::vector<Engine::SessionInfo> Engine::ListSessions() const {
+  std::vector<SessionInfo> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, job] : jobs_) {
+    absl::MutexLock job_lock(&job->mu);
+    for (Session* s : job->ranks) {
+      if (s == nullptr) continue;
+      SessionInfo info{s->id, job->id, s->rank, s->local_rank, job->world_size, 0, 0};
+      absl::MutexLock session_lock(&s->mu);
+      info.buffers = static_cast<int>(s->buffers.size());
+      for (const auto& [bid, b] : s->buffers) info.mapped_bytes += b.mapping->size();
+      out.push_back(std::move(info));
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const SessionInfo& x, const SessionInfo& y) {
+    return std::tie(x.job, x.rank) < std::tie(y.job, y.rank);
+  });
+  return out;
+}
+
+}  // namespace gradsync::core
