@@ -2,11 +2,11 @@
 
 #include "daemon/backend/nccl/nccl_communicator.h"
 
-#include <algorithm>
 #include <memory>
 #include <optional>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -40,8 +40,8 @@ std::vector<int64_t> Counts(const core::View& view) {
 }
 
 // "[4,12]": a segmentation as errors and the nodes' fingerprints give it. Past kListed segments
-// the middle is left out and a digest of all the counts stands for them, so that two
-// segmentations give the same text only when they are the same.
+// the middle is left out and a digest of all the counts stands for them, so that two different
+// segmentations give different texts (but for a 64-bit hash collision).
 std::string SegmentList(const std::vector<int64_t>& counts) {
   constexpr size_t kListed = 16;
   if (counts.size() <= kListed) return absl::StrCat("[", absl::StrJoin(counts, ","), "]");
@@ -75,10 +75,11 @@ core::View MergeAdjacent(const core::View& view, int64_t esize) {
 // The buffers `a` and `b` (when not null) lie in, each once, in the order they first appear.
 std::vector<const core::MappedBuffer*> Buffers(const core::View& a, const core::View* b) {
   std::vector<const core::MappedBuffer*> out;
+  absl::flat_hash_set<const core::MappedBuffer*> seen;  // a pack may have many segments
   for (const core::View* view : {&a, b}) {
     if (view == nullptr) continue;
     for (const core::Run& r : *view) {
-      if (std::find(out.begin(), out.end(), r.buffer) == out.end()) out.push_back(r.buffer);
+      if (seen.insert(r.buffer).second) out.push_back(r.buffer);
     }
   }
   return out;
