@@ -126,6 +126,127 @@ absl::StatusOr<std::vector<NcclCommunicator::Member>> NcclCommunicator::Members(
 
 absl::StatusOr<NcclCommunicator::Plan> NcclCommunicator::MakePlan(
     const core::Collective& op) const {
+  absl::StatusOr<std::vector<Member>> members = Members(op);
+  if (!members.ok()) return members.status();
+  Plan plan;
+  plan.members = *std::move(members);
+  if (plan.members.empty()) return plan;
+  const int64_t esize = DTypeSize(op.dtype);
+  if (esize <= 0) return absl::InvalidArgumentError(absl::StrCat(op.label, ": unknown dtype"));
+  if (HasOutput(op.kind)) {
+    // ALL_GATHER writes rank r's input to [r*count, (r+1)*count) of the whole output, and
+    // REDUCE_SCATTER gives rank r that range of the reduced input: one NCCL call per segment
+    // would lay each segment out rank by rank on its own instead, which is not the op. So each
+    // rank's input and output must each be one range (adjacent segments merged); a pack of
+    // them belongs in one buffer, or on host buffers (the CPU plane copies through a scratch).
+    Call call;
+    for (const Member& m : plan.members) {
+      const core::View in = MergeAdjacent(m.in, esize), out = MergeAdjacent(m.out, esize);
+      if (in.size() != 1 || out.size() != 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            op.label, ": on GPU buffers ", v1::OpKind_Name(op.kind),
+            " takes each rank's input and output as one contiguous range (rank ", m.group_rank,
+            "'s input is in ", in.size(), " and its output in ", out.size(),
+            " separate segments): it lays the output out rank by rank over the whole array, "
+            "which one NCCL call per segment cannot do"));
+      }
+      call.send_recv.emplace_back(in[0].data, out[0].data);
+    }
+    call.count = op.count;
+    plan.calls.push_back(std::move(call));
+    return plan;
+  }
+  // ALL_REDUCE and BROADCAST: elementwise, so segment by segment, the same on every rank.
+  const Member& first = plan.members.front();
+  const std::vector<int64_t> segments = Counts(first.in);
+  for (const Member& m : plan.members) {
+    if (std::vector<int64_t> theirs = Counts(m.in); theirs != segments) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "desync in ", op.label, ": rank ", first.group_rank, " has segments ",
+          SegmentList(segments), " but rank ", m.group_rank, " has ", SegmentList(theirs)));
+    }
+  }
+  int64_t total = 0;
+  for (int64_t n : segments) total += n;
+  if (total != op.count) {
+    return absl::InvalidArgumentError(absl::StrCat(op.label, ": the segments hold ", total,
+                                                   " elements but the op has ", op.count));
+  }
+  for (size_t k = 0; k < segments.size(); ++k) {
+    // Segment k continues the last call where it follows it in memory on every local rank
+    // (and the group is within this node: see MakePlan's declaration).
+    bool merge = k > 0 && !Spanning();
+    for (const Member& m : plan.members) {
+      merge = merge && m.in[k].buffer == m.in[k - 1].buffer &&
+              m.in[k].data == m.in[k - 1].data + m.in[k - 1].count * esize;
+    }
+    if (merge) {
+      plan.calls.back().count += segments[k];
+      continue;
+    }
+    Call call;
+    call.count = segments[k];
+    for (const Member& m : plan.members) call.send_recv.emplace_back(m.in[k].data, m.in[k].data);
+    plan.calls.push_back(std::move(call));
+  }
+  return plan;
+}
+
+std::string NcclCommunicator::NodeFingerprint(const core::Collective& op) {
+  if (!op.local_failure.ok() || op.local.empty() || HasOutput(op.kind)) return op.fingerprint;
+  // The local ranks' segmentations are the same, or the op fails before it looks at the store.
+  return absl::StrCat(op.fingerprint, " segments=", SegmentList(Counts(op.local.front().input)));
+}
+
+std::string NcclCommunicator::NodeAndRanks() const {
+  return absl::StrCat("node ", spec_.node, " (ranks ", absl::StrJoin(spec_.local_members, ","),
+                      ")");
+}
+
+absl::Status NcclCommunicator::Run(const core::Collective& op) {
+  if (!Spanning() && !op.local_failure.ok()) return op.local_failure;
+  // Declared before the group's lock: what the op decides to tell the other nodes is written
+  // once the lock is released.
+  DeferredWrites later;
+  std::optional<PeerFailureWatch> peers;
+  absl::Status s;
+  while (true) {
+    std::shared_ptr<GroupComms> c = table_->Get(spec_.job, spec_.group);
+    LockedComms locked(c.get());
+    if (c->erased) continue;  // dropped meanwhile: a fresh one is in the table now
+    peers.emplace(Spanning() ? spec_.rendezvous : nullptr, spec_, op, NodeFingerprint(op));
+    s = RunOnGroupLocked(*c, op, *peers, later);
+    break;
+  }
+  peers->Finished(s);
+  // This node is out of step with the others on this group now (its communicators went under
+  // the lock): the other nodes hear at once that this op failed rather than wait for it.
+  if (!s.ok() && Spanning() && !peers->peers_know()) {
+    later.WriteWhileRunLasts(spec_.rendezvous, spec_.job, spec_.run, FailKey(spec_, op.seq),
+                             absl::StrCat(NodeAndRanks(), ": ", s.message()));
+  }
+  return s;
+}
+
+absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Collective& op,
+                                                PeerFailureWatch& peers, DeferredWrites& later) {
+  if (c.kept_until != absl::InfinitePast()) {
+    Log()->info("nccl communicators kept from the job's last run reused job={} group={}", spec_.job,
+                spec_.group);
+    c.kept_until = absl::InfinitePast();
+  }
+  if (c.abort_requested.exchange(false)) {  // the job's communicators aborted while idle
+    (void)table_->AbortLocked(c, c.AbortReason(), later);
+  }
+  absl::Status s = RunLocked(c, op, peers, later);
+  if (s.ok() || !Spanning()) return s;
+  if (!c.comms.empty()) (void)table_->AbortLocked(c, s, later);
+  return s;
+}
+
+absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& op,
+                                         PeerFailureWatch& peers, DeferredWrites& later) {
+  if (!op.local_failure.ok()) return op.local_failure;
   // Checked before any NCCL call: a local desync or a refused layout never reaches NCCL.
   absl::StatusOr<Plan> plan = MakePlan(op);
   if (!plan.ok()) return plan.status();
