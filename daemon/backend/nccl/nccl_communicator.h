@@ -55,10 +55,12 @@ class NcclCommunicator final : public core::Communicator {
   // segmentation (else a desync naming both); adjacent segments merge into one call where they
   // are contiguous on every rank, but only in a group within this node: across nodes each node
   // would decide alone, and the calls would no longer pair up, so there every segment is its
-  // own call (the segmentation, which the nodes compare, decides them all). ALL_GATHER and
-  // REDUCE_SCATTER take one contiguous range per rank and side (adjacent segments merged), or
-  // fail with INVALID_ARGUMENT: their output is laid out rank by rank over the whole array,
-  // which one NCCL call per segment cannot write.
+  // own call (the segmentation decides them all, and the nodes compare it with the rest of the
+  // fingerprint: NodeFingerprint; like any cross-node mismatch, only once the op has run for
+  // PeerFailureWatch::kWatchAfter: calls that do not pair up mostly hang until then, but ones
+  // NCCL completes sooner are not caught). ALL_GATHER and REDUCE_SCATTER take one contiguous range
+  // per rank and side (adjacent segments merged), or fail with INVALID_ARGUMENT: their output is
+  // laid out rank by rank over the whole array, which one NCCL call per segment cannot write.
   absl::StatusOr<Plan> MakePlan(const core::Collective& op) const;
   // The op's fingerprint as this node publishes it to the others (PeerFailureWatch): the
   // engine's, with this node's segmentation of the data of a segmented kind.
