@@ -78,6 +78,35 @@ TEST_F(GpuTest, OneRankNcclOpsThroughTheDaemonWriteTheirOutputsInStreamOrder) {
   }
 }
 
+// A fused all-reduce of 3 segments in two buffers (one allocation) runs as one NCCL group:
+// values in every segment, nothing written outside them, three times in stream order.
+TEST_F(GpuTest, AFusedAllReduceOfThreeSegmentsRunsThroughTheDaemon) {
+  auto d = StartDaemon();
+  ASSERT_NE(d, nullptr);
+  for (const auto& [code, out] : Workers({{d->unix_target(), "gf", "1", "0", "fused"}})) {
+    EXPECT_EQ(code, 0) << out;
+    EXPECT_TRUE(absl::StrContains(out, "ok fused segments=3 checks=18")) << out;
+  }
+}
+
+// The same with two ranks on two GPUs of one daemon (the sums show the data moved); it needs
+// two devices.
+TEST_F(GpuTest, AFusedAllReduceOfTwoRanksOnTwoGpusSumsEverySegment) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) {
+    GTEST_SKIP() << "needs two CUDA devices (NCCL puts one rank of a communicator per GPU); " << n
+                 << " here";
+  }
+  auto d = StartDaemon();
+  ASSERT_NE(d, nullptr);
+  for (const auto& [code, out] :
+       Workers({{d->unix_target(), "gf2", "2", "0", "fused", "device=0"},
+                {d->unix_target(), "gf2", "2", "1", "fused", "device=1"}})) {
+    EXPECT_EQ(code, 0) << out;
+    EXPECT_TRUE(absl::StrContains(out, "ok fused segments=3 checks=18 world=2")) << out;
+  }
+}
+
 TEST_F(GpuTest, TwoTrainerProcessesShareTheGpuAndTheDaemon) {
   auto d = StartDaemon();
   ASSERT_NE(d, nullptr);

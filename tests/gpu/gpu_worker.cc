@@ -13,8 +13,17 @@
 //            unchanged, are checked but cannot show that the daemon did anything.
 //     hold   registers a buffer, prints "mapped", then sleeps (the test kills it)
 //     once   one all-reduce with timeout_ms=T; prints "status CODE message"
+//     fused  (any world; device=D per rank) a fused all-reduce (sum) of 3 segments, q = N/4
+//            floats each but the last: a[0,q) and a[q,2q) (adjacent: one NCCL call on one
+//            node) and b[q,3q) (another buffer), three times; each time the segments are
+//            written late (after a delay kernel, over stale data) and every float of a and b
+//            outside them holds a gap pattern. Checks every segment holds the sum of the
+//            ranks' inputs and every gap is untouched. With one rank the sum leaves the
+//            input as it is: what it shows then is the fused op accepted and run, and nothing
+//            written outside the segments. Prints "ok fused segments=3 checks=K world=W".
 //   keys: count=N (floats per buffer, default 1Mi), op_timeout_ms=T (each op's deadline,
-//   default 20000), delay_us=U (default 20000), local_world_size=L, root=HOST:PORT.
+//   default 20000), delay_us=U (default 20000), local_world_size=L, root=HOST:PORT,
+//   device=D (the CUDA device, default 0).
 // Prints "ok ..." on success; exit code 1 on any error or wrong value, with the reason.
 #include <cuda_runtime_api.h>
 #include <unistd.h>
@@ -69,6 +78,93 @@ struct Step {
   Pattern want;
 };
 
+// The "fused" scenario (see the top of this file).
+int Fused(Client& client, CudaBuffer& a, CudaBuffer& b, float* a_data, float* b_data, int64_t n,
+          int world, int rank, const OpOptions& options) {
+  const int64_t q = n / 4;
+  if (q < 1) Die("fused: count must be at least 4");
+  cudaStream_t stream;
+  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  const int64_t delay_us = std::stoll(Arg("delay_us", "20000"));
+  const Pattern stale{-1.0f, -1.0f, 13};
+  const Pattern gap{-5555.0f, 0.0f, 1};
+  // Rank r's segment k: base 3r + k + 1, step 0.5, period 251; the sum over the ranks is exact.
+  auto input = [](int r, int k) { return Pattern{static_cast<float>(3 * r + k + 1), 0.5f, 251}; };
+  auto sum = [&](int k) {
+    Pattern p{0, 0, 251};
+    for (int r = 0; r < world; ++r) {
+      p.base += input(r, k).base;
+      p.step += input(r, k).step;
+    }
+    return p;
+  };
+  struct Range {
+    float* data;
+    int64_t count;
+    Pattern want;
+    std::string what;
+  };
+  // The segments (client side and where they lie) and the gaps.
+  const std::vector<gradsync::client::Segment> segments = {
+      {a.id(), 0, q},
+      {a.id(), static_cast<int64_t>(q * sizeof(float)), q},
+      {b.id(), static_cast<int64_t>(q * sizeof(float)), 2 * q}};
+  const std::vector<float*> seg_data = {a_data, a_data + q, b_data + q};
+  std::vector<Range> checks;
+  for (int k = 0; k < 3; ++k) {
+    checks.push_back({seg_data[k], segments[k].count, sum(k), absl::StrCat("segment ", k)});
+  }
+  checks.push_back({a_data + 2 * q, n - 2 * q, gap, "a after the segments"});
+  checks.push_back({b_data, q, gap, "b before its segment"});
+  checks.push_back({b_data + 3 * q, n - 3 * q, gap, "b after its segment"});
+  constexpr int kRounds = 3;
+  const size_t slots_n = kRounds * checks.size();
+  CheckSlot* slots = nullptr;
+  Check(cudaMalloc(reinterpret_cast<void**>(&slots), slots_n * sizeof(CheckSlot)), "cudaMalloc");
+  Check(cudaMemsetAsync(slots, 0, slots_n * sizeof(CheckSlot), stream), "cudaMemsetAsync");
+  for (int round = 0; round < kRounds; ++round) {
+    Check(gradsync::testing::LaunchFill(a_data, n, gap, stream), "fill a gap");
+    Check(gradsync::testing::LaunchFill(b_data, n, gap, stream), "fill b gap");
+    for (int k = 0; k < 3; ++k) {
+      Check(gradsync::testing::LaunchFill(seg_data[k], segments[k].count, stale, stream),
+            "fill stale");
+    }
+    Check(gradsync::testing::LaunchDelay(delay_us, stream), "delay");
+    for (int k = 0; k < 3; ++k) {
+      Check(gradsync::testing::LaunchFill(seg_data[k], segments[k].count, input(rank, k), stream),
+            "fill input");
+    }
+    Check(a.Ready(stream), "ready a");
+    Check(b.Ready(stream), "ready b");
+    Check(client.AllReduce(gradsync::v1::FLOAT32, gradsync::v1::SUM, segments, options),
+          absl::StrCat("fused all_reduce round ", round));
+    Check(a.WaitDone(stream), "wait done a");
+    Check(b.WaitDone(stream), "wait done b");
+    for (size_t i = 0; i < checks.size(); ++i) {
+      Check(gradsync::testing::LaunchCheck(checks[i].data, checks[i].count, checks[i].want,
+                                           &slots[round * checks.size() + i], stream),
+            "check");
+    }
+  }
+  Check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  std::vector<CheckSlot> found(slots_n);
+  Check(cudaMemcpy(found.data(), slots, slots_n * sizeof(CheckSlot), cudaMemcpyDeviceToHost),
+        "cudaMemcpy results");
+  std::string wrong;
+  for (size_t i = 0; i < slots_n; ++i) {
+    if (found[i].wrong == 0) continue;
+    const Range& r = checks[i % checks.size()];
+    absl::StrAppend(&wrong, wrong.empty() ? "" : "; ", "round ", i / checks.size(), " ", r.what,
+                    ": ", found[i].wrong, " of ", r.count, " wrong, e.g. [", found[i].index,
+                    "] = ", found[i].got);
+  }
+  if (!wrong.empty()) Die(wrong);
+  cudaFree(slots);
+  cudaStreamDestroy(stream);
+  std::printf("ok fused segments=3 checks=%zu world=%d\n", slots_n, world);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,7 +181,7 @@ int main(int argc, char** argv) {
                                         local_world, Arg("root", "")};
   auto client = Client::Connect(argv[1], placement);
   Check(client.status(), "connect");
-  Check(cudaSetDevice(0), "cudaSetDevice");
+  Check(cudaSetDevice(std::stoi(Arg("device", "0"))), "cudaSetDevice");
   const int64_t n = std::stoll(Arg("count", "1048576"));
   const size_t bytes = static_cast<size_t>(n) * sizeof(float);
   OpOptions options;
@@ -117,6 +213,8 @@ int main(int argc, char** argv) {
                 std::string(s.message()).c_str());
     return 0;
   }
+  if (scenario == "fused")
+    return Fused(**client, **a, **b, a_data, b_data, n, world, rank, options);
   if (scenario != "ops") Die("unknown scenario " + scenario);
   if (world != 1) {
     Die("the ops scenario runs one rank (NCCL puts one rank of a communicator per GPU)");

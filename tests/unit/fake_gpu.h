@@ -62,9 +62,10 @@ class FakeGpu final : public gpu::GpuApi {
   std::map<std::pair<int, std::string>, std::byte*> mapped;
   std::map<std::pair<int, std::string>, int> map_refs;  // opens not yet closed, per mapping
   int opens = 0, closes = 0, events_open = 0, streams_open = 0, aborts = 0;
-  int closes_while_busy = 0;     // IPC mappings closed while a stream still ran kernels
-  std::vector<std::string> ids;  // unique id of every NcclCommInitRank
-  std::vector<std::string> log;  // ordered calls on streams, events and NCCL
+  int closes_while_busy = 0;         // IPC mappings closed while a stream still ran kernels
+  std::vector<std::string> ids;      // unique id of every NcclCommInitRank
+  std::vector<std::string> log;      // ordered calls on streams, events and NCCL
+  std::vector<gpu::NcclCall> calls;  // every NcclCollective, in order, as it was called
 
   absl::StatusOr<int> DeviceCount() override {
     if (!device_error.ok()) return device_error;
@@ -205,6 +206,7 @@ class FakeGpu final : public gpu::GpuApi {
     std::lock_guard<std::mutex> lock(mu_);
     log.push_back(absl::StrCat("coll", call.kind, " ", Name(call.comm), " ", Name(call.stream),
                                " n=", call.count, call.send == call.recv ? " inplace" : ""));
+    calls.push_back(call);
     polls_[call.comm] = launch_polls;
     aborted_ = false;  // new kernels, which hang (streams_hang) until the next abort
     busy_polls_ = 0;

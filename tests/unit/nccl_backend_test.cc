@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "daemon/backend/nccl/dispatch_backend.h"
 #include "daemon/ipc/cuda_importer.h"
@@ -66,6 +67,32 @@ class NcclBackendTest : public ::testing::Test {
       const DeviceBuffer& b = Buffer(rank, device);
       op.local.push_back({rank, {{b.data(), 16, &b}}, {}});
     }
+    return op;
+  }
+  // A device buffer of its own at `address` on `device`, events e(id+1) ready and e(id+2) done.
+  const DeviceBuffer& BufferAt(uintptr_t address, int device, int id) {
+    buffers_.push_back(std::make_unique<DeviceBuffer>(device, address, FakeGpu::Handle(id + 1),
+                                                      FakeGpu::Handle(id + 2)));
+    return *buffers_.back();
+  }
+  // Segment of `count` floats at element `at` of `b`.
+  static core::Run Seg(const DeviceBuffer& b, int64_t at, int64_t count) {
+    return {b.data() + at * 4, count, &b};
+  }
+  // A fused all-reduce (sum, float32) of `views` (group rank, input segments).
+  static core::Collective Fused(const std::vector<std::pair<int, core::View>>& views, int size,
+                                uint64_t seq = 0) {
+    core::Collective op;
+    op.kind = v1::ALL_REDUCE;
+    op.reduce_op = v1::SUM;
+    op.dtype = v1::FLOAT32;
+    for (const core::Run& r : views.front().second) op.count += r.count;
+    op.group_size = size;
+    op.seq = seq;
+    op.deadline = absl::Now() + absl::Seconds(20);
+    op.label = absl::StrCat("all_reduce job=j group=world seq=", seq);
+    op.fingerprint = absl::StrCat("all_reduce(sum, float32, count=", op.count, ") seq=", seq);
+    for (const auto& [rank, view] : views) op.local.push_back({rank, view, {}});
     return op;
   }
   core::CommunicatorSpec Spec(std::vector<int> local, int size, const std::string& group = "world",
@@ -329,15 +356,139 @@ TEST_F(NcclBackendTest, AMissingRootNodeIsNamedAtTheDeadline) {
   EXPECT_TRUE(absl::StrContains(s.message(), "never came from the node of rank 0")) << s;
 }
 
-TEST_F(NcclBackendTest, RefusesFusedAndMixedDeviceOps) {
+TEST_F(NcclBackendTest, RefusesMixedDeviceOps) {
   auto comm = Make(Spec({0, 1}, 2));
-  core::Collective fused = AllReduce({{0, 0}, {1, 1}}, 2);
-  fused.local[0].input.push_back(fused.local[0].input[0]);
-  EXPECT_EQ(comm->Run(fused).code(), absl::StatusCode::kUnimplemented);
   core::Collective host = AllReduce({{0, 0}, {1, 1}}, 2);
   host.local[1].input[0].buffer = nullptr;
   EXPECT_EQ(comm->Run(host).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(backend_.comm_inits(), 0);
+}
+
+TEST_F(NcclBackendTest, AFusedAllReduceRunsAsOneGroupOfCallsPerSegmentOnEveryLocalRank) {
+  auto comm = Make(Spec({0, 1}, 2));
+  // Each rank: segments of 4 and 12 floats in buffer x (a gap between them) and 8 in buffer y.
+  const DeviceBuffer& x0 = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& y0 = BufferAt(0x9100'0000, 0, 1010);
+  const DeviceBuffer& x1 = BufferAt(0x9200'0000, 1, 1020);
+  const DeviceBuffer& y1 = BufferAt(0x9300'0000, 1, 1030);
+  core::Collective op = Fused({{0, {Seg(x0, 0, 4), Seg(x0, 8, 12), Seg(y0, 0, 8)}},
+                               {1, {Seg(x1, 100, 4), Seg(x1, 200, 12), Seg(y1, 40, 8)}}},
+                              2);
+  ASSERT_TRUE(comm->Run(op).ok());
+  const std::vector<std::string> want = {
+      "group_start", "init h1 d0 rank 0/2", "init h2 d1 rank 1/2", "group_end", "stream d0 h3",
+      "stream d1 h4",
+      // Each buffer's "ready" once.
+      "wait h3 h1001", "wait h3 h1011", "wait h4 h1021", "wait h4 h1031",
+      // One group: segment by segment, every local rank's call.
+      "group_start", "coll1 h1 h3 n=4 inplace", "coll1 h2 h4 n=4 inplace",
+      "coll1 h1 h3 n=12 inplace", "coll1 h2 h4 n=12 inplace", "coll1 h1 h3 n=8 inplace",
+      "coll1 h2 h4 n=8 inplace", "group_end",
+      // Each written buffer's "done" once.
+      "record h1002 h3", "record h1012 h3", "record h1022 h4", "record h1032 h4"};
+  EXPECT_EQ(gpu_.log, want);
+  ASSERT_EQ(gpu_.calls.size(), 6u);
+  const std::vector<std::byte*> at = {x0.data(),       x1.data() + 400, x0.data() + 32,
+                                      x1.data() + 800, y0.data(),       y1.data() + 160};
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(gpu_.calls[i].send, at[i]) << i;
+    EXPECT_EQ(gpu_.calls[i].recv, at[i]) << i;
+    EXPECT_EQ(gpu_.calls[i].reduce_op, v1::SUM);
+    EXPECT_EQ(gpu_.calls[i].dtype, v1::FLOAT32);
+  }
+}
+
+TEST_F(NcclBackendTest, SegmentsContiguousOnEveryLocalRankMergeIntoOneCall) {
+  auto comm = Make(Spec({0, 1}, 2));
+  const DeviceBuffer& x0 = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& x1 = BufferAt(0x9200'0000, 1, 1020);
+  const DeviceBuffer& y1 = BufferAt(0x9300'0000, 1, 1030);
+  // [4, 12, 8]: 4 and 12 follow each other on both ranks; 12 and 8 only on rank 0.
+  ASSERT_TRUE(comm->Run(Fused({{0, {Seg(x0, 0, 4), Seg(x0, 4, 12), Seg(x0, 16, 8)}},
+                               {1, {Seg(x1, 10, 4), Seg(x1, 14, 12), Seg(y1, 0, 8)}}},
+                              2))
+                  .ok());
+  ASSERT_EQ(gpu_.calls.size(), 4u);
+  EXPECT_EQ(gpu_.calls[0].count, 16);
+  EXPECT_EQ(gpu_.calls[0].send, x0.data());
+  EXPECT_EQ(gpu_.calls[1].count, 16);
+  EXPECT_EQ(gpu_.calls[1].send, x1.data() + 40);
+  EXPECT_EQ(gpu_.calls[2].count, 8);
+  EXPECT_EQ(gpu_.calls[2].send, x0.data() + 64);
+  EXPECT_EQ(gpu_.calls[3].count, 8);
+  EXPECT_EQ(gpu_.calls[3].send, y1.data());
+  // Contiguous on both: one call each, as an op on one segment.
+  gpu_.calls.clear();
+  ASSERT_TRUE(comm->Run(Fused({{0, {Seg(x0, 0, 4), Seg(x0, 4, 12), Seg(x0, 16, 8)}},
+                               {1, {Seg(x1, 0, 4), Seg(x1, 4, 12), Seg(x1, 16, 8)}}},
+                              2, 1))
+                  .ok());
+  ASSERT_EQ(gpu_.calls.size(), 2u);
+  EXPECT_EQ(gpu_.calls[0].count, 24);
+  EXPECT_EQ(gpu_.calls[1].count, 24);
+}
+
+TEST_F(NcclBackendTest, LocalRanksWithDifferentSegmentationsAreADesyncAndNcclIsNeverCalled) {
+  auto comm = Make(Spec({0, 1}, 2));
+  const DeviceBuffer& x0 = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& x1 = BufferAt(0x9200'0000, 1, 1020);
+  absl::Status s =
+      comm->Run(Fused({{0, {Seg(x0, 0, 4), Seg(x0, 4, 12)}}, {1, {Seg(x1, 0, 16)}}}, 2));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(
+      s.message(),
+      "desync in all_reduce job=j group=world seq=0: rank 0 has segments [4,12] but rank 1 has "
+      "[16]"))
+      << s;
+  EXPECT_TRUE(gpu_.log.empty()) << absl::StrJoin(gpu_.log, "; ");  // not even communicators
+  EXPECT_EQ(backend_.comm_inits(), 0);
+}
+
+TEST_F(NcclBackendTest, AFusedBroadcastRunsSegmentBySegmentFromTheRoot) {
+  auto comm = Make(Spec({0, 1}, 2));
+  const DeviceBuffer& x0 = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& x1 = BufferAt(0x9200'0000, 1, 1020);
+  core::Collective op =
+      Fused({{0, {Seg(x0, 0, 4), Seg(x0, 8, 4)}}, {1, {Seg(x1, 0, 4), Seg(x1, 8, 4)}}}, 2);
+  op.kind = v1::BROADCAST;
+  op.root = 1;
+  ASSERT_TRUE(comm->Run(op).ok());
+  ASSERT_EQ(gpu_.calls.size(), 4u);
+  for (const gpu::NcclCall& call : gpu_.calls) {
+    EXPECT_EQ(call.kind, v1::BROADCAST);
+    EXPECT_EQ(call.root, 1);
+    EXPECT_EQ(call.count, 4);
+  }
+  EXPECT_EQ(gpu_.calls[3].send, x1.data() + 32);
+}
+
+TEST_F(NcclBackendTest, AllGatherTakesOneRangePerSideAdjacentSegmentsMerged) {
+  auto comm = Make(Spec({0, 1}, 2));
+  const DeviceBuffer& x0 = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& x1 = BufferAt(0x9200'0000, 1, 1020);
+  auto gather = [&](core::View in0, core::View in1) {
+    core::Collective op;
+    op.kind = v1::ALL_GATHER;
+    op.dtype = v1::FLOAT32;
+    op.count = 8;
+    op.group_size = 2;
+    op.deadline = absl::Now() + absl::Seconds(5);
+    op.label = "all_gather job=j group=world seq=0";
+    op.local.push_back({0, std::move(in0), {Seg(x0, 100, 16)}});
+    op.local.push_back({1, std::move(in1), {Seg(x1, 100, 16)}});
+    return op;
+  };
+  // Rank 1's input in two separate ranges: refused before NCCL, saying why.
+  absl::Status s = comm->Run(gather({Seg(x0, 0, 8)}, {Seg(x1, 0, 4), Seg(x1, 8, 4)}));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "rank 1's input is in 2")) << s;
+  EXPECT_TRUE(gpu_.calls.empty());
+  // Adjacent: one call per rank over the whole range.
+  ASSERT_TRUE(comm->Run(gather({Seg(x0, 0, 8)}, {Seg(x1, 0, 4), Seg(x1, 4, 4)})).ok());
+  ASSERT_EQ(gpu_.calls.size(), 2u);
+  EXPECT_EQ(gpu_.calls[1].count, 8);
+  EXPECT_EQ(gpu_.calls[1].send, x1.data());
+  EXPECT_EQ(gpu_.calls[1].recv, x1.data() + 400);
 }
 
 TEST_F(NcclBackendTest, JobEndDropsItsCommunicatorsAndStreams) {
@@ -614,6 +765,88 @@ TEST_F(TwoNodesTest, ASlowOpThatCompletesLeavesNothingBehindInTheStore) {
   ASSERT_TRUE(sa.ok()) << sa;
   ASSERT_TRUE(sb.ok()) << sb;
   EXPECT_EQ(*store_.List("j", "nccl/"), std::vector<std::string>{"nccl/r2/world/0/id"});
+}
+
+TEST_F(TwoNodesTest, AcrossNodesEverySegmentIsItsOwnCallEvenWhereContiguous) {
+  // Each node sees only its own ranks' memory: merging would be its own decision, and the calls
+  // on the two nodes would no longer pair up.
+  const DeviceBuffer& xa = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& xb = BufferAt(0x9200'0000, 0, 1020);
+  gpu_.calls.clear();
+  gpu_b_.calls.clear();
+  auto [sa, sb] = RunBoth(Fused({{0, {Seg(xa, 0, 4), Seg(xa, 4, 12)}}}, 2, 1),
+                          Fused({{1, {Seg(xb, 0, 4), Seg(xb, 4, 12)}}}, 2, 1));
+  ASSERT_TRUE(sa.ok()) << sa;
+  ASSERT_TRUE(sb.ok()) << sb;
+  for (FakeGpu* gpu : {&gpu_, &gpu_b_}) {
+    ASSERT_EQ(gpu->calls.size(), 2u);
+    EXPECT_EQ(gpu->calls[0].count, 4);
+    EXPECT_EQ(gpu->calls[1].count, 12);
+  }
+}
+
+TEST_F(TwoNodesTest, NodesWithDifferentSegmentationsFailWithADesyncNamingBoth) {
+  gpu_.streams_hang = true;  // NCCL waits forever on calls that do not pair up
+  gpu_b_.streams_hang = true;
+  const DeviceBuffer& xa = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& xb = BufferAt(0x9200'0000, 0, 1020);
+  const absl::Time start = absl::Now();
+  auto [sa, sb] = RunBoth(Fused({{0, {Seg(xa, 0, 4), Seg(xa, 8, 12)}}}, 2, 1),
+                          Fused({{1, {Seg(xb, 0, 16)}}}, 2, 1));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not the deadline of 20 s
+  for (const absl::Status& s : {sa, sb}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "desync across nodes in all_reduce job=j")) << s;
+  }
+  EXPECT_TRUE(absl::StrContains(sa.message(),
+                                "node a:7451 has all_reduce(sum, float32, count=16) seq=1 "
+                                "segments=[4,12] but node b:7451 has all_reduce(sum, float32, "
+                                "count=16) seq=1 segments=[16]"))
+      << sa;
+  EXPECT_TRUE(absl::StrContains(sb.message(),
+                                "node b:7451 has all_reduce(sum, float32, count=16) "
+                                "seq=1 segments=[16] but node a:7451"))
+      << sb;
+  gpu_.streams_hang = false;
+  gpu_b_.streams_hang = false;
+  auto [a2, b2] = RunBoth(2);
+  ASSERT_TRUE(a2.ok()) << a2;
+  ASSERT_TRUE(b2.ok()) << b2;
+}
+
+TEST_F(NcclBackendTest, LongSegmentationsAreDigestedInWhatTheNodesCompare) {
+  // 40 segments on each of two nodes differing only in the middle: the published fingerprints
+  // must still differ. Checked through the desync message, as above.
+  store::MemoryStore store;
+  ASSERT_TRUE(store.Set("j", core::kRunKey, "r").ok());
+  FakeGpu gpu_b;
+  NcclBackend node_b(&gpu_b);
+  auto spec = [&](std::vector<int> local, const std::string& node) {
+    core::CommunicatorSpec s = Spec(std::move(local), 2, "world", &store);
+    s.node = node;
+    s.run = "r";
+    return s;
+  };
+  auto a = Make(spec({0}, "a:1"));
+  auto b = *node_b.CreateCommunicator(spec({1}, "b:1"));
+  const DeviceBuffer& xa = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& xb = BufferAt(0x9200'0000, 0, 1020);
+  core::View va, vb;
+  for (int i = 0; i < 40; ++i) {
+    va.push_back(Seg(xa, 10 * i, 2));
+    vb.push_back(Seg(xb, 10 * i, i == 20 ? 3 : 2));
+  }
+  vb[21].count = 1;  // the same total
+  gpu_.streams_hang = true;
+  gpu_b.streams_hang = true;
+  absl::Status sb;
+  std::thread t([&] { sb = b->Run(Fused({{1, vb}}, 2)); });
+  absl::Status sa = a->Run(Fused({{0, va}}, 2));
+  t.join();
+  for (const absl::Status& s : {sa, sb}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "(40 segments, digest ")) << s;
+  }
 }
 
 // A backend whose communicators count their ops.

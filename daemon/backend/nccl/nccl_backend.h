@@ -66,8 +66,9 @@ struct NcclOptions {
 /// node's reason. Such a failure does not abort
 /// the job's other groups: the node that failed first has told them itself. A slow op also
 /// publishes its fingerprint under `nccl/<run>/<group>/op/<seq>/<node>` and compares the other
-/// nodes' with it: ranks on different nodes that submitted different ops fail with "desync"
-/// instead of hanging in NCCL (an op that completes removes its fingerprint). What a failure
+/// nodes' with it: ranks on different nodes that submitted different ops, or a fused op
+/// (ALL_REDUCE, BROADCAST) in different segmentations, fail with "desync" naming both instead
+/// of hanging in NCCL (an op that completes removes its fingerprint). What a failure
 /// or an abort decides to tell the other nodes is written once the group's lock is released
 /// (DeferredWrites); only the op's own rendezvous (the unique id, the watch above) reads and
 /// writes the store while the op holds its group's lock.

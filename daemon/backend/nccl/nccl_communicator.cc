@@ -6,9 +6,11 @@
 #include <optional>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/dtype.h"
 #include "common/logging.h"
 #include "daemon/backend/nccl/backoff.h"
 
@@ -29,38 +31,171 @@ absl::Status WithDrain(const absl::Status& s, const absl::Status& drained) {
   return absl::Status(s.code(), absl::StrCat(s.message(), " (", drained.message(), ")"));
 }
 
+// The element counts of a view's segments.
+std::vector<int64_t> Counts(const core::View& view) {
+  std::vector<int64_t> counts;
+  counts.reserve(view.size());
+  for (const core::Run& r : view) counts.push_back(r.count);
+  return counts;
+}
+
+// "[4,12]": a segmentation as errors and the nodes' fingerprints give it. Past kListed segments
+// the middle is left out and a digest of all the counts stands for them, so that two different
+// segmentations give different texts (but for a 64-bit hash collision).
+std::string SegmentList(const std::vector<int64_t>& counts) {
+  constexpr size_t kListed = 16;
+  if (counts.size() <= kListed) return absl::StrCat("[", absl::StrJoin(counts, ","), "]");
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the counts' bytes
+  for (int64_t n : counts) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (static_cast<uint64_t>(n) >> (8 * i)) & 0xff;
+      h *= 0x100000001b3ull;
+    }
+  }
+  const size_t half = kListed / 2;
+  return absl::StrCat("[", absl::StrJoin(counts.begin(), counts.begin() + half, ","), ",...,",
+                      absl::StrJoin(counts.end() - half, counts.end(), ","), "] (", counts.size(),
+                      " segments, digest ", absl::Hex(h, absl::kZeroPad16), ")");
+}
+
+// `view` with the segments that follow each other in one buffer merged.
+core::View MergeAdjacent(const core::View& view, int64_t esize) {
+  core::View out;
+  for (const core::Run& r : view) {
+    if (!out.empty() && out.back().buffer == r.buffer &&
+        out.back().data + out.back().count * esize == r.data) {
+      out.back().count += r.count;
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+// The buffers `a` and `b` (when not null) lie in, each once, in the order they first appear.
+std::vector<const core::MappedBuffer*> Buffers(const core::View& a, const core::View* b) {
+  std::vector<const core::MappedBuffer*> out;
+  absl::flat_hash_set<const core::MappedBuffer*> seen;  // a pack may have many segments
+  for (const core::View* view : {&a, b}) {
+    if (view == nullptr) continue;
+    for (const core::Run& r : *view) {
+      if (seen.insert(r.buffer).second) out.push_back(r.buffer);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<NcclCommunicator::Member>> NcclCommunicator::Members(
     const core::Collective& op) {
   std::vector<Member> out;
+  const bool two = HasOutput(op.kind);
   for (const core::LocalMember& m : op.local) {
     Member member;
     member.group_rank = m.group_rank;
-    const bool two = HasOutput(op.kind);
-    if (m.input.size() != 1 || (two && m.output.size() != 1)) {
-      return absl::UnimplementedError(absl::StrCat(
-          op.label, ": on GPU buffers every rank's data must be one contiguous segment (rank ",
-          m.group_rank, " has ", m.input.size(), "); fused ops are for host buffers"));
+    member.in = m.input;
+    if (two) member.out = m.output;
+    if (member.in.empty() || (two && member.out.empty())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op.label, ": rank ", m.group_rank, " names no device buffer"));
     }
-    member.in = m.input[0];
-    if (two) member.out = m.output[0];
-    for (const core::Run* r : {&member.in, two ? &member.out : nullptr}) {
-      if (r == nullptr) continue;
-      if (r->buffer == nullptr || r->buffer->device() < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(op.label, ": rank ", m.group_rank, " names a host buffer"));
+    for (const core::View* view : {&member.in, two ? &member.out : nullptr}) {
+      if (view == nullptr) continue;
+      for (const core::Run& r : *view) {
+        if (r.buffer == nullptr || r.buffer->device() < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(op.label, ": rank ", m.group_rank, " names a host buffer"));
+        }
+        if (r.count <= 0) {  // the engine drops empty segments: NCCL takes size_t counts
+          return absl::InvalidArgumentError(absl::StrCat(
+              op.label, ": rank ", m.group_rank, " has a segment of ", r.count, " elements"));
+        }
+        if (member.device >= 0 && r.buffer->device() != member.device) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(op.label, ": rank ", m.group_rank, "'s buffers are on devices ",
+                           member.device, " and ", r.buffer->device()));
+        }
+        member.device = r.buffer->device();
       }
-      if (member.device >= 0 && r->buffer->device() != member.device) {
-        return absl::InvalidArgumentError(absl::StrCat(op.label, ": rank ", m.group_rank,
-                                                       "'s buffers are on devices ", member.device,
-                                                       " and ", r->buffer->device()));
-      }
-      member.device = r->buffer->device();
     }
-    out.push_back(member);
+    out.push_back(std::move(member));
   }
   return out;
+}
+
+absl::StatusOr<NcclCommunicator::Plan> NcclCommunicator::MakePlan(
+    const core::Collective& op) const {
+  absl::StatusOr<std::vector<Member>> members = Members(op);
+  if (!members.ok()) return members.status();
+  Plan plan;
+  plan.members = *std::move(members);
+  if (plan.members.empty()) return plan;
+  const int64_t esize = DTypeSize(op.dtype);
+  if (esize <= 0) return absl::InvalidArgumentError(absl::StrCat(op.label, ": unknown dtype"));
+  if (HasOutput(op.kind)) {
+    // ALL_GATHER writes rank r's input to [r*count, (r+1)*count) of the whole output, and
+    // REDUCE_SCATTER gives rank r that range of the reduced input: one NCCL call per segment
+    // would lay each segment out rank by rank on its own instead, which is not the op. So each
+    // rank's input and output must each be one range (adjacent segments merged); a pack of
+    // them belongs in one buffer, or on host buffers (the CPU plane copies through a scratch).
+    Call call;
+    for (const Member& m : plan.members) {
+      const core::View in = MergeAdjacent(m.in, esize), out = MergeAdjacent(m.out, esize);
+      if (in.size() != 1 || out.size() != 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            op.label, ": on GPU buffers ", v1::OpKind_Name(op.kind),
+            " takes each rank's input and output as one contiguous range (rank ", m.group_rank,
+            "'s input is in ", in.size(), " and its output in ", out.size(),
+            " separate segments): it lays the output out rank by rank over the whole array, "
+            "which one NCCL call per segment cannot do"));
+      }
+      call.send_recv.emplace_back(in[0].data, out[0].data);
+    }
+    call.count = op.count;
+    plan.calls.push_back(std::move(call));
+    return plan;
+  }
+  // ALL_REDUCE and BROADCAST: elementwise, so segment by segment, the same on every rank.
+  const Member& first = plan.members.front();
+  const std::vector<int64_t> segments = Counts(first.in);
+  for (const Member& m : plan.members) {
+    if (std::vector<int64_t> theirs = Counts(m.in); theirs != segments) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "desync in ", op.label, ": rank ", first.group_rank, " has segments ",
+          SegmentList(segments), " but rank ", m.group_rank, " has ", SegmentList(theirs)));
+    }
+  }
+  int64_t total = 0;
+  for (int64_t n : segments) total += n;
+  if (total != op.count) {
+    return absl::InvalidArgumentError(absl::StrCat(op.label, ": the segments hold ", total,
+                                                   " elements but the op has ", op.count));
+  }
+  for (size_t k = 0; k < segments.size(); ++k) {
+    // Segment k continues the last call where it follows it in memory on every local rank
+    // (and the group is within this node: see MakePlan's declaration).
+    bool merge = k > 0 && !Spanning();
+    for (const Member& m : plan.members) {
+      merge = merge && m.in[k].buffer == m.in[k - 1].buffer &&
+              m.in[k].data == m.in[k - 1].data + m.in[k - 1].count * esize;
+    }
+    if (merge) {
+      plan.calls.back().count += segments[k];
+      continue;
+    }
+    Call call;
+    call.count = segments[k];
+    for (const Member& m : plan.members) call.send_recv.emplace_back(m.in[k].data, m.in[k].data);
+    plan.calls.push_back(std::move(call));
+  }
+  return plan;
+}
+
+std::string NcclCommunicator::NodeFingerprint(const core::Collective& op) {
+  if (!op.local_failure.ok() || op.local.empty() || HasOutput(op.kind)) return op.fingerprint;
+  // The local ranks' segmentations are the same, or the op fails before it looks at the store.
+  return absl::StrCat(op.fingerprint, " segments=", SegmentList(Counts(op.local.front().input)));
 }
 
 std::string NcclCommunicator::NodeAndRanks() const {
@@ -79,7 +214,7 @@ absl::Status NcclCommunicator::Run(const core::Collective& op) {
     std::shared_ptr<GroupComms> c = table_->Get(spec_.job, spec_.group);
     LockedComms locked(c.get());
     if (c->erased) continue;  // dropped meanwhile: a fresh one is in the table now
-    peers.emplace(Spanning() ? spec_.rendezvous : nullptr, spec_, op);
+    peers.emplace(Spanning() ? spec_.rendezvous : nullptr, spec_, op, NodeFingerprint(op));
     s = RunOnGroupLocked(*c, op, *peers, later);
     break;
   }
@@ -112,11 +247,13 @@ absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Colle
 absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& op,
                                          PeerFailureWatch& peers, DeferredWrites& later) {
   if (!op.local_failure.ok()) return op.local_failure;
-  absl::StatusOr<std::vector<Member>> members = Members(op);
-  if (!members.ok()) return members.status();
-  if (members->empty()) return absl::OkStatus();
+  // Checked before any NCCL call: a local desync or a refused layout never reaches NCCL.
+  absl::StatusOr<Plan> plan = MakePlan(op);
+  if (!plan.ok()) return plan.status();
+  const std::vector<Member>& members = plan->members;
+  if (members.empty()) return absl::OkStatus();
   std::vector<int> devices, ranks;
-  for (const Member& m : *members) {
+  for (const Member& m : members) {
     devices.push_back(m.device);
     ranks.push_back(m.group_rank);
   }
@@ -127,7 +264,7 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
                               later);
   }
   if (c.comms.empty()) {
-    if (absl::Status s = BuildLocked(c, op, *members, devices, peers, later); !s.ok()) return s;
+    if (absl::Status s = BuildLocked(c, op, members, devices, peers, later); !s.ok()) return s;
   } else {
     peers.RunsOn(c.built_at);
   }
@@ -137,18 +274,17 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
     if (!stream.ok()) return Context(op, stream.status());
     c.streams[d] = *stream;
   }
-  // The daemon's streams wait for the trainers' work on the buffers.
-  for (const Member& m : *members) {
-    for (const core::Run* r : {&m.in, HasOutput(op.kind) ? &m.out : nullptr}) {
-      if (r == nullptr || r->buffer->ready_event() == nullptr) continue;
-      if (absl::Status s =
-              api_->StreamWaitEvent(m.device, c.streams[m.device], r->buffer->ready_event());
+  // The daemon's streams wait for the trainers' work on the buffers (each buffer once).
+  for (const Member& m : members) {
+    for (const core::MappedBuffer* b : Buffers(m.in, HasOutput(op.kind) ? &m.out : nullptr)) {
+      if (b->ready_event() == nullptr) continue;
+      if (absl::Status s = api_->StreamWaitEvent(m.device, c.streams[m.device], b->ready_event());
           !s.ok()) {
         return Context(op, s);
       }
     }
   }
-  if (absl::Status s = LaunchLocked(c, op, *members); !s.ok()) {
+  if (absl::Status s = LaunchLocked(c, op, *plan); !s.ok()) {
     // Some ranks' kernels may be queued already: stopped, and gone, before the buffers go.
     return Context(op, WithDrain(s, table_->AbortLocked(c, s, later)));
   }
@@ -160,13 +296,13 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
     return FailLocked(c, op, s, peers, later);
   }
   // The trainers' streams may wait for this: record "done" on every written buffer.
-  for (const Member& m : *members) {
-    const core::Run& written = HasOutput(op.kind) ? m.out : m.in;
-    if (written.buffer->done_event() == nullptr) continue;
-    if (absl::Status e =
-            api_->RecordEvent(m.device, written.buffer->done_event(), c.streams[m.device]);
-        !e.ok()) {
-      return FailLocked(c, op, e, peers, later);  // the kernels are queued: abort them first
+  for (const Member& m : members) {
+    for (const core::MappedBuffer* b : Buffers(HasOutput(op.kind) ? m.out : m.in, nullptr)) {
+      if (b->done_event() == nullptr) continue;
+      if (absl::Status e = api_->RecordEvent(m.device, b->done_event(), c.streams[m.device]);
+          !e.ok()) {
+        return FailLocked(c, op, e, peers, later);  // the kernels are queued: abort them first
+      }
     }
   }
   return WaitLocked(c, op, devices, peers, later);
@@ -251,21 +387,23 @@ absl::Status NcclCommunicator::BuildLocked(GroupComms& c, const core::Collective
 }
 
 absl::Status NcclCommunicator::LaunchLocked(GroupComms& c, const core::Collective& op,
-                                            const std::vector<Member>& members) {
+                                            const Plan& plan) {
   absl::Status s = api_->NcclGroupStart();
-  for (size_t i = 0; s.ok() && i < members.size(); ++i) {
-    const Member& m = members[i];
-    gpu::NcclCall call;
-    call.kind = op.kind;
-    call.reduce_op = op.reduce_op;
-    call.dtype = op.dtype;
-    call.send = m.in.data;
-    call.recv = HasOutput(op.kind) ? m.out.data : m.in.data;
-    call.count = op.count;
-    call.root = op.root;
-    call.comm = c.comms[i];
-    call.stream = c.streams[m.device];
-    s = api_->NcclCollective(call);
+  for (const Call& each : plan.calls) {
+    for (size_t i = 0; s.ok() && i < plan.members.size(); ++i) {
+      const Member& m = plan.members[i];
+      gpu::NcclCall call;
+      call.kind = op.kind;
+      call.reduce_op = op.reduce_op;
+      call.dtype = op.dtype;
+      call.send = each.send_recv[i].first;
+      call.recv = each.send_recv[i].second;
+      call.count = each.count;
+      call.root = op.root;
+      call.comm = c.comms[i];
+      call.stream = c.streams[m.device];
+      s = api_->NcclCollective(call);
+    }
   }
   if (absl::Status end = api_->NcclGroupEnd(); s.ok()) s = end;
   return s;

@@ -5,6 +5,7 @@
 // the other nodes' word, and aborts and drains them when it fails.
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -29,14 +30,41 @@ class NcclCommunicator final : public core::Communicator {
   absl::Status Run(const core::Collective& op) override;
 
  private:
-  // A local member's buffers for one op, checked: one device run each.
+  // A local member's buffers for one op, checked: runs on one device, each with elements.
   struct Member {
     int group_rank = 0;
     int device = -1;
-    core::Run in{};
-    core::Run out{};  // ALL_GATHER, REDUCE_SCATTER
+    core::View in;
+    core::View out;  // ALL_GATHER, REDUCE_SCATTER
+  };
+  // One NCCL call of the op on every local member, `count` elements from each one's `send` into
+  // its `recv` (per member, in the order of `members`): every local rank makes the same calls,
+  // with the same counts, in the same order.
+  struct Call {
+    int64_t count = 0;
+    std::vector<std::pair<const void*, void*>> send_recv;
+  };
+  // The op as this node launches it: its members and their calls, in order, in one NCCL group.
+  struct Plan {
+    std::vector<Member> members;
+    std::vector<Call> calls;
   };
   static absl::StatusOr<std::vector<Member>> Members(const core::Collective& op);
+  // The op's calls. ALL_REDUCE and BROADCAST are elementwise, so a fused op (members' data in
+  // several segments) runs segment by segment: every local rank must have the same
+  // segmentation (else a desync naming both); adjacent segments merge into one call where they
+  // are contiguous on every rank, but only in a group within this node: across nodes each node
+  // would decide alone, and the calls would no longer pair up, so there every segment is its
+  // own call (the segmentation decides them all, and the nodes compare it with the rest of the
+  // fingerprint: NodeFingerprint; like any cross-node mismatch, only once the op has run for
+  // PeerFailureWatch::kWatchAfter: calls that do not pair up mostly hang until then, but ones
+  // NCCL completes sooner are not caught). ALL_GATHER and REDUCE_SCATTER take one contiguous range
+  // per rank and side (adjacent segments merged), or fail with INVALID_ARGUMENT: their output is
+  // laid out rank by rank over the whole array, which one NCCL call per segment cannot write.
+  absl::StatusOr<Plan> MakePlan(const core::Collective& op) const;
+  // The op's fingerprint as this node publishes it to the others (PeerFailureWatch): the
+  // engine's, with this node's segmentation of the data of a segmented kind.
+  static std::string NodeFingerprint(const core::Collective& op);
 
   bool Spanning() const {
     return spec_.rendezvous != nullptr && spec_.local_members.size() != spec_.members.size();
@@ -65,8 +93,9 @@ class NcclCommunicator final : public core::Communicator {
                            const std::vector<Member>& members, const std::vector<int>& devices,
                            PeerFailureWatch& peers, DeferredWrites& later)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
-  absl::Status LaunchLocked(GroupComms& c, const core::Collective& op,
-                            const std::vector<Member>& members) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  // The plan's calls: for each call, on every local rank, in one ncclGroupStart/End.
+  absl::Status LaunchLocked(GroupComms& c, const core::Collective& op, const Plan& plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // Polls `comms` until all are ready (OK), one reports an error (that error), another node
   // gives up on the op (its word), or `deadline` passes (DEADLINE_EXCEEDED with `late`).
   // Non-blocking communicators leave ncclInProgress after initialising and after each

@@ -101,7 +101,7 @@ absl::Status PeerFailureWatch::Check() {
                       op_.deadline);
     }
     published_ = nccl::WriteWhileRunLasts(store_, spec_.job, spec_.run, FingerprintKey(spec_.node),
-                                          op_.fingerprint);
+                                          fingerprint_);
   }
   std::optional<std::string> failed = fail_->value();
   std::optional<std::string> broken = broken_ ? broken_->value() : std::nullopt;
@@ -143,10 +143,10 @@ absl::Status PeerFailureWatch::CompareFingerprints() {
     absl::StatusOr<std::string> theirs = store_->Get(spec_.job, key, absl::InfinitePast());
     if (!theirs.ok()) continue;
     compared_.insert(node);
-    if (*theirs != op_.fingerprint) {
+    if (*theirs != fingerprint_) {
       return absl::FailedPreconditionError(
           absl::StrCat("desync across nodes in ", op_.label, ": node ", spec_.node, " has ",
-                       op_.fingerprint, " but node ", node, " has ", *theirs));
+                       fingerprint_, " but node ", node, " has ", *theirs));
     }
   }
   return absl::OkStatus();

@@ -11,6 +11,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -97,9 +98,11 @@ class PeerFailureWatch {
   static constexpr absl::Duration kWatchAfter = absl::Milliseconds(100);
 
   /// `store` null: a group on one node, nothing to watch. `spec` and `op` must outlive this.
+  /// `fingerprint`: the op as this node runs it, which the nodes compare (the engine's
+  /// fingerprint, and what the communicator adds to it: its segmentation of the data).
   PeerFailureWatch(gradsync::Store* store, const core::CommunicatorSpec& spec,
-                   const core::Collective& op)
-      : store_(store), spec_(spec), op_(op) {}
+                   const core::Collective& op, std::string fingerprint)
+      : store_(store), spec_(spec), op_(op), fingerprint_(std::move(fingerprint)) {}
 
   /// The op runs on communicators built at op `built_at` (none: it builds its own).
   void RunsOn(std::optional<uint64_t> built_at) { built_at_ = built_at; }
@@ -129,6 +132,7 @@ class PeerFailureWatch {
   gradsync::Store* const store_;
   const core::CommunicatorSpec& spec_;
   const core::Collective& op_;
+  const std::string fingerprint_;
   std::optional<uint64_t> built_at_;
   const absl::Time start_ = absl::Now();
   absl::Time next_compare_ = absl::InfinitePast();
