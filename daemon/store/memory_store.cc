@@ -96,12 +96,13 @@ void MemoryStore::TryCompleteLocked(WaitId id, std::vector<Fired>& fired) {
   if (it == waiters_.end()) return;
   Waiter& w = it->second;
   auto job_it = jobs_.find(w.job);
-  auto lookup = [&](const std::string& key) -> const std::string* {
+  auto lookup = [&](const std::string& key)
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> const std::string* {
     if (job_it == jobs_.end()) return nullptr;
     auto found = job_it->second.kv.find(key);
     return found == job_it->second.kv.end() ? nullptr : &found->second;
   };
-  auto park = [&](size_t missing) {
+  auto park = [&](size_t missing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     w.present = missing;
     w.parked_on = w.keys[missing];
     parked_[ParkKey(w.job, w.parked_on)].push_back(id);

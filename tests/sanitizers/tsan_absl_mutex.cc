@@ -1,0 +1,198 @@
+// Tells ThreadSanitizer about absl::Mutex in a TSan build (GRADSYNC_SANITIZE=thread) whose abseil
+// is Debian's, built without TSan: there Mutex::Lock and friends carry no TSan annotations, so TSan
+// sees no lock at all and reports every guarded member as a race.
+//
+// Linked into every program of the build (exported with -rdynamic, so gRPC's calls come here too),
+// these definitions take the place of abseil's by symbol interposition: each annotates the lock or
+// unlock (the __tsan_mutex_* calls abseil makes itself when built with TSan) around the real
+// function, found with dlsym(RTLD_NEXT). A wait (Await*, LockWhen*, CondVar::Wait*) is an unlock
+// and a lock; while the real function runs, TSan ignores this thread's accesses, as abseil's own
+// annotations do: it may evaluate other threads' Conditions under the lock.
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+#pragma clang diagnostic ignored "-Wthread-safety-analysis"
+
+extern "C" {
+void __tsan_mutex_destroy(void* addr, unsigned flags);
+void __tsan_mutex_pre_lock(void* addr, unsigned flags);
+void __tsan_mutex_post_lock(void* addr, unsigned flags, int recursion);
+int __tsan_mutex_pre_unlock(void* addr, unsigned flags);
+void __tsan_mutex_post_unlock(void* addr, unsigned flags);
+}
+
+namespace {
+
+// The flags of compiler-rt's tsan_interface.h.
+constexpr unsigned kReadLock = 1 << 3;
+constexpr unsigned kTryLock = 1 << 4;
+constexpr unsigned kTryLockFailed = 1 << 5;
+
+#define GRADSYNC_STR2(x) #x
+#define GRADSYNC_STR(x) GRADSYNC_STR2(x)
+
+// abseil's own definition of the mangled function `rest` (the name after absl::<inline ns>::).
+template <typename Fn>
+Fn Real(const char* rest) {
+  const std::string ns = GRADSYNC_STR(ABSL_OPTION_INLINE_NAMESPACE_NAME);
+  const std::string name = "_ZN4absl" + std::to_string(ns.size()) + ns + rest;
+  void* f = dlsym(RTLD_NEXT, name.c_str());
+  if (f == nullptr) {
+    std::fprintf(stderr, "tsan_absl_mutex: abseil has no %s\n", name.c_str());
+    std::abort();
+  }
+  return reinterpret_cast<Fn>(f);
+}
+
+// abseil calls its own exported functions through the PLT (AwaitWithTimeout calls
+// AwaitWithDeadline, which lands here again): only the outermost call on a thread annotates.
+thread_local int depth = 0;
+struct Outermost {
+  Outermost() : yes(depth++ == 0) {}
+  ~Outermost() { --depth; }
+  const bool yes;
+};
+
+// A lock taken by `real`; with kTryLock, `real` says whether it was.
+template <typename Fn>
+auto AnnotatedLock(void* mu, unsigned flags, Fn&& real) {
+  Outermost o;
+  if (o.yes) __tsan_mutex_pre_lock(mu, flags);
+  auto r = real();
+  if (o.yes) __tsan_mutex_post_lock(mu, flags | ((flags & kTryLock) && !r ? kTryLockFailed : 0), 0);
+  return r;
+}
+
+template <typename Fn>
+void AnnotatedUnlock(void* mu, unsigned flags, Fn&& real) {
+  Outermost o;
+  if (o.yes) __tsan_mutex_pre_unlock(mu, flags);
+  real();
+  if (o.yes) __tsan_mutex_post_unlock(mu, flags);
+}
+
+// A wait that releases `mu` and holds it again on return, whatever it returns.
+template <typename R, typename Fn>
+R AnnotatedWait(void* mu, unsigned flags, Fn&& real) {
+  Outermost o;
+  if (!o.yes) return real();
+  __tsan_mutex_pre_unlock(mu, flags);
+  R r = real();
+  __tsan_mutex_post_unlock(mu, flags);
+  __tsan_mutex_pre_lock(mu, flags);
+  __tsan_mutex_post_lock(mu, flags, 0);
+  return r;
+}
+
+}  // namespace
+
+namespace absl {
+ABSL_NAMESPACE_BEGIN
+
+using Cond = const Condition&;
+
+void Mutex::Lock() {
+  static auto real = Real<void (*)(Mutex*)>("5Mutex4LockEv");
+  AnnotatedLock(this, 0, [&] { return real(this), true; });
+}
+
+void Mutex::ReaderLock() {
+  static auto real = Real<void (*)(Mutex*)>("5Mutex10ReaderLockEv");
+  AnnotatedLock(this, kReadLock, [&] { return real(this), true; });
+}
+
+bool Mutex::TryLock() {
+  static auto real = Real<bool (*)(Mutex*)>("5Mutex7TryLockEv");
+  return AnnotatedLock(this, kTryLock, [&] { return real(this); });
+}
+
+bool Mutex::ReaderTryLock() {
+  static auto real = Real<bool (*)(Mutex*)>("5Mutex13ReaderTryLockEv");
+  return AnnotatedLock(this, kReadLock | kTryLock, [&] { return real(this); });
+}
+
+void Mutex::Unlock() {
+  static auto real = Real<void (*)(Mutex*)>("5Mutex6UnlockEv");
+  AnnotatedUnlock(this, 0, [&] { real(this); });
+}
+
+void Mutex::ReaderUnlock() {
+  static auto real = Real<void (*)(Mutex*)>("5Mutex12ReaderUnlockEv");
+  AnnotatedUnlock(this, kReadLock, [&] { real(this); });
+}
+
+void Mutex::Await(Cond cond) {
+  static auto real = Real<void (*)(Mutex*, Cond)>("5Mutex5AwaitERKNS0_9ConditionE");
+  AnnotatedWait<bool>(this, 0, [&] { return real(this, cond), true; });
+}
+
+bool Mutex::AwaitWithTimeout(Cond cond, Duration timeout) {
+  static auto real = Real<bool (*)(Mutex*, Cond, Duration)>(
+      "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
+  return AnnotatedWait<bool>(this, 0, [&] { return real(this, cond, timeout); });
+}
+
+bool Mutex::AwaitWithDeadline(Cond cond, Time deadline) {
+  static auto real =
+      Real<bool (*)(Mutex*, Cond, Time)>("5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
+  return AnnotatedWait<bool>(this, 0, [&] { return real(this, cond, deadline); });
+}
+
+// LockWhen*: the lock is held when the real function returns, whatever it returns.
+void Mutex::LockWhen(Cond cond) {
+  static auto real = Real<void (*)(Mutex*, Cond)>("5Mutex8LockWhenERKNS0_9ConditionE");
+  AnnotatedLock(this, 0, [&] { return real(this, cond), true; });
+}
+
+void Mutex::ReaderLockWhen(Cond cond) {
+  static auto real = Real<void (*)(Mutex*, Cond)>("5Mutex14ReaderLockWhenERKNS0_9ConditionE");
+  AnnotatedLock(this, kReadLock, [&] { return real(this, cond), true; });
+}
+
+bool Mutex::LockWhenWithTimeout(Cond cond, Duration timeout) {
+  static auto real = Real<bool (*)(Mutex*, Cond, Duration)>(
+      "5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
+  bool r = false;
+  AnnotatedLock(this, 0, [&] { return r = real(this, cond, timeout), true; });
+  return r;
+}
+
+bool Mutex::LockWhenWithDeadline(Cond cond, Time deadline) {
+  static auto real = Real<bool (*)(Mutex*, Cond, Time)>(
+      "5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
+  bool r = false;
+  AnnotatedLock(this, 0, [&] { return r = real(this, cond, deadline), true; });
+  return r;
+}
+
+Mutex::~Mutex() {
+  static auto real = Real<void (*)(Mutex*)>("5MutexD2Ev");
+  __tsan_mutex_destroy(this, 0);
+  real(this);
+}
+
+void CondVar::Wait(Mutex* mu) {
+  static auto real = Real<void (*)(CondVar*, Mutex*)>("7CondVar4WaitEPNS0_5MutexE");
+  AnnotatedWait<bool>(mu, 0, [&] { return real(this, mu), true; });
+}
+
+bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
+  static auto real = Real<bool (*)(CondVar*, Mutex*, Duration)>(
+      "7CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE");
+  return AnnotatedWait<bool>(mu, 0, [&] { return real(this, mu, timeout); });
+}
+
+bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
+  static auto real =
+      Real<bool (*)(CondVar*, Mutex*, Time)>("7CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE");
+  return AnnotatedWait<bool>(mu, 0, [&] { return real(this, mu, deadline); });
+}
+
+ABSL_NAMESPACE_END
+}  // namespace absl
