@@ -164,7 +164,7 @@ absl::Status MemoryStore::ExpiredLocked(const Waiter& w) const {
       "store wait job=", w.job, " timed out; missing keys: ", JoinBounded(MissingKeysLocked(w))));
 }
 
-void MemoryStore::Run(std::vector<Fired>& fired) {
+void MemoryStore::RunWaitCallbacks(std::vector<Fired>& fired) {
   for (Fired& f : fired) f.done(std::move(f.result));
   fired.clear();
 }
@@ -178,7 +178,7 @@ absl::Status MemoryStore::Set(absl::string_view job, absl::string_view key, std:
     absl::MutexLock lock(&mu_);
     status = PutLocked(job, key, std::move(value), fired);
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
   return status;
 }
 
@@ -219,7 +219,7 @@ Store::WaitId MemoryStore::WaitAsync(absl::string_view job, std::vector<std::str
       }
     }
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
   return id;
 }
 
@@ -232,7 +232,7 @@ void MemoryStore::CancelWait(WaitId id) {
     fired.push_back({std::move(it->second.done), absl::CancelledError("wait cancelled")});
     RemoveWaiterLocked(id);
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
 }
 
 absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view job, absl::string_view key,
@@ -260,7 +260,7 @@ absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view job, absl::string_vie
     absl::Status s = PutLocked(job, key, absl::StrCat(next), fired);
     result = s.ok() ? absl::StatusOr<int64_t>(next) : s;
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
   return result;
 }
 
@@ -290,7 +290,7 @@ absl::StatusOr<CompareSetResult> MemoryStore::CompareSet(absl::string_view job,
           s.ok() ? absl::StatusOr<CompareSetResult>(CompareSetResult{true, std::move(value)}) : s;
     }
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
   return result;
 }
 
@@ -377,7 +377,7 @@ void MemoryStore::Shutdown() {
     parked_.clear();
     deadlines_.clear();
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
 }
 
 void MemoryStore::TimerLoop() {
@@ -401,7 +401,7 @@ void MemoryStore::TimerLoop() {
       RemoveWaiterLocked(id);
     }
     mu_.Unlock();
-    Run(fired);
+    RunWaitCallbacks(fired);
     mu_.Lock();
   }
 }

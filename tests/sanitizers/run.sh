@@ -59,18 +59,29 @@ built=$((SECONDS - start))
 echo "sanitize $mode: built in $built s"
 [[ $what == build ]] && exit 0
 
-export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:detect_stack_use_after_return=0}
-export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:history_size=4:suppressions=$PWD/tests/sanitizers/tsan.supp}
+# Every process of the suite (the daemons and workers the tests start too) writes its reports to
+# $work/reports/<sanitizer>.<pid>: a report fails the stage even where a test does not look at
+# that process's exit status.
+mkdir -p "$work/reports"
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1}:log_path=$work/reports/asan
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}:log_path=$work/reports/ubsan
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}:suppressions=$PWD/tests/sanitizers/tsan.supp:log_path=$work/reports/tsan
 start=$SECONDS
 rc=0
 # shellcheck disable=SC2086  # CTEST_ARGS: words
 (cd "$build_dir" && ctest --output-on-failure -j"$jobs" ${CTEST_ARGS:-}) >"$work/ctest.log" 2>&1 || rc=$?
 ran=$((SECONDS - start))
-if ((rc != 0)); then
-  # The failing tests' output (sanitizer reports included), then ctest's summary.
-  grep -v -E '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .* Passed' "$work/ctest.log" | tail -n 300
-  echo "sanitize $mode: FAILED (ctest exit $rc; built in $built s, tests ran $ran s)"
+reports=("$work"/reports/*)
+[[ -e ${reports[0]} ]] || reports=()
+if ((rc != 0 || ${#reports[@]})); then
+  # The failing tests' output, the sanitizers' reports, then ctest's summary.
+  grep -v -E '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .* Passed' "$work/ctest.log" | tail -n 200
+  for r in "${reports[@]}"; do
+    echo "--- $(basename "$r") (the process's sanitizer report)"
+    head -n 80 "$r"
+  done
+  echo "sanitize $mode: FAILED (ctest exit $rc, ${#reports[@]} sanitizer report(s); built in" \
+    "$built s, tests ran $ran s)"
   exit 1
 fi
 tail -n 3 "$work/ctest.log"
