@@ -12,11 +12,12 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <string>
+#include <cstring>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
+// No libstdc++ here (no std::string, no guarded statics): C programs of the build link it too.
 #pragma clang diagnostic ignored "-Wthread-safety-analysis"
 
 extern "C" {
@@ -37,15 +38,21 @@ constexpr unsigned kTryLockFailed = 1 << 5;
 #define GRADSYNC_STR2(x) #x
 #define GRADSYNC_STR(x) GRADSYNC_STR2(x)
 
-// abseil's own definition of the mangled function `rest` (the name after absl::<inline ns>::).
+// abseil's own definition of the function whose mangled name ends in `rest` (the part after
+// absl::<inline namespace>::), looked up once.
 template <typename Fn>
-Fn Real(const char* rest) {
-  const std::string ns = GRADSYNC_STR(ABSL_OPTION_INLINE_NAMESPACE_NAME);
-  const std::string name = "_ZN4absl" + std::to_string(ns.size()) + ns + rest;
-  void* f = dlsym(RTLD_NEXT, name.c_str());
+Fn Real(void** slot, const char* rest) {
+  void* f = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
   if (f == nullptr) {
-    std::fprintf(stderr, "tsan_absl_mutex: abseil has no %s\n", name.c_str());
-    std::abort();
+    const char* ns = GRADSYNC_STR(ABSL_OPTION_INLINE_NAMESPACE_NAME);
+    char name[256];
+    std::snprintf(name, sizeof(name), "_ZN4absl%zu%s%s", std::strlen(ns), ns, rest);
+    f = dlsym(RTLD_NEXT, name);
+    if (f == nullptr) {
+      std::fprintf(stderr, "tsan_absl_mutex: abseil has no %s\n", name);
+      std::abort();
+    }
+    __atomic_store_n(slot, f, __ATOMIC_RELEASE);
   }
   return reinterpret_cast<Fn>(f);
 }
@@ -98,99 +105,116 @@ ABSL_NAMESPACE_BEGIN
 using Cond = const Condition&;
 
 void Mutex::Lock() {
-  static auto real = Real<void (*)(Mutex*)>("5Mutex4LockEv");
+  static void* slot = nullptr;
+  auto real = Real<void (*)(Mutex*)>(&slot, "5Mutex4LockEv");
   AnnotatedLock(this, 0, [&] { return real(this), true; });
 }
 
 void Mutex::ReaderLock() {
-  static auto real = Real<void (*)(Mutex*)>("5Mutex10ReaderLockEv");
+  static void* slot = nullptr;
+  auto real = Real<void (*)(Mutex*)>(&slot, "5Mutex10ReaderLockEv");
   AnnotatedLock(this, kReadLock, [&] { return real(this), true; });
 }
 
 bool Mutex::TryLock() {
-  static auto real = Real<bool (*)(Mutex*)>("5Mutex7TryLockEv");
+  static void* slot = nullptr;
+  auto real = Real<bool (*)(Mutex*)>(&slot, "5Mutex7TryLockEv");
   return AnnotatedLock(this, kTryLock, [&] { return real(this); });
 }
 
 bool Mutex::ReaderTryLock() {
-  static auto real = Real<bool (*)(Mutex*)>("5Mutex13ReaderTryLockEv");
+  static void* slot = nullptr;
+  auto real = Real<bool (*)(Mutex*)>(&slot, "5Mutex13ReaderTryLockEv");
   return AnnotatedLock(this, kReadLock | kTryLock, [&] { return real(this); });
 }
 
 void Mutex::Unlock() {
-  static auto real = Real<void (*)(Mutex*)>("5Mutex6UnlockEv");
+  static void* slot = nullptr;
+  auto real = Real<void (*)(Mutex*)>(&slot, "5Mutex6UnlockEv");
   AnnotatedUnlock(this, 0, [&] { real(this); });
 }
 
 void Mutex::ReaderUnlock() {
-  static auto real = Real<void (*)(Mutex*)>("5Mutex12ReaderUnlockEv");
+  static void* slot = nullptr;
+  auto real = Real<void (*)(Mutex*)>(&slot, "5Mutex12ReaderUnlockEv");
   AnnotatedUnlock(this, kReadLock, [&] { real(this); });
 }
 
 void Mutex::Await(Cond cond) {
-  static auto real = Real<void (*)(Mutex*, Cond)>("5Mutex5AwaitERKNS0_9ConditionE");
+  static void* slot = nullptr;
+  auto real = Real<void (*)(Mutex*, Cond)>(&slot, "5Mutex5AwaitERKNS0_9ConditionE");
   AnnotatedWait<bool>(this, 0, [&] { return real(this, cond), true; });
 }
 
 bool Mutex::AwaitWithTimeout(Cond cond, Duration timeout) {
-  static auto real = Real<bool (*)(Mutex*, Cond, Duration)>(
-      "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
+  static void* slot = nullptr;
+  auto real = Real<bool (*)(Mutex*, Cond, Duration)>(
+      &slot, "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
   return AnnotatedWait<bool>(this, 0, [&] { return real(this, cond, timeout); });
 }
 
 bool Mutex::AwaitWithDeadline(Cond cond, Time deadline) {
-  static auto real =
-      Real<bool (*)(Mutex*, Cond, Time)>("5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
+  static void* slot = nullptr;
+  auto real = Real<bool (*)(Mutex*, Cond, Time)>(
+      &slot, "5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
   return AnnotatedWait<bool>(this, 0, [&] { return real(this, cond, deadline); });
 }
 
 // LockWhen*: the lock is held when the real function returns, whatever it returns.
 void Mutex::LockWhen(Cond cond) {
-  static auto real = Real<void (*)(Mutex*, Cond)>("5Mutex8LockWhenERKNS0_9ConditionE");
+  static void* slot = nullptr;
+  auto real = Real<void (*)(Mutex*, Cond)>(&slot, "5Mutex8LockWhenERKNS0_9ConditionE");
   AnnotatedLock(this, 0, [&] { return real(this, cond), true; });
 }
 
 void Mutex::ReaderLockWhen(Cond cond) {
-  static auto real = Real<void (*)(Mutex*, Cond)>("5Mutex14ReaderLockWhenERKNS0_9ConditionE");
+  static void* slot = nullptr;
+  auto real = Real<void (*)(Mutex*, Cond)>(&slot, "5Mutex14ReaderLockWhenERKNS0_9ConditionE");
   AnnotatedLock(this, kReadLock, [&] { return real(this, cond), true; });
 }
 
 bool Mutex::LockWhenWithTimeout(Cond cond, Duration timeout) {
-  static auto real = Real<bool (*)(Mutex*, Cond, Duration)>(
-      "5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
+  static void* slot = nullptr;
+  auto real = Real<bool (*)(Mutex*, Cond, Duration)>(
+      &slot, "5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
   bool r = false;
   AnnotatedLock(this, 0, [&] { return r = real(this, cond, timeout), true; });
   return r;
 }
 
 bool Mutex::LockWhenWithDeadline(Cond cond, Time deadline) {
-  static auto real = Real<bool (*)(Mutex*, Cond, Time)>(
-      "5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
+  static void* slot = nullptr;
+  auto real = Real<bool (*)(Mutex*, Cond, Time)>(
+      &slot, "5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
   bool r = false;
   AnnotatedLock(this, 0, [&] { return r = real(this, cond, deadline), true; });
   return r;
 }
 
 Mutex::~Mutex() {
-  static auto real = Real<void (*)(Mutex*)>("5MutexD2Ev");
+  static void* slot = nullptr;
+  auto real = Real<void (*)(Mutex*)>(&slot, "5MutexD2Ev");
   __tsan_mutex_destroy(this, 0);
   real(this);
 }
 
 void CondVar::Wait(Mutex* mu) {
-  static auto real = Real<void (*)(CondVar*, Mutex*)>("7CondVar4WaitEPNS0_5MutexE");
+  static void* slot = nullptr;
+  auto real = Real<void (*)(CondVar*, Mutex*)>(&slot, "7CondVar4WaitEPNS0_5MutexE");
   AnnotatedWait<bool>(mu, 0, [&] { return real(this, mu), true; });
 }
 
 bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
-  static auto real = Real<bool (*)(CondVar*, Mutex*, Duration)>(
-      "7CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE");
+  static void* slot = nullptr;
+  auto real = Real<bool (*)(CondVar*, Mutex*, Duration)>(
+      &slot, "7CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE");
   return AnnotatedWait<bool>(mu, 0, [&] { return real(this, mu, timeout); });
 }
 
 bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
-  static auto real =
-      Real<bool (*)(CondVar*, Mutex*, Time)>("7CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE");
+  static void* slot = nullptr;
+  auto real = Real<bool (*)(CondVar*, Mutex*, Time)>(
+      &slot, "7CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE");
   return AnnotatedWait<bool>(mu, 0, [&] { return real(this, mu, deadline); });
 }
 
