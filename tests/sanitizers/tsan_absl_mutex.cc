@@ -1,6 +1,7 @@
-// Tells ThreadSanitizer about absl::Mutex in a TSan build (GRADSYNC_SANITIZE=thread) whose abseil
-// is Debian's, built without TSan: there Mutex::Lock and friends carry no TSan annotations, so TSan
-// sees no lock at all and reports every guarded member as a race.
+// Tells ThreadSanitizer about absl::Mutex (and Notification) in a TSan build
+// (GRADSYNC_SANITIZE=thread) whose abseil is Debian's, built without TSan: there Mutex::Lock and
+// friends carry no TSan annotations, so TSan sees no lock at all and reports every guarded member
+// as a race.
 //
 // Linked into every program of the build (exported with -rdynamic, so gRPC's calls come here too),
 // these definitions take the place of abseil's by symbol interposition: each annotates the lock or
@@ -15,6 +16,7 @@
 #include <cstring>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 
 // No libstdc++ here (no std::string, no guarded statics): C programs of the build link it too.
@@ -26,6 +28,8 @@ void __tsan_mutex_pre_lock(void* addr, unsigned flags);
 void __tsan_mutex_post_lock(void* addr, unsigned flags, int recursion);
 int __tsan_mutex_pre_unlock(void* addr, unsigned flags);
 void __tsan_mutex_post_unlock(void* addr, unsigned flags);
+void __tsan_acquire(void* addr);
+void __tsan_release(void* addr);
 }
 
 namespace {
@@ -41,12 +45,12 @@ constexpr unsigned kTryLockFailed = 1 << 5;
 // abseil's own definition of the function whose mangled name ends in `rest` (the part after
 // absl::<inline namespace>::), looked up once.
 template <typename Fn>
-Fn Real(void** slot, const char* rest) {
+Fn Real(void** slot, const char* rest, const char* prefix = "_ZN4absl") {
   void* f = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
   if (f == nullptr) {
     const char* ns = GRADSYNC_STR(ABSL_OPTION_INLINE_NAMESPACE_NAME);
     char name[256];
-    std::snprintf(name, sizeof(name), "_ZN4absl%zu%s%s", std::strlen(ns), ns, rest);
+    std::snprintf(name, sizeof(name), "%s%zu%s%s", prefix, std::strlen(ns), ns, rest);
     f = dlsym(RTLD_NEXT, name);
     if (f == nullptr) {
       std::fprintf(stderr, "tsan_absl_mutex: abseil has no %s\n", name);
@@ -216,6 +220,48 @@ bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
   auto real = Real<bool (*)(CondVar*, Mutex*, Time)>(
       &slot, "7CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE");
   return AnnotatedWait<bool>(mu, 0, [&] { return real(this, mu, deadline); });
+}
+
+// Notification: Notify releases, a wait that saw it acquires (abseil's fast path reads an atomic
+// TSan cannot see). The sync address is the flag itself, so HasBeenNotified's inline atomic load
+// (instrumented) acquires it too.
+namespace {
+void* NotifiedFlag(const Notification* n) {
+  return const_cast<char*>(reinterpret_cast<const char*>(n) + sizeof(Mutex));
+}
+}  // namespace
+
+void Notification::Notify() {
+  static void* slot = nullptr;
+  auto real = Real<void (*)(Notification*)>(&slot, "12Notification6NotifyEv");
+  __tsan_release(NotifiedFlag(this));
+  real(this);
+}
+
+void Notification::WaitForNotification() const {
+  static void* slot = nullptr;
+  auto real = Real<void (*)(const Notification*)>(&slot, "12Notification19WaitForNotificationEv",
+                                                  "_ZNK4absl");
+  real(this);
+  __tsan_acquire(NotifiedFlag(this));
+}
+
+bool Notification::WaitForNotificationWithTimeout(Duration timeout) const {
+  static void* slot = nullptr;
+  auto real = Real<bool (*)(const Notification*, Duration)>(
+      &slot, "12Notification30WaitForNotificationWithTimeoutENS0_8DurationE", "_ZNK4absl");
+  const bool yes = real(this, timeout);
+  if (yes) __tsan_acquire(NotifiedFlag(this));
+  return yes;
+}
+
+bool Notification::WaitForNotificationWithDeadline(Time deadline) const {
+  static void* slot = nullptr;
+  auto real = Real<bool (*)(const Notification*, Time)>(
+      &slot, "12Notification31WaitForNotificationWithDeadlineENS0_4TimeE", "_ZNK4absl");
+  const bool yes = real(this, deadline);
+  if (yes) __tsan_acquire(NotifiedFlag(this));
+  return yes;
 }
 
 ABSL_NAMESPACE_END
