@@ -12,7 +12,9 @@
 #   tests/sanitizers/run.sh thread build                     build only
 #   CTEST_ARGS='-R Store' tests/sanitizers/run.sh thread    a part of the suite
 #
-# address runs the whole suite, unit and integration tests; thread runs the unit tests (label
+# address runs the whole suite but the three 64 MiB collective tests (which outlast their deadlines
+# under ASan with the fuzzer's coverage instrumentation on 2 cores; the gcc stage of .ci/run runs
+# them), unit and integration tests; thread runs the unit tests (label
 # unit): the integration tests drive real gRPC processes, and Debian's gRPC is not built with TSan,
 # so TSan cannot see its synchronisation and reports races inside gRPC's own call objects; they
 # run under ASan+UBSan instead. The Python tests run in neither (a sanitized extension module
@@ -22,11 +24,11 @@ cd "$(dirname "$(readlink -f "$0")")/../.."
 mode=${1:-}
 what=${2:-all}
 case $mode in
-  address) flags=address,undefined build_dir=${BUILD_DIR:-build-asan} suite=${CTEST_ARGS-} ;;
+  address) flags=address,undefined build_dir=${BUILD_DIR:-build-asan} suite=${CTEST_ARGS--E SixtyFourMiB} ;;
   thread) flags=thread build_dir=${BUILD_DIR:-build-tsan} suite=${CTEST_ARGS--L unit} ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  *) sed -n '2,21p' "$0"; exit 2 ;;
 esac
-[[ $what == all || $what == build ]] || { sed -n '2,19p' "$0"; exit 2; }
+[[ $what == all || $what == build ]] || { sed -n '2,21p' "$0"; exit 2; }
 jobs=$(nproc)
 work=$(mktemp -d /tmp/gradsync-sanitize-XXXXXX)
 trap 'rm -rf "$work"' EXIT
