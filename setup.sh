@@ -2,7 +2,9 @@
 # gradsync's one setup script.
 #
 #   ./setup.sh           install the Debian packages gradsync needs (idempotent; root)
-#   ./setup.sh build     ... then configure and build into ./build (GRADSYNC_SANITIZE=1: ./build-asan)
+#   ./setup.sh build     ... then configure and build into ./build (GRADSYNC_SANITIZE=address, or
+#                        1: clang, ASan+UBSan, ./build-asan; =thread: TSan, ./build-tsan; both
+#                        through tests/sanitizers/run.sh)
 #   ./setup.sh test      ... then run every test (ctest; pytest when tests/python exists)
 #   ./setup.sh demo      ... then run the main job on this machine: a real gradsyncd hosting the
 #                        job's store, and the example PyTorch trainer under torchrun, 4 ranks
@@ -22,9 +24,15 @@ packages=(
   iproute2 systemd procps
 )
 PY=/usr/bin/python3  # Debian's torch imports only here
-sanitize=${GRADSYNC_SANITIZE:-0}
+case ${GRADSYNC_SANITIZE:-0} in
+  0 | OFF | off | "") sanitize= ;;
+  1 | ON | on | address) sanitize=address ;;
+  thread) sanitize=thread ;;
+  *) echo "setup: GRADSYNC_SANITIZE=$GRADSYNC_SANITIZE: want 0, 1/address or thread" >&2; exit 2 ;;
+esac
 build_dir=${BUILD_DIR:-build}
-[[ $sanitize == 1 && -z ${BUILD_DIR:-} ]] && build_dir=build-asan
+[[ $sanitize == address && -z ${BUILD_DIR:-} ]] && build_dir=build-asan
+[[ $sanitize == thread && -z ${BUILD_DIR:-} ]] && build_dir=build-tsan
 
 install_packages() {
   local missing=() p
@@ -47,19 +55,24 @@ install_packages() {
 }
 
 build() {
-  local san=OFF
-  [[ $sanitize == 1 ]] && san=ON
-  cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADSYNC_SANITIZE=$san \
+  if [[ -n $sanitize ]]; then  # clang; the Python module is not built there
+    BUILD_DIR=$build_dir tests/sanitizers/run.sh "$sanitize" build
+    return
+  fi
+  cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADSYNC_SANITIZE=OFF \
     -DPython3_EXECUTABLE=$PY >/dev/null
   cmake --build "$build_dir" -j"$(nproc)"
 }
 
 run_tests() {
   local rc=0
-  (cd "$build_dir" && ctest --output-on-failure -j"$(nproc)") || rc=$?
-  if [[ $sanitize == 1 ]]; then
+  if [[ -n $sanitize ]]; then
+    BUILD_DIR=$build_dir tests/sanitizers/run.sh "$sanitize" || rc=$?
     echo "setup: tests/python skipped under the sanitizers (the Python module is not built there)"
-  elif [[ -d tests/python ]] && compgen -G "tests/python/test_*.py" >/dev/null; then
+    return $rc
+  fi
+  (cd "$build_dir" && ctest --output-on-failure -j"$(nproc)") || rc=$?
+  if [[ -d tests/python ]] && compgen -G "tests/python/test_*.py" >/dev/null; then
     GRADSYNC_BUILD_DIR=$PWD/$build_dir $PY -m pytest -q tests/python || rc=$?
   fi
   return $rc

@@ -71,7 +71,7 @@ v1::OpRequest MakeOp(v1::OpKind kind, DType dtype, const OpOptions& options) {
 }  // namespace
 
 struct Op::State {
-  // Guarded by the client's mu_.
+  // Guarded by the client's mu_ (not annotated: a State does not know its client).
   bool via_doorbell = false;
   bool done = false;
   absl::Status status;
@@ -93,7 +93,7 @@ bool Op::WaitFor(absl::Duration slice, absl::Status* status) {
   absl::Status s = client_->Await(*state_, limit);
   bool done = false;
   {
-    std::lock_guard<std::mutex> lock(client_->mu_);
+    absl::MutexLock lock(&client_->mu_);
     done = state_->done;
   }
   if (!done && absl::Now() < state_->deadline) return false;
@@ -105,7 +105,7 @@ bool Op::Done() { return state_ && client_->Poll(*state_); }
 
 uint64_t Op::seq() {
   if (!state_) return 0;
-  std::lock_guard<std::mutex> lock(client_->mu_);
+  absl::MutexLock lock(&client_->mu_);
   return state_->event.seq();
 }
 
@@ -155,11 +155,11 @@ absl::Status Client::Open(absl::string_view target) {
   const auto r = cq_.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
   if (r != grpc::CompletionQueue::GOT_EVENT || !ok) {
     ctx_.TryCancel();
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     broken_ = absl::UnavailableError("never connected");
     return absl::UnavailableError(absl::StrCat("cannot reach gradsyncd at ", target));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   stream_->Read(&event_, TagOf(kRead));
   read_pending_ = true;
   return absl::OkStatus();
@@ -240,7 +240,7 @@ absl::StatusOr<std::string> SendFd(int sock, int fd, absl::Time deadline) {
 }
 
 absl::StatusOr<std::string> Client::ShareFd(int fd) {
-  std::lock_guard<std::mutex> lock(fd_mu_);
+  absl::MutexLock lock(&fd_mu_);
   if (fd_channel_path_.empty()) {
     return absl::FailedPreconditionError(
         "trainer sessions are local: connect through the daemon's unix socket (memory is "
@@ -268,23 +268,26 @@ Client::~Client() {
   } unmap{doorbell_base_};  // last: after the session has ended
   if (!stream_) return;
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
-  std::unique_lock<std::mutex> lock(mu_);
-  // Let queued requests go out, then close our side; the daemon ends the session and the
-  // stream finishes. If it does not in time, cancel.
-  DriveUntilLocked(
-      lock, [&] { return !broken_.ok() || (!writing_ && writes_.empty()); }, deadline);
-  if (broken_.ok()) {
-    stream_->WritesDone(TagOf(kWritesDone));
-    DriveUntilLocked(
-        lock, [&] { return !broken_.ok(); }, deadline);
+  {
+    absl::MutexLock lock(&mu_);
+    // Let queued requests go out, then close our side; the daemon ends the session and the
+    // stream finishes. If it does not in time, cancel.
+    auto flushed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !broken_.ok() || (!writing_ && writes_.empty());
+    };
+    DriveUntilLocked(flushed, deadline);
+    if (broken_.ok()) {
+      stream_->WritesDone(TagOf(kWritesDone));
+      DriveUntilLocked([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !broken_.ok(); },
+                       deadline);
+    }
+    if (read_pending_ || finish_pending_ || writing_) ctx_.TryCancel();
   }
-  if (read_pending_ || finish_pending_ || writing_) ctx_.TryCancel();
-  lock.unlock();
   cq_.Shutdown();
   void* tag = nullptr;
   bool ok = false;
   while (cq_.Next(&tag, &ok)) {
-    std::lock_guard<std::mutex> relock(mu_);
+    absl::MutexLock relock(&mu_);
     HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
   }
 }
@@ -348,52 +351,51 @@ void Client::HandleLocked(intptr_t tag, bool ok) {
 std::shared_ptr<Op::State> Client::Send(v1::TrainerRequest request, absl::Duration answer_within) {
   auto state = std::make_shared<Op::State>();
   state->deadline = absl::Now() + answer_within;
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!broken_.ok()) {
-    state->done = true;
-    state->status = broken_;
-    return state;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!broken_.ok()) {
+      state->done = true;
+      state->status = broken_;
+      return state;
+    }
+    const uint64_t tag = next_tag_++;
+    request.set_tag(tag);
+    pending_.emplace(tag, state);
+    writes_.push_back(std::move(request));
+    StartWriteLocked();
   }
-  const uint64_t tag = next_tag_++;
-  request.set_tag(tag);
-  pending_.emplace(tag, state);
-  writes_.push_back(std::move(request));
-  StartWriteLocked();
-  lock.unlock();
   Poll(*state);  // move the write queue along without blocking
   return state;
 }
 
 bool Client::Poll(Op::State& state) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   DrainRingLocked();
-  if (!state.done) CheckStreamLocked(lock);
+  if (!state.done) CheckStreamLocked();
   return state.done;
 }
 
-grpc::CompletionQueue::NextStatus Client::DriveOnceLocked(std::unique_lock<std::mutex>& lock,
-                                                          absl::Time deadline) {
+grpc::CompletionQueue::NextStatus Client::DriveOnceLocked(absl::Time deadline) {
   void* tag = nullptr;
   bool ok = false;
   driving_ = true;
-  lock.unlock();
+  mu_.Unlock();
   const auto r = cq_.AsyncNext(&tag, &ok, absl::ToChronoTime(deadline));
-  lock.lock();
+  mu_.Lock();
   driving_ = false;
   if (r == grpc::CompletionQueue::GOT_EVENT) HandleLocked(reinterpret_cast<intptr_t>(tag), ok);
   if (r == grpc::CompletionQueue::SHUTDOWN) BreakLocked(absl::UnavailableError("client closed"));
-  cv_.notify_all();
+  cv_.SignalAll();
   return r;
 }
 
-bool Client::DriveUntilLocked(std::unique_lock<std::mutex>& lock, const std::function<bool()>& done,
-                              absl::Time deadline) {
+bool Client::DriveUntilLocked(const std::function<bool()>& done, absl::Time deadline) {
   while (!done()) {
     if (absl::Now() >= deadline) return false;
     if (driving_) {  // another thread polls; it wakes us after each event
-      cv_.wait_until(lock, absl::ToChronoTime(deadline));
+      cv_.WaitWithDeadline(&mu_, deadline);
     } else {
-      DriveOnceLocked(lock, deadline);
+      DriveOnceLocked(deadline);
     }
   }
   return true;
@@ -416,11 +418,10 @@ void Client::DrainRingLocked() {
   }
 }
 
-void Client::CheckStreamLocked(std::unique_lock<std::mutex>& lock) {
+void Client::CheckStreamLocked() {
   // A deadline in the past: take the events already there, never wait. (The epoch, not
   // InfinitePast: gRPC reads a time before the epoch as no deadline at all.)
-  while (!driving_ &&
-         DriveOnceLocked(lock, absl::UnixEpoch()) == grpc::CompletionQueue::GOT_EVENT) {
+  while (!driving_ && DriveOnceLocked(absl::UnixEpoch()) == grpc::CompletionQueue::GOT_EVENT) {
   }
 }
 
@@ -428,7 +429,7 @@ std::shared_ptr<Op::State> Client::Ring(v1::TrainerRequest request, absl::Durati
   auto state = std::make_shared<Op::State>();
   state->via_doorbell = true;
   state->deadline = absl::Now() + answer_within;
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const uint64_t tag = next_tag_++;
   request.set_tag(tag);
   const std::string record = request.SerializeAsString();
@@ -449,15 +450,15 @@ std::shared_ptr<Op::State> Client::Ring(v1::TrainerRequest request, absl::Durati
     if (ring_in_flight_ < static_cast<int>(doorbell::kCompletionSlots) && doorbell_->Push(record)) {
       break;
     }
-    CheckStreamLocked(lock);
+    CheckStreamLocked();
     if (absl::Now() >= state->deadline) {
       state->done = true;
       state->status = absl::DeadlineExceededError("doorbell ring stayed full; is gradsyncd stuck?");
       return state;
     }
-    lock.unlock();
+    mu_.Unlock();
     doorbell_->TrainerWait(absl::Milliseconds(1));
-    lock.lock();
+    mu_.Lock();
   }
   ++ring_in_flight_;
   pending_.emplace(tag, state);
@@ -465,7 +466,7 @@ std::shared_ptr<Op::State> Client::Ring(v1::TrainerRequest request, absl::Durati
 }
 
 absl::Status Client::Await(Op::State& state, absl::Time deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (state.via_doorbell) {
     // Completions come by the ring; the stream is only looked at now and then, for the news
     // that the session broke.
@@ -475,7 +476,7 @@ absl::Status Client::Await(Op::State& state, absl::Time deadline) {
       if (state.done) return state.status;
       const absl::Time now = absl::Now();
       if (now >= next_check) {
-        CheckStreamLocked(lock);
+        CheckStreamLocked();
         if (state.done) return state.status;
         next_check = now + absl::Milliseconds(20);
       }
@@ -483,13 +484,12 @@ absl::Status Client::Await(Op::State& state, absl::Time deadline) {
         return absl::DeadlineExceededError(
             "no answer from gradsyncd by the op's deadline (plus margin); is the daemon stuck?");
       }
-      lock.unlock();
+      mu_.Unlock();
       doorbell_->TrainerWait(std::min(absl::Milliseconds(2), deadline - now));
-      lock.lock();
+      mu_.Lock();
     }
   }
-  if (!DriveUntilLocked(
-          lock, [&] { return state.done; }, deadline)) {
+  if (!DriveUntilLocked([&] { return state.done; }, deadline)) {
     return absl::DeadlineExceededError(
         "no answer from gradsyncd by the op's deadline (plus margin); is the daemon stuck?");
   }
@@ -499,7 +499,7 @@ absl::Status Client::Await(Op::State& state, absl::Time deadline) {
 absl::StatusOr<v1::TrainerEvent> Client::Call(v1::TrainerRequest request) {
   std::shared_ptr<Op::State> state = Send(std::move(request), options_.rpc_timeout);
   GRADSYNC_RETURN_IF_ERROR(Await(*state, state->deadline));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return state->event;
 }
 

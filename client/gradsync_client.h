@@ -1,17 +1,17 @@
 #pragma once
 
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/store_client.h"
 #include "common/doorbell.h"
@@ -210,25 +210,26 @@ class Client {
   std::shared_ptr<Op::State> Ring(v1::TrainerRequest request, absl::Duration answer_within);
   // Creates and maps the doorbell region and shares it; returns its fd token.
   absl::StatusOr<std::string> CreateDoorbell();
-  // Takes every completion off the ring; mu_ held.
-  void DrainRingLocked();
-  // A non-blocking look at the stream (a broken session fails the ring's ops too); mu_ held,
+  // Takes every completion off the ring.
+  void DrainRingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A non-blocking look at the stream (a broken session fails the ring's ops too); mu_ is
   // released while polling.
-  void CheckStreamLocked(std::unique_lock<std::mutex>& lock);
+  void CheckStreamLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drives the stream until `state` completes or `deadline` passes.
-  absl::Status Await(Op::State& state, absl::Time deadline);
-  bool Poll(Op::State& state);
+  absl::Status Await(Op::State& state, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  bool Poll(Op::State& state) ABSL_LOCKS_EXCLUDED(mu_);
   // One completion-queue event, waited for until `deadline` (in the past: only those already
-  // there). mu_ held on entry and exit, released while waiting; the caller checked !driving_.
-  grpc::CompletionQueue::NextStatus DriveOnceLocked(std::unique_lock<std::mutex>& lock,
-                                                    absl::Time deadline);
-  // Drives (or waits for the thread that does) until `done` or `deadline`; false at the deadline.
-  bool DriveUntilLocked(std::unique_lock<std::mutex>& lock, const std::function<bool()>& done,
-                        absl::Time deadline);
-  // One completion-queue event; mu_ held. Issues the next read/write.
-  void HandleLocked(intptr_t tag, bool ok);
-  void StartWriteLocked();
-  void BreakLocked(const absl::Status& status);
+  // there). mu_ is released while waiting; the caller checked !driving_.
+  grpc::CompletionQueue::NextStatus DriveOnceLocked(absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drives (or waits for the thread that does) until `done` (called with mu_ held) or
+  // `deadline`; false at the deadline. mu_ is released while waiting.
+  bool DriveUntilLocked(const std::function<bool()>& done, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One completion-queue event. Issues the next read/write.
+  void HandleLocked(intptr_t tag, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void BreakLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::TrainerEvent> Call(v1::TrainerRequest request);
 
   const Placement placement_;
@@ -240,26 +241,29 @@ class Client {
   grpc::CompletionQueue cq_;
   std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::TrainerRequest, v1::TrainerEvent>> stream_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;             // a driver handled an event, or stopped driving
-  bool driving_ = false;                   // a thread is inside cq_.AsyncNext
-  std::deque<v1::TrainerRequest> writes_;  // front is being written
-  bool writing_ = false;
-  bool read_pending_ = false;
-  bool finish_pending_ = false;
-  v1::TrainerEvent event_;  // the read in flight
-  grpc::Status finish_status_;
-  absl::Status broken_;  // once not OK, every op fails with it
-  uint64_t next_tag_ = 1;
-  absl::flat_hash_map<uint64_t, std::shared_ptr<Op::State>> pending_;
+  // Also guards every Op::State of this client (which cannot say so: a State does not know it).
+  absl::Mutex mu_;
+  absl::CondVar cv_;                           // a driver handled an event, or stopped driving
+  bool driving_ ABSL_GUARDED_BY(mu_) = false;  // a thread is inside cq_.AsyncNext
+  std::deque<v1::TrainerRequest> writes_ ABSL_GUARDED_BY(mu_);  // front is being written
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_pending_ ABSL_GUARDED_BY(mu_) = false;
+  v1::TrainerEvent event_ ABSL_GUARDED_BY(mu_);  // the read in flight
+  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);  // once not OK, every op fails with it
+  uint64_t next_tag_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Op::State>> pending_ ABSL_GUARDED_BY(mu_);
 
   std::string fd_channel_path_;  // "<socket>.fd" for unix-socket targets, else empty
-  std::mutex fd_mu_;             // one ShareFd at a time on fd_sock_
-  int fd_sock_ = -1;             // connection to the fd channel, opened on first use
+  absl::Mutex fd_mu_;            // one ShareFd at a time on fd_sock_; never with mu_ held
+  int fd_sock_ ABSL_GUARDED_BY(fd_mu_) = -1;  // connection to the fd channel, opened on first use
 
   std::byte* doorbell_base_ = nullptr;  // mapped for the client's life
+  // Set once, before the session starts; the ring's consumer side (Next) runs under mu_.
   std::unique_ptr<doorbell::Doorbell> doorbell_;
-  int ring_in_flight_ = 0;  // ops sent by the ring and not yet completed (<= kCompletionSlots)
+  // Ops sent by the ring and not yet completed (<= kCompletionSlots).
+  int ring_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace gradsync::client

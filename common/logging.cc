@@ -124,7 +124,7 @@ absl::Status Init(absl::string_view level, absl::string_view sink) {
   absl::MutexLock lock(&st.mu);
   st.sinks = {s};
   st.level = lvl;
-  spdlog::apply_all([&](std::shared_ptr<spdlog::logger> l) {
+  spdlog::apply_all([&](std::shared_ptr<spdlog::logger> l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
     l->sinks() = st.sinks;
     l->set_level(lvl);
   });

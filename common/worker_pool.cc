@@ -11,28 +11,28 @@ WorkerPool::WorkerPool(int threads) {
 
 WorkerPool::~WorkerPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   for (std::thread& t : threads_) t.join();
 }
 
 void WorkerPool::Schedule(std::function<void()> task) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     tasks_.push_back(std::move(task));
   }
-  cv_.notify_one();
+  cv_.Signal();
 }
 
 void WorkerPool::Loop() {
   for (;;) {
     std::function<void()> task;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;  // stopping, and nothing left to run
+      absl::MutexLock lock(&mu_);
+      while (!stopping_ && tasks_.empty()) cv_.Wait(&mu_);  // idle until work or the end
+      if (tasks_.empty()) return;                           // stopping, and nothing left to run
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
@@ -50,16 +50,16 @@ void WorkerPool::ParallelFor(int parts, const std::function<void(int)>& fn) {
   struct State {
     std::atomic<int> next{0};
     std::atomic<int> done{0};
-    std::mutex mu;
-    std::condition_variable cv;
+    absl::Mutex mu;
+    absl::CondVar cv;  // the last part is done
   };
   auto state = std::make_shared<State>();
   auto work = [state, parts, &fn] {
     for (int i; (i = state->next.fetch_add(1)) < parts;) {
       fn(i);
       if (state->done.fetch_add(1) + 1 == parts) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->cv.notify_all();
+        absl::MutexLock lock(&state->mu);
+        state->cv.SignalAll();
       }
     }
   };
@@ -70,8 +70,9 @@ void WorkerPool::ParallelFor(int parts, const std::function<void(int)>& fn) {
     });
   }
   work();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done.load() == parts; });
+  // Unbounded, as every part is: fn runs to its end on the caller or a worker.
+  absl::MutexLock lock(&state->mu);
+  while (state->done.load() != parts) state->cv.Wait(&state->mu);
 }
 
 }  // namespace gradsync

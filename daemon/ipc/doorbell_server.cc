@@ -70,7 +70,7 @@ void DoorbellServer::Loop() {
 }
 
 void DoorbellServer::OpDone(uint64_t tag, uint64_t seq, const absl::Status& status) {
-  std::lock_guard<std::mutex> lock(complete_mu_);
+  absl::MutexLock lock(&complete_mu_);
   if (!doorbell_.Complete(tag, seq, static_cast<int>(status.code()), status.message())) {
     Log()->warn("completion ring full (trainer exceeds {} ops in flight); op tag={} dropped",
                 doorbell::kCompletionSlots, tag);

@@ -3,9 +3,9 @@
 #include <atomic>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "common/doorbell.h"
 #include "daemon/core/buffer_importer.h"
 #include "daemon/core/engine.h"
@@ -48,7 +48,10 @@ class DoorbellServer final : public core::SessionSink,
   const std::function<void(absl::Status)> on_error_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
-  std::mutex complete_mu_;  // completions come from any daemon thread; the ring has one producer
+  // Completions come from any daemon thread; the completion ring of doorbell_ has one producer
+  // at a time: whoever holds this. (Not ABSL_GUARDED_BY: the doorbell thread reads the request
+  // ring of the same doorbell_ without it.)
+  absl::Mutex complete_mu_;
 };
 
 }  // namespace gradsync::ipc

@@ -147,7 +147,7 @@ absl::StatusOr<UniqueFd> FdChannel::Redeem(const std::string& token) {
 
 void FdChannel::Expire(absl::Time now) {
   absl::MutexLock lock(&mu_);
-  absl::erase_if(pending_, [&](const auto& kv) {
+  absl::erase_if(pending_, [&](const auto& kv) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (kv.second.expires > now) return false;
     if (--pending_by_uid_[kv.second.uid] == 0) pending_by_uid_.erase(kv.second.uid);
     return true;

@@ -257,6 +257,8 @@ class GradSyncService::SessionReactor final
   std::shared_ptr<core::Session> session_;         // set once by the reading side
   std::shared_ptr<ipc::DoorbellServer> doorbell_;  // set with session_ when the trainer has one
   v1::TrainerRequest request_;
+  // Lock order: taken after Sink::mu_ (Sink::Send enqueues with it held). Not ABSL_ACQUIRED_AFTER:
+  // the two live in different objects, which the annotation cannot name.
   absl::Mutex mu_;
   std::deque<v1::TrainerEvent> queue_ ABSL_GUARDED_BY(mu_);  // front is being written
   bool writing_ ABSL_GUARDED_BY(mu_) = false;

@@ -96,12 +96,13 @@ void MemoryStore::TryCompleteLocked(WaitId id, std::vector<Fired>& fired) {
   if (it == waiters_.end()) return;
   Waiter& w = it->second;
   auto job_it = jobs_.find(w.job);
-  auto lookup = [&](const std::string& key) -> const std::string* {
+  auto lookup = [&](const std::string& key)
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> const std::string* {
     if (job_it == jobs_.end()) return nullptr;
     auto found = job_it->second.kv.find(key);
     return found == job_it->second.kv.end() ? nullptr : &found->second;
   };
-  auto park = [&](size_t missing) {
+  auto park = [&](size_t missing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     w.present = missing;
     w.parked_on = w.keys[missing];
     parked_[ParkKey(w.job, w.parked_on)].push_back(id);
@@ -163,7 +164,7 @@ absl::Status MemoryStore::ExpiredLocked(const Waiter& w) const {
       "store wait job=", w.job, " timed out; missing keys: ", JoinBounded(MissingKeysLocked(w))));
 }
 
-void MemoryStore::Run(std::vector<Fired>& fired) {
+void MemoryStore::RunWaitCallbacks(std::vector<Fired>& fired) {
   for (Fired& f : fired) f.done(std::move(f.result));
   fired.clear();
 }
@@ -177,7 +178,7 @@ absl::Status MemoryStore::Set(absl::string_view job, absl::string_view key, std:
     absl::MutexLock lock(&mu_);
     status = PutLocked(job, key, std::move(value), fired);
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
   return status;
 }
 
@@ -218,7 +219,7 @@ Store::WaitId MemoryStore::WaitAsync(absl::string_view job, std::vector<std::str
       }
     }
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
   return id;
 }
 
@@ -231,7 +232,7 @@ void MemoryStore::CancelWait(WaitId id) {
     fired.push_back({std::move(it->second.done), absl::CancelledError("wait cancelled")});
     RemoveWaiterLocked(id);
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
 }
 
 absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view job, absl::string_view key,
@@ -259,7 +260,7 @@ absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view job, absl::string_vie
     absl::Status s = PutLocked(job, key, absl::StrCat(next), fired);
     result = s.ok() ? absl::StatusOr<int64_t>(next) : s;
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
   return result;
 }
 
@@ -289,7 +290,7 @@ absl::StatusOr<CompareSetResult> MemoryStore::CompareSet(absl::string_view job,
           s.ok() ? absl::StatusOr<CompareSetResult>(CompareSetResult{true, std::move(value)}) : s;
     }
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
   return result;
 }
 
@@ -376,7 +377,7 @@ void MemoryStore::Shutdown() {
     parked_.clear();
     deadlines_.clear();
   }
-  Run(fired);
+  RunWaitCallbacks(fired);
 }
 
 void MemoryStore::TimerLoop() {
@@ -400,7 +401,7 @@ void MemoryStore::TimerLoop() {
       RemoveWaiterLocked(id);
     }
     mu_.Unlock();
-    Run(fired);
+    RunWaitCallbacks(fired);
     mu_.Lock();
   }
 }

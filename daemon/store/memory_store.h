@@ -104,7 +104,8 @@ class MemoryStore final : public Store {
   std::vector<std::string> MissingKeysLocked(const Waiter& w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // DeadlineExceeded naming the keys `w` still misses.
   absl::Status ExpiredLocked(const Waiter& w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  static void Run(std::vector<Fired>& fired);
+  // Runs the callbacks of the waits that completed or expired; never with mu_ held.
+  static void RunWaitCallbacks(std::vector<Fired>& fired);
   void TimerLoop();
 
   const MemoryStoreOptions options_;

@@ -9,6 +9,7 @@
 #   tests/fuzz/run.sh                  every target, FUZZ_SECONDS (60) each
 #   tests/fuzz/run.sh doorbell_fuzzer  one target
 #   FUZZ_SECONDS=0 tests/fuzz/run.sh   replay the corpus only
+#   BUILD_DIR=build-asan tests/fuzz/run.sh   in the ASan+UBSan build of tests/sanitizers/run.sh
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 build_dir=${BUILD_DIR:-build-fuzz}
@@ -31,10 +32,14 @@ echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long)
     "libclang-rt-14-dev): $(head -c 300 "$work/probe.log")"
 
 start=$SECONDS
-cmake -S . -B "$build_dir" -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADSYNC_FUZZ=ON -DGRADSYNC_BUILD_TESTS=OFF \
-  -DGRADSYNC_BUILD_BENCH=OFF -DGRADSYNC_WITH_CUDA=OFF >"$work/configure.log" ||
-  { cat "$work/configure.log"; exit 1; }
+# A build with the fuzz targets already configured (CI: tests/sanitizers/run.sh address made
+# build-asan so) is used as it is: one ASan+UBSan build for the fuzz targets and the test suite.
+if ! grep -qx 'GRADSYNC_FUZZ:BOOL=ON' "$build_dir/CMakeCache.txt" 2>/dev/null; then
+  cmake -S . -B "$build_dir" -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADSYNC_FUZZ=ON -DGRADSYNC_BUILD_TESTS=OFF \
+    -DGRADSYNC_BUILD_BENCH=OFF -DGRADSYNC_WITH_CUDA=OFF >"$work/configure.log" ||
+    { cat "$work/configure.log"; exit 1; }
+fi
 cmake --build "$build_dir" -j"$(nproc)" --target "${targets[@]}"
 build_dir=$(readlink -f "$build_dir")
 echo "fuzz: built in $((SECONDS - start)) s; running ${targets[*]} for ${seconds} s each"

@@ -59,6 +59,16 @@ std::string Arg(const std::string& key, const std::string& fallback) {
 struct BF16 {
   uint16_t bits;
 };
+struct F16 {
+  uint16_t bits;
+};
+// The compiler's binary16: _Float16, or with clang before 15 (no _Float16 on x86-64) __fp16,
+// which converts the same way but may not be a parameter or a return type.
+#if defined(__clang__) && __clang_major__ < 15
+using CompilerHalf = __fp16;
+#else
+using CompilerHalf = _Float16;
+#endif
 
 template <typename T>
 struct Codec {
@@ -66,9 +76,18 @@ struct Codec {
   static double Decode(T v) { return static_cast<double>(v); }
 };
 template <>
-struct Codec<_Float16> {
-  static _Float16 Encode(double v) { return static_cast<_Float16>(static_cast<float>(v)); }
-  static double Decode(_Float16 v) { return static_cast<double>(static_cast<float>(v)); }
+struct Codec<F16> {
+  static F16 Encode(double v) {
+    const CompilerHalf h = static_cast<CompilerHalf>(static_cast<float>(v));
+    F16 out;
+    std::memcpy(&out.bits, &h, 2);
+    return out;
+  }
+  static double Decode(F16 v) {
+    CompilerHalf h;
+    std::memcpy(&h, &v.bits, 2);
+    return static_cast<double>(static_cast<float>(h));
+  }
 };
 template <>
 struct Codec<BF16> {
@@ -133,22 +152,22 @@ int64_t CheckT(const std::byte* base, int64_t count, const std::function<double(
   return bad;
 }
 
-#define DISPATCH(dtype, F, ...)        \
-  switch (dtype) {                     \
-    case v1::FLOAT32:                  \
-      return F<float>(__VA_ARGS__);    \
-    case v1::FLOAT64:                  \
-      return F<double>(__VA_ARGS__);   \
-    case v1::FLOAT16:                  \
-      return F<_Float16>(__VA_ARGS__); \
-    case v1::BFLOAT16:                 \
-      return F<BF16>(__VA_ARGS__);     \
-    case v1::INT32:                    \
-      return F<int32_t>(__VA_ARGS__);  \
-    case v1::INT64:                    \
-      return F<int64_t>(__VA_ARGS__);  \
-    default:                           \
-      std::abort();                    \
+#define DISPATCH(dtype, F, ...)       \
+  switch (dtype) {                    \
+    case v1::FLOAT32:                 \
+      return F<float>(__VA_ARGS__);   \
+    case v1::FLOAT64:                 \
+      return F<double>(__VA_ARGS__);  \
+    case v1::FLOAT16:                 \
+      return F<F16>(__VA_ARGS__);     \
+    case v1::BFLOAT16:                \
+      return F<BF16>(__VA_ARGS__);    \
+    case v1::INT32:                   \
+      return F<int32_t>(__VA_ARGS__); \
+    case v1::INT64:                   \
+      return F<int64_t>(__VA_ARGS__); \
+    default:                          \
+      std::abort();                   \
   }
 
 void Fill(DType d, std::byte* base, int64_t count, int r, int64_t first = 0) {
