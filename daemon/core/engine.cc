@@ -1128,6 +1128,8 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
         batch.push_back(std::move(group->ready.front()));
         group->ready.pop_front();
         batch.back().started = absl::Now();
+        // FailedOp leaves op.seq unset; communicators spanning nodes match ops by it.
+        batch.back().op.seq = batch.back().seq;
       } while (batch.front().remote && !group->ready.empty() && group->ready.front().remote &&
                batch.size() < kMaxBatchOps &&
                batch_bytes + group->ready.front().bytes <= kMaxBatchBytes);
