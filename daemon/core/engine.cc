@@ -1104,9 +1104,9 @@ void Engine::OnDeadline(const std::weak_ptr<Job>& weak, Group* group, uint64_t s
 }
 
 void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
-  // A run of consecutive ready ops that wait on other daemons goes to the communicator in one
-  // call (their exchanges overlap on the wire), bounded so that the first's members are told
-  // soon and a batch's buffers stay small.
+  // A run of consecutive ready host-plane ops that wait on other daemons (Gloo) goes to the
+  // communicator in one call (their exchanges overlap on the wire), bounded so that the first's
+  // members are told soon and a batch's buffers stay small. Device-plane ops run one by one.
   constexpr size_t kMaxBatchOps = 256;
   constexpr int64_t kMaxBatchBytes = 32 << 20;
   for (;;) {
@@ -1130,8 +1130,9 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
         batch.back().started = absl::Now();
         // FailedOp leaves op.seq unset; communicators spanning nodes match ops by it.
         batch.back().op.seq = batch.back().seq;
-      } while (batch.front().remote && !group->ready.empty() && group->ready.front().remote &&
-               batch.size() < kMaxBatchOps &&
+      } while (batch.front().remote && batch.front().op.plane == Plane::kHost &&
+               !group->ready.empty() && group->ready.front().remote &&
+               group->ready.front().op.plane == Plane::kHost && batch.size() < kMaxBatchOps &&
                batch_bytes + group->ready.front().bytes <= kMaxBatchBytes);
       if (batch.front().record) group->running_op = &batch.front();
     }
