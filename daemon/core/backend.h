@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/dtype.h"
 #include "common/store.h"
 #include "daemon/core/buffer_importer.h"
@@ -99,6 +100,13 @@ class Communicator {
   /// inside ends by `op.deadline` (DEADLINE_EXCEEDED naming who is missing); a peer lost
   /// mid-op is UNAVAILABLE or ABORTED.
   virtual absl::Status Run(const Collective& op) = 0;
+  /// Runs consecutive ops of the group, in sequence order, and sets out[i] (out.size() ==
+  /// ops.size()) to what Run(*ops[i]) would have returned: each op keeps its own outcome and
+  /// deadline, and a failed op writes no member buffer. A communicator spanning nodes overlaps
+  /// their exchanges; the default runs them one by one.
+  virtual void RunBatch(absl::Span<const Collective* const> ops, absl::Span<absl::Status> out) {
+    for (size_t i = 0; i < ops.size(); ++i) out[i] = Run(*ops[i]);
+  }
 };
 
 /// A data plane (CPU shared memory + Gloo, or NCCL). Thread-safe.

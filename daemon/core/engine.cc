@@ -253,8 +253,13 @@ void Engine::OnDeadline(const std::weak_ptr<Job>& weak, Group* group, uint64_t s
 }
 
 void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
+  // A run of consecutive ready host-plane ops that wait on other daemons (Gloo) goes to the
+  // communicator in one call (their exchanges overlap on the wire), bounded so that the first's
+  // members are told soon and a batch's buffers stay small. Device-plane ops run one by one.
+  constexpr size_t kMaxBatchOps = 256;
+  constexpr int64_t kMaxBatchBytes = 32 << 20;
   for (;;) {
-    Ready r;
+    std::vector<Ready> batch;
     {
       absl::MutexLock lock(&job->mu);
       if (group->ready.empty()) {
@@ -266,25 +271,43 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
         pool_->Schedule([this, job, group] { Drain(job, group, /*on_pool=*/true); });
         return;
       }
-      r = std::move(group->ready.front());
-      group->ready.pop_front();
-      r.started = absl::Now();
-      if (r.record) group->running_op = &r;
+      int64_t batch_bytes = 0;
+      do {
+        batch_bytes += group->ready.front().bytes;
+        batch.push_back(std::move(group->ready.front()));
+        group->ready.pop_front();
+        batch.back().started = absl::Now();
+      } while (batch.front().remote && batch.front().op.plane == Plane::kHost &&
+               !group->ready.empty() && group->ready.front().remote &&
+               group->ready.front().op.plane == Plane::kHost && batch.size() < kMaxBatchOps &&
+               batch_bytes + group->ready.front().bytes <= kMaxBatchBytes);
+      if (batch.front().record) group->running_op = &batch.front();
     }
-    absl::Status status = group->comm->Run(r.op);
-    if (r.record) {  // before the members hear of it: history never lags the trainers
-      const absl::Time finished = absl::Now();
-      absl::MutexLock lock(&job->mu);
-      group->running_op = nullptr;
-      NoteFinished(*group, options_, r.seq, r.fp, r.plane, r.bytes, r.queued, r.started, finished,
-                   status);
-    }
-    if (!status.ok()) {
-      Log()->warn("op failed {} status={}", r.op.label, status.ToString());
+    std::vector<absl::Status> statuses(batch.size());
+    if (batch.size() == 1) {
+      statuses[0] = group->comm->Run(batch[0].op);
     } else {
-      Log()->trace("op done {} count={}", r.op.label, r.op.count);
+      std::vector<const Collective*> ops;
+      for (const Ready& r : batch) ops.push_back(&r.op);
+      group->comm->RunBatch(ops, absl::MakeSpan(statuses));
     }
-    for (auto& [sink, tag] : r.to) sink->OpDone(tag, r.seq, status);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Ready& r = batch[i];
+      const absl::Status& status = statuses[i];
+      if (r.record) {  // before the members hear of it: history never lags the trainers
+        const absl::Time finished = absl::Now();
+        absl::MutexLock lock(&job->mu);
+        if (group->running_op == &r) group->running_op = nullptr;
+        NoteFinished(*group, options_, r.seq, r.fp, r.plane, r.bytes, r.queued, r.started, finished,
+                     status);
+      }
+      if (!status.ok()) {
+        Log()->warn("op failed {} status={}", r.op.label, status.ToString());
+      } else {
+        Log()->trace("op done {} count={}", r.op.label, r.op.count);
+      }
+      for (auto& [sink, tag] : r.to) sink->OpDone(tag, r.seq, status);
+    }
   }
 }
 

@@ -334,6 +334,95 @@ void Async(Client& c) {
   std::printf("async done=%d\n", done);
 }
 
+// Ops queued on the world group all at once, so that a daemon hands runs of them to its
+// communicator together: small all-reduces (each its own slice), a chain of three all-reduces
+// of one slice (each reads the one before), one over 256 KiB (Gloo's ring, amid small ones), a
+// broadcast, an all-gather, a reduce-scatter, a barrier, and one op that the ranks of the last
+// node (local_world_size ranks at the top) name differently: it alone fails, naming both
+// fingerprints, and leaves its slice as it was; every other op's values are checked.
+void Queued(Client& c) {
+  constexpr int kSmall = 60;
+  constexpr int64_t kCount = 1000, kChain = 500, kLarge = 100000, kOdd = 100, kPart = 250;
+  const int local_world = std::stoi(Arg("local_world_size", std::to_string(g_world)));
+  const bool last_node = g_rank >= g_world - local_world;
+  const int64_t small_at = 0, chain_at = small_at + kSmall * kCount, large_at = chain_at + kChain,
+                odd_at = large_at + kLarge, bcast_at = odd_at + kOdd, gin_at = bcast_at + kCount,
+                gout_at = gin_at + kPart, rsin_at = gout_at + kPart * g_world,
+                rsout_at = rsin_at + kPart * g_world, end = rsout_at + kPart;
+  auto b = MustBuffer(c, end * 4, v1::FLOAT32);
+  float* p = reinterpret_cast<float*>(b->data());
+  for (int64_t i = 0; i < end; ++i) p[i] = static_cast<float>(Value(g_rank, i));
+  auto seg = [&](int64_t at, int64_t n) { return std::vector<Segment>{{b->id(), at * 4, n}}; };
+  std::vector<Op> ops;
+  std::vector<std::string> what;
+  auto add = [&](Op op, std::string name) {
+    ops.push_back(std::move(op));
+    what.push_back(std::move(name));
+  };
+  int odd_index = -1;
+  for (int k = 0; k < kSmall; ++k) {
+    add(c.AllReduceAsync(v1::FLOAT32, v1::SUM, seg(small_at + k * kCount, kCount)),
+        absl::StrCat("small ", k));
+    if (k == 10) {
+      for (int j = 0; j < 3; ++j) {
+        add(c.AllReduceAsync(v1::FLOAT32, v1::SUM, seg(chain_at, kChain)), "chain");
+      }
+    }
+    if (k == 20) add(c.AllReduceAsync(v1::FLOAT32, v1::MAX, seg(large_at, kLarge)), "large");
+    if (k == 30) {
+      odd_index = static_cast<int>(ops.size());
+      add(c.AllReduceAsync(v1::FLOAT32, v1::SUM, seg(odd_at, kOdd),
+                           Opt("world", last_node ? "odd-there" : "odd-here")),
+          "odd");
+    }
+    if (k == 40) {
+      add(c.BroadcastAsync(v1::FLOAT32, g_world - 1, seg(bcast_at, kCount)), "broadcast");
+      add(c.AllGatherAsync(v1::FLOAT32, seg(gin_at, kPart), seg(gout_at, kPart * g_world)),
+          "all-gather");
+      add(c.ReduceScatterAsync(v1::FLOAT32, v1::MIN, seg(rsin_at, kPart * g_world),
+                               seg(rsout_at, kPart)),
+          "reduce-scatter");
+      add(c.BarrierAsync(), "barrier");
+    }
+  }
+  int ok = 0;
+  for (size_t k = 0; k < ops.size(); ++k) {
+    const absl::Status s = ops[k].Wait();
+    if (static_cast<int>(k) == odd_index) {
+      EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kFailedPrecondition, s.ToString());
+      EXPECT_TRUE_OR_REPORT(
+          absl::StrContains(s.message(), "odd-here") && absl::StrContains(s.message(), "odd-there"),
+          s.ToString());
+    } else {
+      EXPECT_TRUE_OR_REPORT(s.ok(), what[k], " ", s.ToString());
+      ok += s.ok();
+    }
+  }
+  const std::vector<int> world = World();
+  std::string bad;
+  auto check = [&](const char* name, int64_t at, int64_t n,
+                   const std::function<double(int64_t)>& want) {
+    EXPECT_TRUE_OR_REPORT(Check(v1::FLOAT32, b->data() + at * 4, n, want, &bad) == 0, name, " ",
+                          bad);
+  };
+  check("small", small_at, kSmall * kCount,
+        [&](int64_t i) { return Expected(v1::SUM, v1::FLOAT32, world, small_at + i); });
+  check("chain", chain_at, kChain, [&](int64_t i) {
+    return g_world * g_world * Expected(v1::SUM, v1::FLOAT32, world, chain_at + i);
+  });
+  check("large", large_at, kLarge,
+        [&](int64_t i) { return Expected(v1::MAX, v1::FLOAT32, world, large_at + i); });
+  check("odd (failed: unchanged)", odd_at, kOdd,
+        [&](int64_t i) { return Value(g_rank, odd_at + i); });
+  check("broadcast", bcast_at, kCount, [&](int64_t i) { return Value(g_world - 1, bcast_at + i); });
+  check("all-gather", gout_at, kPart * g_world,
+        [&](int64_t i) { return Value(static_cast<int>(i / kPart), gin_at + i % kPart); });
+  check("reduce-scatter", rsout_at, kPart, [&](int64_t i) {
+    return Expected(v1::MIN, v1::FLOAT32, world, rsin_at + g_rank * kPart + i);
+  });
+  std::printf("queued ok=%d of %zu\n", ok, ops.size());
+}
+
 // One fused all-reduce over a pack of 37 gradients of assorted odd sizes, laid out in a
 // different order in each rank's buffer (so segment boundaries differ between ranks).
 void Fused(Client& c) {
@@ -821,6 +910,8 @@ int main(int argc, char** argv) {
     Matrix(**c);
   else if (scenario == "async")
     Async(**c);
+  else if (scenario == "queued")
+    Queued(**c);
   else if (scenario == "fused")
     Fused(**c);
   else if (scenario == "groups")

@@ -7,8 +7,10 @@ namespace gradsync::backend::cpu {
 
 /// The CPU data plane: collectives over the local members' shared-memory buffers, computed by
 /// the daemon (each element read once from every member and written once to every member),
-/// split over the worker pool for large ops. Groups that span nodes need peer daemons (Gloo),
-/// which this backend does not have yet: creating such a communicator is FAILED_PRECONDITION.
+/// split over the worker pool for large ops. A group that spans nodes gets a GlooCommunicator
+/// (its members' bytes cross to the peer daemons over Gloo) when the spec names the job's store
+/// and this daemon's TCP address; without them, or for a group with members elsewhere in a job
+/// that does not span nodes, creating the communicator is FAILED_PRECONDITION.
 class CpuBackend final : public core::Backend {
  public:
   /// `pool` must outlive the backend and its communicators.

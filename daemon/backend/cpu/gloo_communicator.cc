@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <stdexcept>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/backend/cpu/gloo_store.h"
@@ -15,19 +17,27 @@
 #include "gloo/broadcast.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/transport/tcp/device.h"
+#include "gloo/transport/unbound_buffer.h"
 
 namespace gradsync::backend::cpu {
 namespace {
 
 // How long past an op's deadline a node waits for its peers' verdicts (and connections).
 constexpr absl::Duration kGrace = absl::Seconds(10);
-// Largest all-reduce Gloo's bcube runs (more than two nodes); larger ones take the ring.
-constexpr int64_t kBcubeMaxBytes = 256 << 10;
 // Gloo's ring keeps two segments in flight per peer; its default (1 MiB) leaves loopback and
 // fast links idle between segments. Measured on loopback (README): 4 MiB was best.
 constexpr size_t kSegmentBytes = 4 << 20;
+// Ops moving at most this many bytes per node travel inside their verdict message: one exchange
+// instead of a verdict round and then Gloo's algorithm. Every receive slot (one per op and peer
+// in flight) holds this much, so it also bounds a stage's memory with kMaxStageOps.
+constexpr int64_t kInlineMaxBytes = 256 << 10;
+// Most ops whose messages are in flight at once (RunBatch splits longer runs).
+constexpr size_t kMaxStageOps = 256;
+// Gloo slots of the verdict messages: a prefix Gloo's algorithms do not use, and the op's seq.
+constexpr uint64_t kVerdictSlotPrefix = uint64_t{0xA5} << 56;
+constexpr uint64_t kVerdictSlotSeqMask = (uint64_t{1} << 56) - 1;
 
-std::chrono::milliseconds Left(absl::Time deadline) {
+std::chrono::milliseconds MillisUntil(absl::Time deadline) {
   return std::chrono::milliseconds(
       std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
 }
@@ -60,6 +70,8 @@ GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool
   }
   my_node_ =
       static_cast<int>(std::lower_bound(nodes_.begin(), nodes_.end(), spec_.node) - nodes_.begin());
+  members_on_node_.assign(nodes_.size(), 0);
+  for (int node : node_of_group_rank_) ++members_on_node_[node];
 }
 
 GlooCommunicator::~GlooCommunicator() = default;
@@ -90,7 +102,7 @@ absl::Status GlooCommunicator::Connect(absl::Time deadline) {
     auto device = ::gloo::transport::tcp::CreateDevice(attr);
     auto context =
         std::make_shared<::gloo::rendezvous::Context>(my_node_, static_cast<int>(nodes_.size()));
-    context->setTimeout(Left(deadline));
+    context->setTimeout(MillisUntil(deadline));
     // Under the run's token: a late key of an earlier run of this job id is never read.
     GlooStore store(
         spec_.rendezvous, spec_.job,
@@ -104,92 +116,363 @@ absl::Status GlooCommunicator::Connect(absl::Time deadline) {
   }
 }
 
-absl::Status GlooCommunicator::Run(const core::Collective& op) {
-  if (!broken_.ok()) {
-    return absl::Status(broken_.code(), absl::StrCat(op.label, ": the group's link to its other ",
-                                                     "nodes failed earlier: ", broken_.message()));
-  }
-  // Connecting is a rendezvous with every node of the group, which each starts at its first op
-  // of the group: allow the peers kGrace past this op's deadline (the op still fails if late).
-  absl::Status status = Connect(std::max(op.deadline, absl::Now() + kGrace));
-  if (status.ok()) {
-    try {
-      return RunLocked(op);
-    } catch (const std::exception& e) {
-      context_.reset();
-      status = absl::UnavailableError(absl::StrCat(op.label, " across ", nodes_.size(),
-                                                   " nodes failed (peers: ", PeersWithRanks(),
-                                                   "): ", e.what()));
-    }
-  }
+absl::Status GlooCommunicator::BrokenStatus(const core::Collective& op) const {
+  return absl::Status(broken_.code(), absl::StrCat(op.label, ": the group's link to its other ",
+                                                   "nodes failed earlier: ", broken_.message()));
+}
+
+absl::Status GlooCommunicator::FailLink(const core::Collective& op, absl::Status error) {
   // A peer daemon died, or did not reach the op by its deadline. The nodes may now disagree
   // on where the group's sequence stands, so the group stays failed (its ranks form the job
   // again) rather than reconnecting to stale rendezvous keys.
+  context_.reset();
   if (absl::Now() >= op.deadline) {
-    status = absl::DeadlineExceededError(
+    error = absl::DeadlineExceededError(
         absl::StrCat(op.label, " did not complete by its deadline: ", "it waited for ",
-                     PeersWithRanks(), " (", status.message(), ")"));
+                     PeersWithRanks(), " (", error.message(), ")"));
   }
-  broken_ = status;
-  return status;
+  broken_ = error;
+  return error;
 }
 
-// Every node's view of the op, exchanged before any data moves: an op that failed on one node
-// (or that nodes disagree on) fails on all of them at once, the same way, and no node is left
-// inside a collective its peers will never enter.
-struct Verdict {
+absl::Status GlooCommunicator::Run(const core::Collective& op) {
+  const core::Collective* const ops[] = {&op};
+  absl::Status out[1];
+  RunBatch(ops, out);
+  return out[0];
+}
+
+void GlooCommunicator::RunBatch(absl::Span<const core::Collective* const> ops,
+                                absl::Span<absl::Status> out) {
+  size_t i = 0;
+  while (i < ops.size()) {
+    if (!broken_.ok()) {
+      out[i] = BrokenStatus(*ops[i]);
+      ++i;
+      continue;
+    }
+    // Connecting is a rendezvous with every node of the group, which each starts at its first
+    // op of the group: allow the peers kGrace past this op's deadline (the op still fails if
+    // late).
+    if (absl::Status s = Connect(std::max(ops[i]->deadline, absl::Now() + kGrace)); !s.ok()) {
+      out[i] = FailLink(*ops[i], std::move(s));
+      ++i;
+      continue;
+    }
+    const size_t end = StageEnd(ops, i);
+    RunStage(ops.subspan(i, end - i), out.subspan(i, end - i));
+    i = end;
+  }
+}
+
+namespace {
+
+// [begin, end) addresses of a view's runs.
+void AddRanges(const core::View& v, int64_t esize,
+               std::vector<std::pair<uintptr_t, uintptr_t>>& out) {
+  for (const core::Run& r : v) {
+    const auto b = reinterpret_cast<uintptr_t>(r.data);
+    out.emplace_back(b, b + static_cast<uintptr_t>(r.count * esize));
+  }
+}
+
+}  // namespace
+
+size_t GlooCommunicator::StageEnd(absl::Span<const core::Collective* const> ops,
+                                  size_t begin) const {
+  // An inline op's contribution is packed when its messages are posted, before the ops ahead
+  // of it in the stage complete: it must not read bytes one of them writes.
+  std::vector<std::pair<uintptr_t, uintptr_t>> written, read;
+  size_t end = begin;
+  for (; end < ops.size() && end - begin < kMaxStageOps; ++end) {
+    const core::Collective& op = *ops[end];
+    if (!op.local_failure.ok()) continue;  // names no buffer
+    const int64_t esize = DTypeSize(op.dtype);
+    read.clear();
+    for (const core::LocalMember& m : op.local) AddRanges(m.input, esize, read);
+    for (const auto& [rb, re] : read) {
+      for (const auto& [wb, we] : written) {
+        if (rb < we && wb < re) return end == begin ? begin + 1 : end;
+      }
+    }
+    const bool writes_output = op.kind == v1::ALL_GATHER || op.kind == v1::REDUCE_SCATTER;
+    for (const core::LocalMember& m : op.local) {
+      AddRanges(writes_output ? m.output : m.input, esize, written);
+    }
+  }
+  return end;
+}
+
+// What one node sends every other for each op: its view of the op, then its inline
+// contribution (payload_bytes of it).
+struct VerdictHeader {
   int32_t code;
-  char fingerprint[244];
+  uint32_t payload_bytes;
+  uint64_t fingerprint_hash;  // of the whole fingerprint (the text below may be cut)
+  char fingerprint[240];
   char message[256];
 };
-static_assert(sizeof(Verdict) == 504);
+static_assert(sizeof(VerdictHeader) == 512);
 
-absl::Status GlooCommunicator::Agree(const core::Collective& op) {
-  absl::Status local = op.local_failure;
-  if (local.ok() && absl::Now() > op.deadline) {
-    local = absl::DeadlineExceededError(absl::StrCat(
+struct GlooCommunicator::Exchange {
+  absl::Status local;  // this node's verdict
+  bool inline_data = false;
+  std::vector<std::byte> send;       // header, then this node's contribution
+  std::vector<std::byte*> received;  // by node (null at my_node_): header, then contribution
+  // Declared after the memory they point into, so destroyed first.
+  std::unique_ptr<::gloo::transport::UnboundBuffer> send_buffer;
+  std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> receive_buffers;
+};
+
+std::byte* GlooCommunicator::ReceiveSlot(size_t index) {
+  while (receive_slots_.size() <= index) {
+    // Not value-initialized: pages a message never reaches are never touched.
+    receive_slots_.emplace_back(new std::byte[sizeof(VerdictHeader) + kInlineMaxBytes]);
+  }
+  return receive_slots_[index].get();
+}
+
+void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops,
+                                absl::Span<absl::Status> out) {
+  std::vector<Exchange> exchanges(ops.size());
+  size_t done = 0;  // ops whose outcome is in out[]
+  try {
+    size_t slot = 0;
+    for (size_t k = 0; k < ops.size(); ++k) {
+      Exchange& ex = exchanges[k];
+      for (size_t node = 0; node < nodes_.size(); ++node) {
+        ex.received.push_back(static_cast<int>(node) == my_node_ ? nullptr : ReceiveSlot(slot++));
+      }
+      Post(*ops[k], ex);
+    }
+    for (; done < ops.size(); ++done) out[done] = Finish(*ops[done], exchanges[done]);
+  } catch (const std::exception& e) {
+    const core::Collective& op = *ops[done];
+    out[done] = FailLink(op, absl::UnavailableError(absl::StrCat(
+                                 op.label, " across ", nodes_.size(),
+                                 " nodes failed (peers: ", PeersWithRanks(), "): ", e.what())));
+    for (size_t k = done + 1; k < ops.size(); ++k) out[k] = BrokenStatus(*ops[k]);
+  }
+}
+
+namespace {
+
+// FNV-1a: the same on every node for the same text.
+uint64_t HashOf(std::string_view s) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : s) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return h;
+}
+
+uint64_t SlotOf(uint64_t seq) { return kVerdictSlotPrefix | (seq & kVerdictSlotSeqMask); }
+
+}  // namespace
+
+int64_t GlooCommunicator::InlineBytes(const core::Collective& op, int node) const {
+  const int64_t esize = DTypeSize(op.dtype);
+  switch (op.kind) {
+    case v1::ALL_REDUCE:
+      return op.count * esize;
+    case v1::REDUCE_SCATTER:
+      return op.count * op.group_size * esize;
+    case v1::BROADCAST:
+      return node == node_of_group_rank_[op.root] ? op.count * esize : 0;
+    case v1::ALL_GATHER:
+      return members_on_node_[node] * op.count * esize;
+    default:
+      return 0;
+  }
+}
+
+// Decided from what the fingerprint pins (kind, dtype, count, root) and the group's layout:
+// nodes that agree on the op decide the same.
+bool GlooCommunicator::TravelsInline(const core::Collective& op) const {
+  if (op.kind == v1::BARRIER) return true;
+  if (op.kind == v1::BROADCAST &&
+      (op.root < 0 || op.root >= static_cast<int>(node_of_group_rank_.size()))) {
+    return false;
+  }
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    if (InlineBytes(op, static_cast<int>(node)) > kInlineMaxBytes) return false;
+  }
+  return true;
+}
+
+void GlooCommunicator::Pack(const core::Collective& op, std::byte* payload) {
+  const int64_t n = op.count;
+  const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
+  std::vector<Slice> inputs;
+  for (const core::LocalMember& m : op.local) inputs.push_back({&m.input, 0});
+  switch (op.kind) {
+    case v1::ALL_REDUCE:
+    case v1::REDUCE_SCATTER: {
+      const int64_t total = op.kind == v1::ALL_REDUCE ? n : n * op.group_size;
+      const core::View out_view = {{payload, total}};
+      const Slice out{&out_view, 0};
+      Reduce(op.dtype, partial, 1, inputs, {&out, 1}, total);
+      return;
+    }
+    case v1::BROADCAST:
+      for (const core::LocalMember& m : op.local) {
+        if (m.group_rank != op.root) continue;
+        const core::View out_view = {{payload, n}};
+        const Slice out{&out_view, 0};
+        const Slice src{&m.input, 0};
+        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&src, 1}, {&out, 1}, n);
+      }
+      return;
+    case v1::ALL_GATHER: {
+      const core::View out_view = {{payload, n * static_cast<int64_t>(op.local.size())}};
+      int64_t at = 0;
+      for (const Slice& src : inputs) {  // ascending group rank
+        const Slice out{&out_view, at};
+        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&src, 1}, {&out, 1}, n);
+        at += n;
+      }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void GlooCommunicator::Unpack(const core::Collective& op, absl::Span<std::byte* const> payloads) {
+  const int64_t n = op.count;
+  const int64_t total = op.kind == v1::REDUCE_SCATTER ? n * op.group_size : n;
+  std::vector<core::View> views;
+  for (std::byte* p : payloads) views.push_back({{p, total}});
+  switch (op.kind) {
+    case v1::ALL_REDUCE: {
+      std::vector<Slice> srcs, dsts;
+      for (const core::View& v : views) srcs.push_back({&v, 0});
+      for (const core::LocalMember& m : op.local) dsts.push_back({&m.input, 0});
+      Reduce(op.dtype, op.reduce_op, op.group_size, srcs, dsts, n);
+      return;
+    }
+    case v1::REDUCE_SCATTER:
+      for (const core::LocalMember& m : op.local) {
+        std::vector<Slice> srcs;
+        for (const core::View& v : views) srcs.push_back({&v, m.group_rank * n});
+        const Slice dst{&m.output, 0};
+        Reduce(op.dtype, op.reduce_op, op.group_size, srcs, {&dst, 1}, n);
+      }
+      return;
+    case v1::BROADCAST: {
+      const Slice src{&views[node_of_group_rank_[op.root]], 0};
+      std::vector<Slice> dsts;
+      for (const core::LocalMember& m : op.local) {
+        if (m.group_rank != op.root) dsts.push_back({&m.input, 0});
+      }
+      Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&src, 1}, dsts, n);
+      return;
+    }
+    case v1::ALL_GATHER: {
+      std::vector<int64_t> next(nodes_.size(), 0);  // next block of each node's part
+      for (int q = 0; q < op.group_size; ++q) {
+        const int node = node_of_group_rank_[q];
+        const core::View part = {{payloads[node], n * members_on_node_[node]}};
+        const Slice from{&part, next[node]};
+        next[node] += n;
+        std::vector<Slice> dsts;
+        for (const core::LocalMember& m : op.local) dsts.push_back({&m.output, q * n});
+        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&from, 1}, dsts, n);
+      }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void GlooCommunicator::Post(const core::Collective& op, Exchange& ex) {
+  ex.local = op.local_failure;
+  if (ex.local.ok() && absl::Now() > op.deadline) {
+    ex.local = absl::DeadlineExceededError(absl::StrCat(
         op.label, " did not complete by its deadline: it waited for ", PeersWithRanks()));
   }
-  Verdict mine{};
-  mine.code = static_cast<int32_t>(local.code());
-  std::snprintf(mine.fingerprint, sizeof(mine.fingerprint), "%s", op.fingerprint.c_str());
-  std::snprintf(mine.message, sizeof(mine.message), "%s", std::string(local.message()).c_str());
-  std::vector<Verdict> all(nodes_.size());
-  ::gloo::AllgatherOptions opts(context_);
-  // Peers whose op failed at their own deadline (a rank missing there) come a moment later.
-  opts.setTimeout(std::max(Left(op.deadline), absl::ToChronoMilliseconds(kGrace)));
-  opts.setInput(reinterpret_cast<uint8_t*>(&mine), sizeof(Verdict));
-  opts.setOutput(reinterpret_cast<uint8_t*>(all.data()), sizeof(Verdict) * all.size());
-  ::gloo::allgather(opts);
-  if (!op.local_failure.ok()) return op.local_failure;
-  // A peer's own failure says more than our "we waited for the peers".
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (static_cast<int>(i) != my_node_ && all[i].code != 0) {
-      return absl::Status(
-          static_cast<absl::StatusCode>(all[i].code),
-          absl::StrCat(op.label, " failed on node ", nodes_[i], ": ", all[i].message));
+  ex.inline_data = ex.local.ok() && TravelsInline(op);
+  const int64_t payload = ex.inline_data ? InlineBytes(op, my_node_) : 0;
+  ex.send.resize(sizeof(VerdictHeader) + static_cast<size_t>(payload));
+  VerdictHeader header{};
+  header.code = static_cast<int32_t>(ex.local.code());
+  header.payload_bytes = static_cast<uint32_t>(payload);
+  header.fingerprint_hash = HashOf(op.fingerprint);
+  std::snprintf(header.fingerprint, sizeof(header.fingerprint), "%s", op.fingerprint.c_str());
+  std::snprintf(header.message, sizeof(header.message), "%s",
+                std::string(ex.local.message()).c_str());
+  std::memcpy(ex.send.data(), &header, sizeof(header));
+  if (ex.inline_data) Pack(op, ex.send.data() + sizeof(VerdictHeader));
+
+  const uint64_t slot = SlotOf(op.seq);
+  // Receives first: each tells its peer it may send at once.
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    if (static_cast<int>(node) == my_node_) {
+      ex.receive_buffers.emplace_back();
+      continue;
     }
+    ex.receive_buffers.push_back(
+        context_->createUnboundBuffer(ex.received[node], sizeof(VerdictHeader) + kInlineMaxBytes));
+    ex.receive_buffers.back()->recv(static_cast<int>(node), slot);
   }
-  if (!local.ok()) return local;
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (std::strncmp(all[i].fingerprint, mine.fingerprint, sizeof(mine.fingerprint)) != 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("desync across nodes in ", op.label, ": node ", spec_.node, " has ",
-                       mine.fingerprint, " but node ", nodes_[i], " has ", all[i].fingerprint));
-    }
+  ex.send_buffer = context_->createUnboundBuffer(ex.send.data(), ex.send.size());
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    if (static_cast<int>(node) != my_node_) ex.send_buffer->send(static_cast<int>(node), slot);
   }
-  return absl::OkStatus();
 }
 
-// Gloo's algorithm for an all-reduce of `bytes` among `nodes` daemons: bcube (log-depth
-// exchanges) while latency dominates and there are more than two nodes; the ring (bandwidth
-// optimal, its segments pipelined) otherwise. With two nodes both are one exchange each way.
-namespace {
-::gloo::AllreduceOptions::Algorithm AllreduceAlgorithm(size_t nodes, int64_t bytes) {
-  return nodes > 2 && bytes <= kBcubeMaxBytes ? ::gloo::AllreduceOptions::Algorithm::BCUBE
-                                              : ::gloo::AllreduceOptions::Algorithm::RING;
+absl::Status GlooCommunicator::Finish(const core::Collective& op, Exchange& ex) {
+  // Peers whose op failed at their own deadline (a rank missing there) come a moment later.
+  const auto timeout = std::max(MillisUntil(op.deadline), absl::ToChronoMilliseconds(kGrace));
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    if (static_cast<int>(node) == my_node_) continue;
+    if (!ex.receive_buffers[node]->waitRecv(nullptr, timeout) ||
+        !ex.send_buffer->waitSend(nullptr, timeout)) {
+      throw std::runtime_error("verdict exchange aborted");
+    }
+  }
+  std::vector<VerdictHeader> headers(nodes_.size());
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    std::memcpy(&headers[node],
+                static_cast<int>(node) == my_node_ ? ex.send.data() : ex.received[node],
+                sizeof(VerdictHeader));
+  }
+  if (!op.local_failure.ok()) return op.local_failure;
+  // A peer's own failure says more than our "we waited for the peers".
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    const VerdictHeader& h = headers[node];
+    if (static_cast<int>(node) != my_node_ && h.code != 0) {
+      return absl::Status(
+          static_cast<absl::StatusCode>(h.code),
+          absl::StrCat(op.label, " failed on node ", nodes_[node], ": ",
+                       std::string(h.message, strnlen(h.message, sizeof(h.message)))));
+    }
+  }
+  if (!ex.local.ok()) return ex.local;
+  const VerdictHeader& mine = headers[my_node_];
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    const VerdictHeader& h = headers[node];
+    if (h.fingerprint_hash != mine.fingerprint_hash ||
+        std::strncmp(h.fingerprint, mine.fingerprint, sizeof(h.fingerprint)) != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("desync across nodes in ", op.label, ": node ", spec_.node, " has ",
+                       op.fingerprint, " but node ", nodes_[node], " has ",
+                       std::string(h.fingerprint, strnlen(h.fingerprint, sizeof(h.fingerprint)))));
+    }
+  }
+  if (!ex.inline_data) return RunWithGloo(op);
+  std::vector<std::byte*> payloads(nodes_.size());
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    const int64_t want = InlineBytes(op, static_cast<int>(node));
+    if (headers[node].payload_bytes != static_cast<uint64_t>(want)) {
+      return absl::InternalError(absl::StrCat(op.label, ": node ", nodes_[node], " sent ",
+                                              headers[node].payload_bytes, " bytes, not ", want));
+    }
+    payloads[node] = (static_cast<int>(node) == my_node_ ? ex.send.data() : ex.received[node]) +
+                     sizeof(VerdictHeader);
+  }
+  Unpack(op, payloads);
+  return absl::OkStatus();
 }
-}  // namespace
 
 void GlooCommunicator::AllreduceAcrossNodes(const core::Collective& op, int64_t n,
                                             absl::Span<std::byte* const> buffers) {
@@ -198,8 +481,10 @@ void GlooCommunicator::AllreduceAcrossNodes(const core::Collective& op, int64_t 
   // MEAN sums everywhere; the caller divides once at the end, by the group size.
   const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
   ::gloo::AllreduceOptions opts(context_);
-  opts.setTimeout(Left(op.deadline));
-  opts.setAlgorithm(AllreduceAlgorithm(nodes_.size(), n * esize));
+  opts.setTimeout(MillisUntil(op.deadline));
+  // The ring: bandwidth optimal, its segments pipelined (ops this large are not latency bound;
+  // small ones never get here, they travel inline).
+  opts.setAlgorithm(::gloo::AllreduceOptions::Algorithm::RING);
   opts.setMaxSegmentSize(kSegmentBytes);
   WithElementType(esize, [&](auto t) {
     using T = decltype(t);
@@ -234,14 +519,13 @@ void GlooCommunicator::ReduceIntoScratch(const core::Collective& op, int64_t n) 
   AllreduceAcrossNodes(op, n, {&buffer, 1});
 }
 
-absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
-  if (absl::Status s = Agree(op); !s.ok()) return s;
+absl::Status GlooCommunicator::RunWithGloo(const core::Collective& op) {
   const int64_t esize = DTypeSize(op.dtype);
   const int64_t n = op.count;
   switch (op.kind) {
     case v1::BARRIER: {
       ::gloo::BarrierOptions opts(context_);
-      opts.setTimeout(Left(op.deadline));
+      opts.setTimeout(MillisUntil(op.deadline));
       ::gloo::barrier(opts);
       return absl::OkStatus();
     }
@@ -287,7 +571,7 @@ absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
       }
       if (n > 0) {
         ::gloo::BroadcastOptions opts(context_);
-        opts.setTimeout(Left(op.deadline));
+        opts.setTimeout(MillisUntil(op.deadline));
         opts.setRoot(root_node);
         WithElementType(esize, [&](auto t) {
           using T = decltype(t);
@@ -338,7 +622,7 @@ absl::Status GlooCommunicator::RunLocked(const core::Collective& op) {
       }
       if (total > 0) {
         ::gloo::AllgathervOptions opts(context_);
-        opts.setTimeout(Left(op.deadline));
+        opts.setTimeout(MillisUntil(op.deadline));
         WithElementType(esize, [&](auto t) {
           using T = decltype(t);
           opts.setInput(reinterpret_cast<T*>(input.data()), static_cast<size_t>(mine));

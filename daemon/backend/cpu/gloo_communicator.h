@@ -1,5 +1,6 @@
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -14,25 +15,63 @@ class Context;
 namespace gradsync::backend::cpu {
 
 /// Collectives of a group whose members sit on several nodes, hierarchically: the local
-/// members' buffers are reduced inside the daemon into one scratch buffer, one Gloo collective
-/// runs among the group's nodes (one Gloo rank per node), and the result is written back to
-/// every local member. MEAN divides by the group size, not the node count.
+/// members' buffers are reduced inside the daemon into one scratch buffer, exchanged among the
+/// group's nodes (one Gloo rank per node), and the result is written back to every local
+/// member. MEAN divides by the group size, not the node count.
 ///
-/// The Gloo context is connected at the first op (rendezvous through the job's store), bounded
-/// by that op's deadline. Gloo's exceptions stop here: a lost peer is UNAVAILABLE naming the op,
-/// and the group's later ops fail the same way (the job must be formed again).
-/// ReduceScatter reduces the whole input across nodes and hands each member its block;
-/// AllGather uses Gloo's allgatherv over the nodes' parts.
+/// Every op starts with one message from each node to every other, on a Gloo slot of its own
+/// (the op's seq): the node's verdict (its status and the op's fingerprint) and, for ops that
+/// move at most kInlineMaxBytes, the node's whole contribution. Such an op is done in that one
+/// exchange (each node combines the contributions in node order, so all get the same bits);
+/// a larger one then runs Gloo's algorithm. An op that failed on one node, or that nodes
+/// disagree on, fails on all of them the same way and writes no member buffer.
+///
+/// RunBatch posts the messages of a run of queued ops at once, so their exchanges overlap on
+/// the wire; each op keeps its own outcome, deadline and desync check. Nodes need not batch
+/// the same way: messages meet by seq.
+///
+/// Not thread-safe: the engine never overlaps a group's calls (core::Communicator), and all
+/// state here is the group's. The Gloo context is connected at the first op (rendezvous through
+/// the job's store), bounded by that op's deadline. Gloo's exceptions stop here: a lost peer is
+/// UNAVAILABLE naming the op, and the group's later ops fail the same way (the job must be
+/// formed again). ReduceScatter reduces the whole input across nodes and hands each member its
+/// block; AllGather gathers the nodes' parts.
 class GlooCommunicator final : public core::Communicator {
  public:
   GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool);
   ~GlooCommunicator() override;
   absl::Status Run(const core::Collective& op) override;
+  void RunBatch(absl::Span<const core::Collective* const> ops,
+                absl::Span<absl::Status> out) override;
 
  private:
+  struct Exchange;
+
   absl::Status Connect(absl::Time deadline);
-  absl::Status RunLocked(const core::Collective& op);
-  absl::Status Agree(const core::Collective& op);
+  // The status of an op reached after the group's link failed.
+  absl::Status BrokenStatus(const core::Collective& op) const;
+  // Records that `op` failed on the link (`error`): the group stays failed. Returns the op's
+  // status (DEADLINE_EXCEEDED naming the peers once its deadline passed).
+  absl::Status FailLink(const core::Collective& op, absl::Status error);
+  // One past the last of ops[begin...] that may have their messages in flight together: an op
+  // that reads what an earlier one of the run writes waits for it.
+  size_t StageEnd(absl::Span<const core::Collective* const> ops, size_t begin) const;
+  // Runs ops whose messages may all be in flight at once. Throws (Gloo) only through out[].
+  void RunStage(absl::Span<const core::Collective* const> ops, absl::Span<absl::Status> out);
+  // Packs this node's verdict (and inline contribution) and posts the op's receives and sends.
+  // Throws (Gloo).
+  void Post(const core::Collective& op, Exchange& ex);
+  // Waits for the op's messages, decides its verdict and completes it. Throws (Gloo).
+  absl::Status Finish(const core::Collective& op, Exchange& ex);
+  // Bytes node `node` contributes to `op` when it travels inline.
+  int64_t InlineBytes(const core::Collective& op, int node) const;
+  bool TravelsInline(const core::Collective& op) const;
+  // This node's contribution to an inline op, into `payload`.
+  void Pack(const core::Collective& op, std::byte* payload);
+  // Every node's contribution (node order) into the local members' buffers.
+  void Unpack(const core::Collective& op, absl::Span<std::byte* const> payloads);
+  // An op past its verdict that runs Gloo's algorithms (not inline). Throws (Gloo).
+  absl::Status RunWithGloo(const core::Collective& op);
   // One Gloo all-reduce of n elements across the nodes, our kernel as its reduce function
   // (MEAN as SUM: the caller divides). Gloo first reduces `buffers` into buffers[0], segment by
   // segment, and leaves the result in every one of them. Throws (Gloo).
@@ -41,14 +80,18 @@ class GlooCommunicator final : public core::Communicator {
   // Reduces the local members' inputs [0, n) into scratch_, then all-reduces it.
   void ReduceIntoScratch(const core::Collective& op, int64_t n);
   std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..."
+  // A receive slot of kInlineMaxBytes plus the header, reused across batches.
+  std::byte* ReceiveSlot(size_t index);
 
   const core::CommunicatorSpec spec_;
   WorkerPool* const pool_;
   std::vector<std::string> nodes_;  // the group's nodes, sorted: Gloo rank = index
   std::vector<int> node_of_group_rank_;
+  std::vector<int> members_on_node_;  // by node index
   int my_node_ = -1;
   std::shared_ptr<::gloo::Context> context_;
   std::vector<std::byte> scratch_;
+  std::vector<std::unique_ptr<std::byte[]>> receive_slots_;
   absl::Status broken_;  // once a cross-node op failed, every later op fails with it
 };
 

@@ -1,0 +1,206 @@
+// GlooCommunicator across three in-process "nodes" (one thread and one communicator each, real
+// Gloo TCP contexts on loopback, rendezvous over a MemoryStore): batches of queued ops, each
+// keeping its own values and outcome, whichever way each node batches them.
+
+#include "daemon/backend/cpu/gloo_communicator.h"
+
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/store/memory_store.h"
+#include "gtest/gtest.h"
+
+namespace gradsync::backend::cpu {
+namespace {
+
+constexpr int kNodes = 3;
+// Group ranks 0,1 on node a, 2 on node b, 3 on node c.
+const std::vector<std::string> kMemberNodes = {"127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:2",
+                                               "127.0.0.1:3"};
+const std::vector<std::vector<int>> kLocal = {{0, 1}, {2}, {3}};
+
+float Input(int rank, int64_t i) { return static_cast<float>((rank + 1) * (i % 5 + 1)); }
+
+// One node's state: its communicator and its members' buffers, one per op.
+struct Node {
+  std::unique_ptr<GlooCommunicator> comm;
+  std::vector<std::vector<std::vector<float>>> buffers;  // [op][local member]
+  std::vector<core::Collective> ops;
+  std::vector<absl::Status> out;
+};
+
+core::Collective AllReduce(uint64_t seq, int64_t count, v1::ReduceOp reduce, std::string name) {
+  core::Collective op;
+  op.kind = v1::ALL_REDUCE;
+  op.reduce_op = reduce;
+  op.dtype = v1::FLOAT32;
+  op.count = count;
+  op.group_size = 4;
+  op.seq = seq;
+  op.deadline = absl::Now() + absl::Seconds(30);
+  op.label = absl::StrCat("all_reduce seq=", seq);
+  op.fingerprint = absl::StrCat("all_reduce(", name, ", count=", count, ") seq=", seq);
+  return op;
+}
+
+class GlooCommunicatorTest : public ::testing::Test {
+ protected:
+  // Every node builds the same ops (fingerprint_of may differ by node), then runs them with
+  // run(node): its own way of handing them to the communicator.
+  void RunOnEveryNode(const std::vector<int64_t>& counts,
+                      const std::function<std::string(int node, int op)>& name_of,
+                      const std::function<absl::Status(int node, int op)>& local_failure_of,
+                      const std::function<void(int node, Node&)>& run,
+                      const std::vector<int>& same_buffer_as = {}) {
+    nodes_.resize(kNodes);
+    std::vector<std::thread> threads;
+    for (int node = 0; node < kNodes; ++node) {
+      Node& n = nodes_[node];
+      core::CommunicatorSpec spec;
+      spec.job = "j";
+      spec.group = "world";
+      spec.members = {0, 1, 2, 3};
+      spec.local_members = kLocal[node];
+      spec.member_nodes = kMemberNodes;
+      spec.node = kMemberNodes[kLocal[node][0]];
+      spec.rendezvous = &store_;
+      spec.run = "r1";
+      n.comm = std::make_unique<GlooCommunicator>(spec, nullptr);
+      n.buffers.resize(counts.size());
+      for (size_t k = 0; k < counts.size(); ++k) {
+        core::Collective op =
+            AllReduce(k, counts[k], k % 2 ? v1::MAX : v1::SUM, name_of(node, static_cast<int>(k)));
+        op.local_failure = local_failure_of(node, static_cast<int>(k));
+        if (op.local_failure.ok() && k < same_buffer_as.size() && same_buffer_as[k] >= 0) {
+          op.local = n.ops[same_buffer_as[k]].local;  // op k re-reduces that op's buffers
+        } else if (op.local_failure.ok()) {
+          for (int rank : kLocal[node]) {
+            std::vector<float>& data = n.buffers[k].emplace_back(counts[k]);
+            for (int64_t i = 0; i < counts[k]; ++i) data[i] = Input(rank, i);
+          }
+          for (size_t m = 0; m < kLocal[node].size(); ++m) {
+            op.local.push_back({kLocal[node][m],
+                                {{reinterpret_cast<std::byte*>(n.buffers[k][m].data()), counts[k]}},
+                                {}});
+          }
+        }
+        n.ops.push_back(std::move(op));
+      }
+      n.out.assign(counts.size(), absl::UnknownError("not run"));
+    }
+    for (int node = 0; node < kNodes; ++node) {
+      threads.emplace_back([&, node] { run(node, nodes_[node]); });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+
+  // Every element of op k's buffers on every node.
+  void ExpectValues(size_t k, const std::function<float(int rank, int64_t i)>& want) {
+    for (int node = 0; node < kNodes; ++node) {
+      for (size_t m = 0; m < nodes_[node].buffers[k].size(); ++m) {
+        const std::vector<float>& data = nodes_[node].buffers[k][m];
+        for (size_t i = 0; i < data.size(); ++i) {
+          ASSERT_EQ(data[i], want(kLocal[node][m], static_cast<int64_t>(i)))
+              << "op " << k << " node " << node << " member " << m << " element " << i;
+        }
+      }
+    }
+  }
+
+  store::MemoryStore store_;
+  std::vector<Node> nodes_;
+};
+
+float Sum(int64_t i) { return 10.0f * (i % 5 + 1); }  // over ranks 0..3 of Input
+float Max(int64_t i) { return 4.0f * (i % 5 + 1); }
+
+void RunAll(Node& n) {
+  std::vector<const core::Collective*> ops;
+  for (const core::Collective& op : n.ops) ops.push_back(&op);
+  n.comm->RunBatch(ops, absl::MakeSpan(n.out));
+}
+
+void RunOneByOne(Node& n) {
+  for (size_t k = 0; k < n.ops.size(); ++k) n.out[k] = n.comm->Run(n.ops[k]);
+}
+
+void RunInTwoBatches(Node& n) {
+  std::vector<const core::Collective*> ops;
+  for (const core::Collective& op : n.ops) ops.push_back(&op);
+  const size_t half = ops.size() / 2;
+  n.comm->RunBatch(absl::MakeSpan(ops).subspan(0, half), absl::MakeSpan(n.out).subspan(0, half));
+  n.comm->RunBatch(absl::MakeSpan(ops).subspan(half), absl::MakeSpan(n.out).subspan(half));
+}
+
+TEST_F(GlooCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAndByRing) {
+  // Small ops travel inside their verdict messages; 100000 floats (over 256 KiB) take the ring.
+  const std::vector<int64_t> counts = {1, 1000, 0, 100000, 7, 4096, 100000, 3};
+  RunOnEveryNode(
+      counts, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
+      [](int node, Node& n) {
+        if (node == 0) RunAll(n);
+        if (node == 1) RunOneByOne(n);
+        if (node == 2) RunInTwoBatches(n);
+      });
+  for (int node = 0; node < kNodes; ++node) {
+    for (size_t k = 0; k < counts.size(); ++k) {
+      EXPECT_TRUE(nodes_[node].out[k].ok()) << node << " " << k << nodes_[node].out[k];
+    }
+  }
+  for (size_t k = 0; k < counts.size(); ++k) {
+    ExpectValues(k, [&](int, int64_t i) { return k % 2 ? Max(i) : Sum(i); });
+  }
+}
+
+TEST_F(GlooCommunicatorTest, OpThatReadsAnEarlierOpsResultInTheSameBatchSeesIt) {
+  // Ops 1 and 2 all-reduce op 0's buffers again (SUM, MAX, SUM): each must see the last result.
+  RunOnEveryNode(
+      {500, 500, 500}, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
+      [](int, Node& n) { RunAll(n); }, {-1, 0, 0});
+  for (int node = 0; node < kNodes; ++node) {
+    for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(nodes_[node].out[k].ok()) << nodes_[node].out[k];
+  }
+  // SUM then MAX (all equal: unchanged) then SUM over 4 ranks.
+  ExpectValues(0, [](int, int64_t i) { return 4.0f * Sum(i); });
+}
+
+TEST_F(GlooCommunicatorTest, DesyncedAndFailedOpsInABatchFailAloneAndWriteNothing) {
+  // Op 2: node c names it differently (a desync across nodes). Op 4: it failed on node b before
+  // it ran (a rank gone there). Op 5 is large. The rest succeed.
+  const std::vector<int64_t> counts = {64, 64, 64, 64, 64, 100000, 64};
+  RunOnEveryNode(
+      counts, [](int node, int k) { return k == 2 && node == 2 ? "other" : "w"; },
+      [](int node, int k) {
+        return k == 4 && node == 1 ? absl::AbortedError("rank 2 left") : absl::OkStatus();
+      },
+      [](int node, Node& n) { node == 1 ? RunOneByOne(n) : RunAll(n); });
+  for (int node = 0; node < kNodes; ++node) {
+    const std::vector<absl::Status>& out = nodes_[node].out;
+    for (size_t k = 0; k < counts.size(); ++k) {
+      if (k == 2) {
+        EXPECT_EQ(out[k].code(), absl::StatusCode::kFailedPrecondition) << out[k];
+        EXPECT_TRUE(absl::StrContains(out[k].message(), "all_reduce(w, count=64) seq=2") &&
+                    absl::StrContains(out[k].message(), "all_reduce(other, count=64) seq=2"))
+            << out[k];
+      } else if (k == 4) {
+        EXPECT_EQ(out[k].code(), absl::StatusCode::kAborted) << out[k];
+        EXPECT_TRUE(absl::StrContains(out[k].message(), "rank 2 left")) << out[k];
+      } else {
+        EXPECT_TRUE(out[k].ok()) << node << " " << k << " " << out[k];
+      }
+    }
+  }
+  for (size_t k = 0; k < counts.size(); ++k) {
+    if (k == 2 || k == 4) {
+      ExpectValues(k, [](int rank, int64_t i) { return Input(rank, i); });
+    } else {
+      ExpectValues(k, [&](int, int64_t i) { return k % 2 ? Max(i) : Sum(i); });
+    }
+  }
+}
+
+}  // namespace
+}  // namespace gradsync::backend::cpu
