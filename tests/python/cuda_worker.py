@@ -219,7 +219,37 @@ def s_optimizer(fake, rank, world, pack=False, unused=False):
     return checks, info
 
 
+def s_detector(fake, rank, world):
+    """The fake's checks are not vacuous: a package that skipped "ready" or "done" is caught."""
+    from gradsync import _device
+    checks = {}
+    t = fake.to_device(torch.ones(16))
+    ready, wait_done = _device.Registry.ready, _device.Run._wait_done
+    _device.Registry.ready = lambda self, regs, stream: None
+    try:
+        gradsync.all_reduce(t)
+    finally:
+        _device.Registry.ready = ready
+    checks["an op without ready is a violation"] = \
+        any("without \"ready\"" in v for v in fake.violations)
+    _device.Run._wait_done = lambda self: None
+    try:
+        gradsync.all_reduce(t)
+    finally:
+        _device.Run._wait_done = wait_done
+    reg, _ = fake_cuda.registry().locate(t.data_ptr(), 4)
+    checks["a call returning without waiting on done is unsettled"] = fake.settled() == [reg.id]
+    try:
+        torch.cuda.synchronize()
+        checks["a host synchronisation is caught"] = False
+    except RuntimeError:
+        checks["a host synchronisation is caught"] = any("host synchronisation" in v
+                                                         for v in fake.violations)
+    return checks, {}
+
+
 SCENARIOS = {
+    "detector": s_detector,
     "collectives": s_collectives,
     "realloc": s_realloc,
     "hook": s_hook,

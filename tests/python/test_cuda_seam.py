@@ -19,7 +19,8 @@ from conftest import BUILD, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "cuda_worker.py")
-SCENARIOS = ["collectives", "realloc", "hook", "optimizer", "optimizer_pack", "optimizer_unused"]
+SCENARIOS = ["detector", "collectives", "realloc", "hook", "optimizer", "optimizer_pack",
+             "optimizer_unused"]
 
 
 @pytest.fixture(scope="module")
