@@ -28,8 +28,11 @@ def main():
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     args = ap.parse_args()
     start = time.monotonic()
-    import torch
-    import torch.distributed as dist
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as e:
+        sys.exit(print(f"torch_gpu_allreduce: no torch here ({e})") or 77)
     if not torch.cuda.is_available():
         sys.exit(print(f"torch_gpu_allreduce: torch {torch.__version__} sees no CUDA device") or 77)
     import gradsync

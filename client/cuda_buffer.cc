@@ -105,27 +105,29 @@ absl::StatusOr<CudaAllocation> CudaAllocationOf(const void* ptr) {
         "CudaAllocationOf: the CUDA driver offers no cuPointerGetAttributes (no driver here?)");
   }
   unsigned long long id = 0;
-  CUdeviceptr base = 0;
-  size_t bytes = 0;
   int device = -1;
   int ipc_capable = 0;  // a CUDA bool: written as one byte or as an int, zeroed either way
-  CUpointer_attribute attributes[] = {
-      CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-      CU_POINTER_ATTRIBUTE_RANGE_SIZE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-      CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
-  void* data[] = {&id, &base, &bytes, &device, &ipc_capable};
+  CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                      CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
+  void* data[] = {&id, &device, &ipc_capable};
   // Unlike cuPointerGetAttribute, a pointer CUDA does not know is no error: every value stays 0.
-  if (const CUresult rc = fn(5, attributes, data, reinterpret_cast<CUdeviceptr>(ptr));
+  if (const CUresult rc = fn(3, attributes, data, reinterpret_cast<CUdeviceptr>(ptr));
       rc != CUDA_SUCCESS) {
     return absl::InvalidArgumentError(
         absl::StrCat("cuPointerGetAttributes: CUresult ", static_cast<int>(rc)));
   }
   CudaAllocation out;
+  if (id == 0) return out;  // not CUDA memory, or freed
   out.id = id;
-  out.base = static_cast<uintptr_t>(base);
-  out.bytes = static_cast<int64_t>(bytes);
-  out.device = id == 0 ? -1 : device;
+  out.device = device;
   out.ipc_capable = ipc_capable != 0;
+  // The range as RegisterCudaBuffer and the daemon's importer see it (cuMemGetAddressRange),
+  // so that a registration of [base, base + bytes) is never refused as too long.
+  absl::StatusOr<std::pair<uintptr_t, size_t>> range = cuda::AllocationRange(ptr);
+  if (!range.ok()) return range.status();
+  out.base = range->first;
+  out.bytes = static_cast<int64_t>(range->second);
   return out;
 }
 

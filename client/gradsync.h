@@ -101,7 +101,7 @@ int gs_buffer_deregister_id(gs_client* client, uint64_t id);
  * the host with the device. Built without CUDA: FAILED_PRECONDITION. */
 typedef struct gs_cuda_buffer gs_cuda_buffer;
 
-/* The allocation a device pointer lies in (one driver query, no daemon call). id is unique
+/* The allocation a device pointer lies in (two driver queries, no daemon call). id is unique
  * among the process's allocations for its whole life (a freed allocation's id never returns):
  * key registrations on it. id 0: not CUDA memory, or freed. */
 typedef struct gs_cuda_allocation {

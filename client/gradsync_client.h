@@ -117,8 +117,9 @@ struct CudaAllocation {
   /// expandable segments): RegisterCudaBuffer would fail on it.
   bool ipc_capable = false;
 };
-/// One driver call (cuPointerGetAttributes, reached through the runtime: no libcuda link); no
-/// synchronisation. FAILED_PRECONDITION in a build without CUDA or without a driver.
+/// Two driver calls (cuPointerGetAttributes, cuMemGetAddressRange, reached through the runtime:
+/// no libcuda link); no synchronisation. FAILED_PRECONDITION in a build without CUDA or without
+/// a driver.
 absl::StatusOr<CudaAllocation> CudaAllocationOf(const void* ptr);
 
 class Client;

@@ -4,7 +4,7 @@ around each op. Every CUDA call goes through the seam (_cuda.api()).
 Registration follows how PyTorch shares caching-allocator blocks: a tensor's memory is named by
 the allocation it lies in (its IPC handle, taken at the allocation's base) and its offset there.
 The whole allocation is registered once, on first use, and the daemon maps it once; every later
-op on any tensor in it costs one driver query (which allocation is this?) and a dict lookup.
+op on any tensor in it costs a driver query (which allocation is this?) and a dict lookup.
 The cache is keyed by the driver's allocation id, unique over the process's life, so memory the
 allocator freed and handed out again (torch.cuda.empty_cache) is never mistaken for what was
 registered: an entry whose allocation is gone is deregistered when the next allocation is

@@ -239,7 +239,7 @@ def _buffer_of(ptr):
 # ---- CUDA device memory ----
 def cuda_allocation_of(address):
     """(id, base, bytes, device, ipc_capable) of the CUDA allocation `address` lies in; id 0:
-    not CUDA memory (or freed). One driver query, no daemon call, no synchronisation."""
+    not CUDA memory (or freed). Driver queries only: no daemon call, no synchronisation."""
     out = _CudaAllocation()
     _check(_lib.gs_cuda_allocation_of(ctypes.c_void_p(int(address)), ctypes.byref(out)))
     return out.id, out.base, out.bytes, out.device, bool(out.ipc_capable)
