@@ -248,7 +248,38 @@ def s_detector(fake, rank, world):
     return checks, {}
 
 
+def s_empty_cache(fake, rank, world):
+    """torch.cuda.empty_cache first lets go of the registrations nobody pins (the daemon must not
+    map memory the allocator frees); the optimizer's buckets stay registered and keep working."""
+    checks = {}
+    model = Net(False)
+    for p in model.parameters():
+        p.data = fake.to_device(p.data)
+    opt = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  reduce_method="mean")
+    big = fake.to_device(torch.full((300000,), float(rank)))  # an allocation of its own
+    gradsync.all_reduce(big)
+    user, _ = fake_cuda.registry().locate(big.data_ptr(), 4)
+    bucket = opt._layout.registrations()[0]
+    torch.cuda.empty_cache()
+    checks["empty_cache deregistered the unpinned allocation"] = ("deregister", user.id) in fake.log
+    checks["the optimizer's bucket stayed registered"] = ("deregister", bucket.id) not in fake.log
+    gradsync.all_reduce(big)
+    checks["the allocation registers again on its next use"] = \
+        fake_cuda.registry().locate(big.data_ptr(), 4)[0].id != user.id
+    checks["values"] = bool((big == float(sum(range(world)) * world)).all())
+    x, y = torch.randn(4, 5), torch.randn(4, 2)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x + rank), y).backward()
+    checks["backward still reduces into the bucket"] = fake.settled() == [] and \
+        all(fake.device_of(p.grad) == 0 for p in model.parameters())
+    opt.step()
+    checks["no violation"] = fake.violations == []
+    return checks, {"grad_sums": [float(p.grad.sum()) for p in model.parameters()]}
+
+
 SCENARIOS = {
+    "empty_cache": s_empty_cache,
     "detector": s_detector,
     "collectives": s_collectives,
     "realloc": s_realloc,

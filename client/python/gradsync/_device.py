@@ -6,9 +6,14 @@ the allocation it lies in (its IPC handle, taken at the allocation's base) and i
 The whole allocation is registered once, on first use, and the daemon maps it once; every later
 op on any tensor in it costs a driver query (which allocation is this?) and a dict lookup.
 The cache is keyed by the driver's allocation id, unique over the process's life, so memory the
-allocator freed and handed out again (torch.cuda.empty_cache) is never mistaken for what was
-registered: an entry whose allocation is gone is deregistered when the next allocation is
-registered (and at the latest when the session ends, when the daemon drops them all).
+allocator freed and handed out again is never mistaken for what was registered: an entry whose
+allocation is gone is deregistered when the next allocation is registered (and at the latest
+when the session ends, when the daemon drops them all). An allocation must not be freed while
+the daemon maps it (CUDA leaves that undefined), so torch.cuda.empty_cache, the way torch's
+allocator gives memory back, first deregisters every entry nobody pins (pinned: buckets
+gradsync holds, whose allocation cannot be freed); they register again on their next use. (The
+allocator's own release on an out-of-memory retry bypasses that; it is rare, and the entries it
+leaves are swept as above.)
 
 The stream protocol of an op (no host synchronisation anywhere):
   1. "ready" is recorded on the current stream for every registration the op reads or writes,
@@ -34,10 +39,12 @@ class Registry:
         self._lock = threading.Lock()
         self._by_alloc = {}      # allocation id -> registration
         self._ready_stream = {}  # registration id -> the stream "ready" was last recorded on
+        self._pins = {}          # allocation id -> holders that keep it allocated
         self.registrations = 0   # registered so far (tests count them)
 
-    def locate(self, address, nbytes):
-        """(registration, byte offset) of device memory [address, address + nbytes)."""
+    def locate(self, address, nbytes, pin=False):
+        """(registration, byte offset) of device memory [address, address + nbytes). pin: the
+        caller holds the memory allocated until unpin(registration)."""
         api = _cuda.api()
         alloc_id, base, size, ipc_capable = api.allocation(address)
         if alloc_id == 0:
@@ -54,10 +61,34 @@ class Registry:
                             "PyTorch's expandable segments; unset expandable_segments in "
                             "PYTORCH_CUDA_ALLOC_CONF)")
             reg = self._register(alloc_id, base, size)
+        if pin:
+            with self._lock:
+                self._pins[alloc_id] = self._pins.get(alloc_id, 0) + 1
+                reg.alloc_id = alloc_id
         return reg, address - base
+
+    def unpin(self, reg):
+        with self._lock:
+            alloc_id = getattr(reg, "alloc_id", None)
+            if self._pins.get(alloc_id, 0) > 1:
+                self._pins[alloc_id] -= 1
+            else:
+                self._pins.pop(alloc_id, None)
+
+    def release_unpinned(self):
+        """Deregisters every entry nobody pins (before the allocator frees memory)."""
+        api = _cuda.api()
+        with self._lock:
+            gone = [(a, r) for a, r in self._by_alloc.items() if a not in self._pins]
+            for alloc_id, reg in gone:
+                del self._by_alloc[alloc_id]
+                self._ready_stream.pop(reg.id, None)
+        for _, reg in gone:
+            self._deregister(api, reg)
 
     def _register(self, alloc_id, base, size):
         api = _cuda.api()
+        _guard_empty_cache()
         self._sweep(api)
         reg = api.register(self._client, base, size)
         with self._lock:
@@ -111,6 +142,32 @@ class Registry:
         with self._lock:
             self._by_alloc.clear()
             self._ready_stream.clear()
+
+
+_guard_lock = threading.Lock()
+_guarded = False
+
+
+def _guard_empty_cache():
+    """Wraps torch.cuda.empty_cache (once) so that the session's unpinned registrations are let
+    go before torch frees cached allocations."""
+    global _guarded
+    import sys
+    torch = sys.modules.get("torch")
+    with _guard_lock:
+        if _guarded or torch is None:
+            return
+        _guarded = True
+        empty_cache = torch.cuda.empty_cache
+
+        def guarded_empty_cache(*args, **kwargs):
+            from . import _context
+            if _context is not None and not _context.client.closed:
+                _context.device.release_unpinned()
+            return empty_cache(*args, **kwargs)
+
+        guarded_empty_cache.__doc__ = empty_cache.__doc__
+        torch.cuda.empty_cache = guarded_empty_cache
 
 
 def _unique(regs):

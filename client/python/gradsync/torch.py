@@ -70,8 +70,9 @@ class _DeviceBucket:
 
     def __init__(self, nbytes, device):
         self._mem = _cuda.api().empty(nbytes, device)
-        self.registration, self.offset = gradsync._ctx().device.locate(self._mem.data_ptr(),
-                                                                       nbytes)
+        self._registry = gradsync._ctx().device
+        self.registration, self.offset = self._registry.locate(self._mem.data_ptr(), nbytes,
+                                                               pin=True)
         self.buffer_id = self.registration.id
 
     def view(self, dtype, count, byte_offset):
@@ -82,6 +83,7 @@ class _DeviceBucket:
         self._mem.zero_()  # on the current stream, after "done" of the last reduction
 
     def release(self):
+        self._registry.unpin(self.registration)
         self._mem = None  # back to torch's allocator; the registry keeps the registration
 
 
