@@ -8,7 +8,7 @@ gradsyncd this script starts:
                         waited for "ready" and the stream for "done"), in-place all_reduce,
                         broadcast, a non-contiguous tensor, async ops; a hot loop that
                         registers nothing and, under torch.cuda.set_sync_debug_mode("error"),
-                        never synchronises the host.
+                        never synchronises the host; torch.cuda.empty_cache in between.
   optimizer_one_rank    DistributedOptimizer on CUDA parameters with one rank that still
                         reduces through the daemon (_reduce_alone), param_pack and bcast_period
                         on, matches a plain optimizer; gradients are views into the registered
@@ -113,6 +113,15 @@ def t_cuda_tensors(job="pygpu-tensors", rounds=1):
         torch.cuda.set_sync_debug_mode("default")
     checks["hot loop registers nothing"] = gradsync._ctx().device.registrations == regs
     checks["hot loop values"] = bool(torch.equal(outs[1:, 0].cpu(), torch.arange(1, 64).float()))
+    # empty_cache: the daemon lets go of the cached allocations before torch frees them.
+    big = torch.ones(8 << 20, device="cuda")  # 32 MiB, an allocation of its own
+    gradsync.all_reduce(big, op="max")
+    del big
+    torch.cuda.empty_cache()
+    again = torch.full((8 << 20,), 2.0, device="cuda")
+    out2 = torch.zeros_like(again)
+    gradsync.all_gather([out2], again)
+    checks["after empty_cache, allocations register again and work"] = bool((out2 == 2.0).all())
     gradsync.shutdown()
     return checks
 

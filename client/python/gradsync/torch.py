@@ -193,6 +193,7 @@ class DistributedOptimizer:
         self._plan = None          # the pack plan (param_pack, from the second iteration on)
         self._pack_of = {}         # parameter -> pack index
         self._pending = []         # per pack: gradients still to come in this backward
+        self._pack_streams = {}    # per pack: the CUDA streams its gradients came from so far
         self._layout = None
         self._hooks = []
         self._no_sync = False
@@ -382,17 +383,28 @@ class DistributedOptimizer:
             else:
                 k = self._pack_of[i]
                 self._pending[k] -= 1
+                if self._device is not None:  # the streams that produced the pack's gradients
+                    stream = _cuda.api().current_stream(self._device)
+                    seen = self._pack_streams.setdefault(k, [])
+                    if stream not in seen:
+                        seen.append(stream)
                 if self._pending[k] == 0:
-                    self._submit(self._plan["packs"][k]["indices"], f"pack{k}")
+                    self._submit(self._plan["packs"][k]["indices"], f"pack{k}",
+                                 self._pack_streams.pop(k, []))
 
-    def _submit(self, indices, name):
+    def _submit(self, indices, name, streams=()):
         # Members of a pack are adjacent in the layout (each gradient and its flag): one segment.
         bucket, offset, _ = self._layout.place[indices[0]]
         count = sum(self._layout.place[i][2] + 1 for i in indices)
         if bucket.registration is not None:
-            # The daemon starts once the stream that produced these gradients got here.
-            gradsync._ctx().device.ready([bucket.registration],
-                                         _cuda.api().current_stream(self._device))
+            # The daemon starts once the stream that produced these gradients got here (and
+            # the other streams that produced some of them, when backward used several).
+            api = _cuda.api()
+            stream = api.current_stream(self._device)
+            for other in streams:
+                if other != stream:
+                    api.join_streams(stream, other)
+            gradsync._ctx().device.ready([bucket.registration], stream)
         handle = gradsync.client().all_reduce(
             gradsync.dtype_name(self._params[indices[0]].dtype), self._reduce_method,
             [(bucket.buffer_id, bucket.offset + offset, count)], self._group.key, name,
@@ -450,6 +462,7 @@ class DistributedOptimizer:
             self._fired = set()
             if self._plan is not None:
                 self._pending = [len(p["indices"]) for p in self._plan["packs"]]
+            self._pack_streams = {}
             self._order_done = True
         first_error = None
         for h in works:
@@ -488,6 +501,7 @@ class DistributedOptimizer:
             self._fired = set()
             if self._plan is not None:
                 self._pending = [len(p["indices"]) for p in self._plan["packs"]]
+            self._pack_streams = {}
         self._queued = False
         for h in works:
             try:
