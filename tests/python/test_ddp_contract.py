@@ -73,6 +73,14 @@ def runs():
                 started.append(((world, pack), launch(
                     tmp, [daemon] * world, f"ct{world}{int(pack)}",
                     lambda r, pack=pack, names=names: [WORKER, "gs", str(int(pack)), *names])))
+            port = _free_port()
+            names = [s for s in scenarios(world, True) if s not in NOT_IN_DDP]
+            ddp_ranks = launch(tmp, [daemon] * world, f"ddp{world}",
+                               lambda r: [WORKER, "ddp", *names],
+                               extra_env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            for key, ranks in started:
+                gs[key] = _by_scenario(ranks.wait())
+            # The fake-CUDA runs once the host runs are done: fewer processes at once.
             dev_started = []
             for pack in (False, True):
                 if (world, pack) not in DEV_RUNS:
@@ -81,13 +89,6 @@ def runs():
                 dev_started.append(((world, pack), launch(
                     tmp, [daemon] * world, f"dv{world}{int(pack)}",
                     lambda r, pack=pack, names=names: [WORKER, "gsdev", str(int(pack)), *names])))
-            port = _free_port()
-            names = [s for s in scenarios(world, True) if s not in NOT_IN_DDP]
-            ddp_ranks = launch(tmp, [daemon] * world, f"ddp{world}",
-                               lambda r: [WORKER, "ddp", *names],
-                               extra_env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-            for key, ranks in started:
-                gs[key] = _by_scenario(ranks.wait())
             for key, ranks in dev_started:
                 dev[key] = _by_scenario(ranks.wait())
             ddp[world] = _by_scenario(ddp_ranks.wait())
