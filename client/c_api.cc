@@ -22,6 +22,9 @@ struct gs_client {
 struct gs_buffer {
   std::unique_ptr<gradsync::client::SharedBuffer> impl;
 };
+struct gs_cuda_buffer {
+  std::unique_ptr<gradsync::client::CudaBuffer> impl;
+};
 struct gs_op {
   gradsync::client::Op impl;
 };
@@ -183,6 +186,61 @@ int gs_buffer_deregister(gs_client* client, const gs_buffer* buffer) {
 }
 
 void gs_buffer_free(gs_buffer* buffer) { delete buffer; }
+
+int gs_buffer_register_fd(gs_client* client, int fd, int64_t bytes, int dtype, uint64_t* id) {
+  if (int rc = Check(client, "client") + Check(id, "id"); rc != 0) return rc;
+  auto token = client->impl->ShareFd(fd);
+  if (!token.ok()) return Fail(token.status());
+  gradsync::v1::RegisterBufferRequest request;
+  request.set_bytes(bytes);
+  request.set_dtype(ToDType(dtype));
+  request.set_fd_token(*token);
+  auto registered = client->impl->RegisterBuffer(request);
+  if (!registered.ok()) return Fail(registered.status());
+  *id = *registered;
+  return 0;
+}
+
+int gs_buffer_deregister_id(gs_client* client, uint64_t id) {
+  if (int rc = Check(client, "client"); rc != 0) return rc;
+  return Report(client->impl->DeregisterBuffer(id));
+}
+
+int gs_cuda_allocation_of(const void* ptr, gs_cuda_allocation* out) {
+  if (int rc = Check(out, "out"); rc != 0) return rc;
+  auto a = gradsync::client::CudaAllocationOf(ptr);
+  if (!a.ok()) return Fail(a.status());
+  *out = {a->id, a->base, a->bytes, a->device, a->ipc_capable ? 1 : 0};
+  return 0;
+}
+
+int gs_cuda_buffer_register(gs_client* client, void* device_ptr, int64_t bytes, int dtype,
+                            gs_cuda_buffer** out) {
+  if (int rc = Check(client, "client") + Check(out, "out"); rc != 0) return rc;
+  auto buffer = client->impl->RegisterCudaBuffer(device_ptr, bytes, ToDType(dtype));
+  if (!buffer.ok()) return Fail(buffer.status());
+  *out = new gs_cuda_buffer{*std::move(buffer)};
+  return 0;
+}
+
+uint64_t gs_cuda_buffer_id(const gs_cuda_buffer* buffer) { return buffer ? buffer->impl->id() : 0; }
+
+int gs_cuda_buffer_ready(gs_cuda_buffer* buffer, void* stream) {
+  if (int rc = Check(buffer, "buffer"); rc != 0) return rc;
+  return Report(buffer->impl->Ready(stream));
+}
+
+int gs_cuda_buffer_wait_done(gs_cuda_buffer* buffer, void* stream) {
+  if (int rc = Check(buffer, "buffer"); rc != 0) return rc;
+  return Report(buffer->impl->WaitDone(stream));
+}
+
+int gs_cuda_buffer_deregister(gs_client* client, const gs_cuda_buffer* buffer) {
+  if (int rc = Check(client, "client") + Check(buffer, "buffer"); rc != 0) return rc;
+  return Report(client->impl->DeregisterBuffer(buffer->impl->id()));
+}
+
+void gs_cuda_buffer_free(gs_cuda_buffer* buffer) { delete buffer; }
 
 int gs_all_reduce_async(gs_client* client, int dtype, int reduce_op, const gs_segment* data,
                         size_t n, const gs_op_options* options, gs_op** out) {

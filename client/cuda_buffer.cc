@@ -1,4 +1,5 @@
-// Client::RegisterCudaBuffer and CudaBuffer: exporting device memory to the daemon.
+// Client::RegisterCudaBuffer and CudaBuffer: exporting device memory to the daemon; and
+// CudaAllocationOf, what a cache of such registrations keys on.
 #include <unistd.h>
 
 #include <cstring>
@@ -9,6 +10,7 @@
 #include "client/gradsync_client.h"
 
 #if GRADSYNC_WITH_CUDA
+#include <cuda.h>  // the driver's types only: its functions come through the runtime
 #include <cuda_runtime_api.h>
 
 #include "common/cuda_util.h"
@@ -75,7 +77,59 @@ absl::StatusOr<std::string> NewEvent(int device, void** event) {
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
 }
 
+// cuPointerGetAttributes from the driver, through the runtime (nothing links libcuda).
+using GetPointerAttributes = CUresult (*)(unsigned int n, CUpointer_attribute* attributes,
+                                          void** data, CUdeviceptr ptr);
+
+GetPointerAttributes PointerAttributesFn() {
+  static GetPointerAttributes fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &p, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return GetPointerAttributes{nullptr};
+    }
+    return reinterpret_cast<GetPointerAttributes>(p);
+  }();
+  return fn;
+}
+
 }  // namespace
+
+absl::StatusOr<CudaAllocation> CudaAllocationOf(const void* ptr) {
+  GetPointerAttributes fn = PointerAttributesFn();
+  if (fn == nullptr) {
+    return absl::FailedPreconditionError(
+        "CudaAllocationOf: the CUDA driver offers no cuPointerGetAttributes (no driver here?)");
+  }
+  unsigned long long id = 0;
+  int device = -1;
+  int ipc_capable = 0;  // a CUDA bool: written as one byte or as an int, zeroed either way
+  CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                      CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
+  void* data[] = {&id, &device, &ipc_capable};
+  // Unlike cuPointerGetAttribute, a pointer CUDA does not know is no error: every value stays 0.
+  if (const CUresult rc = fn(3, attributes, data, reinterpret_cast<CUdeviceptr>(ptr));
+      rc != CUDA_SUCCESS) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuPointerGetAttributes: CUresult ", static_cast<int>(rc)));
+  }
+  CudaAllocation out;
+  if (id == 0) return out;  // not CUDA memory, or freed
+  out.id = id;
+  out.device = device;
+  out.ipc_capable = ipc_capable != 0;
+  // The range as RegisterCudaBuffer and the daemon's importer see it (cuMemGetAddressRange),
+  // so that a registration of [base, base + bytes) is never refused as too long.
+  absl::StatusOr<std::pair<uintptr_t, size_t>> range = cuda::AllocationRange(ptr);
+  if (!range.ok()) return range.status();
+  out.base = range->first;
+  out.bytes = static_cast<int64_t>(range->second);
+  return out;
+}
 
 CudaBuffer::~CudaBuffer() {
   if (device_ < 0) return;
@@ -161,6 +215,9 @@ absl::Status CudaBuffer::Ready(void*) {
 }
 absl::Status CudaBuffer::WaitDone(void*) {
   return absl::FailedPreconditionError("built without CUDA");
+}
+absl::StatusOr<CudaAllocation> CudaAllocationOf(const void*) {
+  return absl::FailedPreconditionError("gradsync was built without CUDA (GRADSYNC_WITH_CUDA)");
 }
 absl::StatusOr<std::unique_ptr<CudaBuffer>> Client::RegisterCudaBuffer(void*, int64_t, DType) {
   return absl::FailedPreconditionError("gradsync was built without CUDA (GRADSYNC_WITH_CUDA)");

@@ -85,6 +85,51 @@ int gs_buffer_deregister(gs_client* client, const gs_buffer* buffer);
 /* Unmaps and frees (after gs_buffer_deregister, or after gs_close); never calls the daemon. */
 void gs_buffer_free(gs_buffer* buffer);
 
+/* Memory the caller manages: `fd` is a memfd sealed with F_SEAL_SHRINK (the caller keeps its
+ * own copy, and its mapping) handed to the daemon, which maps `bytes` of it; *id names it in
+ * ops. Unix-socket sessions only. */
+int gs_buffer_register_fd(gs_client* client, int fd, int64_t bytes, int dtype, uint64_t* id);
+/* Deregisters any buffer by id (ops already submitted keep it until they finish). */
+int gs_buffer_deregister_id(gs_client* client, uint64_t id);
+
+/* ---- CUDA device memory (GPU nodes) ----
+ * Registered the way PyTorch shares caching-allocator blocks: the IPC handle of the allocation
+ * the memory lies in, its offset there, and two interprocess events per registration. The
+ * daemon's stream waits for "ready" (recorded by gs_cuda_buffer_ready on the caller's stream)
+ * before it reads the buffer; it records "done" after it wrote it, before the op completes;
+ * gs_cuda_buffer_wait_done makes the caller's stream wait for that. Nothing here synchronises
+ * the host with the device. Built without CUDA: FAILED_PRECONDITION. */
+typedef struct gs_cuda_buffer gs_cuda_buffer;
+
+/* The allocation a device pointer lies in (two driver queries, no daemon call). id is unique
+ * among the process's allocations for its whole life (a freed allocation's id never returns):
+ * key registrations on it. id 0: not CUDA memory, or freed. */
+typedef struct gs_cuda_allocation {
+  uint64_t id;
+  uint64_t base;
+  int64_t bytes;
+  int32_t device;
+  int32_t ipc_capable; /* 0: cudaIpcGetMemHandle cannot export it (cuMemCreate memory, e.g.
+                          PyTorch's expandable segments) */
+} gs_cuda_allocation;
+int gs_cuda_allocation_of(const void* ptr, gs_cuda_allocation* out);
+
+/* Registers `bytes` of device memory at `device_ptr` (which must stay allocated while
+ * registered); dtype 0: any. Ops name it by gs_cuda_buffer_id. */
+int gs_cuda_buffer_register(gs_client* client, void* device_ptr, int64_t bytes, int dtype,
+                            gs_cuda_buffer** out);
+uint64_t gs_cuda_buffer_id(const gs_cuda_buffer* buffer);
+/* Records "ready" on `stream` (a cudaStream_t; NULL: the legacy default stream): the daemon's
+ * next op on the buffer starts after the stream's work so far. Call before submitting. */
+int gs_cuda_buffer_ready(gs_cuda_buffer* buffer, void* stream);
+/* `stream`'s later work waits for the daemon's last write of the buffer ("done"). Call once the
+ * op that wrote it completed (gs_op_wait), before the stream reads the result. */
+int gs_cuda_buffer_wait_done(gs_cuda_buffer* buffer, void* stream);
+/* Deregisters from the daemon; the events live on until gs_cuda_buffer_free. */
+int gs_cuda_buffer_deregister(gs_client* client, const gs_cuda_buffer* buffer);
+/* Destroys the events (after gs_cuda_buffer_deregister, or after gs_close); no daemon call. */
+void gs_cuda_buffer_free(gs_cuda_buffer* buffer);
+
 /* Asynchronous ops: *out receives the op to wait on and free. */
 int gs_all_reduce_async(gs_client* client, int dtype, int reduce_op, const gs_segment* data,
                         size_t n, const gs_op_options* options, gs_op** out);

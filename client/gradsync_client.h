@@ -105,6 +105,23 @@ class CudaBuffer {
   void* done_ = nullptr;
 };
 
+/// The CUDA allocation a device pointer lies in, as the driver reports it (no daemon call).
+struct CudaAllocation {
+  /// Unique among this process's allocations for its whole life (never reused after a free):
+  /// what a cache of registrations keys on. 0: `ptr` is no CUDA allocation (or it was freed).
+  uint64_t id = 0;
+  uintptr_t base = 0;
+  int64_t bytes = 0;
+  int device = -1;
+  /// cudaIpcGetMemHandle can export it (false for cuMemCreate memory, e.g. PyTorch's
+  /// expandable segments): RegisterCudaBuffer would fail on it.
+  bool ipc_capable = false;
+};
+/// Two driver calls (cuPointerGetAttributes, cuMemGetAddressRange, reached through the runtime:
+/// no libcuda link); no synchronisation. FAILED_PRECONDITION in a build without CUDA or without
+/// a driver.
+absl::StatusOr<CudaAllocation> CudaAllocationOf(const void* ptr);
+
 class Client;
 
 /// The daemon's fd channel (daemon/ipc/fd_channel.h) from the trainer's side. Client uses these;

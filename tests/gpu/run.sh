@@ -6,17 +6,28 @@
 #                 with NCCL's sandbox knobs (NCCL_CUMEM_ENABLE=0 NCCL_SOCKET_IFNAME=lo
 #                 NCCL_IB_DISABLE=1), which then stay on. Skipped (no GPU): exit 77 at once.
 #   3. benchmark  the daemon path against direct NCCL on the same buffers (bench/gpu_bench.cc),
-#                 only if the first test passed
+#                 then gradsync.all_reduce on CUDA tensors against torch.distributed NCCL
+#                 (bench/torch_gpu_allreduce.py, the machine's own Python and torch), only if
+#                 the first test passed
 #   4. the other gpu tests, each its own process under its own timeout
+#   5. the Python GPU tests with the machine's own torch (tests/gpu/test_python_gpu.py: CUDA
+#                 tensors through the daemon, a one-rank DistributedOptimizer against a plain
+#                 optimizer, the DDP hook, two one-rank jobs on one GPU at once)
+#   6. one table of both benchmarks, printed last and written with the GPU, driver, CUDA,
+#                 NCCL and torch versions to $OUT/results.json and bench/results-DATE-gpu.json
+#                 (tests/gpu/results.py)
 # Whatever hangs, the whole run ends within GRADSYNC_GPU_BUDGET_S (default 420 s; the device
 # call allows 480): every stage runs under `timeout`, clamped to the time left.
 #
 # Binaries: $GRADSYNC_BUILD_DIR (a build tree of this checkout), else $GRADSYNC_GPU_BIN_DIR (a
 # flat folder of them), else build-gpu-bundle/ (tests/gpu/bundle.sh, for machines without
 # Debian's libraries; refused if built from other sources), else a build of this tree.
-# Files in $OUT (at most 8): summary.txt probe.txt gpu_tests.log gpu_bench.txt gpu_bench.json
-# gpu_bench.err gradsyncd.log [build.log]. Exit 0: all passed; 77: no usable GPU (nothing run
-# but the probe); 1: something failed or timed out (summary.txt says what).
+# The Python package: this tree's client/python/gradsync over the binaries' libgradsync_c.so
+# (GRADSYNC_LIBRARY), so its Python files are never older than the tree.
+# Files in $OUT (at most 8): summary.txt probe.txt gpu_tests.log (C++ and Python tests)
+# gpu_bench.txt (both benchmarks' output) bench.err results.json gradsyncd.log [build.log].
+# Exit 0: all passed; 77: no usable GPU (nothing run but the probe); 1: something failed or
+# timed out (summary.txt says what).
 set -uo pipefail
 export LC_ALL=C
 cd "$(dirname "$(readlink -f "$0")")/../.."
@@ -48,7 +59,7 @@ bounded() {
 if [[ -n ${GRADSYNC_BUILD_DIR:-} ]]; then
   b=$(readlink -f "$GRADSYNC_BUILD_DIR")
   daemon=$b/daemon/gradsyncd ctl=$b/client/gradsyncctl tests=$b/tests/gradsync_gpu_tests
-  worker_dir=$b/tests bench=$b/bench/gpu_bench libs=
+  worker_dir=$b/tests bench=$b/bench/gpu_bench libs= gslib=$b/client/libgradsync_c.so
 elif [[ -n ${GRADSYNC_GPU_BIN_DIR:-} || -d build-gpu-bundle/bin ]]; then
   if [[ -z ${GRADSYNC_GPU_BIN_DIR:-} ]]; then
     . tests/gpu/source_hash.sh
@@ -62,16 +73,16 @@ elif [[ -n ${GRADSYNC_GPU_BIN_DIR:-} || -d build-gpu-bundle/bin ]]; then
   fi
   b=$(readlink -f "${GRADSYNC_GPU_BIN_DIR:-build-gpu-bundle/bin}")
   daemon=$b/gradsyncd ctl=$b/gradsyncctl tests=$b/gradsync_gpu_tests worker_dir=$b
-  bench=$b/gpu_bench
+  bench=$b/gpu_bench gslib=$b/libgradsync_c.so
 else
   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DGRADSYNC_WITH_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DPython3_EXECUTABLE=/usr/bin/python3 >"$out/build.log" 2>&1 &&
     bounded 400 cmake --build build-gpu -j"$(nproc)" --target gradsyncd gradsyncctl \
-      gradsync_gpu_tests gpu_worker gpu_bench >>"$out/build.log" 2>&1 ||
+      gradsync_gpu_tests gpu_worker gpu_bench gradsync_c >>"$out/build.log" 2>&1 ||
     { tail -30 "$out/build.log"; say "run.sh: build failed"; exit 1; }
   b=$PWD/build-gpu
   daemon=$b/daemon/gradsyncd ctl=$b/client/gradsyncctl tests=$b/tests/gradsync_gpu_tests
-  worker_dir=$b/tests bench=$b/bench/gpu_bench libs=
+  worker_dir=$b/tests bench=$b/bench/gpu_bench libs= gslib=$b/client/libgradsync_c.so
 fi
 # CUDA and NCCL of this machine: the toolkit's, else the pip wheels' (nvidia-*-cu13), wherever
 # the wheels put libcudart.so.13 and libnccl.so.2.
@@ -87,11 +98,12 @@ for d in "$libs" "$wheel_libs" /usr/local/cuda/lib64 ${LD_LIBRARY_PATH:+"$LD_LIB
 done
 export LD_LIBRARY_PATH=$path
 export GRADSYNC_DAEMON_PATH=$daemon GRADSYNC_TEST_BIN_DIR=$worker_dir
+export GRADSYNC_LIBRARY=$gslib PYTHONPATH=$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # NCCL's own reasons, in the logs
 
 # ---- 1. probe ----
 bounded 60 tests/gpu/probe.sh "$daemon" "$ctl" "$tests" "$worker_dir/gpu_worker" "$bench" \
-  >"$out/probe.txt" 2>&1
+  "$gslib" >"$out/probe.txt" 2>&1
 cat "$out/probe.txt"
 knobs=(NCCL_CUMEM_ENABLE=0 NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1)
 use_knobs() {
@@ -139,8 +151,8 @@ if [[ ${result[$first]} != passed && -z ${NCCL_CUMEM_ENABLE:-} ]]; then
   run_test "$first" 75
 fi
 
-# ---- 3. benchmark (only on a first test that passed) ----
-bench_rc=skipped
+# ---- 3. benchmarks (only on a first test that passed) ----
+bench_rc=skipped torch_bench_rc=skipped
 if [[ ${result[$first]} == passed ]]; then
   dir=$(mktemp -d)
   "$daemon" --socket="$dir/d.sock" --port=-1 --log_sink=stderr --log_level=warning \
@@ -150,19 +162,28 @@ if [[ ${result[$first]} == passed ]]; then
     timeout 2 "$ctl" --socket="$dir/d.sock" health >/dev/null 2>&1 && break
     sleep 0.2
   done
-  left=$((budget - SECONDS - 10 - 4 * 60))  # keep four minutes for the other tests
-  ((left > 150)) && left=150
+  left=$((budget - SECONDS - 10 - 5 * 60))  # keep five minutes for the tests
+  ((left > 120)) && left=120
   ((left < 30)) && left=30
-  bounded "$left" "$bench" --socket="$dir/d.sock" --iters=20 --json="$out/gpu_bench.json" \
+  bounded "$left" "$bench" --socket="$dir/d.sock" --iters=20 --json="$tmp/gpu_bench.json" \
     --budget_s=$((left - 25)) --init_timeout_s=20 --op_timeout_ms=20000 \
-    >"$out/gpu_bench.txt" 2>"$out/gpu_bench.err"
+    >"$out/gpu_bench.txt" 2>"$out/bench.err"
   bench_rc=$?
+  say "gpu_bench: exit $bench_rc ($(elapsed) s)"
+  left=$((budget - SECONDS - 10 - 4 * 60))
+  ((left > 60)) && left=60
+  ((left < 20)) && left=20
+  echo >>"$out/gpu_bench.txt"
+  bounded "$left" python3 bench/torch_gpu_allreduce.py --socket="$dir/d.sock" \
+    --json="$tmp/torch_bench.json" --budget_s=$((left - 15)) \
+    >>"$out/gpu_bench.txt" 2>>"$out/bench.err"
+  torch_bench_rc=$?
+  say "torch_gpu_allreduce: exit $torch_bench_rc ($(elapsed) s)"
   kill "$daemon_pid" 2>/dev/null
   for _ in $(seq 1 50); do kill -0 "$daemon_pid" 2>/dev/null || break; sleep 0.1; done
   kill -9 "$daemon_pid" 2>/dev/null
   wait "$daemon_pid" 2>/dev/null
   rm -rf "$dir"
-  say "gpu_bench: exit $bench_rc ($(elapsed) s)"
 else
   say "gpu_bench: skipped (the first gpu test did not pass)"
 fi
@@ -175,6 +196,21 @@ for name in TwoTrainerProcessesShareTheGpuAndTheDaemon \
   run_test "$name" 75
 done
 
+# ---- 5. the Python GPU tests, the machine's own Python and torch ----
+bounded 150 python3 tests/gpu/test_python_gpu.py --daemon "$daemon" >"$tmp/python.log" 2>&1
+py_rc=$?
+{ echo "=== tests/gpu/test_python_gpu.py: exit $py_rc after $(elapsed) s"; cat "$tmp/python.log"; } \
+  >>"$out/gpu_tests.log"
+grep -E '^(PASS|FAIL|SKIP) ' "$tmp/python.log" | cut -c1-200 | sed 's/^/python: /' | tee -a "$summary"
+case $py_rc in
+  0) py_result=passed ;;
+  124 | 137) py_result="timed out" ;;
+  125) py_result="not run (no time left)" ;;
+  77) py_result="skipped (torch sees no GPU)" ;;
+  *) py_result="failed (exit $py_rc)" ;;
+esac
+say "tests/gpu/test_python_gpu.py: $py_result ($(elapsed) s)"
+
 echo
 say "== summary after $(elapsed) s =="
 ok=1
@@ -185,13 +221,21 @@ for name in "$first" TwoTrainerProcessesShareTheGpuAndTheDaemon \
   say "  GpuTest.$name: ${result[$name]:-not run}"
   [[ ${result[$name]:-} == passed ]] || ok=0
 done
+say "  python GPU tests: $py_result"
+[[ $py_result == passed ]] || ok=0
 say "  gpu_bench: exit $bench_rc"
 [[ $bench_rc == 0 ]] || ok=0
-if [[ -s $out/gpu_bench.txt ]]; then
-  say "== daemon path vs direct NCCL, one rank (median us per op) =="
-  tee -a "$summary" <"$out/gpu_bench.txt"
+say "  torch_gpu_allreduce: exit $torch_bench_rc"
+[[ $torch_bench_rc == 0 ]] || ok=0
+[[ -s $out/bench.err ]] && tail -5 "$out/bench.err" | tee -a "$summary"
+# ---- 6. one table, last ----
+if [[ -s $tmp/gpu_bench.json || -s $tmp/torch_bench.json ]]; then
+  driver=$(timeout 10 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+  echo
+  timeout 20 python3 tests/gpu/results.py --out "$out/results.json" --cpp "$tmp/gpu_bench.json" \
+    --torch "$tmp/torch_bench.json" --driver "$driver" \
+    --copy "bench/results-$(date -u +%F)-gpu.json" 2>&1 | tee -a "$summary"
 fi
-[[ -s $out/gpu_bench.err ]] && tail -5 "$out/gpu_bench.err" | tee -a "$summary"
 rm -rf "$tmp"
 rm -f "$out"/*.tmp
 ((ok == 1))

@@ -4,10 +4,13 @@ and as one process on the whole batch. Every scenario trains a small float64 MLP
 the final parameters and what the loop read along the way (gradient norms) must agree.
 
     contract_worker.py gs PACK SCENARIO...    one rank of gradsync (placement from RANK etc.)
+    contract_worker.py gsdev PACK SCENARIO... the same with the parameters in fake CUDA memory
+                                              (fake_cuda.py): the package's GPU code paths
     contract_worker.py ddp SCENARIO...        one rank of torch DDP (gloo, MASTER_ADDR/PORT)
 
-Each scenario prints one JSON line {"scenario", "rank", "params", "trace"}; run() also serves
-the single-process reference (imported by the test).
+Each scenario prints one JSON line {"scenario", "rank", "params", "trace"} (gsdev adds "fake":
+what the fake CUDA seam saw); run() also serves the single-process reference (imported by the
+test).
 """
 import gc
 import json
@@ -102,11 +105,15 @@ class Ctx:
         self.mode, self.rank, self.world, self.pack = mode, rank, world, pack
         self.reduce_method, self.bcast_period, self.job = reduce_method, bcast_period, job
         self.trace = []
+        self.fake = None  # the fake CUDA seam (gsdev), installed by main()
 
     def build(self, make_opt, odd=False, seed=1, again=False):
         # gradsync: every rank starts from other weights; the broadcast at construction (or
         # the state_dict round trip) must make them rank 0's.
         self.model = Net(seed + (self.rank if self.mode == "gs" else 0), odd)
+        if self.fake is not None:  # the parameters live in (fake) CUDA memory
+            for p in self.model.parameters():
+                p.data = self.fake.to_device(p.data)
         self.net = self.model
         opt = make_opt(self.model)
         if self.mode == "gs":
@@ -268,29 +275,54 @@ SCENARIOS["accum_sum"] = s_accum
 SCENARIOS["bcast"] = s_plain  # ranks start from different weights; rank 0's win
 
 
-def run(scenario, mode, rank=0, world=1, pack=False, job=""):
+def run(scenario, mode, rank=0, world=1, pack=False, job="", fake=None):
     reduce_method, bcast_period = OPTIONS.get(scenario, ("mean", 0))
     if mode != "gs":
         bcast_period = -1
     c = Ctx(mode, rank, world, pack, reduce_method, bcast_period, job)
+    c.fake = fake
     SCENARIOS[scenario](c)
-    return {"scenario": scenario, "rank": rank,
-            "params": [p.detach().reshape(-1).tolist() for p in c.model.parameters()],
-            "trace": c.trace}
+    out = {"scenario": scenario, "rank": rank,
+           "params": [p.detach().reshape(-1).tolist() for p in c.model.parameters()],
+           "trace": c.trace}
+    if fake is not None:
+        out["fake"] = fake.stats()
+        out["fake"]["on_device"] = all(fake.device_of(p) == 0 for p in c.model.parameters())
+    return out
+
+
+def run_on_fake_cuda(scenario, rank, world, pack):
+    """run() with the parameters in fake CUDA memory; after every backward() the current stream
+    must have waited on "done" of everything reduced (else a violation is recorded)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fake_cuda
+    backward = torch.Tensor.backward
+    with fake_cuda.FakeCuda() as fake:
+        def checked(self, *args, **kwargs):
+            backward(self, *args, **kwargs)
+            if fake.settled():
+                fake.violations.append(f"backward() returned unsettled: {fake.settled()}")
+        torch.Tensor.backward = checked
+        try:
+            return run(scenario, "gs", rank, world, pack, fake=fake)
+        finally:
+            torch.Tensor.backward = backward
 
 
 def main():
     torch.set_num_threads(1)
     mode = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if mode == "gs":
+    if mode in ("gs", "gsdev"):
         import gradsync
         pack = sys.argv[2] == "1"
         job = os.environ["GRADSYNC_JOB"]
         for scenario in sys.argv[3:]:
             # One job per scenario: its own store, so each pack plan is its own.
             gradsync.init(job=f"{job}-{scenario}")
-            print(json.dumps(run(scenario, mode, rank, world, pack)), flush=True)
+            out = run(scenario, mode, rank, world, pack) if mode == "gs" else \
+                run_on_fake_cuda(scenario, rank, world, pack)
+            print(json.dumps(out), flush=True)
             gc.collect()
             gradsync.shutdown()
     else:

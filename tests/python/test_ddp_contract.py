@@ -7,6 +7,12 @@ bcast_period) run through DistributedOptimizer on a real gradsyncd with 2 and 4 
 processes, param_pack on and off. Every rank must end with the parameters (and have read the
 values) of one process on the whole batch and of torch DDP over gloo, within 1e-9 (float64),
 and all ranks the same parameters bit for bit.
+
+The same loops run again with the parameters in CUDA memory as the fake CUDA seam presents it
+(fake_cuda.py, "gsdev"): the GPU code paths of the package (device buckets, ready/done around
+every reduction) must give the host path's parameters bit for bit, break no stream rule (after
+every backward() the current stream waited on "done"), never synchronise the host and register
+each allocation once.
 """
 import os
 import shutil
@@ -32,6 +38,7 @@ OTHERS = ["odd_zero", "odd_opt_none", "odd_model_none", "adam_groups", "state_di
           "plain"]
 NOT_IN_DDP = {"accum_sum", "bcast"}  # gradsync options only; DDP's run is "accum"/"plain"
 RUNS = [(2, False), (2, True), (4, False), (4, True)]
+DEV_RUNS = [(2, False), (2, True), (4, True)]  # on the fake CUDA seam
 
 
 def scenarios(world, pack):
@@ -58,7 +65,7 @@ def runs():
     tmp = tempfile.mkdtemp(prefix="gradsync-contract-")
     daemon = Daemon(tmp, "gradsyncd")
     try:
-        gs, ddp = {}, {}
+        gs, ddp, dev = {}, {}, {}
         for world in (2, 4):
             started = []
             for pack in (False, True):
@@ -73,8 +80,19 @@ def runs():
                                extra_env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
             for key, ranks in started:
                 gs[key] = _by_scenario(ranks.wait())
+            # The fake-CUDA runs once the host runs are done: fewer processes at once.
+            dev_started = []
+            for pack in (False, True):
+                if (world, pack) not in DEV_RUNS:
+                    continue
+                names = scenarios(world, pack)
+                dev_started.append(((world, pack), launch(
+                    tmp, [daemon] * world, f"dv{world}{int(pack)}",
+                    lambda r, pack=pack, names=names: [WORKER, "gsdev", str(int(pack)), *names])))
+            for key, ranks in dev_started:
+                dev[key] = _by_scenario(ranks.wait())
             ddp[world] = _by_scenario(ddp_ranks.wait())
-        yield gs, ddp
+        yield gs, ddp, dev
     finally:
         daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -107,7 +125,7 @@ CASES = [(w, p, s) for w, p in RUNS for s in scenarios(w, p)]
 @pytest.mark.parametrize("world,pack,scenario", CASES,
                          ids=[f"{s}-w{w}-{'pack' if p else 'nopack'}" for w, p, s in CASES])
 def test_matches_one_process_and_ddp(runs, world, pack, scenario):
-    gs, ddp = runs
+    gs, ddp, _ = runs
     got = gs[(world, pack)][scenario]
     assert sorted(got) == list(range(world)), f"ranks reporting {scenario}: {sorted(got)}"
     want = single(scenario)
@@ -130,6 +148,29 @@ def test_matches_one_process_and_ddp(runs, world, pack, scenario):
         for k, v in enumerate(got[0]["trace"]):
             if syncs[k % len(syncs)]:
                 assert all(got[r]["trace"][k] == v for r in range(world))
+
+
+DEV_CASES = [(w, p, s) for w, p in DEV_RUNS for s in scenarios(w, p)]
+
+
+@pytest.mark.parametrize("world,pack,scenario", DEV_CASES,
+                         ids=[f"{s}-w{w}-{'pack' if p else 'nopack'}" for w, p, s in DEV_CASES])
+def test_fake_cuda_parameters_keep_the_contract(runs, world, pack, scenario):
+    gs, _, dev = runs
+    got = dev[(world, pack)][scenario]
+    assert sorted(got) == list(range(world)), f"ranks reporting {scenario}: {sorted(got)}"
+    host = gs[(world, pack)][scenario]
+    for r in range(world):
+        fake = got[r]["fake"]
+        assert fake["violations"] == [], fake["violations"]
+        assert fake["on_device"], "the parameters left the (fake) device"
+        assert fake["submits"] > 0
+        assert fake["registrations"] <= 4, fake  # each allocation once, not per step
+        if not scenario.startswith("odd"):
+            assert fake["to_host"] == 0, fake  # every parameter used: no host read at all
+        # The device code path computes what the host path does, bit for bit.
+        assert got[r]["params"] == host[r]["params"]
+        assert got[r]["trace"] == host[r]["trace"]
 
 
 def test_scenarios_cover_the_habits_and_differ_from_local_training():

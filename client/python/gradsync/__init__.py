@@ -5,10 +5,16 @@
     gradsync.all_reduce(t, op="mean")    # in place, like torch.distributed
     work = gradsync.all_reduce(t, async_op=True); ...; work.wait()
 
-Collectives take torch tensors or any writable buffer-protocol object (bytearray, array.array,
-memoryview, numpy arrays; the dtype comes from the buffer's format). torch is needed only for
-tensors and gradsync.torch: the package is pure Python over the C ABI (libgradsync_c.so, with
-ctypes), so it loads in any CPython 3.9+ from one build.
+Collectives take torch tensors (CPU or CUDA) or any writable buffer-protocol object
+(bytearray, array.array, memoryview, numpy arrays; the dtype comes from the buffer's format).
+torch is needed only for tensors and gradsync.torch: the package is pure Python over the C ABI
+(libgradsync_c.so, with ctypes), so it loads in any CPython 3.9+ from one build.
+
+CUDA tensors go to the daemon where they are (CUDA IPC), stream ordered like torch.distributed's
+NCCL backend and without synchronising the host: the daemon starts after the work queued so far
+on the current stream, and the current stream continues after the daemon's write once the call
+returns (async_op: once Work.wait() returns). Each CUDA allocation is registered once, on first
+use (see _device.py).
 
 Tensors that live in gradsync's shared memory (gradsync.empty, and the gradients of
 gradsync.torch.DistributedOptimizer) go to the daemon as they are; anything else is copied into
@@ -24,7 +30,7 @@ import os
 import sys
 import threading
 
-from . import _native
+from . import _cuda, _device, _native
 from ._native import Error, plan_packs
 
 __all__ = [
@@ -133,6 +139,7 @@ class _Context:
         self.local_rank = local_rank
         self.local_world_size = local_world_size
         self.lock = threading.Lock()
+        self.device = _device.Registry(client)  # CUDA allocations registered so far
         self.starts = []   # sorted start addresses of registered buffers
         self.buffers = []  # parallel: the Buffer objects
         self.free = {}     # staging buffers by size class
@@ -213,6 +220,7 @@ def shutdown():
     ctx, _context = _context, None
     if ctx is not None:
         ctx.client.close()  # waits in other threads return within _native.WAKE_S
+        ctx.device.drop()   # the daemon dropped the CUDA registrations with the session
     for hook in list(_shutdown_hooks):
         hook()
 
@@ -324,7 +332,7 @@ def _find(address, nbytes):
 class _Tensor:
     def __init__(self, t):
         if t.device.type != "cpu":
-            raise ValueError("gradsync collectives take CPU tensors here (GPU: NCCL plane)")
+            raise ValueError(f"gradsync collectives take CPU or CUDA tensors, not {t.device}")
         self.obj = t
         self.dtype = dtype_name(t.dtype)
         self.count = t.numel()
@@ -382,7 +390,21 @@ class _Bytes:
 
 
 def _operand(x):
-    return _Tensor(x) if _is_tensor(x) else _Bytes(x)
+    if not _is_tensor(x):
+        return _Bytes(x)
+    device = _cuda.api().device_of(x)
+    if device is None:
+        return _Tensor(x)
+    return _device.Operand(x, device, dtype_name(x.dtype))
+
+
+def _on_device(objs):
+    """The CUDA device of the operands (None: all on the host); mixing is refused."""
+    devices = {x.device if isinstance(x, _device.Operand) else None for x in objs}
+    if len(devices) > 1:
+        raise TypeError(f"gradsync collective operands lie on different devices "
+                        f"({', '.join('host' if d is None else f'cuda:{d}' for d in devices)})")
+    return devices.pop()
 
 
 def _size_class(nbytes):
@@ -409,12 +431,15 @@ def _unstage(buf):
 
 class Work:
     """An op in flight. wait() blocks (GIL released; Ctrl-C raises KeyboardInterrupt and ends
-    the session), copies staged results back, and returns."""
+    the session), copies staged results back, and returns. On CUDA tensors, wait() returns once
+    the daemon has queued its write: the current stream then waits for it (as with NCCL's
+    Work.wait()), and the host never waits for the device."""
 
-    def __init__(self, handle, finish=None, result=None, release=None):
+    def __init__(self, handle, finish=None, result=None, release=None, on_complete=None):
         self._handle = handle
-        self._finish = finish    # on success: copy staged results out
+        self._finish = finish    # on success, once: copy staged results out
         self._release = release  # always, once: return staging buffers
+        self._on_complete = on_complete  # on success, every wait: the current stream waits
         self._result = result
         self._lock = threading.Lock()
 
@@ -422,6 +447,8 @@ class Work:
         with self._lock:
             try:
                 self._handle.wait()  # a failed op raises the same error on every wait
+                if self._on_complete:
+                    self._on_complete()
                 if self._finish:
                     finish, self._finish = self._finish, None
                     finish()
@@ -481,6 +508,11 @@ def all_reduce(tensor, op="sum", group=WORLD, async_op=False, name="", timeout=N
     group size), min, max."""
     c = _ctx().client
     x = _operand(tensor)
+    if isinstance(x, _device.Operand):
+        run = _device.Run(_ctx().device, x.device)
+        segs = [run.contiguous(x, written=True)]
+        return run.start(lambda: c.all_reduce(x.dtype, op, segs, group.key, name,
+                                              _timeout(timeout)), tensor, async_op)
     return _in_place(
         [x], lambda segs: c.all_reduce(x.dtype, op, segs, group.key, name, _timeout(timeout)),
         tensor, async_op)
@@ -493,6 +525,11 @@ def broadcast(tensor, src=0, group=WORLD, async_op=False, name="", timeout=None)
         raise ValueError(f"broadcast source rank {src} is not in {group}")
     c = _ctx().client
     x = _operand(tensor)
+    if isinstance(x, _device.Operand):
+        run = _device.Run(_ctx().device, x.device)
+        segs = [run.contiguous(x, written=True)]
+        return run.start(lambda: c.broadcast(x.dtype, ranks.index(src), segs, group.key, name,
+                                             _timeout(timeout)), tensor, async_op)
     return _in_place(
         [x], lambda segs: c.broadcast(x.dtype, ranks.index(src), segs, group.key, name,
                                       _timeout(timeout)), tensor, async_op)
@@ -529,6 +566,8 @@ def all_gather(tensor_list, tensor, group=WORLD, async_op=False, name="", timeou
     dtype = _same_dtype([x] + outs)
     if any(o.count != x.count for o in outs):
         raise ValueError("all_gather outputs must each have the input's element count")
+    if _on_device([x] + outs) is not None:
+        return _all_gather_device(c, x, outs, tensor_list, group, async_op, name, timeout)
     buf, offsets = _flat_staging([x] + outs)
     x.copy_to(buf, 0)
 
@@ -554,6 +593,8 @@ def reduce_scatter(output, input_list, op="sum", group=WORLD, async_op=False, na
     dtype = _same_dtype(ins + [out])
     if any(i.count != out.count for i in ins):
         raise ValueError("reduce_scatter inputs must each have the output's element count")
+    if _on_device(ins + [out]) is not None:
+        return _reduce_scatter_device(c, op, out, ins, output, group, async_op, name, timeout)
     buf, offsets = _flat_staging(ins + [out])
     for i, at in zip(ins, offsets):
         i.copy_to(buf, at)
@@ -566,6 +607,38 @@ def reduce_scatter(output, input_list, op="sum", group=WORLD, async_op=False, na
         lambda: c.reduce_scatter(dtype, op, [(buf.id, 0, n * group.size)],
                                  [(buf.id, offsets[-1], n)], group.key, name, _timeout(timeout)),
         finish, output, lambda: _unstage(buf), async_op)
+
+
+def _all_gather_device(c, x, outs, tensor_list, group, async_op, name, timeout):
+    run = _device.Run(_ctx().device, x.device)
+    seg_in = run.contiguous(x, written=False)
+    n = x.count
+    seg_out = run.adjacent([o.obj for o in outs], n, written=True)
+    finish = None
+    if seg_out is None:  # the outputs are not one run of memory: gather into a temporary
+        flat = run.scratch(n * group.size, x.obj.dtype)
+        seg_out = run.segment(flat, n * group.size, written=True)
+
+        def finish():
+            for k, o in enumerate(outs):
+                o.obj.copy_(flat[k * n:(k + 1) * n].view_as(o.obj))
+
+    return run.start(lambda: c.all_gather(x.dtype, [seg_in], [seg_out], group.key, name,
+                                          _timeout(timeout)), tensor_list, async_op, finish)
+
+
+def _reduce_scatter_device(c, op, out, ins, output, group, async_op, name, timeout):
+    run = _device.Run(_ctx().device, out.device)
+    n = out.count
+    seg_in = run.adjacent([i.obj for i in ins], n, written=False)
+    if seg_in is None:  # the inputs are not one run of memory: one temporary holds them
+        flat = run.scratch(n * group.size, out.obj.dtype)
+        for k, i in enumerate(ins):
+            flat[k * n:(k + 1) * n].copy_(i.obj.reshape(-1))  # on the current stream
+        seg_in = run.segment(flat, n * group.size, written=False)
+    seg_out = run.contiguous(out, written=True)
+    return run.start(lambda: c.reduce_scatter(out.dtype, op, [seg_in], [seg_out], group.key,
+                                              name, _timeout(timeout)), output, async_op)
 
 
 def set_pack_list(plan, group=WORLD):

@@ -1,5 +1,5 @@
 """The C ABI (client/gradsync.h, libgradsync_c.so) through ctypes: sessions, shared-memory
-buffers, ops, the job's store and the pack planner. No torch here and nothing compiled per
+buffers, CUDA buffers, ops, the job's store and the pack planner. No torch here and nothing compiled per
 interpreter, so the package loads in any CPython 3.9+.
 
 Every call that can wait does so in slices of at most WAKE_S seconds (ctypes releases the GIL
@@ -52,6 +52,11 @@ class _ConnectOptions(ctypes.Structure):
                 ("tls_key_file", ctypes.c_char_p), ("tls_ca_file", ctypes.c_char_p)]
 
 
+class _CudaAllocation(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint64), ("base", ctypes.c_uint64), ("bytes", ctypes.c_int64),
+                ("device", ctypes.c_int32), ("ipc_capable", ctypes.c_int32)]
+
+
 def _load():
     path = os.environ.get("GRADSYNC_LIBRARY") or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "libgradsync_c.so")
@@ -73,6 +78,15 @@ def _load():
         "gs_buffer_size": ([P], I64),
         "gs_buffer_deregister": ([P, P], I),
         "gs_buffer_free": ([P], None),
+        "gs_buffer_register_fd": ([P, I, I64, I, ctypes.POINTER(U64)], I),
+        "gs_buffer_deregister_id": ([P, U64], I),
+        "gs_cuda_allocation_of": ([P, ctypes.POINTER(_CudaAllocation)], I),
+        "gs_cuda_buffer_register": ([P, P, I64, I, pp], I),
+        "gs_cuda_buffer_id": ([P], U64),
+        "gs_cuda_buffer_ready": ([P, P], I),
+        "gs_cuda_buffer_wait_done": ([P, P], I),
+        "gs_cuda_buffer_deregister": ([P, P], I),
+        "gs_cuda_buffer_free": ([P], None),
         "gs_all_reduce_async": ([P, I, I, seg, SZ, opt, pp], I),
         "gs_broadcast_async": ([P, I, I, seg, SZ, opt, pp], I),
         "gs_barrier_async": ([P, opt, pp], I),
@@ -222,6 +236,39 @@ def _buffer_of(ptr):
     return buf
 
 
+# ---- CUDA device memory ----
+def cuda_allocation_of(address):
+    """(id, base, bytes, device, ipc_capable) of the CUDA allocation `address` lies in; id 0:
+    not CUDA memory (or freed). Driver queries only: no daemon call, no synchronisation."""
+    out = _CudaAllocation()
+    _check(_lib.gs_cuda_allocation_of(ctypes.c_void_p(int(address)), ctypes.byref(out)))
+    return out.id, out.base, out.bytes, out.device, bool(out.ipc_capable)
+
+
+class CudaBuffer:
+    """Device memory registered with the daemon (gs_cuda_buffer): its id and its two events.
+    ready()/wait_done() take a cudaStream_t as an int (0: the legacy default stream). The
+    events live as long as this object, also after deregistration (an op's Work may still make
+    a stream wait on "done")."""
+
+    def __init__(self, ptr, base, nbytes):
+        self._ptr = ptr
+        self.id = _lib.gs_cuda_buffer_id(ptr)
+        self.base = base
+        self.nbytes = nbytes
+
+    def ready(self, stream):
+        _check(_lib.gs_cuda_buffer_ready(self._ptr, ctypes.c_void_p(int(stream) or None)))
+
+    def wait_done(self, stream):
+        _check(_lib.gs_cuda_buffer_wait_done(self._ptr, ctypes.c_void_p(int(stream) or None)))
+
+    def __del__(self):
+        ptr, self._ptr = getattr(self, "_ptr", None), None
+        if ptr and _lib is not None:
+            _lib.gs_cuda_buffer_free(ptr)
+
+
 def _segments(data):
     arr = (_Segment * max(len(data), 1))()
     for k, (bid, offset, count) in enumerate(data):
@@ -323,6 +370,27 @@ class Client:
         """Deregisters the buffer; the mapping stays while the Buffer object (or a view) lives."""
         if getattr(buf, "_gs_ptr", None):
             _check(self._call(_lib.gs_buffer_deregister, buf._gs_ptr))
+
+    def register_fd(self, fd, nbytes):
+        """Registers memory the caller manages: a memfd sealed against shrinking. Returns the
+        buffer id."""
+        out = ctypes.c_uint64()
+        _check(self._call(_lib.gs_buffer_register_fd, int(fd), int(nbytes), 0, ctypes.byref(out)))
+        return out.value
+
+    def deregister(self, buffer_id):
+        _check(self._call(_lib.gs_buffer_deregister_id, int(buffer_id)))
+
+    def register_cuda(self, address, nbytes):
+        """Registers `nbytes` of device memory at `address` (IPC handle of its allocation, the
+        offset there, two interprocess events): a CudaBuffer."""
+        out = ctypes.c_void_p()
+        _check(self._call(_lib.gs_cuda_buffer_register, ctypes.c_void_p(int(address)),
+                          int(nbytes), 0, ctypes.byref(out)))
+        return CudaBuffer(out.value, int(address), int(nbytes))
+
+    def deregister_cuda(self, buf):
+        _check(self._call(_lib.gs_cuda_buffer_deregister, buf._ptr))
 
     # ---- ops ----
     def _submit(self, fn, *args):

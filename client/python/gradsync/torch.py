@@ -12,8 +12,12 @@ torch DDP's contract:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # sees the reduced gradients
         opt.step()
 
-Every gradient lives in gradsync shared memory (param.grad is a view into a registered buffer),
-so the daemon reduces it where it is: nothing is copied in or out.
+Every gradient lives in memory the daemon has mapped once (param.grad is a view into a
+registered bucket: shared memory for CPU parameters, a CUDA allocation shared over CUDA IPC for
+GPU parameters), so the daemon reduces it where it is: nothing is copied in or out. On GPUs the
+contract holds for the current stream, without host synchronisation: each reduction starts on
+the device after the stream that produced its gradient ("ready"), and when backward() returns
+the caller's current stream waits for every reduction ("done").
 """
 import contextlib
 import inspect
@@ -23,7 +27,7 @@ import threading
 import torch
 
 import gradsync
-from gradsync import Error, WORLD
+from gradsync import Error, WORLD, _cuda
 
 __all__ = ["DistributedOptimizer", "allreduce_hook"]
 
@@ -39,15 +43,59 @@ def _queue_end_of_backward(fn):
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+class _HostBucket:
+    """A bucket in gradsync shared memory (CPU parameters), registered on its own."""
+
+    registration = None
+
+    def __init__(self, nbytes):
+        self._buf = gradsync._new_buffer(nbytes)
+        self.buffer_id = self._buf.id
+        self.offset = 0  # of the bucket in the registered buffer
+
+    def view(self, dtype, count, byte_offset):
+        return gradsync._view(self._buf, dtype, count, byte_offset)
+
+    def zero_(self):
+        torch.frombuffer(self._buf, dtype=torch.uint8).zero_()
+
+    def release(self):
+        gradsync._release_buffer(self._buf)
+
+
+class _DeviceBucket:
+    """A bucket in CUDA memory (GPU parameters): torch's caching allocator hands it out, and the
+    allocation it lies in is registered with the daemon once (gradsync's registry, shared with
+    every collective on tensors of that allocation). Held here, the allocation stays."""
+
+    def __init__(self, nbytes, device):
+        self._mem = _cuda.api().empty(nbytes, device)
+        self._registry = gradsync._ctx().device
+        self.registration, self.offset = self._registry.locate(self._mem.data_ptr(), nbytes,
+                                                               pin=True)
+        self.buffer_id = self.registration.id
+
+    def view(self, dtype, count, byte_offset):
+        size = torch.empty((), dtype=dtype).element_size()
+        return self._mem[byte_offset:byte_offset + count * size].view(dtype)
+
+    def zero_(self):
+        self._mem.zero_()  # on the current stream, after "done" of the last reduction
+
+    def release(self):
+        self._registry.unpin(self.registration)
+        self._mem = None  # back to torch's allocator; the registry keeps the registration
+
+
 class _Layout:
-    """Gradients of the parameters laid out back to back, in a given order, one registered
-    buffer per dtype; place[i] = (buffer, byte offset, element count) of parameter i.
+    """Gradients of the parameters laid out back to back, in a given order, one bucket per
+    dtype; place[i] = (bucket, byte offset, element count) of parameter i.
 
     Each gradient is followed by one element, its flag: before a reduction, 1 if this rank
     contributes a gradient to it and 0 if not; reduced with the gradient, it says whether any
     rank did (DDP's "globally unused" parameters keep grad None, as in one process)."""
 
-    def __init__(self, params, order):
+    def __init__(self, params, order, device=None):
         self.buffers = {}
         self.place = {}
         sizes = {}
@@ -55,7 +103,8 @@ class _Layout:
             p = params[i]
             sizes[p.dtype] = sizes.get(p.dtype, 0) + (p.numel() + 1) * p.element_size()
         for dtype, nbytes in sizes.items():
-            self.buffers[dtype] = gradsync._new_buffer(nbytes)
+            self.buffers[dtype] = (_HostBucket(nbytes) if device is None
+                                   else _DeviceBucket(nbytes, device))
         at = {dtype: 0 for dtype in sizes}
         for i in order:
             p = params[i]
@@ -63,15 +112,23 @@ class _Layout:
             at[p.dtype] += (p.numel() + 1) * p.element_size()
         self.views, self.flags, self.ptrs = {}, {}, {}
         for i in order:
-            buf, offset, count = self.place[i]
-            both = gradsync._view(buf, params[i].dtype, count + 1, offset)
+            bucket, offset, count = self.place[i]
+            both = bucket.view(params[i].dtype, count + 1, offset)
             self.views[i] = both[:count].view_as(params[i])
             self.flags[i] = both[count:]
             self.ptrs[i] = self.views[i].data_ptr()
 
+    def registrations(self):
+        """The CUDA registrations of the buckets (none on the host)."""
+        regs = {}
+        for bucket in self.buffers.values():
+            if bucket.registration is not None:
+                regs[bucket.registration.id] = bucket.registration
+        return list(regs.values())
+
     def release(self):
-        for buf in self.buffers.values():
-            gradsync._release_buffer(buf)
+        for bucket in self.buffers.values():
+            bucket.release()
 
 
 class DistributedOptimizer:
@@ -92,11 +149,15 @@ class DistributedOptimizer:
                    The first param_pack_first_alone gradients in that order go alone, so the
                    first reductions start while backward is still running.
     timeout:       seconds each reduction may wait for the other ranks (None: the daemon's).
+
+    CUDA parameters (all on one device) get their gradient buckets in CUDA memory the daemon
+    maps once; the contract then holds for the current stream (see the module's doc).
     """
 
     def __init__(self, optimizer, reduce_method=None, dist_group=WORLD, bcast_period=0,
                  param_pack=False, param_pack_thd=10 * 1024 * 1024, param_pack_first_alone=0,
-                 optimizer_class=None, timeout=None, **optimizer_kwargs):
+                 optimizer_class=None, timeout=None, _reduce_alone=False, **optimizer_kwargs):
+        # _reduce_alone (tests only): a group of one rank still reduces through the daemon.
         if not isinstance(optimizer, torch.optim.Optimizer):
             if optimizer_class is None:
                 raise TypeError("pass a torch.optim.Optimizer, or params and optimizer_class=")
@@ -105,7 +166,7 @@ class DistributedOptimizer:
             raise TypeError("optimizer_class and its arguments go with params, not an optimizer")
         self._opt = optimizer
         self._group = dist_group
-        self._distributed = dist_group is not None and dist_group.size > 1
+        self._distributed = dist_group is not None and (dist_group.size > 1 or _reduce_alone)
         if self._distributed and reduce_method not in ("sum", "mean"):
             raise ValueError("reduce_method must be 'sum' or 'mean' when distributed")
         if dist_group is not None and dist_group.rank < 0:
@@ -119,9 +180,9 @@ class DistributedOptimizer:
         self._param_pack_first_alone = int(param_pack_first_alone)
         self._timeout = timeout
         self._params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        if self._distributed and any(p.device.type != "cpu" for p in self._params):
-            raise ValueError("DistributedOptimizer reduces CPU parameters; GPU parameters need "
-                             "the CUDA IPC path, which the Python package does not have yet")
+        self._device = None  # the CUDA device of the parameters (None: the host)
+        if self._distributed:
+            self._device = self._device_of_params()
         n = len(self._params)
         self._iteration = 0
         self._lock = threading.Lock()
@@ -132,6 +193,7 @@ class DistributedOptimizer:
         self._plan = None          # the pack plan (param_pack, from the second iteration on)
         self._pack_of = {}         # parameter -> pack index
         self._pending = []         # per pack: gradients still to come in this backward
+        self._pack_streams = {}    # per pack: the CUDA streams its gradients came from so far
         self._layout = None
         self._hooks = []
         self._no_sync = False
@@ -144,7 +206,7 @@ class DistributedOptimizer:
         self._has_grad = [p.grad is not None for p in self._params]  # grad is not None
         if not self._distributed:
             return
-        self._layout = _Layout(self._params, range(n))
+        self._layout = _Layout(self._params, range(n), self._device)
         self._attach_grads()
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_hook(self._make_pre_hook(i)))
@@ -156,6 +218,20 @@ class DistributedOptimizer:
                 self._hooks.append(acc)  # the node lives as long as we hold it
         if bcast_period != -1:
             self.bcast_param()
+
+    def _device_of_params(self):
+        api = _cuda.api()
+        devices = set()
+        for p in self._params:
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"DistributedOptimizer reduces CPU or CUDA parameters, not "
+                                 f"{p.device}")
+            devices.add(api.device_of(p))
+        if len(devices) > 1:
+            names = sorted("cpu" if d is None else f"cuda:{d}" for d in devices)
+            raise ValueError(f"DistributedOptimizer's parameters lie on {', '.join(names)}: "
+                             "one device per rank")
+        return devices.pop() if devices else None
 
     # ---- the wrapped optimizer ----
     @property
@@ -213,8 +289,8 @@ class DistributedOptimizer:
         if not self._distributed:
             return self._opt.zero_grad(set_to_none=set_to_none)
         self._drain()
-        for buf in self._layout.buffers.values():
-            torch.frombuffer(buf, dtype=torch.uint8).zero_()
+        for bucket in self._layout.buffers.values():
+            bucket.zero_()
         views = self._layout.views
         for i, p in enumerate(self._params):
             p.grad = views[i]
@@ -307,17 +383,49 @@ class DistributedOptimizer:
             else:
                 k = self._pack_of[i]
                 self._pending[k] -= 1
+                if self._device is not None:  # the streams that produced the pack's gradients
+                    stream = _cuda.api().current_stream(self._device)
+                    seen = self._pack_streams.setdefault(k, [])
+                    if stream not in seen:
+                        seen.append(stream)
                 if self._pending[k] == 0:
-                    self._submit(self._plan["packs"][k]["indices"], f"pack{k}")
+                    self._submit(self._plan["packs"][k]["indices"], f"pack{k}",
+                                 self._pack_streams.pop(k, []))
 
-    def _submit(self, indices, name):
+    def _submit(self, indices, name, streams=()):
         # Members of a pack are adjacent in the layout (each gradient and its flag): one segment.
-        buf, offset, _ = self._layout.place[indices[0]]
+        bucket, offset, _ = self._layout.place[indices[0]]
         count = sum(self._layout.place[i][2] + 1 for i in indices)
+        if bucket.registration is not None:
+            # The daemon starts once the stream that produced these gradients got here (and
+            # the other streams that produced some of them, when backward used several).
+            api = _cuda.api()
+            stream = api.current_stream(self._device)
+            for other in streams:
+                if other != stream:
+                    api.join_streams(stream, other)
+            gradsync._ctx().device.ready([bucket.registration], stream)
         handle = gradsync.client().all_reduce(
             gradsync.dtype_name(self._params[indices[0]].dtype), self._reduce_method,
-            [(buf.id, offset, count)], self._group.key, name, gradsync._timeout(self._timeout))
+            [(bucket.buffer_id, bucket.offset + offset, count)], self._group.key, name,
+            gradsync._timeout(self._timeout))
         self._works.append(handle)
+
+    def _wait_done(self):
+        """The current stream waits for the daemon's writes of the buckets (GPU; no-op else)."""
+        regs = self._layout.registrations()
+        if regs:
+            api = _cuda.api()
+            stream = api.current_stream(self._device)
+            for reg in regs:
+                api.wait_done(reg, stream)
+
+    def _to_host(self, tensors):
+        """Values of small tensors as a list: on a GPU a synchronous read (off the hot path)."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if self._device is not None:
+            flat = _cuda.api().to_host(flat)
+        return flat.tolist()
 
     def _backward_end(self):
         """Autograd's end-of-backward callback: the one wait of a backward pass."""
@@ -335,6 +443,7 @@ class DistributedOptimizer:
     def _finish_reduction(self):
         n = len(self._params)
         with self._lock:
+            produced = set(self._fired)  # this backward's gradients (so flag 1 here)
             missing = [i for i in range(n) if i not in self._fired]
         # Gradients this backward did not produce (unused parameters) still take part, so that
         # every rank submits the same ops, in parameter order; they contribute what they hold
@@ -353,6 +462,7 @@ class DistributedOptimizer:
             self._fired = set()
             if self._plan is not None:
                 self._pending = [len(p["indices"]) for p in self._plan["packs"]]
+            self._pack_streams = {}
             self._order_done = True
         first_error = None
         for h in works:
@@ -360,6 +470,7 @@ class DistributedOptimizer:
                 h.wait()
             except Error as e:
                 first_error = first_error or e
+        self._wait_done()  # from here the current stream sees the reduced gradients
         views = self._layout.views
         for i, reduced in self._stash.items():
             if self._ours(i):
@@ -367,10 +478,15 @@ class DistributedOptimizer:
         self._stash, self._local = {}, {}
         self._reduced = [True] * n
         if not all(self._has_grad):
+            # A gradient this rank produced has a reduced flag above 0: only the others need
+            # the flags read (on a GPU, one synchronous read, and only with unused parameters).
+            unknown = [i for i in range(n) if not self._has_grad[i] and i not in produced]
+            values = dict(zip(unknown, self._to_host([flags[i] for i in unknown]))) if unknown \
+                else {}
             for i, p in enumerate(self._params):
                 if self._has_grad[i]:
                     continue
-                if float(flags[i]) != 0:
+                if i in produced or values[i] != 0:
                     self._has_grad[i] = True  # some rank produced it
                 else:
                     p.grad = None  # no rank did: as in one process
@@ -385,12 +501,15 @@ class DistributedOptimizer:
             self._fired = set()
             if self._plan is not None:
                 self._pending = [len(p["indices"]) for p in self._plan["packs"]]
+            self._pack_streams = {}
         self._queued = False
         for h in works:
             try:
                 h.wait()
             except Error:
                 pass
+        if works:
+            self._wait_done()
 
     def _make_plan(self):
         group = self._group
@@ -407,7 +526,7 @@ class DistributedOptimizer:
                         f"{planned}, this rank has {len(self._params)}")
         order = [i for p in plan["packs"] for i in p["indices"]]
         old = self._layout
-        self._layout = _Layout(self._params, order)
+        self._layout = _Layout(self._params, order, self._device)
         self._attach_grads()
         old.release()
         self._plan = plan
@@ -440,7 +559,14 @@ class DistributedOptimizer:
             by_dtype.setdefault(p.dtype, []).append(p)
         root = self._group.ranks[0]
         for dtype, params in by_dtype.items():
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            parts = [p.detach().reshape(-1) for p in params]
+            if self._device is None:
+                flat = torch.cat(parts)
+            else:  # in CUDA memory, so the broadcast goes to the daemon where it is
+                numel = sum(p.numel() for p in params)
+                size = torch.empty((), dtype=dtype).element_size()
+                flat = _cuda.api().empty(numel * size, self._device).view(dtype)
+                torch.cat(parts, out=flat)
             gradsync.broadcast(flat, src=root, group=self._group, name="bcast_param",
                                timeout=self._timeout)
             at = 0
@@ -519,11 +645,15 @@ def allreduce_hook(state, bucket):
         ddp.register_comm_hook(state=None, hook=gradsync.torch.allreduce_hook)
 
     `state` may be a gradsync.Group (None: WORLD).
+    On CUDA buckets the reduction is stream ordered: it starts after the stream that filled the
+    bucket, and the future is a CUDA-aware one whose waiters' streams wait for the daemon's
+    write (no host synchronisation).
     """
     group = state if isinstance(state, gradsync.Group) else WORLD
     tensor = bucket.buffer()
     work = gradsync.all_reduce(tensor, op="mean", group=group, async_op=True,
                                name=f"ddp{bucket.index()}")
-    future = torch.futures.Future()
+    device = _cuda.api().device_of(tensor)
+    future = torch.futures.Future() if device is None else _cuda.api().future(device)
     _completer.add(work, future)
     return future

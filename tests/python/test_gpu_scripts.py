@@ -1,0 +1,76 @@
+"""The GPU stage's Python scripts on a machine without a GPU: the Python GPU tests and the torch
+benchmark refuse with their reason (so the GPU tests skip here, never pass), and the results
+table is what run.sh prints last. On a machine with a GPU the tests run for real."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BUILD, PYTHON, ROOT
+
+GPU_TESTS = os.path.join(ROOT, "tests", "gpu", "test_python_gpu.py")
+BENCH = os.path.join(ROOT, "bench", "torch_gpu_allreduce.py")
+RESULTS = os.path.join(ROOT, "tests", "gpu", "results.py")
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"),
+                GRADSYNC_DAEMON_PATH=os.path.join(BUILD, "daemon", "gradsyncd"))
+
+
+def test_python_gpu_tests_run_on_a_gpu_and_skip_without_one():
+    p = subprocess.run([PYTHON, GPU_TESTS], env=_env(), capture_output=True, text=True,
+                       timeout=600)
+    if p.returncode == 0:
+        assert p.stdout.count("PASS ") == 4, p.stdout  # a GPU is here: they ran and passed
+        return
+    assert p.returncode == 77, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    for name in ("cuda_tensors", "optimizer_one_rank", "ddp_hook_one_rank", "two_jobs_one_gpu"):
+        assert any(line.startswith(f"SKIP {name}: ") for line in lines), p.stdout
+    assert not any(line.startswith("PASS") for line in lines)
+    pytest.skip(f"no GPU here: {lines[0].split(': ', 1)[1]}")
+
+
+def test_torch_benchmark_refuses_without_a_gpu():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/gpu/run.sh runs the benchmark")
+    p = subprocess.run([PYTHON, BENCH, "--socket", "/nonexistent.sock"], env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 77, p.stdout + p.stderr
+    assert "sees no CUDA device" in p.stdout
+
+
+def test_results_table_joins_both_benchmarks_and_marks_the_goals(tmp_path):
+    cpp = {"device": "NVIDIA H200", "cuda_runtime": 13000, "cuda_driver": 13000,
+           "nccl": 22703, "complete": True,
+           "results": [{"mode": "mean", "bytes": 4096, "iters": 20, "direct_us": 10.0,
+                        "gradsync_us": 30.0, "ratio": 3.0, "overhead_us": 20.0},
+                       {"mode": "mean", "bytes": 64 << 20, "iters": 20, "direct_us": 100.0,
+                        "gradsync_us": 102.0, "ratio": 1.02, "overhead_us": 2.0}]}
+    tor = {"device": "NVIDIA H200", "torch": "2.11.0", "torch_cuda": "13.0",
+           "torch_nccl": "2.27.3", "python": "3.12.3", "complete": False,
+           "skipped_sizes": [1 << 30],
+           "results": [{"bytes": 4096, "iters": 20, "torch_us": 20.0, "gradsync_us": 31.0,
+                        "ratio": 1.55, "overhead_us": 11.0}]}
+    (tmp_path / "c.json").write_text(json.dumps(cpp))
+    (tmp_path / "t.json").write_text(json.dumps(tor))
+    out, copy = tmp_path / "results.json", tmp_path / "bench" / "results-gpu.json"
+    p = subprocess.run([sys.executable, RESULTS, "--out", str(out), "--cpp",
+                        str(tmp_path / "c.json"), "--torch", str(tmp_path / "t.json"),
+                        "--driver", "580.65", "--copy", str(copy)],
+                       capture_output=True, text=True, timeout=60, check=True)
+    lines = p.stdout.splitlines()
+    assert "NVIDIA H200, driver 580.65, CUDA runtime 13.0, NCCL 2.27.3; torch 2.11.0" in lines[0]
+    rows = [line for line in lines if line.startswith(("daemon", "gradsync"))]
+    assert len(rows) == 3
+    assert rows[0].endswith("MISSED (>15us)") and rows[1].endswith("ok (<=3%)")
+    assert rows[2].startswith("gradsync.all_reduce vs torch.distributed") and \
+        rows[2].endswith("ok (<=15us)")
+    assert any("partial" in line and str(1 << 30) in line for line in lines)
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(copy.read_text())
+    assert saved["machine"]["driver"] == "580.65" and len(saved["rows"]) == 3
