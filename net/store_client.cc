@@ -2,12 +2,12 @@
 
 #include "net/store_client.h"
 
-#include <mutex>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/bounded_text.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 
@@ -111,8 +111,14 @@ std::optional<absl::StatusOr<v1::SessionResponse>> StoreClient::CallSession(
   if (req.ByteSizeLong() + 1024 > static_cast<size_t>(options_.max_message_bytes)) {
     return std::nullopt;
   }
-  std::unique_lock<std::mutex> lock(session_mu_, std::try_to_lock);
-  if (!lock.owns_lock()) return std::nullopt;  // in use by another thread: the caller goes unary
+  if (!session_mu_.TryLock()) return std::nullopt;  // in use by another thread: go unary
+  std::optional<absl::StatusOr<v1::SessionResponse>> out = CallSessionLocked(req);
+  session_mu_.Unlock();
+  return out;
+}
+
+std::optional<absl::StatusOr<v1::SessionResponse>> StoreClient::CallSessionLocked(
+    const v1::SessionRequest& req) {
   if (!session_ && !OpenSessionLocked().ok()) return std::nullopt;
   Session& s = *session_;
   v1::SessionResponse resp;
@@ -145,7 +151,7 @@ std::optional<absl::StatusOr<v1::SessionResponse>> StoreClient::CallSession(
 
 StoreClient::~StoreClient() {
   {
-    std::lock_guard<std::mutex> lock(session_mu_);
+    absl::MutexLock lock(&session_mu_);
     CloseSessionLocked();
   }
   absl::flat_hash_map<WaitId, std::unique_ptr<PendingWait>> pending;
@@ -209,7 +215,7 @@ absl::StatusOr<std::vector<std::string>> StoreClient::CallWait(grpc::ClientConte
     // Our own deadline fired before the daemon's answer: name the keys all the same.
     return absl::DeadlineExceededError(absl::StrCat(
         "store wait job=", request.job(),
-        " timed out; missing keys: ", absl::StrJoin(request.keys(), ", "), " (client deadline)"));
+        " timed out; missing keys: ", JoinBounded(request.keys(), ", "), " (client deadline)"));
   }
   return FromGrpcStatus(status);
 }

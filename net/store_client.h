@@ -5,7 +5,6 @@
 // job's root store on another node (daemon/), neither of which may include the other.
 
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 
@@ -96,6 +95,8 @@ class StoreClient final : public Store {
   // One call that never waits (set, add, compare_set, delete): on the session when it can,
   // else as the matching unary RPC.
   absl::StatusOr<v1::SessionResponse> Call(const v1::SessionRequest& op);
+  std::optional<absl::StatusOr<v1::SessionResponse>> CallSessionLocked(
+      const v1::SessionRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session_mu_);
   absl::Status OpenSessionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session_mu_);
   void CloseSessionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session_mu_);
   // The Wait RPC with the waited-for keys named in a client-side timeout too.
@@ -108,7 +109,7 @@ class StoreClient final : public Store {
   absl::Mutex mu_;
   absl::flat_hash_map<WaitId, std::unique_ptr<PendingWait>> pending_ ABSL_GUARDED_BY(mu_);
   WaitId next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::mutex session_mu_;  // std::mutex for try_lock: a busy session sends callers unary
+  absl::Mutex session_mu_;  // a busy session (TryLock fails) sends callers unary
   std::unique_ptr<Session> session_ ABSL_GUARDED_BY(session_mu_);
 };
 

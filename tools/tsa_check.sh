@@ -2,7 +2,7 @@
 # Clang's lock checker (-Wthread-safety) on our C++ sources, fast: each file is parsed with the
 # flags the build used (BUILD_DIR's compile_commands.json, default ./build), nothing is built.
 #
-#   tools/tsa_check.sh                 every .cc of daemon/, client/, common/ in the build
+#   tools/tsa_check.sh                 every .cc of daemon/, client/, common/, net/ in the build
 #   tools/tsa_check.sh FILE.cc ...     just these
 # Exits non-zero when clang warns about a lock rule (or cannot parse a file).
 set -euo pipefail
@@ -14,7 +14,7 @@ import json, os, shlex, subprocess, sys
 build, files = sys.argv[1], [os.path.abspath(f) for f in sys.argv[2:]]
 db = json.load(open(os.path.join(build, "compile_commands.json")))
 root = os.getcwd()
-ours = tuple(os.path.join(root, d) + "/" for d in ("daemon", "client", "common"))
+ours = tuple(os.path.join(root, d) + "/" for d in ("daemon", "client", "common", "net"))
 entries = [e for e in db if e["file"].endswith(".cc") and
            (e["file"] in files if files else e["file"].startswith(ours))]
 missing = set(files) - {e["file"] for e in entries}

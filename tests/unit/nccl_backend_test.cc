@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "daemon/backend/nccl/dispatch_backend.h"
 #include "daemon/ipc/cuda_importer.h"
@@ -47,6 +48,7 @@ class NcclBackendTest : public ::testing::Test {
  protected:
   // Member r of the group: its buffer on `device`, events e(10r+1) ready and e(10r+2) done.
   const DeviceBuffer& Buffer(int r, int device) {
+    absl::MutexLock lock(&buffers_mu_);  // tests make members from several threads
     buffers_.push_back(std::make_unique<DeviceBuffer>(device, 0x9000'0000 + r * 0x10000,
                                                       FakeGpu::Handle(1000 + 10 * r + 1),
                                                       FakeGpu::Handle(1000 + 10 * r + 2)));
@@ -71,6 +73,7 @@ class NcclBackendTest : public ::testing::Test {
   }
   // A device buffer of its own at `address` on `device`, events e(id+1) ready and e(id+2) done.
   const DeviceBuffer& BufferAt(uintptr_t address, int device, int id) {
+    absl::MutexLock lock(&buffers_mu_);
     buffers_.push_back(std::make_unique<DeviceBuffer>(device, address, FakeGpu::Handle(id + 1),
                                                       FakeGpu::Handle(id + 2)));
     return *buffers_.back();
@@ -117,7 +120,8 @@ class NcclBackendTest : public ::testing::Test {
 
   FakeGpu gpu_;
   NcclBackend backend_{&gpu_};
-  std::vector<std::unique_ptr<DeviceBuffer>> buffers_;
+  absl::Mutex buffers_mu_;
+  std::vector<std::unique_ptr<DeviceBuffer>> buffers_ ABSL_GUARDED_BY(buffers_mu_);
 };
 
 TEST_F(NcclBackendTest, WaitsForTheTrainersThenRunsLocalRanksInOneGroupThenRecordsDone) {
