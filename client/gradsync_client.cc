@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 
@@ -119,6 +120,11 @@ Client::Client(Placement placement, ClientOptions options)
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(absl::string_view target,
                                                         const Placement& placement,
                                                         ClientOptions options) {
+  // Debian's abseil is built with Mutex deadlock detection on (a debug aid: a process-wide
+  // graph updated on every lock, and an abort on a suspected lock cycle). The daemon turns it
+  // off in main.cc; a trainer's process does here, so the client's locks cost what the
+  // std::mutex they replaced did and a trainer never dies of a suspicion.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   std::unique_ptr<Client> client(new Client(placement, options));
   GRADSYNC_RETURN_IF_ERROR(client->Open(target));
   v1::TrainerRequest request;

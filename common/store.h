@@ -19,7 +19,7 @@ struct CompareSetResult {
   std::string value;
 };
 
-/// The job's rendezvous key-value store (DESIGN.md section 5).
+/// The job's rendezvous key-value store (docs/architecture.md section 5).
 ///
 /// Every key lives in a job namespace: the same key in two jobs is two entries. All methods are
 /// thread-safe. Nothing waits without a deadline: the waiting calls fail with DeadlineExceeded,

@@ -63,7 +63,7 @@ class SessionSink {
 class Session;
 
 /// The daemon's core: sessions, buffer registry, groups, the op matcher, deadlines and faults
-/// (DESIGN.md section 4), over any Backend and BufferImporter. Thread-safe.
+/// (docs/architecture.md section 4), over any Backend and BufferImporter. Thread-safe.
 ///
 /// Matching: the k-th op a rank submits on a group is op k of that group; it runs once every
 /// local member submitted its op k, and only after op k-1 of the group finished. Each member's

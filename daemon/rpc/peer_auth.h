@@ -7,7 +7,7 @@
 
 namespace gradsync::rpc {
 
-/// Who may call what (DESIGN.md section 6). The unix socket is the trainers' door: its file mode
+/// Who may call what (docs/architecture.md section 6). The unix socket is the trainers' door: its file mode
 /// and group guard it, and only it serves trainer sessions (CheckTrainer). TCP is for other
 /// daemons and remote tools: a TCP call must carry the metadata "authorization: Bearer <token>",
 /// else it is refused UNAUTHENTICATED before it touches anything (the daemon does not listen on

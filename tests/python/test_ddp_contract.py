@@ -1,4 +1,4 @@
-"""gradsync.torch.DistributedOptimizer keeps torch DDP's contract (DESIGN.md section 9).
+"""gradsync.torch.DistributedOptimizer keeps torch DDP's contract (docs/architecture.md section 9).
 
 Training loops written for DDP (clip_grad_norm_ after backward, gradients read after backward,
 several backward passes before one step with and without no_sync, unused and twice-used
