@@ -1,3 +1,6 @@
+// Implementation of gradsync_client.h: the session stream driven on callers' threads, sealed
+// memfd buffers passed over the fd channel, and ops sent through the doorbell ring or the stream.
+
 #include "client/gradsync_client.h"
 
 #include <fcntl.h>

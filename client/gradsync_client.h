@@ -1,5 +1,8 @@
 #pragma once
 
+// The C++ client library: a trainer's session with its node's gradsyncd, its registered buffers
+// (shared memory or CUDA), and its ops in flight.
+
 #include <cstddef>
 #include <cstdint>
 #include <deque>

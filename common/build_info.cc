@@ -1,3 +1,6 @@
+// Implementation of build_info.h: the version line, with CUDA and NCCL versions when built
+// with CUDA.
+
 #include "common/build_info.h"
 
 #include "absl/strings/str_cat.h"

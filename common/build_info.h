@@ -1,5 +1,7 @@
 #pragma once
 
+// The version line that --version prints.
+
 #include <string>
 
 namespace gradsync {

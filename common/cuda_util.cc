@@ -1,3 +1,6 @@
+// Implementation of cuda_util.h: the mapping of cudaError_t to Status codes, sticky-error
+// detection, and the allocation range looked up through the driver's entry point.
+
 #include "common/cuda_util.h"
 
 #include <cuda_runtime_api.h>

@@ -1,3 +1,6 @@
+// Implementation of doorbell.h: the request and completion rings, and the spin-then-futex
+// waits and wake-ups of each side.
+
 #include "common/doorbell.h"
 
 #include <linux/futex.h>

@@ -1,3 +1,6 @@
+// Implementation of dtype.h: element sizes, enum names, dtype parsing, and element counts of
+// shapes.
+
 #include "common/dtype.h"
 
 #include <limits>

@@ -1,3 +1,5 @@
+// Implementation of group.h: parsing and forming group keys.
+
 #include "common/group.h"
 
 #include <algorithm>

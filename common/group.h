@@ -1,5 +1,7 @@
 #pragma once
 
+// Group keys: "world" or member ranks joined by ",", parsed and formed.
+
 #include <string>
 #include <vector>
 

@@ -1,3 +1,6 @@
+// Implementation of grpc_status.h: absl::Status <-> grpc::Status, with long messages cut to
+// kMaxStatusMessageBytes.
+
 #include "common/grpc_status.h"
 
 #include <string>

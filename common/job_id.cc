@@ -1,3 +1,5 @@
+// Implementation of job_id.h: CheckJobId.
+
 #include "common/job_id.h"
 
 #include "absl/strings/ascii.h"

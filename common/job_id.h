@@ -1,5 +1,7 @@
 #pragma once
 
+// The one rule every path applies to job ids.
+
 #include <cstddef>
 
 #include "absl/status/status.h"

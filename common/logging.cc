@@ -1,3 +1,6 @@
+// Implementation of logging.h: the sinks (stderr or journal), the escaping sink around them,
+// and the per-component loggers.
+
 #include "common/logging.h"
 
 #include <cstdlib>

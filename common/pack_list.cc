@@ -1,3 +1,6 @@
+// Implementation of pack_list.h: planning packs, validating them, and storing and fetching a
+// group's plan in the job's store.
+
 #include "common/pack_list.h"
 
 #include <map>

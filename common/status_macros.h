@@ -1,5 +1,7 @@
 #pragma once
 
+// Macros that return early from a function on a non-OK absl::Status or StatusOr.
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 

@@ -1,3 +1,6 @@
+// Implementation of store.h: the blocking Store calls (WaitBlocking, Get, Wait) built on
+// WaitAsync.
+
 #include "common/store.h"
 
 #include <memory>

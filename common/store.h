@@ -1,5 +1,8 @@
 #pragma once
 
+// The Store interface: the job's rendezvous key-value store, namespaced per job, with every
+// wait bounded by a deadline.
+
 #include <cstdint>
 #include <functional>
 #include <optional>

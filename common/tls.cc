@@ -1,3 +1,6 @@
+// Implementation of tls.h: reads and checks the three PEM files, with a size cap and, for the
+// key, the same file-mode check as the token file.
+
 #include "common/tls.h"
 
 #include <sys/stat.h>

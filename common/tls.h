@@ -1,5 +1,7 @@
 #pragma once
 
+// Reads the PEM files of a node's mutual-TLS identity (--tls_cert, --tls_key, --tls_ca).
+
 #include <optional>
 #include <string>
 

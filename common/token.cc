@@ -1,3 +1,6 @@
+// Implementation of token.h: reads the token file, refusing an empty one or one that others
+// may access.
+
 #include "common/token.h"
 
 #include <sys/stat.h>

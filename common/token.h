@@ -1,5 +1,7 @@
 #pragma once
 
+// Reads the cluster token that daemons share from its file.
+
 #include <string>
 
 #include "absl/status/statusor.h"

@@ -1,3 +1,6 @@
+// Implementation of worker_pool.h: the worker loop, and ParallelFor with the caller taking
+// part.
+
 #include "common/worker_pool.h"
 
 #include <atomic>

@@ -1,5 +1,7 @@
 #pragma once
 
+// A fixed pool of worker threads with Schedule and ParallelFor.
+
 #include <deque>
 #include <functional>
 #include <thread>

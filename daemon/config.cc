@@ -1,3 +1,6 @@
+// Implementation of config.h: gradsyncd's command-line flags, reading them into a
+// DaemonConfig, and validating it.
+
 #include "daemon/config.h"
 
 #include <cstdint>

@@ -1,5 +1,7 @@
 #pragma once
 
+// gradsyncd's configuration (DaemonConfig), filled from flags and validated.
+
 #include <optional>
 #include <string>
 

@@ -1,3 +1,6 @@
+// Implementation of daemon.h: signal handling, systemd readiness and watchdog notifications,
+// and the start, wait and drain sequence of gradsyncd.
+
 #include "daemon/daemon.h"
 
 #include <signal.h>

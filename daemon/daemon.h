@@ -1,5 +1,7 @@
 #pragma once
 
+// gradsyncd's process lifecycle: serve until SIGTERM or SIGINT, talk to systemd, then drain.
+
 #include "daemon/config.h"
 
 namespace gradsync::daemon {

@@ -1,3 +1,6 @@
+// Implementation of server.h: builds the store, importers, backends, engine and services from
+// the config, binds the listeners, and runs drain and shutdown.
+
 #include "daemon/server.h"
 
 #include <sys/socket.h>

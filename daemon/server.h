@@ -1,5 +1,8 @@
 #pragma once
 
+// gradsyncd's gRPC server: its listeners and services, and the objects behind them, from start
+// to drain to shutdown.
+
 #include <memory>
 #include <string>
 

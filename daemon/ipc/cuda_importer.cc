@@ -1,3 +1,6 @@
+// Implementation of cuda_importer.h: maps trainers' CUDA buffers from IPC handles, one mapping
+// per allocation shared by its buffers, and DispatchImporter's choice of shared memory or CUDA.
+
 #include "daemon/ipc/cuda_importer.h"
 
 #include <unistd.h>

@@ -1,3 +1,6 @@
+// Implementation of doorbell_server.h: the thread that pops op records from a session's
+// doorbell ring, submits them to the engine, and writes completions back.
+
 #include "daemon/ipc/doorbell_server.h"
 
 #include "absl/strings/str_cat.h"

@@ -1,5 +1,8 @@
 #pragma once
 
+// The daemon side of one session's doorbell: a thread between the shared-memory op ring and
+// the core.
+
 #include <atomic>
 #include <functional>
 #include <memory>

@@ -1,3 +1,6 @@
+// Implementation of fd_channel.h: the unix socket that takes trainers' descriptors by
+// SCM_RIGHTS and hands out one-time tokens for them, with its limits and token expiry.
+
 #include "daemon/ipc/fd_channel.h"
 
 #include <fcntl.h>

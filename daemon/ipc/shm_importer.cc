@@ -1,3 +1,6 @@
+// Implementation of shm_importer.h: redeems a memfd token, checks its seals and size, maps it,
+// and counts the mapping against the limits.
+
 #include "daemon/ipc/shm_importer.h"
 
 #include <fcntl.h>

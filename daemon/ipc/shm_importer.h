@@ -1,5 +1,8 @@
 #pragma once
 
+// Maps trainers' shared memory (sealed memfds redeemed from the fd channel) into the daemon,
+// within node-wide mapping limits.
+
 #include <atomic>
 #include <cstdint>
 #include <memory>

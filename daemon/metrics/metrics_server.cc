@@ -1,3 +1,6 @@
+// Implementation of metrics_server.h: builds the gradsync_* metric families from the op
+// counters, the engine and the store at scrape time, and serves them through prometheus-cpp.
+
 #include "daemon/metrics/metrics_server.h"
 
 #include <exception>

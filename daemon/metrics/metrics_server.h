@@ -1,5 +1,8 @@
 #pragma once
 
+// The daemon's Prometheus endpoint: the gradsync_* metrics, read from counters, engine and store
+// only when scraped, served as text on /metrics.
+
 #include <memory>
 #include <string>
 #include <vector>

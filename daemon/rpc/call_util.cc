@@ -1,3 +1,6 @@
+// Implementation of call_util.h: finishing a unary call from an absl::Status, and the deadline
+// a waiting call waits until.
+
 #include "daemon/rpc/call_util.h"
 
 #include <algorithm>

@@ -1,3 +1,6 @@
+// Implementation of gradsync_service.h: the per-session stream reactor that reads requests in
+// order, queues the outcomes for writing, and stops reading while a trainer falls behind.
+
 #include "daemon/rpc/gradsync_service.h"
 
 #include <deque>

@@ -1,5 +1,8 @@
 #pragma once
 
+// The GradSync gRPC service: one bidi stream per trainer session, handing requests to the core
+// in order and writing op outcomes back.
+
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/core/buffer_importer.h"

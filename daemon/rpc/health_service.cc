@@ -1,3 +1,6 @@
+// Implementation of health_service.h: Check, and Watch streams that send the current status
+// and then each change.
+
 #include "daemon/rpc/health_service.h"
 
 #include <atomic>

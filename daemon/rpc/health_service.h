@@ -1,5 +1,8 @@
 #pragma once
 
+// grpc.health.v1.Health for the daemon, overall and per service; draining tells watchers
+// NOT_SERVING and ends their streams.
+
 #include <string>
 #include <vector>
 

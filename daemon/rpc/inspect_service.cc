@@ -1,3 +1,6 @@
+// Implementation of inspect_service.h: the Inspect calls, and ListOps' fan-out to the job's
+// other daemons and the merge of their views.
+
 #include "daemon/rpc/inspect_service.h"
 
 #include <algorithm>

@@ -1,5 +1,8 @@
 #pragma once
 
+// The Inspect gRPC service: read-only operator views of the daemon's store, sessions,
+// unfinished ops (merged across the job's nodes) and op history.
+
 #include <functional>
 #include <memory>
 #include <string>

@@ -1,3 +1,6 @@
+// Implementation of peer_auth.h: the bearer-token check on TCP calls (compared in constant
+// time) and the unix-socket-only check for trainer sessions.
+
 #include "daemon/rpc/peer_auth.h"
 
 #include "absl/strings/match.h"

@@ -1,5 +1,8 @@
 #pragma once
 
+// Who may call the daemon: trainer sessions only on the unix socket, TCP calls only with the
+// cluster token.
+
 #include <string>
 
 #include "absl/status/status.h"

@@ -1,3 +1,6 @@
+// Implementation of store_service.h: the Store service's unary calls and Session streams,
+// with waiting calls completed from the store's callback and reserved keys kept read-only.
+
 #include "daemon/rpc/store_service.h"
 
 #include <atomic>

@@ -1,5 +1,7 @@
 #pragma once
 
+// The Store gRPC service over any Store: validates requests and never blocks a gRPC thread.
+
 #include <cstdint>
 
 #include "absl/container/flat_hash_set.h"

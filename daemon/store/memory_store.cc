@@ -1,3 +1,6 @@
+// Implementation of memory_store.h: the per-job key-value maps and their limits, pending waits,
+// and the thread that fires wait deadlines.
+
 #include "daemon/store/memory_store.h"
 
 #include <algorithm>

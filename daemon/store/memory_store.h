@@ -1,5 +1,7 @@
 #pragma once
 
+// The in-memory Store a job's root daemon holds, with per-job limits and bounded waits.
+
 #include <atomic>
 #include <cstdint>
 #include <map>

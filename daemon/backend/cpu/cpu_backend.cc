@@ -1,3 +1,6 @@
+// Implementation of cpu_backend.h: the single-node communicator, which runs collectives over
+// members' shared memory split across the worker pool, and the choice of communicator.
+
 #include "daemon/backend/cpu/cpu_backend.h"
 
 #include <algorithm>

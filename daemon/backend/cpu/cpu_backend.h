@@ -1,5 +1,8 @@
 #pragma once
 
+// The CPU data plane: creates each group's communicator, local for a single-node group and
+// Gloo for a group that spans nodes.
+
 #include "common/worker_pool.h"
 #include "daemon/core/backend.h"
 

@@ -1,3 +1,6 @@
+// Implementation of gloo_communicator.h: the per-op verdict exchange (with small ops' data
+// inline), batching of queued ops, Gloo's algorithms for larger ops, and link failure.
+
 #include "daemon/backend/cpu/gloo_communicator.h"
 
 #include <algorithm>

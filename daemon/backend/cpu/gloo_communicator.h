@@ -1,5 +1,8 @@
 #pragma once
 
+// Collectives of a group that spans nodes: reduced inside each daemon, exchanged between nodes
+// over Gloo, one Gloo rank per node.
+
 #include <cstdint>
 #include <memory>
 #include <vector>

@@ -1,3 +1,6 @@
+// Implementation of gloo_store.h: Gloo's set, get and wait on the job's Store under a key
+// prefix, with store errors thrown as gloo::IoException.
+
 #include "daemon/backend/cpu/gloo_store.h"
 
 #include "absl/strings/str_cat.h"

@@ -1,5 +1,8 @@
 #pragma once
 
+// Gloo's rendezvous store on top of the job's gradsync Store, so daemons' Gloo contexts
+// rendezvous through it.
+
 #include <chrono>
 #include <string>
 #include <vector>

@@ -1,3 +1,6 @@
+// Implementation of kernels.h: the element-wise reduce over segmented views, and the float16 and
+// bfloat16 conversions.
+
 #include "daemon/backend/cpu/kernels.h"
 
 #include <algorithm>
