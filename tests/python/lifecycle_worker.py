@@ -13,6 +13,7 @@ WORLD_SIZE, GRADSYNC_SOCKET, ...); results go to stdout as JSON lines.
 import array
 import json
 import os
+import signal
 import sys
 import time
 
@@ -70,6 +71,9 @@ def plain():
 
 def interrupt(folder, where="all_reduce"):
     import gradsync
+    # Python's own Ctrl-C handler, even when started from a background job of a shell without
+    # job control (which starts it with SIGINT ignored, so Python would install none).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     gradsync.init()
     r = gradsync.get_rank()
     gradsync.barrier(name="ready")
