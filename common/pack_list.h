@@ -1,7 +1,7 @@
 #pragma once
 
-// Pack plans (docs/architecture.md section 1): which gradients travel together in one fused collective,
-// computed by a group's rank 0 and shared with the others through the job's store.
+// Pack plans (docs/architecture.md section 1): which gradients travel together in one fused
+// collective, computed by a group's rank 0 and shared with the others through the job's store.
 
 #include <cstdint>
 #include <string>

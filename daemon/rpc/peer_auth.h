@@ -10,13 +10,13 @@
 
 namespace gradsync::rpc {
 
-/// Who may call what (docs/architecture.md section 6). The unix socket is the trainers' door: its file mode
-/// and group guard it, and only it serves trainer sessions (CheckTrainer). TCP is for other
-/// daemons and remote tools: a TCP call must carry the metadata "authorization: Bearer <token>",
-/// else it is refused UNAUTHENTICATED before it touches anything (the daemon does not listen on
-/// TCP without a token). Health and reflection stay open (they reveal no job data). With --tls_*
-/// the TCP listener also requires a client certificate from the cluster's CA (checked in the
-/// TLS handshake, before any call reaches this class); the token is required all the same.
+/// Who may call what (docs/architecture.md section 6). The unix socket is the trainers' door: its
+/// file mode and group guard it, and only it serves trainer sessions (CheckTrainer). TCP is for
+/// other daemons and remote tools: a TCP call must carry the metadata "authorization: Bearer
+/// <token>", else it is refused UNAUTHENTICATED before it touches anything (the daemon does not
+/// listen on TCP without a token). Health and reflection stay open (they reveal no job data). With
+/// --tls_* the TCP listener also requires a client certificate from the cluster's CA (checked in
+/// the TLS handshake, before any call reaches this class); the token is required all the same.
 /// Immutable; thread-safe.
 class PeerAuth {
  public:

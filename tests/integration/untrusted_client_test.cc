@@ -1,7 +1,7 @@
-// A trainer (or any local client) cannot hurt the node (docs/architecture.md section 6): each request that
-// used to stop the daemon, reach what the caller does not own, or grow the daemon without bound
-// is refused with a status naming the limit, and the daemon stays SERVING with everything else
-// as it was. Real daemon processes, real clients.
+// A trainer (or any local client) cannot hurt the node (docs/architecture.md section 6): each
+// request that used to stop the daemon, reach what the caller does not own, or grow the daemon
+// without bound is refused with a status naming the limit, and the daemon stays SERVING with
+// everything else as it was. Real daemon processes, real clients.
 
 #include <memory>
 #include <optional>
