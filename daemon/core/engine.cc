@@ -311,6 +311,17 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
   }
 }
 
+void Engine::BreakGroupsLocked(Job& job, const std::string& reason, Completions& out) {
+  for (auto& [key, group] : job.groups) {
+    internal::AssertGroupOf(job, *group);
+    group->broken = reason;
+    while (!group->pending.empty()) {
+      FailPendingLocked(*group, group->pending.begin()->first, absl::UnavailableError(reason), out,
+                        /*send_to_other_nodes=*/false);
+    }
+  }
+}
+
 void Engine::Shutdown() {
   Completions out;
   {
@@ -318,15 +329,7 @@ void Engine::Shutdown() {
     shutdown_ = true;
     for (auto& [id, job] : jobs_) {
       absl::MutexLock job_lock(&job->mu);
-      for (auto& [key, group] : job->groups) {
-        internal::AssertGroupOf(*job, *group);
-        group->broken = "daemon is shutting down";
-        while (!group->pending.empty()) {
-          FailPendingLocked(*group, group->pending.begin()->first,
-                            absl::UnavailableError("daemon is shutting down"), out,
-                            /*send_to_other_nodes=*/false);
-        }
-      }
+      BreakGroupsLocked(*job, "daemon is shutting down", out);
     }
   }
   for (auto& fn : out) fn();

@@ -197,6 +197,10 @@ class Engine {
   void FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status, Completions& out,
                          bool send_to_other_nodes = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(group.job->mu);
+  // Breaks every group of `job` with `reason` and fails their pending ops with it on this node
+  // only (the job or the daemon is ending: nothing goes to other nodes).
+  void BreakGroupsLocked(Job& job, const std::string& reason, Completions& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // Queues an op that runs on other nodes' daemons too (a failed op's verdict, or data) and
   // makes sure a Drain runs it on the pool.
   void EnqueueRemoteLocked(Group& group, Ready ready, Completions& out)

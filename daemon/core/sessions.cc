@@ -155,15 +155,7 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
         }
       }
     } else {
-      for (auto& [key, group] : job->groups) {
-        internal::AssertGroupOf(*job, *group);
-        group->broken = "job ended";
-        while (!group->pending.empty()) {
-          FailPendingLocked(*group, group->pending.begin()->first,
-                            absl::UnavailableError("job ended"), out,
-                            /*send_to_other_nodes=*/false);
-        }
-      }
+      BreakGroupsLocked(*job, "job ended", out);
       auto it = jobs_.find(job->id);
       if (it != jobs_.end() && it->second == job) jobs_.erase(it);
       job_ended = true;
