@@ -44,7 +44,8 @@ struct LocalMember {
 enum class Plane { kHost = 0, kDevice = 1 };
 
 /// A matched collective, ready to run: every local member of the group submitted it with the
-/// same fingerprint, and every buffer it names is mapped (and stays so while it runs).
+/// same fingerprint, and every buffer it names is mapped (and stays so while it runs: see
+/// keep_alive).
 struct Collective {
   v1::OpKind kind = v1::OP_KIND_UNSPECIFIED;
   v1::ReduceOp reduce_op = v1::REDUCE_OP_UNSPECIFIED;
@@ -69,6 +70,12 @@ struct Collective {
   /// buffers live; for an op that failed here before any member named a buffer, the plane of
   /// the group's last op (so the failure reaches the plane the other nodes run the op on).
   Plane plane = Plane::kHost;
+  /// The mappings of the buffers `local` names (null when it names none). Held by the engine
+  /// until Run returns; a communicator whose op goes on after Run returned (a device op, once
+  /// launched) keeps a copy until the op has finished on the device or was aborted and its
+  /// streams drained, so that a trainer deregistering a buffer, ending its session or its job
+  /// never unmaps memory a kernel still uses.
+  std::shared_ptr<const void> keep_alive;
 };
 
 /// The job's store key holding the token of its current run (CommunicatorSpec::run).
@@ -96,9 +103,13 @@ struct CommunicatorSpec {
 class Communicator {
  public:
   virtual ~Communicator() = default;
-  /// Runs `op` to completion: on OK every local member's buffers hold the result. Every wait
-  /// inside ends by `op.deadline` (DEADLINE_EXCEEDED naming who is missing); a peer lost
-  /// mid-op is UNAVAILABLE or ABORTED.
+  /// Runs `op`. Host ops run to completion: on OK every local member's buffers hold the result.
+  /// Device ops are stream ordered: on OK the op is launched (queued on the daemon's streams
+  /// after the trainers' "ready" events, with their "done" events recorded after it), and the
+  /// trainers' streams that wait on "done" see the result; it may still be running on the
+  /// device. A device op that fails after it was launched fails the group's next op (ABORTED,
+  /// naming it). Every wait inside ends by `op.deadline` (DEADLINE_EXCEEDED naming who is
+  /// missing); a peer lost mid-op is UNAVAILABLE or ABORTED.
   virtual absl::Status Run(const Collective& op) = 0;
   /// Runs consecutive ops of the group, in sequence order, and sets out[i] (out.size() ==
   /// ops.size()) to what Run(*ops[i]) would have returned: each op keeps its own outcome and
@@ -119,7 +130,8 @@ class Backend {
   /// communicators the engine drops) is released or kept for a restart, and the job's other
   /// nodes may be told through its store, which is still there during the call (the caller
   /// deletes the job's namespace afterwards). May block until an op of the job still running on
-  /// this node has returned (bounded by its deadline). Default: nothing to do.
+  /// this node has returned, or a device op launched has finished or been aborted (bounded by
+  /// its deadline). Default: nothing to do.
   virtual void JobEnded(const std::string& job) {}
 };
 

@@ -77,7 +77,6 @@ struct Ready {
   Collective op;
   uint64_t seq = 0;
   std::vector<std::pair<std::shared_ptr<SessionSink>, uint64_t>> to;  // (sink, tag)
-  std::vector<std::shared_ptr<MappedBuffer>> pins;
   int64_t bytes = 0;
   // For history, ListOps and stall warnings.
   Fingerprint fp;

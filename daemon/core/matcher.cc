@@ -121,11 +121,16 @@ Arrived Arrive(Group& group, uint64_t& next_seq, Arrival a) {
   r.remote = group.spans_nodes;
   r.seq = seq;
   r.op = MakeCollective(group, seq, p.fp, p.deadline, p.plane);
+  std::vector<std::shared_ptr<MappedBuffer>> pins;
   for (std::optional<Arrival>& m : p.arrivals) {
     r.op.local.push_back({m->group_rank, std::move(m->input), std::move(m->output)});
     r.to.emplace_back(std::move(m->sink), m->tag);
-    for (auto& pin : m->pins) r.pins.push_back(std::move(pin));
+    for (auto& pin : m->pins) pins.push_back(std::move(pin));
     r.bytes = std::max(r.bytes, m->bytes);
+  }
+  if (!pins.empty()) {
+    r.op.keep_alive =
+        std::make_shared<const std::vector<std::shared_ptr<MappedBuffer>>>(std::move(pins));
   }
   out.disarm = std::move(p.timers);
   r.fp = std::move(p.fp);

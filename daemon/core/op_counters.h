@@ -58,11 +58,12 @@ class OpCounters {
     return static_cast<double>(latency_sum_ns_[plane].load(std::memory_order_relaxed)) * 1e-9;
   }
 
-  std::atomic<uint64_t> deadline_expiries{0};  // pending ops failed by their deadline here
-  std::atomic<uint64_t> desyncs{0};            // fingerprint mismatches seen here
-  std::atomic<uint64_t> stalls{0};             // stall warnings logged (--stall_warn)
-  std::atomic<uint64_t> nccl_aborts{0};        // NCCL communicators aborted
-  std::atomic<uint64_t> nccl_rebuilds{0};      // NCCL communicators built again after an abort
+  std::atomic<uint64_t> deadline_expiries{0};       // pending ops failed by their deadline here
+  std::atomic<uint64_t> desyncs{0};                 // fingerprint mismatches seen here
+  std::atomic<uint64_t> stalls{0};                  // stall warnings logged (--stall_warn)
+  std::atomic<uint64_t> nccl_aborts{0};             // NCCL communicators aborted
+  std::atomic<uint64_t> nccl_rebuilds{0};           // NCCL communicators built again after an abort
+  std::atomic<uint64_t> nccl_launched_failures{0};  // GPU ops failed after they were answered
 
  private:
   std::atomic<uint64_t> ops_[kKinds][kPlanes][kCodes] = {};

@@ -69,6 +69,12 @@ class GpuApi {
   virtual absl::Status RecordEvent(int device, Event event, Stream stream) = 0;
   /// True once all the stream's work has finished (cudaStreamQuery); an error if it failed.
   virtual absl::StatusOr<bool> StreamDone(int device, Stream stream) = 0;
+  /// A daemon-owned event on `device` (cudaEventCreateWithFlags, timing disabled), to mark a
+  /// position on a stream with RecordEvent; DestroyEvent releases it.
+  virtual absl::StatusOr<Event> CreateEvent(int device) = 0;
+  /// True once the work before the event's last record has finished (cudaEventQuery); an error
+  /// if it failed.
+  virtual absl::StatusOr<bool> EventDone(int device, Event event) = 0;
 
   // ---- NCCL (non-blocking communicators) ----
   virtual absl::StatusOr<std::string> NcclUniqueId() = 0;

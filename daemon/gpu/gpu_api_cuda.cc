@@ -191,6 +191,26 @@ class CudaGpuApi final : public GpuApi {
     return true;
   }
 
+  absl::StatusOr<Event> CreateEvent(int device) override {
+    if (absl::Status s = Use(device); !s.ok()) return s;
+    cudaEvent_t event = nullptr;
+    absl::Status s = FromCuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                              "cudaEventCreateWithFlags", device);
+    if (!s.ok()) return s;
+    return static_cast<Event>(event);
+  }
+
+  absl::StatusOr<bool> EventDone(int device, Event event) override {
+    if (absl::Status s = Use(device); !s.ok()) return s;
+    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (e == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    if (absl::Status s = FromCuda(e, "cudaEventQuery", device); !s.ok()) return s;
+    return true;
+  }
+
   absl::StatusOr<std::string> NcclUniqueId() override {
     ncclUniqueId id;
     if (absl::Status s = FromNccl(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;

@@ -22,6 +22,8 @@ class NoGpuApi final : public GpuApi {
   absl::Status StreamWaitEvent(int, Stream, Event) override { return NoCuda(); }
   absl::Status RecordEvent(int, Event, Stream) override { return NoCuda(); }
   absl::StatusOr<bool> StreamDone(int, Stream) override { return NoCuda(); }
+  absl::StatusOr<Event> CreateEvent(int) override { return NoCuda(); }
+  absl::StatusOr<bool> EventDone(int, Event) override { return NoCuda(); }
   absl::StatusOr<std::string> NcclUniqueId() override { return NoCuda(); }
   absl::StatusOr<Comm> NcclCommInitRank(int, int, absl::string_view, int) override {
     return NoCuda();

@@ -118,6 +118,9 @@ std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
               MetricType::Counter, static_cast<double>(c->nccl_aborts.load()));
     AddScalar(out, "gradsync_nccl_rebuilds_total", "NCCL communicators built again after an abort",
               MetricType::Counter, static_cast<double>(c->nccl_rebuilds.load()));
+    AddScalar(out, "gradsync_nccl_launched_failures_total",
+              "GPU ops that failed on the device after they were launched and answered",
+              MetricType::Counter, static_cast<double>(c->nccl_launched_failures.load()));
   }
   if (s.engine != nullptr) {
     const core::Engine::Totals t = s.engine->GetTotals();

@@ -52,6 +52,14 @@ class FakeGpu final : public gpu::GpuApi {
     std::lock_guard<std::mutex> lock(mu_);
     return streams_open;
   }
+  int EventsOpen() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return events_open;
+  }
+  int Closes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closes;
+  }
   /// Whether a stream would report work still running now.
   bool StreamsBusy() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -62,6 +70,7 @@ class FakeGpu final : public gpu::GpuApi {
   std::map<std::pair<int, std::string>, std::byte*> mapped;
   std::map<std::pair<int, std::string>, int> map_refs;  // opens not yet closed, per mapping
   int opens = 0, closes = 0, events_open = 0, streams_open = 0, aborts = 0;
+  int events_created = 0;            // by CreateEvent (the daemon's own)
   int closes_while_busy = 0;         // IPC mappings closed while a stream still ran kernels
   std::vector<std::string> ids;      // unique id of every NcclCommInitRank
   std::vector<std::string> log;      // ordered calls on streams, events and NCCL
@@ -159,6 +168,17 @@ class FakeGpu final : public gpu::GpuApi {
     if (aborted_ && busy_polls_ > 0) --busy_polls_;
     if (aborted_) log.push_back(absl::StrCat("busy ", Name(stream)));
     return false;
+  }
+  absl::StatusOr<gpu::Event> CreateEvent(int) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++events_open;
+    ++events_created;
+    return Handle(++next_);
+  }
+  // The fake's streams finish their work all at once: an event is done when they are.
+  absl::StatusOr<bool> EventDone(int, gpu::Event) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !BusyLocked();
   }
   absl::StatusOr<std::string> NcclUniqueId() override {
     std::lock_guard<std::mutex> lock(mu_);

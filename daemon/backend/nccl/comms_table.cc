@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "daemon/backend/nccl/backoff.h"
+#include "daemon/backend/nccl/launched_ops.h"
 
 namespace gradsync::backend::nccl {
 namespace {
@@ -55,7 +56,12 @@ void CommsTable::DropLocked(GroupComms& c, const absl::Status& why, DeferredWrit
 
 absl::Status CommsTable::AbortLocked(GroupComms& c, const absl::Status& why,
                                      DeferredWrites& later) {
-  if (c.comms.empty()) return absl::OkStatus();
+  // Before the abort: kernels it stops end early, and their events would then read as done.
+  std::vector<std::shared_ptr<LaunchedOp>> unfinished = TakeUnfinishedLocked(api_, c, why, later);
+  if (c.comms.empty()) {
+    ReleaseAbortedLocked(api_, c, std::move(unfinished), why, later);
+    return absl::OkStatus();
+  }
   if (c.store != nullptr) {
     later.WriteWhileRunLasts(c.store, c.job, c.run, BrokenKey(c.run, c.group, c.built_at),
                              absl::StrCat(c.node, ": ", why.message()));
@@ -73,7 +79,9 @@ absl::Status CommsTable::AbortLocked(GroupComms& c, const absl::Status& why,
   c.devices.clear();
   c.ranks.clear();
   c.group_size = 0;
-  return DrainLocked(c);
+  absl::Status drained = DrainLocked(c);
+  ReleaseAbortedLocked(api_, c, std::move(unfinished), why, later);
+  return drained;
 }
 
 absl::Status CommsTable::DrainLocked(GroupComms& c) {
@@ -154,6 +162,40 @@ void CommsTable::DropKeptOn(const std::vector<int>& devices, const std::string& 
                });
       },
       later);
+}
+
+}  // namespace gradsync::backend::nccl
+
+namespace gradsync::backend::nccl {
+
+void CommsTable::NoteLaunched(std::shared_ptr<GroupComms> c) {
+  absl::MutexLock lock(&watch_mu_);
+  const GroupComms* key = c.get();
+  launched_groups_.emplace(key, std::move(c));
+}
+
+void CommsTable::ForgetLaunched(const GroupComms* c) {
+  absl::MutexLock lock(&watch_mu_);
+  launched_groups_.erase(c);
+}
+
+std::vector<std::shared_ptr<GroupComms>> CommsTable::LaunchedGroups(absl::Duration wait) {
+  absl::MutexLock lock(&watch_mu_);
+  watch_mu_.AwaitWithTimeout(absl::Condition(
+                                 +[](CommsTable* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(t->watch_mu_) {
+                                   return t->woken_ || !t->launched_groups_.empty();
+                                 },
+                                 this),
+                             wait);
+  std::vector<std::shared_ptr<GroupComms>> out;
+  out.reserve(launched_groups_.size());
+  for (const auto& [key, c] : launched_groups_) out.push_back(c);
+  return out;
+}
+
+void CommsTable::WakeWatcher() {
+  absl::MutexLock lock(&watch_mu_);
+  woken_ = true;
 }
 
 }  // namespace gradsync::backend::nccl

@@ -1,11 +1,13 @@
 #pragma once
 
-// The NCCL state of every (job, group) on this node: one group's communicators and streams
-// (GroupComms), the one way to hold a group's lock (LockedComms), and the table of them with
-// what may be done to a group whose lock is held: abort, drain, drop, keep.
+// The NCCL state of every (job, group) on this node: one group's communicators, streams and
+// launched ops (GroupComms), the one way to hold a group's lock (LockedComms), and the table of
+// them with what may be done to a group whose lock is held: abort, drain, drop, keep; and which
+// groups have launched ops to watch.
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -26,9 +28,12 @@
 
 namespace gradsync::backend::nccl {
 
+struct LaunchedOp;  // launched_ops.h
+
 /// The NCCL state of one (job, group) on this node. Its `mu` is held while an op of the group
-/// runs, and by whoever else looks at its communicators (the watchdog, a job-wide abort, job
-/// end); the lock order is a group's `mu`, then CommsTable's.
+/// runs, and by whoever else looks at its communicators or launched ops (the watchdog, the
+/// launch watcher, a job-wide abort, job end); the lock order is a group's `mu`, then
+/// CommsTable's locks.
 struct GroupComms {
   GroupComms(std::string job, std::string group) : job(std::move(job)), group(std::move(group)) {}
 
@@ -51,6 +56,12 @@ struct GroupComms {
   absl::Time kept_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   bool erased ABSL_GUARDED_BY(mu) = false;   // no longer in the table: look it up again
   bool aborted ABSL_GUARDED_BY(mu) = false;  // since the last build (the next is a rebuild)
+  // Ops answered once launched whose streams may still run them, oldest first (at most
+  // kMaxLaunchedPerGroup); all on the current communicators: an abort settles them all.
+  std::deque<std::shared_ptr<LaunchedOp>> launched ABSL_GUARDED_BY(mu);
+  // Not OK: a launched op failed, or was aborted, before it finished; the group's next op fails
+  // with it (launched_ops.h).
+  absl::Status launch_failure ABSL_GUARDED_BY(mu);
   // A job-wide abort that found the group running an op: the op aborts when it next looks.
   std::atomic<bool> abort_requested{false};
   mutable absl::Mutex reason_mu ABSL_ACQUIRED_AFTER(mu);
@@ -100,7 +111,9 @@ class CommsTable {
 
   /// Aborts `c`'s communicators; they are rebuilt at the next op. A group spanning nodes tells
   /// the other nodes (`broken` key, through `later`) with `why`. Returns once the group's
-  /// streams are idle: OK, or (after abort_drain) why they were abandoned still busy.
+  /// streams are idle: OK, or (after abort_drain) why they were abandoned still busy. Launched
+  /// ops not finished before the abort are released once drained, and remembered as failed
+  /// for the group's next op.
   absl::Status AbortLocked(GroupComms& c, const absl::Status& why, DeferredWrites& later)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   /// AbortLocked, destroys its streams and takes it out of the table.
@@ -128,6 +141,22 @@ class CommsTable {
   void CountRebuild() {
     if (counters_ != nullptr) counters_->nccl_rebuilds.fetch_add(1);
   }
+  /// An op answered once launched failed before it finished.
+  void CountLaunchFailure() {
+    if (counters_ != nullptr) counters_->nccl_launched_failures.fetch_add(1);
+  }
+
+  /// `c` has launched ops (call with its lock held): the launch watcher looks at it until
+  /// ForgetLaunched.
+  void NoteLaunched(std::shared_ptr<GroupComms> c) ABSL_LOCKS_EXCLUDED(watch_mu_);
+  /// `c` has no launched ops left (call with its lock held).
+  void ForgetLaunched(const GroupComms* c) ABSL_LOCKS_EXCLUDED(watch_mu_);
+  /// The groups noted as having launched ops; waits up to `wait` while there are none (returns
+  /// at once after WakeWatcher).
+  std::vector<std::shared_ptr<GroupComms>> LaunchedGroups(absl::Duration wait)
+      ABSL_LOCKS_EXCLUDED(watch_mu_);
+  /// Ends LaunchedGroups' waits, now and from now on (the backend's end).
+  void WakeWatcher() ABSL_LOCKS_EXCLUDED(watch_mu_);
 
  private:
   // Waits until `c`'s streams have no work left, at most abort_drain_; then abandons them.
@@ -140,6 +169,10 @@ class CommsTable {
   absl::Mutex mu_;  // after any group's mu (never held while taking one)
   std::map<std::pair<std::string, std::string>, std::shared_ptr<GroupComms>> comms_
       ABSL_GUARDED_BY(mu_);
+  absl::Mutex watch_mu_;  // after any group's mu (never held while taking one)
+  std::map<const GroupComms*, std::shared_ptr<GroupComms>> launched_groups_
+      ABSL_GUARDED_BY(watch_mu_);
+  bool woken_ ABSL_GUARDED_BY(watch_mu_) = false;
 };
 
 }  // namespace gradsync::backend::nccl

@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "daemon/backend/nccl/backoff.h"
+#include "daemon/backend/nccl/launched_ops.h"
 #include "daemon/backend/nccl/nccl_communicator.h"
 #include "daemon/backend/nccl/peer_signals.h"
 
@@ -19,10 +21,49 @@ auto Log() { return logging::Logger("nccl"); }
 
 NcclBackend::NcclBackend(gpu::GpuApi* api, NcclOptions options)
     : api_(api), options_(options), table_(api, options_.abort_drain, options_.counters) {
+  launch_watcher_ = std::thread([this] { WatchLaunched(); });
   if (options_.watch_every <= absl::ZeroDuration()) return;
   watchdog_ = std::thread([this] {
     while (!stop_.WaitForNotificationWithTimeout(options_.watch_every)) WatchIdle();
   });
+}
+
+void NcclBackend::WatchLaunched() {
+  // Sleeps while no group has launched ops; while some have, looks at them as a waiting op
+  // would (Backoff: a short spin, then at most every 100 us), skipping groups whose lock is
+  // held (an op of theirs is running and looks at them itself).
+  std::optional<Backoff> backoff;
+  while (!stop_.HasBeenNotified()) {
+    const std::vector<std::shared_ptr<GroupComms>> groups = table_.LaunchedGroups(kWatcherIdle);
+    if (groups.empty()) {
+      backoff.reset();
+      continue;
+    }
+    for (const std::shared_ptr<GroupComms>& c : groups) {
+      DeferredWrites later;  // declared before the group's lock: written once it is released
+      if (!c->mu.TryLock()) continue;
+      LockedComms locked(c.get(), LockedComms::Adopt{});
+      LookAtLaunchedLocked(table_, *c, later);
+      if (c->launched.empty()) table_.ForgetLaunched(c.get());
+    }
+    if (!backoff) backoff.emplace();
+    backoff->Pause();
+  }
+}
+
+void NcclBackend::SettleLaunched(const std::string& job, absl::Duration bound) {
+  DeferredWrites later;  // declared before any group's lock: written once none is held
+  for (auto& c : table_.OfJob(job)) {
+    LockedComms locked(c.get());
+    if (c->launched.empty()) continue;
+    // Each op's own deadline bounds the wait (one past it fails); `bound` may end it sooner.
+    const absl::Time until =
+        bound == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + bound;
+    if (!AwaitLaunchedLocked(table_, *c, 0, until, later).ok()) {
+      (void)table_.AbortLocked(*c, absl::UnavailableError("the daemon is shutting down"), later);
+    }
+    table_.ForgetLaunched(c.get());
+  }
 }
 
 void NcclBackend::WatchIdle() {
@@ -37,6 +78,7 @@ void NcclBackend::WatchIdle() {
   for (auto& c : table_.OfJob("")) {
     if (!c->mu.TryLock()) continue;  // running an op, which watches its communicators itself
     LockedComms locked(c.get(), LockedComms::Adopt{});
+    if (!c->launched.empty()) continue;  // not idle: the launch watcher looks at it
     absl::Status failed;
     for (gpu::Comm comm : c->comms) {
       if (absl::StatusOr<bool> r = api_->NcclCommReady(comm); !r.ok()) {
@@ -55,10 +97,13 @@ void NcclBackend::WatchIdle() {
 }
 
 void NcclBackend::StopWatchdog() {
-  if (watchdog_.joinable()) {
-    stop_.Notify();
-    watchdog_.join();
-  }
+  if (!stop_.HasBeenNotified()) stop_.Notify();
+  table_.WakeWatcher();
+  if (watchdog_.joinable()) watchdog_.join();
+  if (launch_watcher_.joinable()) launch_watcher_.join();
+  // The ops still on the GPUs finish, or are aborted, while the stores their watches read are
+  // still there; their buffers are released after.
+  SettleLaunched("", options_.abort_drain);
 }
 
 NcclBackend::~NcclBackend() {
@@ -77,6 +122,15 @@ absl::StatusOr<std::shared_ptr<core::Communicator>> NcclBackend::CreateCommunica
   return std::make_shared<NcclCommunicator>(&table_, spec);
 }
 
+size_t NcclBackend::LaunchedOps() {
+  size_t n = 0;
+  for (auto& c : table_.OfJob("")) {
+    LockedComms locked(c.get());
+    n += c->launched.size();
+  }
+  return n;
+}
+
 void NcclBackend::AbortJob(const std::string& job, const absl::Status& reason) {
   DeferredWrites later;  // declared before any group's lock: written once none is held
   table_.AbortJob(job, reason, later);
@@ -87,6 +141,11 @@ void NcclBackend::JobEnded(const std::string& job) {
   for (auto& c : table_.OfJob(job)) {
     LockedComms locked(c.get());
     if (c->erased) continue;
+    // The job's ops still on the GPU finish first (or fail: each by its own deadline), so that
+    // the communicators are not aborted under the other nodes' last ops.
+    (void)AwaitLaunchedLocked(table_, *c, 0, absl::InfiniteFuture(), later);
+    table_.ForgetLaunched(c.get());
+    c->launch_failure = absl::OkStatus();  // the job's trainers here are gone: nobody to tell
     if (options_.keep_after_job > absl::ZeroDuration() && !c->comms.empty() &&
         c->store == nullptr) {  // on this node alone: kept for a restart
       c->kept_until = absl::Now() + options_.keep_after_job;

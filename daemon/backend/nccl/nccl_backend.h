@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -50,12 +51,21 @@ struct NcclOptions {
 /// objects. When the job ends (JobEnded), those of groups on this node alone may be kept for a
 /// restart of the job with the same rank layout (NcclOptions::keep_after_job).
 ///
-/// Health: while an op runs, the daemon polls its streams and ncclCommGetAsyncError. On an
-/// error or at the deadline it aborts every NCCL communicator of the job on this node together
-/// (a communicator's local ranks must abort together), fails the op with the reason, and the
-/// next op of each aborted group builds its communicators again. Every abort waits (bounded by
-/// NcclOptions::abort_drain) until the group's streams are idle, so an op never returns, and
-/// its buffers are never unmapped, while its kernels may still touch them.
+/// Launched, not finished: an op is answered once NCCL has enqueued it on the daemon's streams
+/// (after the trainers' "ready" events) and the trainers' "done" events are recorded after it;
+/// the trainers' streams wait on those, their hosts do not. The group keeps the op (with its
+/// buffers' mappings, an event marking its end on each stream, its deadline and its watch on
+/// the other nodes) until the GPU has run it: looked at, without blocking, at the start of the
+/// group's next op, and by the launch watcher thread meanwhile. At most kMaxLaunchedPerGroup
+/// per group; the next op waits for the oldest.
+///
+/// Health: while an op launches and until it has finished, the daemon polls its streams and
+/// ncclCommGetAsyncError. On an error or at the deadline it aborts every NCCL communicator of
+/// the job on this node together (a communicator's local ranks must abort together); an op not
+/// yet answered fails with the reason, one already answered fails the group's next op (ABORTED,
+/// naming it and saying its results are not valid), and the op after that builds the group's
+/// communicators again. Every abort waits (bounded by NcclOptions::abort_drain) until the
+/// group's streams are idle, so no buffer is unmapped while its kernels may still touch it.
 ///
 /// Groups spanning nodes tell each other through the job's store, so that no node waits out
 /// its deadline for a peer that has already given up: a node that fails op `s` of a group (for
@@ -86,25 +96,40 @@ class NcclBackend final : public core::Backend {
   /// Aborts every communicator of `job` on this node (see above).
   void AbortJob(const std::string& job, const absl::Status& reason);
   /// Drops the job's communicators (after aborting any still live), or keeps them for a restart
-  /// (NcclOptions::keep_after_job). Blocks while an op of the job's groups runs here.
+  /// (NcclOptions::keep_after_job). Blocks while an op of the job's groups runs here, and until
+  /// its launched ops have finished or failed (each bounded by its deadline).
   void JobEnded(const std::string& job) override;
 
-  /// Stops the watchdog thread (idempotent; the destructor does it too). Call before the
-  /// stores the communicators report to go away.
+  /// Stops the watchdog and launch watcher threads, then waits for the ops still launched (at
+  /// most abort_drain) and aborts those left (idempotent; the destructor does it too). Call
+  /// before the stores the communicators report to go away.
   void StopWatchdog();
 
   /// NCCL communicators created so far (ncclCommInitRankConfig calls), for tests.
   int comm_inits() const { return table_.comm_inits(); }
+  /// Ops launched and not yet settled (finished, failed or aborted) on every group, for tests.
+  /// Blocks while an op runs.
+  size_t LaunchedOps();
 
  private:
+  // How long the launch watcher sleeps between looks for groups with launched ops while none
+  // has any (it is woken as soon as one has).
+  static constexpr absl::Duration kWatcherIdle = absl::Seconds(1);
+
   // One look at every idle group's communicators (the watchdog's tick).
   void WatchIdle();
+  // The launch watcher's loop: looks at the launched ops of every group that has some.
+  void WatchLaunched();
+  // Waits for the launched ops of `job` (empty: every job) to finish, at most `bound` (each
+  // also by its deadline); aborts the groups whose ops are left.
+  void SettleLaunched(const std::string& job, absl::Duration bound);
 
   gpu::GpuApi* const api_;
   const NcclOptions options_;
   CommsTable table_;
   absl::Notification stop_;
-  std::thread watchdog_;  // last: starts once everything above exists
+  std::thread watchdog_;  // last: they start once everything above exists
+  std::thread launch_watcher_;
 };
 
 }  // namespace gradsync::backend::nccl

@@ -2,6 +2,7 @@
 
 #include "daemon/backend/nccl/nccl_communicator.h"
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "common/dtype.h"
 #include "common/logging.h"
 #include "daemon/backend/nccl/backoff.h"
+#include "daemon/backend/nccl/launched_ops.h"
 
 namespace gradsync::backend::nccl {
 namespace {
@@ -199,53 +201,86 @@ std::string NcclCommunicator::NodeFingerprint(const core::Collective& op) {
 }
 
 std::string NcclCommunicator::NodeAndRanks() const {
-  return absl::StrCat("node ", spec_.node, " (ranks ", absl::StrJoin(spec_.local_members, ","),
+  return absl::StrCat("node ", spec_->node, " (ranks ", absl::StrJoin(spec_->local_members, ","),
                       ")");
 }
 
 absl::Status NcclCommunicator::Run(const core::Collective& op) {
   if (!Spanning() && !op.local_failure.ok()) return op.local_failure;
-  // Declared before the group's lock: what the op decides to tell the other nodes is written
-  // once the lock is released.
+  // Declared before the group's lock: what the op decides to tell the other nodes is written,
+  // and launched ops settled meanwhile are released, once the lock is released.
   DeferredWrites later;
-  std::optional<PeerFailureWatch> peers;
+  const auto launched = std::make_shared<LaunchedOp>(
+      spec_, op, Spanning() ? spec_->rendezvous : nullptr, NodeFingerprint(op));
   absl::Status s;
+  bool watched = false;  // the group owns `launched` now: only under its lock from here on
   while (true) {
-    std::shared_ptr<GroupComms> c = table_->Get(spec_.job, spec_.group);
+    std::shared_ptr<GroupComms> c = table_->Get(spec_->job, spec_->group);
     LockedComms locked(c.get());
     if (c->erased) continue;  // dropped meanwhile: a fresh one is in the table now
-    peers.emplace(Spanning() ? spec_.rendezvous : nullptr, spec_, op, NodeFingerprint(op));
-    s = RunOnGroupLocked(*c, op, *peers, later);
+    s = RunOnGroupLocked(*c, op, *launched, later);
+    if (s.ok() && !launched->finished.empty()) {
+      c->launched.push_back(launched);
+      table_->NoteLaunched(c);
+      watched = true;
+    }
     break;
   }
-  peers->Finished(s);
+  if (watched) return s;
+  for (const auto& [device, event] : launched->finished) (void)api_->DestroyEvent(device, event);
+  launched->peers.Finished(s);
   // This node is out of step with the others on this group now (its communicators went under
   // the lock): the other nodes hear at once that this op failed rather than wait for it.
-  if (!s.ok() && Spanning() && !peers->peers_know()) {
-    later.WriteWhileRunLasts(spec_.rendezvous, spec_.job, spec_.run, FailKey(spec_, op.seq),
+  if (!s.ok() && Spanning() && !launched->peers.peers_know()) {
+    later.WriteWhileRunLasts(spec_->rendezvous, spec_->job, spec_->run, FailKey(*spec_, op.seq),
                              absl::StrCat(NodeAndRanks(), ": ", s.message()));
   }
   return s;
 }
 
 absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Collective& op,
-                                                PeerFailureWatch& peers, DeferredWrites& later) {
+                                                LaunchedOp& launched, DeferredWrites& later) {
   if (c.kept_until != absl::InfinitePast()) {
-    Log()->info("nccl communicators kept from the job's last run reused job={} group={}", spec_.job,
-                spec_.group);
+    Log()->info("nccl communicators kept from the job's last run reused job={} group={}",
+                spec_->job, spec_->group);
     c.kept_until = absl::InfinitePast();
   }
   if (c.abort_requested.exchange(false)) {  // the job's communicators aborted while idle
     (void)table_->AbortLocked(c, c.AbortReason(), later);
   }
-  absl::Status s = RunLocked(c, op, peers, later);
-  if (s.ok() || !Spanning()) return s;
-  if (!c.comms.empty()) (void)table_->AbortLocked(c, s, later);
+  // The group's earlier ops still on the GPU: a failure of one since fails this op.
+  LookAtLaunchedLocked(*table_, c, later);
+  absl::Status s = TakeLaunchFailureLocked(c, op);
+  if (s.ok() && c.launched.size() >= kMaxLaunchedPerGroup) {  // the GPU is behind: wait
+    if (absl::Status w =
+            AwaitLaunchedLocked(*table_, c, kMaxLaunchedPerGroup - 1, op.deadline, later);
+        !w.ok()) {
+      s = absl::DeadlineExceededError(absl::StrCat(op.label, ": not launched by its deadline, ",
+                                                   w.message(), " (at most ", kMaxLaunchedPerGroup,
+                                                   " may be)"));
+    } else {
+      s = TakeLaunchFailureLocked(c, op);
+    }
+  }
+  if (s.ok()) s = RunLocked(c, op, launched, later);
+  if (s.ok()) return s;
+  if (Spanning() && !c.comms.empty()) {
+    // The other nodes run this op: its calls would no longer pair up. The earlier ops, which
+    // every node runs, finish first (or fail).
+    (void)AwaitLaunchedLocked(*table_, c, 0, op.deadline, later);
+    if (!c.comms.empty()) (void)table_->AbortLocked(c, s, later);
+  }
+  if (!c.launch_failure.ok()) {  // earlier launched ops went with this op's abort
+    s = absl::Status(s.code(), absl::StrCat(s.message(), "; and the group's earlier op ",
+                                            c.launch_failure.message()));
+    c.launch_failure = absl::OkStatus();
+  }
   return s;
 }
 
 absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& op,
-                                         PeerFailureWatch& peers, DeferredWrites& later) {
+                                         LaunchedOp& launched, DeferredWrites& later) {
+  PeerFailureWatch& peers = launched.peers;
   if (!op.local_failure.ok()) return op.local_failure;
   // Checked before any NCCL call: a local desync or a refused layout never reaches NCCL.
   absl::StatusOr<Plan> plan = MakePlan(op);
@@ -259,7 +294,12 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
   }
   if (!c.comms.empty() &&
       (c.devices != devices || c.ranks != ranks || c.group_size != op.group_size)) {
-    Log()->info("nccl layout changed job={} group={}: rebuilding", spec_.job, spec_.group);
+    // The earlier ops on the old communicators finish (or fail) first.
+    if (absl::Status w = AwaitLaunchedLocked(*table_, c, 0, op.deadline, later); !w.ok()) {
+      return Context(op, w);
+    }
+    if (absl::Status f = TakeLaunchFailureLocked(c, op); !f.ok()) return f;
+    Log()->info("nccl layout changed job={} group={}: rebuilding", spec_->job, spec_->group);
     (void)table_->AbortLocked(c, absl::AbortedError("its local ranks moved to other devices"),
                               later);
   }
@@ -305,7 +345,18 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
       }
     }
   }
-  return WaitLocked(c, op, devices, peers, later);
+  // The daemon's own mark of the op's end on each of its streams: the op stays watched until
+  // they are all reached (launched_ops.h). Answered now: launched, stream ordered.
+  for (const auto& [device, stream] : c.streams) {
+    if (std::find(devices.begin(), devices.end(), device) == devices.end()) continue;
+    absl::StatusOr<gpu::Event> event = api_->CreateEvent(device);
+    if (!event.ok()) return FailLocked(c, op, event.status(), peers, later);
+    launched.finished.emplace_back(device, *event);
+    if (absl::Status e = api_->RecordEvent(device, *event, stream); !e.ok()) {
+      return FailLocked(c, op, e, peers, later);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> NcclCommunicator::UniqueId(const core::Collective& op,
@@ -315,22 +366,22 @@ absl::StatusOr<std::string> NcclCommunicator::UniqueId(const core::Collective& o
     absl::StatusOr<std::string> id = api_->NcclUniqueId();
     if (!id.ok()) return Context(op, id.status());
     if (Spanning()) {
-      if (absl::Status s = spec_.rendezvous->Set(spec_.job, key, *id); !s.ok()) {
+      if (absl::Status s = spec_->rendezvous->Set(spec_->job, key, *id); !s.ok()) {
         return Context(op, s);
       }
     }
     return id;
   }
-  if (spec_.rendezvous == nullptr) return absl::InternalError("no store to fetch the id");
-  BackgroundKeyWait id(spec_.rendezvous, spec_.job, key, op.deadline);
+  if (spec_->rendezvous == nullptr) return absl::InternalError("no store to fetch the id");
+  BackgroundKeyWait id(spec_->rendezvous, spec_->job, key, op.deadline);
   Backoff backoff;
   while (true) {
     if (std::optional<std::string> v = id.value()) return *std::move(v);
     if (absl::Status s = peers.Check(); !s.ok()) return Context(op, s);
     if (absl::Now() > op.deadline) {
       return absl::DeadlineExceededError(
-          absl::StrCat(op.label, ": the NCCL id of group ", spec_.group,
-                       " never came from the node of rank ", spec_.members.front()));
+          absl::StrCat(op.label, ": the NCCL id of group ", spec_->group,
+                       " never came from the node of rank ", spec_->members.front()));
     }
     backoff.Pause();
   }
@@ -340,9 +391,9 @@ absl::Status NcclCommunicator::BuildLocked(GroupComms& c, const core::Collective
                                            const std::vector<Member>& members,
                                            const std::vector<int>& devices, PeerFailureWatch& peers,
                                            DeferredWrites& later) {
-  absl::StatusOr<std::string> id = UniqueId(op, IdKey(spec_, op.seq), peers);
+  absl::StatusOr<std::string> id = UniqueId(op, IdKey(*spec_, op.seq), peers);
   if (!id.ok()) return id.status();
-  table_->DropKeptOn(devices, spec_.job, later);  // their GPU memory is this job's now
+  table_->DropKeptOn(devices, spec_->job, later);  // their GPU memory is this job's now
   std::vector<gpu::Comm> comms;
   absl::Status s = api_->NcclGroupStart();
   for (size_t i = 0; s.ok() && i < members.size(); ++i) {
@@ -358,7 +409,7 @@ absl::Status NcclCommunicator::BuildLocked(GroupComms& c, const core::Collective
   if (absl::Status end = api_->NcclGroupEnd(); s.ok()) s = end;
   if (s.ok()) {  // non-blocking init
     s = PollReady(comms, op.deadline, peers,
-                  absl::StrCat("NCCL communicators of group ", spec_.group, " (", op.group_size,
+                  absl::StrCat("NCCL communicators of group ", spec_->group, " (", op.group_size,
                                " ranks) not ready by the deadline: a peer node never joined"));
   }
   if (!s.ok()) {
@@ -372,17 +423,17 @@ absl::Status NcclCommunicator::BuildLocked(GroupComms& c, const core::Collective
   c.group_size = op.group_size;
   if (Spanning() && RootHere() && c.id_built_at) {
     // Every node has its communicators from that id, or gave up on them: it is done.
-    later.Delete(spec_.rendezvous, spec_.job, IdKey(spec_, *c.id_built_at));
+    later.Delete(spec_->rendezvous, spec_->job, IdKey(*spec_, *c.id_built_at));
   }
   if (Spanning() && RootHere()) c.id_built_at = op.seq;
   c.built_at = op.seq;
   if (c.aborted) table_->CountRebuild();
   c.aborted = false;
-  c.store = Spanning() ? spec_.rendezvous : nullptr;
-  c.run = spec_.run;
+  c.store = Spanning() ? spec_->rendezvous : nullptr;
+  c.run = spec_->run;
   c.node = NodeAndRanks();
-  Log()->info("nccl communicators ready job={} group={} ranks={} local={} devices={}", spec_.job,
-              spec_.group, op.group_size, members.size(), absl::StrJoin(devices, ","));
+  Log()->info("nccl communicators ready job={} group={} ranks={} local={} devices={}", spec_->job,
+              spec_->group, op.group_size, members.size(), absl::StrJoin(devices, ","));
   return absl::OkStatus();
 }
 
@@ -426,42 +477,6 @@ absl::Status NcclCommunicator::PollReady(const std::vector<gpu::Comm>& comms, ab
   }
 }
 
-absl::Status NcclCommunicator::WaitLocked(GroupComms& c, const core::Collective& op,
-                                          const std::vector<int>& devices, PeerFailureWatch& peers,
-                                          DeferredWrites& later) {
-  Backoff backoff;
-  while (true) {
-    bool done = true;
-    for (int d : devices) {
-      absl::StatusOr<bool> r = api_->StreamDone(d, c.streams[d]);
-      if (!r.ok()) return FailLocked(c, op, r.status(), peers, later);
-      done = done && *r;
-    }
-    if (done) return absl::OkStatus();
-    for (gpu::Comm comm : c.comms) {
-      absl::StatusOr<bool> r = api_->NcclCommReady(comm);
-      if (!r.ok()) return FailLocked(c, op, r.status(), peers, later);
-    }
-    if (c.abort_requested.exchange(false)) {
-      const absl::Status why = c.AbortReason();
-      const absl::Status drained = table_->AbortLocked(c, why, later);
-      return Context(op, WithDrain(absl::AbortedError(absl::StrCat(
-                                       "aborted with the job's other NCCL communicators on "
-                                       "this node: ",
-                                       why.message())),
-                                   drained));
-    }
-    if (absl::Status s = peers.Check(); !s.ok()) return FailLocked(c, op, s, peers, later);
-    if (absl::Now() > op.deadline) {
-      return FailLocked(c, op,
-                        absl::DeadlineExceededError(
-                            "did not complete by its deadline (a peer never entered it, or hung)"),
-                        peers, later);
-    }
-    backoff.Pause();
-  }
-}
-
 absl::Status NcclCommunicator::FailLocked(GroupComms& c, const core::Collective& op,
                                           const absl::Status& why, const PeerFailureWatch& peers,
                                           DeferredWrites& later) {
@@ -469,9 +484,9 @@ absl::Status NcclCommunicator::FailLocked(GroupComms& c, const core::Collective&
   Log()->warn("nccl op failed, aborting {} job={} error={}",
               peers.failed_on_peer_word() ? "the group's communicators"
                                           : "the job's communicators on this node",
-              spec_.job, status.ToString());
+              spec_->job, status.ToString());
   const absl::Status drained = table_->AbortLocked(c, status, later);
-  if (!peers.failed_on_peer_word()) table_->AbortJob(spec_.job, status, later);
+  if (!peers.failed_on_peer_word()) table_->AbortJob(spec_->job, status, later);
   return WithDrain(status, drained);
 }
 

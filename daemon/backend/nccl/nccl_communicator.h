@@ -1,9 +1,11 @@
 #pragma once
 
 // One group's NCCL collectives on this node: builds the group's communicators (the unique id
-// through the job's store), launches an op on them, waits for it under the op's deadline and
-// the other nodes' word, and aborts and drains them when it fails.
+// through the job's store), launches an op on them under the op's deadline and the other nodes'
+// word, hands it to the group's launched ops (launched_ops.h) once NCCL has enqueued it, and
+// aborts and drains the communicators when it fails.
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -11,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "daemon/backend/nccl/comms_table.h"
+#include "daemon/backend/nccl/launched_ops.h"
 #include "daemon/backend/nccl/peer_signals.h"
 #include "daemon/core/backend.h"
 #include "daemon/gpu/gpu_api.h"
@@ -25,8 +28,16 @@ class NcclCommunicator final : public core::Communicator {
  public:
   /// `table` must outlive this.
   NcclCommunicator(CommsTable* table, core::CommunicatorSpec spec)
-      : table_(table), api_(table->api()), spec_(std::move(spec)) {}
+      : table_(table),
+        api_(table->api()),
+        spec_(std::make_shared<const core::CommunicatorSpec>(std::move(spec))) {}
 
+  /// Returns once the op is launched: NCCL has enqueued it on the daemon's streams, after the
+  /// trainers' "ready" events, and their "done" events are recorded after it (or once it
+  /// failed). The group keeps watching it until its streams have run it (launched_ops.h), with
+  /// its buffers' mappings (op.keep_alive). First looks at the group's earlier launched ops: if
+  /// one failed, this op fails (ABORTED, naming it) without running; with kMaxLaunchedPerGroup
+  /// of them unfinished, waits (under op.deadline) for the oldest.
   absl::Status Run(const core::Collective& op) override;
 
  private:
@@ -67,20 +78,21 @@ class NcclCommunicator final : public core::Communicator {
   static std::string NodeFingerprint(const core::Collective& op);
 
   bool Spanning() const {
-    return spec_.rendezvous != nullptr && spec_.local_members.size() != spec_.members.size();
+    return spec_->rendezvous != nullptr && spec_->local_members.size() != spec_->members.size();
   }
   // Whether group rank 0 is on this node (it makes the unique id).
   bool RootHere() const {
-    return !spec_.local_members.empty() && spec_.local_members.front() == spec_.members.front();
+    return !spec_->local_members.empty() && spec_->local_members.front() == spec_->members.front();
   }
   // "node 10.0.0.2:7451 (ranks 2,3)": this node, in what it tells the others.
   std::string NodeAndRanks() const;
 
   // The op on the group whose lock is held, from a job-wide abort requested while it was idle
-  // to the end of the op.
-  absl::Status RunOnGroupLocked(GroupComms& c, const core::Collective& op, PeerFailureWatch& peers,
+  // and the group's earlier launched ops to the op's launch.
+  absl::Status RunOnGroupLocked(GroupComms& c, const core::Collective& op, LaunchedOp& launched,
                                 DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
-  absl::Status RunLocked(GroupComms& c, const core::Collective& op, PeerFailureWatch& peers,
+  // Builds (when needed) and launches the op; on OK `launched.finished` marks its end.
+  absl::Status RunLocked(GroupComms& c, const core::Collective& op, LaunchedOp& launched,
                          DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // The unique id of the communicators op `op` builds: made here when the group's rank 0 is
   // local (and published for the other nodes), otherwise fetched from the job's store, where
@@ -102,11 +114,6 @@ class NcclCommunicator final : public core::Communicator {
   // ncclGroupEnd.
   absl::Status PollReady(const std::vector<gpu::Comm>& comms, absl::Time deadline,
                          PeerFailureWatch& peers, absl::string_view late);
-  // Until the streams have run the op: an async NCCL error, a job-wide abort, another node's
-  // word or the deadline abort the communicators and fail the op.
-  absl::Status WaitLocked(GroupComms& c, const core::Collective& op,
-                          const std::vector<int>& devices, PeerFailureWatch& peers,
-                          DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // Aborts the group's communicators on this node, and the job's others with them unless the
   // op failed on another node's word (that node has told the other groups itself).
   absl::Status FailLocked(GroupComms& c, const core::Collective& op, const absl::Status& why,
@@ -115,7 +122,8 @@ class NcclCommunicator final : public core::Communicator {
 
   CommsTable* const table_;
   gpu::GpuApi* const api_;
-  const core::CommunicatorSpec spec_;
+  // Shared with the group's launched ops, which outlive this object.
+  const std::shared_ptr<const core::CommunicatorSpec> spec_;
 };
 
 }  // namespace gradsync::backend::nccl

@@ -40,7 +40,9 @@ bool WriteWhileRunLasts(gradsync::Store* store, const std::string& job, const st
 
 /// Store writes decided while a group's lock is held, made when this object goes (or at
 /// Flush): declared before the lock, it outlives it, so that no remote call waits under a
-/// group's lock. Not thread-safe: one per thread of work.
+/// group's lock. The same holds for the release of launched ops settled under the lock (their
+/// watch may write, their buffers' mappings close: Defer). Not thread-safe: one per thread of
+/// work.
 class DeferredWrites {
  public:
   DeferredWrites() = default;
@@ -53,6 +55,9 @@ class DeferredWrites {
                           std::string value);
   /// Store::Delete, later (its result ignored: the key is of no more use).
   void Delete(gradsync::Store* store, std::string job, std::string key);
+  /// Runs `fn` later, in order with the writes (it may write to the store or release
+  /// resources; it must not take a group's lock).
+  void Defer(std::function<void()> fn) { writes_.push_back(std::move(fn)); }
   /// Makes the writes so far, in the order they were asked for.
   void Flush();
 

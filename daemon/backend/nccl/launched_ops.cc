@@ -1,0 +1,192 @@
+// Device ops watched from their launch until the GPU has finished them (see launched_ops.h).
+
+#include "daemon/backend/nccl/launched_ops.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "daemon/backend/nccl/backoff.h"
+
+namespace gradsync::backend::nccl {
+namespace {
+
+auto Log() { return logging::Logger("nccl"); }
+
+// The engine's op without its members (their views point into memory the op's keep_alive
+// holds; nothing after the launch reads them).
+core::Collective WithoutMembers(const core::Collective& op) {
+  core::Collective c;
+  c.kind = op.kind;
+  c.reduce_op = op.reduce_op;
+  c.dtype = op.dtype;
+  c.count = op.count;
+  c.root = op.root;
+  c.group_size = op.group_size;
+  c.deadline = op.deadline;
+  c.seq = op.seq;
+  c.label = op.label;
+  c.fingerprint = op.fingerprint;
+  c.local_failure = op.local_failure;
+  c.plane = op.plane;
+  c.keep_alive = op.keep_alive;
+  return c;
+}
+
+// Whether every device has finished the op (an error: a stream of it failed).
+absl::StatusOr<bool> Finished(gpu::GpuApi* api, const LaunchedOp& op) {
+  for (const auto& [device, event] : op.finished) {
+    absl::StatusOr<bool> done = api->EventDone(device, event);
+    if (!done.ok() || !*done) return done;
+  }
+  return true;
+}
+
+// Settles `op` (already out of the group's list) with `result`: its events go now; its watch
+// ends and its buffers' mappings are let go once no group lock is held.
+void Release(gpu::GpuApi* api, std::shared_ptr<LaunchedOp> op, absl::Status result,
+             DeferredWrites& later) {
+  for (const auto& [device, event] : op->finished) (void)api->DestroyEvent(device, event);
+  later.Defer([op = std::move(op), result = std::move(result)] { op->peers.Finished(result); });
+}
+
+// Settles the group's oldest launched ops while they have finished; returns the first failure
+// seen (its op is left first in the list).
+absl::Status SettleFinishedLocked(gpu::GpuApi* api, GroupComms& c, DeferredWrites& later)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
+  while (!c.launched.empty()) {
+    absl::StatusOr<bool> done = Finished(api, *c.launched.front());
+    if (!done.ok()) return done.status();
+    if (!*done) break;
+    std::shared_ptr<LaunchedOp> op = std::move(c.launched.front());
+    c.launched.pop_front();
+    Release(api, std::move(op), absl::OkStatus(), later);
+  }
+  return absl::OkStatus();
+}
+
+// What the group's next op reports: launched op `failed` (still in the list) failed with `why`.
+absl::Status Remembered(const GroupComms& c, const LaunchedOp& failed, const absl::Status& why)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
+  const size_t others = c.launched.empty() ? 0 : c.launched.size() - 1;
+  return absl::AbortedError(
+      absl::StrCat(failed.op.label,
+                   " failed after it was launched (and answered OK), so its results are not valid",
+                   others > 0 ? absl::StrCat(", nor those of the group's ", others,
+                                             " other launched op(s) not finished with it")
+                              : "",
+                   ": ", why.message().empty() ? "its communicators were dropped" : why.message()));
+}
+
+}  // namespace
+
+LaunchedOp::LaunchedOp(std::shared_ptr<const core::CommunicatorSpec> spec,
+                       const core::Collective& op, gradsync::Store* store, std::string fingerprint)
+    : spec(std::move(spec)),
+      op(WithoutMembers(op)),
+      peers(store, *this->spec, this->op, std::move(fingerprint)) {}
+
+void LookAtLaunchedLocked(CommsTable& table, GroupComms& c, DeferredWrites& later) {
+  gpu::GpuApi* const api = table.api();
+  if (absl::Status s = SettleFinishedLocked(api, c, later); !s.ok()) {
+    FailLaunchedLocked(table, c, c.launched.front(), s, later);
+    return;
+  }
+  if (c.launched.empty()) return;
+  for (gpu::Comm comm : c.comms) {
+    if (absl::StatusOr<bool> r = api->NcclCommReady(comm); !r.ok()) {
+      FailLaunchedLocked(table, c, c.launched.front(), r.status(), later);
+      return;
+    }
+  }
+  if (c.abort_requested.exchange(false)) {  // another group of the job failed
+    (void)table.AbortLocked(
+        c,
+        absl::AbortedError(absl::StrCat("aborted with the job's other NCCL communicators on this "
+                                        "node: ",
+                                        c.AbortReason().message())),
+        later);
+    return;
+  }
+  const absl::Time now = absl::Now();
+  for (const std::shared_ptr<LaunchedOp>& op : c.launched) {
+    absl::Status s = op->peers.Check();
+    if (s.ok() && now > op->op.deadline) {
+      s = absl::DeadlineExceededError(
+          "did not finish on the GPU by its deadline (a peer never entered it, or hung)");
+    }
+    if (!s.ok()) {
+      const std::shared_ptr<LaunchedOp> failed = op;  // the list empties under it
+      FailLaunchedLocked(table, c, failed, s, later);
+      return;
+    }
+  }
+}
+
+absl::Status AwaitLaunchedLocked(CommsTable& table, GroupComms& c, size_t keep, absl::Time deadline,
+                                 DeferredWrites& later) {
+  Backoff backoff;
+  while (true) {
+    LookAtLaunchedLocked(table, c, later);
+    if (c.launched.size() <= keep) return absl::OkStatus();
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(c.launched.size(), " earlier ops of the group still running on the GPU"));
+    }
+    backoff.Pause();
+  }
+}
+
+void FailLaunchedLocked(CommsTable& table, GroupComms& c, const std::shared_ptr<LaunchedOp>& failed,
+                        const absl::Status& why, DeferredWrites& later) {
+  const std::shared_ptr<LaunchedOp> op = failed;  // kept while the abort empties the list
+  const absl::Status status(why.code(), absl::StrCat(op->op.label, ": ", why.message()));
+  const bool on_peer_word = op->peers.failed_on_peer_word();
+  Log()->warn("nccl op failed after it was launched, aborting {} job={} group={} error={}",
+              on_peer_word ? "the group's communicators" : "the job's communicators on this node",
+              c.job, c.group, status.ToString());
+  table.CountLaunchFailure();
+  if (c.launch_failure.ok()) c.launch_failure = Remembered(c, *op, why);
+  if (absl::Status drained = table.AbortLocked(c, status, later); !drained.ok()) {
+    c.launch_failure =
+        absl::Status(c.launch_failure.code(),
+                     absl::StrCat(c.launch_failure.message(), " (", drained.message(), ")"));
+  }
+  if (!on_peer_word) table.AbortJob(c.job, status, later);
+  // The other nodes hear at once that this op failed here rather than wait for it.
+  if (c.store != nullptr && !op->peers.peers_know()) {
+    later.WriteWhileRunLasts(c.store, c.job, c.run, FailKey(*op->spec, op->op.seq),
+                             absl::StrCat(c.node, ": ", status.message()));
+  }
+}
+
+std::vector<std::shared_ptr<LaunchedOp>> TakeUnfinishedLocked(gpu::GpuApi* api, GroupComms& c,
+                                                              const absl::Status& why,
+                                                              DeferredWrites& later) {
+  (void)SettleFinishedLocked(api, c, later);  // an op whose stream failed did not finish
+  if (c.launched.empty()) return {};
+  if (c.launch_failure.ok()) c.launch_failure = Remembered(c, *c.launched.front(), why);
+  std::vector<std::shared_ptr<LaunchedOp>> out(c.launched.begin(), c.launched.end());
+  c.launched.clear();
+  return out;
+}
+
+void ReleaseAbortedLocked(gpu::GpuApi* api, GroupComms& c,
+                          std::vector<std::shared_ptr<LaunchedOp>> ops, const absl::Status& why,
+                          DeferredWrites& later) {
+  (void)c;
+  const absl::Status result = why.ok() ? absl::AbortedError("aborted") : why;
+  for (std::shared_ptr<LaunchedOp>& op : ops) Release(api, std::move(op), result, later);
+}
+
+absl::Status TakeLaunchFailureLocked(GroupComms& c, const core::Collective& op) {
+  if (c.launch_failure.ok()) return absl::OkStatus();
+  const absl::Status s = absl::AbortedError(
+      absl::StrCat(op.label, ": not run, the group's earlier op ", c.launch_failure.message(),
+                   "; its NCCL communicators were aborted and the group's next op rebuilds them"));
+  c.launch_failure = absl::OkStatus();
+  return s;
+}
+
+}  // namespace gradsync::backend::nccl
