@@ -746,6 +746,7 @@ class TwoNodesTest : public NcclBackendTest {
                                   const std::string& group = "world") {
     core::CommunicatorSpec spec = Spec(std::move(local), 2, group, &store_);
     spec.node = node;
+    spec.member_nodes = {"a:7451", "b:7451"};
     spec.run = "r2";
     return spec;
   }
@@ -969,15 +970,14 @@ TEST_F(TwoNodesTest, AcrossNodesEverySegmentIsItsOwnCallEvenWhereContiguous) {
   }
 }
 
-TEST_F(TwoNodesTest, NodesWithDifferentSegmentationsFailWithADesyncNamingBoth) {
-  gpu_.streams_hang = true;  // NCCL waits forever on calls that do not pair up
-  gpu_b_.streams_hang = true;
+TEST_F(TwoNodesTest, NodesWithDifferentSegmentationsFailWithADesyncBeforeAnyNcclCall) {
+  // A fast op (the streams finish at once) split differently on the two nodes: NCCL would pair
+  // the calls up and complete them with garbage. The nodes compare the split first.
   const DeviceBuffer& xa = BufferAt(0x9000'0000, 0, 1000);
   const DeviceBuffer& xb = BufferAt(0x9200'0000, 0, 1020);
-  const absl::Time start = absl::Now();
+  const size_t calls_a = gpu_.calls.size(), calls_b = gpu_b_.calls.size();
   auto [sa, sb] = RunBoth(Fused({{0, {Seg(xa, 0, 4), Seg(xa, 8, 12)}}}, 2, 1),
-                          Fused({{1, {Seg(xb, 0, 16)}}}, 2, 1));
-  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not the deadline of 20 s
+                          Fused({{1, {Seg(xb, 0, 12), Seg(xb, 16, 4)}}}, 2, 1));
   for (const absl::Status& s : {sa, sb}) {
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
     EXPECT_TRUE(absl::StrContains(s.message(), "desync across nodes in all_reduce job=j")) << s;
@@ -985,17 +985,47 @@ TEST_F(TwoNodesTest, NodesWithDifferentSegmentationsFailWithADesyncNamingBoth) {
   EXPECT_TRUE(absl::StrContains(sa.message(),
                                 "node a:7451 has all_reduce(sum, float32, count=16) seq=1 "
                                 "segments=[4,12] but node b:7451 has all_reduce(sum, float32, "
-                                "count=16) seq=1 segments=[16]"))
+                                "count=16) seq=1 segments=[12,4]"))
       << sa;
   EXPECT_TRUE(absl::StrContains(sb.message(),
                                 "node b:7451 has all_reduce(sum, float32, count=16) "
-                                "seq=1 segments=[16] but node a:7451"))
+                                "seq=1 segments=[12,4] but node a:7451"))
       << sb;
-  gpu_.streams_hang = false;
-  gpu_b_.streams_hang = false;
-  auto [a2, b2] = RunBoth(2);
+  EXPECT_EQ(gpu_.calls.size(), calls_a);  // neither node called NCCL for it
+  EXPECT_EQ(gpu_b_.calls.size(), calls_b);
+  auto [a2, b2] = RunBoth(2);  // rebuilt on both
   ASSERT_TRUE(a2.ok()) << a2;
   ASSERT_TRUE(b2.ok()) << b2;
+  EXPECT_EQ(gpu_b_.ids.back(), gpu_.ids.back());
+}
+
+TEST_F(TwoNodesTest, AFusedOpAgainstAContiguousOneFailsOnBothNodesNamingBoth) {
+  // B's op is in one segment: it keeps the plain path (no extra round), launches and hangs in
+  // NCCL; A waits for B's split, which B's watch publishes after 100 ms.
+  ASSERT_TRUE(Eventually([&] { return b_backend_.LaunchedOps() == 0; }));
+  gpu_b_.streams_hang = true;
+  const DeviceBuffer& xa = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& xb = BufferAt(0x9200'0000, 0, 1020);
+  const size_t calls_a = gpu_.calls.size();
+  auto [sa, sb] = RunBoth(Fused({{0, {Seg(xa, 0, 4), Seg(xa, 8, 12)}}}, 2, 1),
+                          Fused({{1, {Seg(xb, 0, 16)}}}, 2, 1));
+  EXPECT_EQ(sa.code(), absl::StatusCode::kFailedPrecondition) << sa;
+  EXPECT_TRUE(absl::StrContains(sa.message(),
+                                "node a:7451 has all_reduce(sum, float32, count=16) seq=1 "
+                                "segments=[4,12] but node b:7451 has all_reduce(sum, float32, "
+                                "count=16) seq=1 segments=[16]"))
+      << sa;
+  EXPECT_EQ(gpu_.calls.size(), calls_a);
+  EXPECT_TRUE(sb.ok()) << sb;                                     // launched
+  ASSERT_TRUE(Eventually([&] { return gpu_b_.Aborts() == 1; }));  // B's watch found it
+  gpu_b_.streams_hang = false;
+  absl::Status b2 = b_->Run(Op(1, 2));
+  EXPECT_EQ(b2.code(), absl::StatusCode::kAborted) << b2;
+  EXPECT_TRUE(absl::StrContains(b2.message(), "seq=1 failed after it was launched")) << b2;
+  EXPECT_TRUE(absl::StrContains(b2.message(),
+                                "node b:7451 has all_reduce(sum, float32, count=16) "
+                                "seq=1 segments=[16] but node a:7451"))
+      << b2;
 }
 
 TEST_F(NcclBackendTest, LongSegmentationsAreDigestedInWhatTheNodesCompare) {
@@ -1008,6 +1038,7 @@ TEST_F(NcclBackendTest, LongSegmentationsAreDigestedInWhatTheNodesCompare) {
   auto spec = [&](std::vector<int> local, const std::string& node) {
     core::CommunicatorSpec s = Spec(std::move(local), 2, "world", &store);
     s.node = node;
+    s.member_nodes = {"a:1", "b:1"};
     s.run = "r";
     return s;
   };

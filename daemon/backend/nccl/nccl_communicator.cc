@@ -200,6 +200,16 @@ std::string NcclCommunicator::NodeFingerprint(const core::Collective& op) {
   return absl::StrCat(op.fingerprint, " segments=", SegmentList(Counts(op.local.front().input)));
 }
 
+std::vector<std::string> NcclCommunicator::OtherNodes() const {
+  std::vector<std::string> out;
+  for (const std::string& node : spec_->member_nodes) {
+    if (node != spec_->node && std::find(out.begin(), out.end(), node) == out.end()) {
+      out.push_back(node);
+    }
+  }
+  return out;
+}
+
 std::string NcclCommunicator::NodeAndRanks() const {
   return absl::StrCat("node ", spec_->node, " (ranks ", absl::StrJoin(spec_->local_members, ","),
                       ")");
@@ -287,6 +297,13 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
   if (!plan.ok()) return plan.status();
   const std::vector<Member>& members = plan->members;
   if (members.empty()) return absl::OkStatus();
+  // A fused op across nodes: its calls follow its segmentation, which the engine's fingerprint
+  // does not hold, and a fast op split differently would complete with garbage before the
+  // watch compares: the nodes compare it before any NCCL call. (A contiguous op keeps to the
+  // watch after PeerFailureWatch::kWatchAfter: no extra round.)
+  if (Spanning() && !HasOutput(op.kind) && op.local.front().input.size() > 1) {
+    if (absl::Status s = peers.CompareBeforeLaunch(OtherNodes()); !s.ok()) return s;
+  }
   std::vector<int> devices, ranks;
   for (const Member& m : members) {
     devices.push_back(m.device);

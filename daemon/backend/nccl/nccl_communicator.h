@@ -67,11 +67,11 @@ class NcclCommunicator final : public core::Communicator {
   // are contiguous on every rank, but only in a group within this node: across nodes each node
   // would decide alone, and the calls would no longer pair up, so there every segment is its
   // own call (the segmentation decides them all, and the nodes compare it with the rest of the
-  // fingerprint: NodeFingerprint; like any cross-node mismatch, only once the op has run for
-  // PeerFailureWatch::kWatchAfter: calls that do not pair up mostly hang until then, but ones
-  // NCCL completes sooner are not caught). ALL_GATHER and REDUCE_SCATTER take one contiguous range
-  // per rank and side (adjacent segments merged), or fail with INVALID_ARGUMENT: their output is
-  // laid out rank by rank over the whole array, which one NCCL call per segment cannot write.
+  // fingerprint, NodeFingerprint, through the job's store before the op's first NCCL call:
+  // PeerFailureWatch::CompareBeforeLaunch; an op in one segment on some node is compared by the
+  // watch after PeerFailureWatch::kWatchAfter). ALL_GATHER and REDUCE_SCATTER take one contiguous
+  // range per rank and side (adjacent segments merged), or fail with INVALID_ARGUMENT: their output
+  // is laid out rank by rank over the whole array, which one NCCL call per segment cannot write.
   absl::StatusOr<Plan> MakePlan(const core::Collective& op) const;
   // The op's fingerprint as this node publishes it to the others (PeerFailureWatch): the
   // engine's, with this node's segmentation of the data of a segmented kind.
@@ -86,6 +86,8 @@ class NcclCommunicator final : public core::Communicator {
   }
   // "node 10.0.0.2:7451 (ranks 2,3)": this node, in what it tells the others.
   std::string NodeAndRanks() const;
+  // The group's other nodes, each once.
+  std::vector<std::string> OtherNodes() const;
 
   // The op on the group whose lock is held, from a job-wide abort requested while it was idle
   // and the group's earlier launched ops to the op's launch.

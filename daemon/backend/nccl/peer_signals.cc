@@ -2,11 +2,14 @@
 
 #include "daemon/backend/nccl/peer_signals.h"
 
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "daemon/backend/nccl/backoff.h"
 
 namespace gradsync::backend::nccl {
 namespace {
@@ -100,8 +103,10 @@ absl::Status PeerFailureWatch::Check() {
       broken_.emplace(store_, spec_.job, BrokenKey(spec_.run, spec_.group, *built_at_),
                       op_.deadline);
     }
-    published_ = nccl::WriteWhileRunLasts(store_, spec_.job, spec_.run, FingerprintKey(spec_.node),
-                                          fingerprint_);
+    if (!published_) {  // (CompareBeforeLaunch may have)
+      published_ = nccl::WriteWhileRunLasts(store_, spec_.job, spec_.run,
+                                            FingerprintKey(spec_.node), fingerprint_);
+    }
   }
   std::optional<std::string> failed = fail_->value();
   std::optional<std::string> broken = broken_ ? broken_->value() : std::nullopt;
@@ -143,13 +148,54 @@ absl::Status PeerFailureWatch::CompareFingerprints() {
     absl::StatusOr<std::string> theirs = store_->Get(spec_.job, key, absl::InfinitePast());
     if (!theirs.ok()) continue;
     compared_.insert(node);
-    if (*theirs != fingerprint_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("desync across nodes in ", op_.label, ": node ", spec_.node, " has ",
-                       fingerprint_, " but node ", node, " has ", *theirs));
-    }
+    if (*theirs != fingerprint_) return Desync(node, *theirs);
   }
   return absl::OkStatus();
+}
+
+absl::Status PeerFailureWatch::Desync(absl::string_view node, absl::string_view theirs) const {
+  return absl::FailedPreconditionError(absl::StrCat("desync across nodes in ", op_.label, ": node ",
+                                                    spec_.node, " has ", fingerprint_, " but node ",
+                                                    node, " has ", theirs));
+}
+
+absl::Status PeerFailureWatch::CompareBeforeLaunch(const std::vector<std::string>& other_nodes) {
+  if (store_ == nullptr || other_nodes.empty()) return absl::OkStatus();
+  published_ = nccl::WriteWhileRunLasts(store_, spec_.job, spec_.run, FingerprintKey(spec_.node),
+                                        fingerprint_);
+  // Each node's key waited for in the background: a node publishes before its first NCCL call,
+  // and deletes its key only once the op has completed, which needs every node's calls: no key
+  // goes before every node has read it.
+  std::vector<std::unique_ptr<BackgroundKeyWait>> waits;
+  for (const std::string& node : other_nodes) {
+    waits.push_back(
+        std::make_unique<BackgroundKeyWait>(store_, spec_.job, FingerprintKey(node), op_.deadline));
+  }
+  Backoff backoff;
+  while (true) {
+    std::vector<std::string> missing;
+    for (size_t i = 0; i < other_nodes.size(); ++i) {
+      if (compared_.count(other_nodes[i])) continue;
+      std::optional<std::string> theirs = waits[i]->value();
+      if (!theirs) {
+        missing.push_back(other_nodes[i]);
+        continue;
+      }
+      if (*theirs != fingerprint_) {
+        desync_ = true;  // the other node finds the same, from this node's fingerprint
+        return Desync(other_nodes[i], *theirs);
+      }
+      compared_.insert(other_nodes[i]);
+    }
+    if (missing.empty()) return absl::OkStatus();
+    if (absl::Status s = Check(); !s.ok()) return s;
+    if (absl::Now() > op_.deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(op_.label, ": node(s) ", absl::StrJoin(missing, ","),
+                       " never published their segmentation of the op by its deadline"));
+    }
+    backoff.Pause();
+  }
 }
 
 }  // namespace gradsync::backend::nccl

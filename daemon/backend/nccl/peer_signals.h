@@ -116,6 +116,13 @@ class PeerFailureWatch {
   /// communicators) or FAILED_PRECONDITION (desync). Past kWatchAfter it reads the store (and
   /// publishes this node's fingerprint once).
   absl::Status Check();
+  /// Before the op's first NCCL call: publishes this node's fingerprint at once and waits, until
+  /// the op's deadline, for those of `other_nodes` (the group's other nodes), comparing each as
+  /// it comes: OK when all match; FAILED_PRECONDITION "desync across nodes" naming both on a
+  /// mismatch; another node's word (as Check); DEADLINE_EXCEEDED naming the nodes that never
+  /// published. For ops whose calls depend on more than the engine's fingerprint (a fused op's
+  /// segmentation), which may otherwise complete, mismatched, before kWatchAfter.
+  absl::Status CompareBeforeLaunch(const std::vector<std::string>& other_nodes);
   /// Whether the op failed because of another node's word (then that node has told the job's
   /// other groups itself).
   bool failed_on_peer_word() const { return peer_broke_comms_ || peer_failed_op_ || desync_; }
@@ -131,6 +138,8 @@ class PeerFailureWatch {
   static constexpr absl::Duration kCompareEvery = absl::Milliseconds(50);
 
   std::string FingerprintKey(absl::string_view node) const;
+  // The desync error for node `node`'s fingerprint `theirs`.
+  absl::Status Desync(absl::string_view node, absl::string_view theirs) const;
   // The fingerprints other nodes have published for this op, against this node's.
   absl::Status CompareFingerprints();
 
