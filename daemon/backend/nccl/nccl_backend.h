@@ -71,14 +71,16 @@ struct NcclOptions {
 /// its deadline for a peer that has already given up: a node that fails op `s` of a group (for
 /// any reason, its own trainers' included) sets `nccl/<run>/<group>/fail/<s>`, and a node that
 /// abandons communicators built at op `b` sets `nccl/<run>/<group>/broken/<b>` (`run`: the
-/// CommunicatorSpec's token of this run of the job). An op that has run for 100 ms watches both
-/// keys; when one appears it aborts the group's communicators here and fails with the other
-/// node's reason. Such a failure does not abort
-/// the job's other groups: the node that failed first has told them itself. A slow op also
-/// publishes its fingerprint under `nccl/<run>/<group>/op/<seq>/<node>` and compares the other
-/// nodes' with it: ranks on different nodes that submitted different ops, or a fused op
-/// (ALL_REDUCE, BROADCAST) in different segmentations, fail with "desync" naming both instead
-/// of hanging in NCCL (an op that completes removes its fingerprint). What a failure
+/// CommunicatorSpec's token of this run of the job). An op that has run for 100 ms (launched
+/// or not) watches both keys; when one appears it aborts the group's communicators here and
+/// fails (a launched op: the group's next op) with the other node's reason. Such a failure
+/// does not abort the job's other groups: the node that failed first has told them itself. A
+/// slow op also publishes its fingerprint under `nccl/<run>/<group>/op/<seq>/<node>` and
+/// compares the other nodes' with it: ranks on different nodes that submitted different ops
+/// fail with "desync" naming both instead of hanging in NCCL (an op that completes removes its
+/// fingerprint). A fused op (ALL_REDUCE, BROADCAST) in several segments publishes and compares
+/// before its first NCCL call, so that one split differently on another node fails before it
+/// could complete with garbage. What a failure
 /// or an abort decides to tell the other nodes is written once the group's lock is released
 /// (DeferredWrites); only the op's own rendezvous (the unique id, the watch above) reads and
 /// writes the store while the op holds its group's lock.
