@@ -403,6 +403,77 @@ class RecordingBackend final : public Backend {
   std::vector<Collective> ops_ ABSL_GUARDED_BY(mu_);
 };
 
+// A backend whose communicators keep each op's mappings (Collective::keep_alive) after Run has
+// returned, as the NCCL one does for a device op it has launched, until Release.
+class KeepingBackend final : public Backend {
+ public:
+  absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
+      const CommunicatorSpec&) override {
+    return std::make_shared<Comm>(this);
+  }
+  size_t kept() {
+    absl::MutexLock lock(&mu_);
+    return kept_.size();
+  }
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    kept_.clear();
+  }
+
+ private:
+  struct Comm final : Communicator {
+    explicit Comm(KeepingBackend* owner) : owner(owner) {}
+    absl::Status Run(const Collective& op) override {
+      absl::MutexLock lock(&owner->mu_);
+      if (op.keep_alive) owner->kept_.push_back(op.keep_alive);
+      return absl::OkStatus();
+    }
+    KeepingBackend* owner;
+  };
+  absl::Mutex mu_;
+  std::vector<std::shared_ptr<const void>> kept_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(EngineKeepAliveTest, AnOpsMappingsOutliveItsAnswerTheBuffersDeregistrationAndTheSession) {
+  WorkerPool pool(2);
+  FakeImporter importer;
+  KeepingBackend backend;
+  Engine engine(&backend, &importer, &pool, EngineOptions(), nullptr);
+  v1::RegisterRequest req;
+  req.set_job("k");
+  req.set_world_size(1);
+  req.set_rank(0);
+  req.set_local_rank(0);
+  req.set_local_world_size(1);
+  auto session = engine.Register(req);
+  ASSERT_TRUE(session.ok()) << session.status();
+  importer.Create("gpu/k/0", 16);
+  v1::RegisterBufferRequest breq;
+  breq.set_shm_name("gpu/k/0");
+  breq.set_bytes(64);
+  breq.set_dtype(v1::FLOAT32);
+  auto buffer = engine.RegisterBuffer(**session, breq);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  v1::OpRequest op;
+  op.set_kind(v1::ALL_REDUCE);
+  op.set_reduce_op(v1::SUM);
+  op.set_dtype(v1::FLOAT32);
+  op.set_group("world");
+  v1::Segment* seg = op.add_input();
+  seg->set_buffer_id(*buffer);
+  seg->set_count(16);
+  auto sink = std::make_shared<RecordingSink>();
+  engine.Submit(*session, sink, 1, op);
+  ASSERT_TRUE(sink->WaitFor(1));
+  EXPECT_TRUE(sink->events()[0].status.ok());
+  EXPECT_EQ(backend.kept(), 1u);
+  EXPECT_TRUE(engine.DeregisterBuffer(**session, *buffer).ok());
+  engine.Unregister(**session, "done");  // the session and the job end
+  EXPECT_EQ(importer.live.load(), 1);    // the communicator still holds the op's mapping
+  backend.Release();                     // the op finished on the device
+  EXPECT_EQ(importer.live.load(), 0);
+}
+
 // Two engines as two nodes of one job, sharing the root's store: node A holds ranks 0 and 1,
 // node B rank 2.
 class TwoNodeEngineTest : public ::testing::Test {
