@@ -258,10 +258,12 @@ absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Colle
   if (c.abort_requested.exchange(false)) {  // the job's communicators aborted while idle
     (void)table_->AbortLocked(c, c.AbortReason(), later);
   }
-  // The group's earlier ops still on the GPU: a failure of one since fails this op.
+  // The group's earlier ops still on the GPU: a failure of one since fails this op (one that
+  // failed here already keeps its own reason, and the earlier op's is added below).
   LookAtLaunchedLocked(*table_, c, later);
-  absl::Status s = TakeLaunchFailureLocked(c, op);
-  if (s.ok() && c.launched.size() >= kMaxLaunchedPerGroup) {  // the GPU is behind: wait
+  absl::Status s = op.local_failure.ok() ? TakeLaunchFailureLocked(c, op) : absl::OkStatus();
+  if (s.ok() && op.local_failure.ok() &&
+      c.launched.size() >= kMaxLaunchedPerGroup) {  // the GPU is behind: wait
     if (absl::Status w =
             AwaitLaunchedLocked(*table_, c, kMaxLaunchedPerGroup - 1, op.deadline, later);
         !w.ok()) {
