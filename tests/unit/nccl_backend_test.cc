@@ -892,6 +892,24 @@ TEST_F(TwoNodesTest, CommunicatorsAbandonedOnOneNodeFailTheOthersNextOpAtOnce) {
   EXPECT_EQ(gpu_b_.ids.back(), gpu_.ids.back());
 }
 
+TEST_F(TwoNodesTest, AnOpThatFailedHereKeepsItsReasonAndNamesTheEarlierLaunchedOpsFailure) {
+  ASSERT_TRUE(Eventually([&] { return b_backend_.LaunchedOps() == 0; }));
+  gpu_b_.streams_hang = true;
+  EXPECT_TRUE(b_->Run(Op(1, 1)).ok());  // launched
+  gpu_b_.SetAsyncError(absl::UnavailableError("remote process exited"));
+  ASSERT_TRUE(Eventually([&] { return gpu_b_.Aborts() == 1; }));
+  gpu_b_.streams_hang = false;
+  gpu_b_.SetAsyncError(absl::OkStatus());
+  core::Collective failed = Op(1, 2);  // its rank never submitted it on B
+  failed.local.clear();
+  failed.local_failure = absl::DeadlineExceededError("rank 1 never submitted");
+  absl::Status s = b_->Run(failed);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "rank 1 never submitted")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "seq=1 failed after it was launched")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "remote process exited")) << s;
+}
+
 TEST_F(TwoNodesTest, ANodeWhoseTrainersLeftTellsTheOthers) {
   backend_.JobEnded("j");  // A's trainers are gone; B's are still in the job
   ASSERT_TRUE(Eventually([&] { return b_backend_.LaunchedOps() == 0; }));
