@@ -155,6 +155,30 @@ TEST_F(GlooCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAndB
   }
 }
 
+TEST_F(GlooCommunicatorTest, ManyOpsSpanningManyStreamMessagesKeepTheirValuesHoweverBatched) {
+  // 150 ops of 40 KB (6 MB per node: many stream messages, more than the receives a node keeps
+  // posted), with two ring ops among them; the nodes batch them three different ways.
+  std::vector<int64_t> counts(150, 10000);
+  counts[37] = 100000;
+  counts[120] = 100000;
+  RunOnEveryNode(
+      counts, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
+      [](int node, Node& n) {
+        if (node == 0) RunAll(n);
+        if (node == 1) RunOneByOne(n);
+        if (node == 2) RunInTwoBatches(n);
+      });
+  for (int node = 0; node < kNodes; ++node) {
+    for (size_t k = 0; k < counts.size(); ++k) {
+      EXPECT_TRUE(nodes_[node].out[k].ok()) << node << " " << k << nodes_[node].out[k];
+      if (!nodes_[node].out[k].ok()) break;
+    }
+  }
+  for (size_t k = 0; k < counts.size(); ++k) {
+    ExpectValues(k, [&](int, int64_t i) { return k % 2 ? Max(i) : Sum(i); });
+  }
+}
+
 TEST_F(GlooCommunicatorTest, OpThatReadsAnEarlierOpsResultInTheSameBatchSeesIt) {
   // Ops 1 and 2 all-reduce op 0's buffers again (SUM, MAX, SUM): each must see the last result.
   RunOnEveryNode(
