@@ -120,7 +120,7 @@ float Max(int64_t i) { return 4.0f * (i % 5 + 1); }
 void RunAll(Node& n) {
   std::vector<const core::Collective*> ops;
   for (const core::Collective& op : n.ops) ops.push_back(&op);
-  n.comm->RunBatch(ops, absl::MakeSpan(n.out));
+  n.comm->RunBatch(ops, [&n](size_t i, absl::Status s) { n.out[i] = std::move(s); });
 }
 
 void RunOneByOne(Node& n) {
@@ -131,8 +131,10 @@ void RunInTwoBatches(Node& n) {
   std::vector<const core::Collective*> ops;
   for (const core::Collective& op : n.ops) ops.push_back(&op);
   const size_t half = ops.size() / 2;
-  n.comm->RunBatch(absl::MakeSpan(ops).subspan(0, half), absl::MakeSpan(n.out).subspan(0, half));
-  n.comm->RunBatch(absl::MakeSpan(ops).subspan(half), absl::MakeSpan(n.out).subspan(half));
+  n.comm->RunBatch(absl::MakeSpan(ops).subspan(0, half),
+                   [&n](size_t i, absl::Status s) { n.out[i] = std::move(s); });
+  n.comm->RunBatch(absl::MakeSpan(ops).subspan(half),
+                   [&n, half](size_t i, absl::Status s) { n.out[half + i] = std::move(s); });
 }
 
 TEST_F(GlooCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAndByRing) {

@@ -864,9 +864,9 @@ class CountingBackend final : public core::Backend {
       return absl::OkStatus();
     }
     void RunBatch(absl::Span<const core::Collective* const> ops,
-                  absl::Span<absl::Status> out) override {
+                  absl::FunctionRef<void(size_t, absl::Status)> finished) override {
       batches->push_back(ops.size());
-      for (size_t i = 0; i < ops.size(); ++i) out[i] = Run(*ops[i]);
+      for (size_t i = 0; i < ops.size(); ++i) finished(i, Run(*ops[i]));
     }
   };
   int runs = 0;
@@ -918,7 +918,7 @@ TEST_F(NcclBackendTest, DispatchHandsEachPlaneItsRunOfABatchWhole) {
   std::vector<const core::Collective*> pointers;
   for (const core::Collective& op : ops) pointers.push_back(&op);
   std::vector<absl::Status> out(ops.size(), absl::UnknownError("not run"));
-  comm->RunBatch(pointers, absl::MakeSpan(out));
+  comm->RunBatch(pointers, [&out](size_t i, absl::Status s) { out[i] = std::move(s); });
   for (const absl::Status& s : out) EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(cpu.batches, (std::vector<size_t>{3, 1}));
   EXPECT_EQ(gpu.batches, (std::vector<size_t>{2}));

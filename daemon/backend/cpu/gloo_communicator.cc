@@ -221,17 +221,17 @@ absl::Status GlooCommunicator::FailLink(const core::Collective& op, absl::Status
 
 absl::Status GlooCommunicator::Run(const core::Collective& op) {
   const core::Collective* const ops[] = {&op};
-  absl::Status out[1];
-  RunBatch(ops, out);
-  return out[0];
+  absl::Status out;
+  RunBatch(ops, [&out](size_t, absl::Status s) { out = std::move(s); });
+  return out;
 }
 
 void GlooCommunicator::RunBatch(absl::Span<const core::Collective* const> ops,
-                                absl::Span<absl::Status> out) {
+                                absl::FunctionRef<void(size_t, absl::Status)> finished) {
   size_t i = 0;
   while (i < ops.size()) {
     if (!broken_.ok()) {
-      out[i] = BrokenStatus(*ops[i]);
+      finished(i, BrokenStatus(*ops[i]));
       ++i;
       continue;
     }
@@ -239,12 +239,12 @@ void GlooCommunicator::RunBatch(absl::Span<const core::Collective* const> ops,
     // op of the group: allow the peers kGrace past this op's deadline (the op still fails if
     // late).
     if (absl::Status s = Connect(std::max(ops[i]->deadline, absl::Now() + kGrace)); !s.ok()) {
-      out[i] = FailLink(*ops[i], std::move(s));
+      finished(i, FailLink(*ops[i], std::move(s)));
       ++i;
       continue;
     }
     const size_t end = StageEnd(ops, i);
-    RunStage(ops.subspan(i, end - i), out.subspan(i, end - i));
+    RunStage(ops.subspan(i, end - i), i, finished);
     i = end;
   }
 }
@@ -371,11 +371,11 @@ void GlooCommunicator::WaitSent(Outbox& outbox, std::chrono::milliseconds timeou
   }
 }
 
-void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops,
-                                absl::Span<absl::Status> out) {
+void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops, size_t first,
+                                absl::FunctionRef<void(size_t, absl::Status)> finished) {
   std::vector<Exchange> exchanges(ops.size());
   Outbox outbox;
-  size_t done = 0;  // ops whose outcome is in out[]
+  size_t done = 0;  // ops told to `finished`
   absl::Time latest = absl::InfinitePast();
   try {
     for (size_t k = 0; k < ops.size(); ++k) {
@@ -383,7 +383,7 @@ void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops,
       latest = std::max(latest, ops[k]->deadline);
     }
     Flush(outbox);
-    for (; done < ops.size(); ++done) out[done] = Finish(*ops[done], exchanges[done]);
+    for (; done < ops.size(); ++done) finished(first + done, Finish(*ops[done], exchanges[done]));
     WaitSent(outbox, std::max(MillisUntil(latest), absl::ToChronoMilliseconds(kGrace)));
     for (Outbox::Message& m : outbox.messages) {
       m.buffer.reset();
@@ -396,8 +396,8 @@ void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops,
         FailLink(op, absl::UnavailableError(absl::StrCat(op.label, " across ", nodes_.size(),
                                                          " nodes failed (peers: ", PeersWithRanks(),
                                                          "): ", e.what())));
-    if (done < ops.size()) out[done] = status;
-    for (size_t k = done + 1; k < ops.size(); ++k) out[k] = BrokenStatus(*ops[k]);
+    if (done < ops.size()) finished(first + done, status);
+    for (size_t k = done + 1; k < ops.size(); ++k) finished(first + k, BrokenStatus(*ops[k]));
   }
 }
 

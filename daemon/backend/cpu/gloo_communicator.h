@@ -49,7 +49,7 @@ class GlooCommunicator final : public core::Communicator {
   ~GlooCommunicator() override;
   absl::Status Run(const core::Collective& op) override;
   void RunBatch(absl::Span<const core::Collective* const> ops,
-                absl::Span<absl::Status> out) override;
+                absl::FunctionRef<void(size_t, absl::Status)> finished) override;
 
  private:
   struct Exchange;
@@ -65,8 +65,10 @@ class GlooCommunicator final : public core::Communicator {
   // One past the last of ops[begin...] that may have their records in flight together: an op
   // that reads what an earlier one of the run writes waits for it.
   size_t StageEnd(absl::Span<const core::Collective* const> ops, size_t begin) const;
-  // Runs ops whose records may all be in flight at once. Throws (Gloo) only through out[].
-  void RunStage(absl::Span<const core::Collective* const> ops, absl::Span<absl::Status> out);
+  // Runs ops whose records may all be in flight at once, ops[i] being the batch's op first + i.
+  // Throws (Gloo) only through `finished`.
+  void RunStage(absl::Span<const core::Collective* const> ops, size_t first,
+                absl::FunctionRef<void(size_t, absl::Status)> finished);
   // Appends this node's record of `op` (verdict and inline contribution) to `outbox`, sending
   // its message to every peer when full. Throws (Gloo).
   void Post(const core::Collective& op, Exchange& ex, Outbox& outbox);

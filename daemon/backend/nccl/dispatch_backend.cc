@@ -21,7 +21,7 @@ class DispatchCommunicator final : public core::Communicator {
   // Each run of consecutive ops on one plane goes to that plane's communicator as one batch
   // (the CPU plane overlaps a batch's exchanges across nodes).
   void RunBatch(absl::Span<const core::Collective* const> ops,
-                absl::Span<absl::Status> out) override {
+                absl::FunctionRef<void(size_t, absl::Status)> finished) override {
     size_t begin = 0;
     while (begin < ops.size()) {
       const core::Plane plane = ops[begin]->plane;
@@ -29,9 +29,10 @@ class DispatchCommunicator final : public core::Communicator {
       while (end < ops.size() && ops[end]->plane == plane) ++end;
       absl::StatusOr<core::Communicator*> target = Target(plane);
       if (target.ok()) {
-        (*target)->RunBatch(ops.subspan(begin, end - begin), out.subspan(begin, end - begin));
+        (*target)->RunBatch(ops.subspan(begin, end - begin),
+                            [&](size_t i, absl::Status s) { finished(begin + i, std::move(s)); });
       } else {
-        for (size_t i = begin; i < end; ++i) out[i] = target.status();
+        for (size_t i = begin; i < end; ++i) finished(i, target.status());
       }
       begin = end;
     }
