@@ -138,7 +138,7 @@ void RunInTwoBatches(Node& n) {
 }
 
 TEST_F(GlooCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAndByRing) {
-  // Small ops travel inside their verdict messages; 100000 floats (over 256 KiB) take the ring.
+  // Small ops travel inside their records; 100000 floats (over 256 KiB) take the ring.
   const std::vector<int64_t> counts = {1, 1000, 0, 100000, 7, 4096, 100000, 3};
   RunOnEveryNode(
       counts, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },

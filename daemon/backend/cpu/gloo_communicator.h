@@ -34,8 +34,11 @@ namespace gradsync::backend::cpu {
 /// the records of a run of queued ops into few messages (each up to kStreamMessageBytes),
 /// and each node keeps receives for its peers' next messages posted ahead, so a message goes
 /// out at once (no announce round) and a batch costs a few messages per peer, not one per op.
-/// Each op keeps its own outcome, deadline and desync check. Nodes need not batch the same
-/// way: a reader takes records one by one, whatever message they came in.
+/// Records are packed at most kStreamAheadBytes ahead of the op being finished, and each op is
+/// reported as soon as it finishes, keeping its own outcome, deadline and desync check. Nodes
+/// need not batch the same way: a reader takes records one by one, whatever message they came
+/// in; a record of another seq than the one due means the nodes are out of step, and fails the
+/// link.
 ///
 /// Not thread-safe: the engine never overlaps a group's calls (core::Communicator), and all
 /// state here is the group's. The Gloo context is connected at the first op (rendezvous through
