@@ -283,7 +283,10 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
                batch_bytes + group->ready.front().bytes <= kMaxBatchBytes);
       group->running_ops = absl::MakeSpan(batch);
     }
-    // Each op is recorded and answered as soon as it finishes, not when its batch does.
+    // Each op goes to the history (and leaves ListOps) as soon as it finishes; its members are
+    // answered when the batch has finished (answering each op at once woke the trainers 200
+    // times during a 200-op batch and made it 10-15 % slower on two cores: README).
+    std::vector<absl::Status> statuses(batch.size());
     auto finished = [&](size_t i, absl::Status status) {
       Ready& r = batch[i];
       {
@@ -297,12 +300,7 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
                        finished, status);
         }
       }
-      if (!status.ok()) {
-        Log()->warn("op failed {} status={}", r.op.label, status.ToString());
-      } else {
-        Log()->trace("op done {} count={}", r.op.label, r.op.count);
-      }
-      for (auto& [sink, tag] : r.to) sink->OpDone(tag, r.seq, status);
+      statuses[i] = std::move(status);
     };
     if (batch.size() == 1) {
       finished(0, group->comm->Run(batch[0].op));
@@ -311,8 +309,20 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
       for (const Ready& r : batch) ops.push_back(&r.op);
       group->comm->RunBatch(ops, finished);
     }
-    absl::MutexLock lock(&job->mu);
-    group->running_ops = {};  // every op finished (the batch goes now)
+    {
+      absl::MutexLock lock(&job->mu);
+      group->running_ops = {};  // every op finished (the batch goes now)
+    }
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Ready& r = batch[i];
+      const absl::Status& status = statuses[i];
+      if (!status.ok()) {
+        Log()->warn("op failed {} status={}", r.op.label, status.ToString());
+      } else {
+        Log()->trace("op done {} count={}", r.op.label, r.op.count);
+      }
+      for (auto& [sink, tag] : r.to) sink->OpDone(tag, r.seq, status);
+    }
   }
 }
 

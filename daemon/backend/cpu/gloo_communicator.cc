@@ -41,8 +41,6 @@ constexpr size_t kStreamMessageBytes = 1 << 20;
 constexpr size_t kStreamFlushBytes = 256 << 10;
 // Receives each node keeps posted per peer (so many messages may be on the wire towards it).
 constexpr size_t kStreamDepth = 4;
-// How far (bytes of records) a node packs ahead of the op it finishes.
-constexpr size_t kStreamAheadBytes = 1 << 20;
 // Gloo slots of the stream messages: a prefix Gloo's algorithms do not use, and the message's
 // number on its stream.
 constexpr uint64_t kStreamSlotPrefix = uint64_t{0xA6} << 56;
@@ -111,8 +109,6 @@ struct GlooCommunicator::Exchange {
   absl::Status local;  // this node's verdict
   bool inline_data = false;
   const std::byte* mine = nullptr;  // this node's record, in an outbox message
-  size_t message = 0;               // its index in the outbox's messages
-  size_t bytes = 0;                 // its size
 };
 
 // This node's messages of one stage: the open one and those handed to Gloo.
@@ -382,21 +378,12 @@ void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops, s
   size_t done = 0;  // ops told to `finished`
   absl::Time latest = absl::InfinitePast();
   try {
-    // Records are packed at most kStreamAheadBytes ahead of the op being finished, so packing,
-    // the wire and the peers' unpacking overlap; an op's own record is sent before it waits.
-    size_t posted = 0, ahead = 0;
-    for (; done < ops.size(); ++done) {
-      while (posted < ops.size() && (posted == done || ahead < kStreamAheadBytes)) {
-        Post(*ops[posted], exchanges[posted], outbox);
-        latest = std::max(latest, ops[posted]->deadline);
-        ahead += exchanges[posted++].bytes;
-      }
-      if (posted == ops.size() || exchanges[done].message == outbox.messages.size() - 1) {
-        Flush(outbox);
-      }
-      finished(first + done, Finish(*ops[done], exchanges[done]));
-      ahead -= exchanges[done].bytes;
+    for (size_t k = 0; k < ops.size(); ++k) {
+      Post(*ops[k], exchanges[k], outbox);
+      latest = std::max(latest, ops[k]->deadline);
     }
+    Flush(outbox);
+    for (; done < ops.size(); ++done) finished(first + done, Finish(*ops[done], exchanges[done]));
     WaitSent(outbox, std::max(MillisUntil(latest), absl::ToChronoMilliseconds(kGrace)));
     for (Outbox::Message& m : outbox.messages) {
       m.buffer.reset();
@@ -561,8 +548,6 @@ void GlooCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& ou
   std::memcpy(record, &header, sizeof(header));
   if (ex.inline_data) Pack(op, record + sizeof(RecordHeader));
   ex.mine = record;
-  ex.message = outbox.messages.size() - 1;
-  ex.bytes = bytes;
   m.bytes += bytes;
   ++m.records;
   if (m.bytes >= kStreamFlushBytes) Flush(outbox);

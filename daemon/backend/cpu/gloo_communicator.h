@@ -34,8 +34,9 @@ namespace gradsync::backend::cpu {
 /// the records of a run of queued ops into few messages (each up to kStreamMessageBytes),
 /// and each node keeps receives for its peers' next messages posted ahead, so a message goes
 /// out at once (no announce round) and a batch costs a few messages per peer, not one per op.
-/// Records are packed at most kStreamAheadBytes ahead of the op being finished, and each op is
-/// reported as soon as it finishes, keeping its own outcome, deadline and desync check. Nodes
+/// A stage's records are all packed before its first op waits for its peers' (packing ahead
+/// by a bounded window measured slower here), and each op is reported as soon as it finishes,
+/// keeping its own outcome, deadline and desync check. Nodes
 /// need not batch the same way: a reader takes records one by one, whatever message they came
 /// in; a record of another seq than the one due means the nodes are out of step, and fails the
 /// link.
