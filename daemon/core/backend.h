@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -111,12 +112,14 @@ class Communicator {
   /// naming it). Every wait inside ends by `op.deadline` (DEADLINE_EXCEEDED naming who is
   /// missing); a peer lost mid-op is UNAVAILABLE or ABORTED.
   virtual absl::Status Run(const Collective& op) = 0;
-  /// Runs consecutive ops of the group, in sequence order, and sets out[i] (out.size() ==
-  /// ops.size()) to what Run(*ops[i]) would have returned: each op keeps its own outcome and
-  /// deadline, and a failed op writes no member buffer. A communicator spanning nodes overlaps
-  /// their exchanges; the default runs them one by one.
-  virtual void RunBatch(absl::Span<const Collective* const> ops, absl::Span<absl::Status> out) {
-    for (size_t i = 0; i < ops.size(); ++i) out[i] = Run(*ops[i]);
+  /// Runs consecutive ops of the group, in sequence order, and calls finished(i, status) once
+  /// for each, in order, as soon as its outcome is known, with what Run(*ops[i]) would have
+  /// returned: each op keeps its own outcome and deadline, and a failed op writes no member
+  /// buffer. `finished` runs on the calling thread and must not call back into this. A
+  /// communicator spanning nodes overlaps their exchanges; the default runs them one by one.
+  virtual void RunBatch(absl::Span<const Collective* const> ops,
+                        absl::FunctionRef<void(size_t, absl::Status)> finished) {
+    for (size_t i = 0; i < ops.size(); ++i) finished(i, Run(*ops[i]));
   }
 };
 

@@ -281,26 +281,41 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
                !group->ready.empty() && group->ready.front().remote &&
                group->ready.front().op.plane == Plane::kHost && batch.size() < kMaxBatchOps &&
                batch_bytes + group->ready.front().bytes <= kMaxBatchBytes);
-      if (batch.front().record) group->running_op = &batch.front();
+      group->running_ops = absl::MakeSpan(batch);
     }
+    // Each op goes to the history (and leaves ListOps) as soon as it finishes; its members are
+    // answered when the batch has finished (answering each op at once woke the trainers 200
+    // times during a 200-op batch and made it 10-15 % slower on two cores: README).
     std::vector<absl::Status> statuses(batch.size());
+    auto finished = [&](size_t i, absl::Status status) {
+      Ready& r = batch[i];
+      {
+        // Before the members hear of it: history never lags the trainers.
+        const absl::Time finished = absl::Now();
+        absl::MutexLock lock(&job->mu);
+        internal::AssertGroupOf(*job, *group);
+        group->running_ops = absl::MakeSpan(batch).subspan(i + 1);
+        if (r.record) {
+          NoteFinished(*group, options_, r.seq, r.fp, r.plane, r.bytes, r.queued, r.started,
+                       finished, status);
+        }
+      }
+      statuses[i] = std::move(status);
+    };
     if (batch.size() == 1) {
-      statuses[0] = group->comm->Run(batch[0].op);
+      finished(0, group->comm->Run(batch[0].op));
     } else {
       std::vector<const Collective*> ops;
       for (const Ready& r : batch) ops.push_back(&r.op);
-      group->comm->RunBatch(ops, absl::MakeSpan(statuses));
+      group->comm->RunBatch(ops, finished);
+    }
+    {
+      absl::MutexLock lock(&job->mu);
+      group->running_ops = {};  // every op finished (the batch goes now)
     }
     for (size_t i = 0; i < batch.size(); ++i) {
-      Ready& r = batch[i];
+      const Ready& r = batch[i];
       const absl::Status& status = statuses[i];
-      if (r.record) {  // before the members hear of it: history never lags the trainers
-        const absl::Time finished = absl::Now();
-        absl::MutexLock lock(&job->mu);
-        if (group->running_op == &r) group->running_op = nullptr;
-        NoteFinished(*group, options_, r.seq, r.fp, r.plane, r.bytes, r.queued, r.started, finished,
-                     status);
-      }
       if (!status.ok()) {
         Log()->warn("op failed {} status={}", r.op.label, status.ToString());
       } else {

@@ -116,7 +116,7 @@ void Engine::SweepStalls() {
               RanksWithNodes(missing, job->node_of_rank, node), JoinBounded(arrived, ","));
           if (options_.counters != nullptr) options_.counters->stalls.fetch_add(1);
         }
-        Ready* r = group->running_op;
+        Ready* r = group->running_ops.empty() ? nullptr : &group->running_ops.front();
         if (r == nullptr || r->stall_warned || now - r->queued < options_.stall_warn) continue;
         r->stall_warned = true;
         std::vector<int> remote;  // members on other nodes
@@ -180,9 +180,8 @@ absl::StatusOr<Engine::JobOpsView> Engine::ListOps(const std::string& job_id,
       ArrivedAndMissing(*group, p, v.arrived, v.missing);
       view.ops.push_back(std::move(v));
     }
-    if (group->running_op != nullptr) {
-      view.ops.push_back(
-          ReadyView(*group, *group->running_op, RunningWait(*group, *group->running_op)));
+    for (const Ready& r : group->running_ops) {
+      if (r.record) view.ops.push_back(ReadyView(*group, r, RunningWait(*group, r)));
     }
     for (const Ready& r : group->ready) {
       if (r.record) view.ops.push_back(ReadyView(*group, r, OpWait::kEarlierOp));
@@ -235,8 +234,8 @@ Engine::Totals Engine::GetTotals() const {
     absl::MutexLock job_lock(&job->mu);
     for (const auto& [key, group] : job->groups) {
       internal::AssertGroupOf(*job, *group);
-      t.pending_ops += static_cast<int>(group->pending.size() + group->ready.size()) +
-                       (group->running_op != nullptr ? 1 : 0);
+      t.pending_ops +=
+          static_cast<int>(group->pending.size() + group->ready.size() + group->running_ops.size());
     }
     for (Session* s : job->ranks) {
       if (s == nullptr) continue;

@@ -176,9 +176,10 @@ struct Group {
   Plane last_plane ABSL_GUARDED_BY(job->mu) = Plane::kHost;
   // Non-empty once a member left: every op fails with it.
   std::string broken ABSL_GUARDED_BY(job->mu);
-  // The op a Drain popped and runs outside the lock (its local); set and cleared under the
-  // job's mutex, so readers holding it may look at it.
-  Ready* running_op ABSL_GUARDED_BY(job->mu) = nullptr;
+  // The ops a Drain popped and runs outside the lock (its local batch) that have not finished
+  // yet, the first running, the others in flight with it; set and narrowed under the job's
+  // mutex, so readers holding it may look at them.
+  absl::Span<Ready> running_ops ABSL_GUARDED_BY(job->mu);
   // The last EngineOptions::history_size finished ops: a ring filled in place, so recording
   // an op allocates nothing once it is full (a fingerprint name past the SSO aside).
   std::vector<HistorySlot> history ABSL_GUARDED_BY(job->mu);

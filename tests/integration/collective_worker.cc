@@ -342,13 +342,16 @@ void Async(Client& c) {
 // fingerprints, and leaves its slice as it was; every other op's values are checked.
 void Queued(Client& c) {
   constexpr int kSmall = 60;
-  constexpr int64_t kCount = 1000, kChain = 500, kLarge = 100000, kOdd = 100, kPart = 250;
+  // count=N: elements of each small op (N=10000: the run spans several stream messages).
+  const int64_t small_count = std::stoll(Arg("count", "1000"));
+  constexpr int64_t kChain = 500, kLarge = 100000, kOdd = 100, kPart = 250;
   const int local_world = std::stoi(Arg("local_world_size", std::to_string(g_world)));
   const bool last_node = g_rank >= g_world - local_world;
-  const int64_t small_at = 0, chain_at = small_at + kSmall * kCount, large_at = chain_at + kChain,
-                odd_at = large_at + kLarge, bcast_at = odd_at + kOdd, gin_at = bcast_at + kCount,
-                gout_at = gin_at + kPart, rsin_at = gout_at + kPart * g_world,
-                rsout_at = rsin_at + kPart * g_world, end = rsout_at + kPart;
+  const int64_t small_at = 0, chain_at = small_at + kSmall * small_count,
+                large_at = chain_at + kChain, odd_at = large_at + kLarge, bcast_at = odd_at + kOdd,
+                gin_at = bcast_at + small_count, gout_at = gin_at + kPart,
+                rsin_at = gout_at + kPart * g_world, rsout_at = rsin_at + kPart * g_world,
+                end = rsout_at + kPart;
   auto b = MustBuffer(c, end * 4, v1::FLOAT32);
   float* p = reinterpret_cast<float*>(b->data());
   for (int64_t i = 0; i < end; ++i) p[i] = static_cast<float>(Value(g_rank, i));
@@ -361,7 +364,7 @@ void Queued(Client& c) {
   };
   int odd_index = -1;
   for (int k = 0; k < kSmall; ++k) {
-    add(c.AllReduceAsync(v1::FLOAT32, v1::SUM, seg(small_at + k * kCount, kCount)),
+    add(c.AllReduceAsync(v1::FLOAT32, v1::SUM, seg(small_at + k * small_count, small_count)),
         absl::StrCat("small ", k));
     if (k == 10) {
       for (int j = 0; j < 3; ++j) {
@@ -376,7 +379,7 @@ void Queued(Client& c) {
           "odd");
     }
     if (k == 40) {
-      add(c.BroadcastAsync(v1::FLOAT32, g_world - 1, seg(bcast_at, kCount)), "broadcast");
+      add(c.BroadcastAsync(v1::FLOAT32, g_world - 1, seg(bcast_at, small_count)), "broadcast");
       add(c.AllGatherAsync(v1::FLOAT32, seg(gin_at, kPart), seg(gout_at, kPart * g_world)),
           "all-gather");
       add(c.ReduceScatterAsync(v1::FLOAT32, v1::MIN, seg(rsin_at, kPart * g_world),
@@ -405,7 +408,7 @@ void Queued(Client& c) {
     EXPECT_TRUE_OR_REPORT(Check(v1::FLOAT32, b->data() + at * 4, n, want, &bad) == 0, name, " ",
                           bad);
   };
-  check("small", small_at, kSmall * kCount,
+  check("small", small_at, kSmall * small_count,
         [&](int64_t i) { return Expected(v1::SUM, v1::FLOAT32, world, small_at + i); });
   check("chain", chain_at, kChain, [&](int64_t i) {
     return g_world * g_world * Expected(v1::SUM, v1::FLOAT32, world, chain_at + i);
@@ -414,7 +417,8 @@ void Queued(Client& c) {
         [&](int64_t i) { return Expected(v1::MAX, v1::FLOAT32, world, large_at + i); });
   check("odd (failed: unchanged)", odd_at, kOdd,
         [&](int64_t i) { return Value(g_rank, odd_at + i); });
-  check("broadcast", bcast_at, kCount, [&](int64_t i) { return Value(g_world - 1, bcast_at + i); });
+  check("broadcast", bcast_at, small_count,
+        [&](int64_t i) { return Value(g_world - 1, bcast_at + i); });
   check("all-gather", gout_at, kPart * g_world,
         [&](int64_t i) { return Value(static_cast<int>(i / kPart), gin_at + i % kPart); });
   check("reduce-scatter", rsout_at, kPart, [&](int64_t i) {

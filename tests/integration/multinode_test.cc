@@ -100,20 +100,23 @@ TEST_F(MultiNodeTest, TwoDaemonsTwoRanksEach) {
 
 TEST_F(MultiNodeTest, ThreeDaemonsUnevenRanksAndFusedPacks) {
   StartDaemons(3);
-  // 3 and 4099 elements travel inside the verdict messages (one exchange); 70001 (over 256 KiB
+  // 3 and 4099 elements travel inside their records (one exchange); 70001 (over 256 KiB
   // for 4-byte types) takes Gloo's ring after them.
   ExpectAllPassed(Run("mn3", {0, 0, 1, 2}, "matrix", {"counts=3,4099,70001"}), "matrix cases=");
   ExpectAllPassed(Run("mn3f", {0, 0, 1, 2}, "fused", {}), "wrong=0");
 }
 
 // Ops queued together reach the communicator in runs and cross nodes as one batch of exchanges
-// (small ones inside their verdict messages, a large one by Gloo's ring amid them, a chain that
+// (small ones inside their records, a large one by Gloo's ring amid them, a chain that
 // reads its own results in order): each keeps its own outcome and values, and the one op the
-// last node names differently fails alone, on 2 and on 3 nodes.
+// last node names differently fails alone, on 2 and on 3 nodes; with 40 KB small ops the run's
+// records span several messages of each node's stream.
 TEST_F(MultiNodeTest, QueuedOpsCrossNodesTogetherEachWithItsOwnOutcome) {
   StartDaemons(3);
   ExpectAllPassed(Run("q2", {0, 0, 1, 1}, "queued", {}), "queued ok=68 of 69");
   ExpectAllPassed(Run("q3", {0, 0, 1, 2}, "queued", {}), "queued ok=68 of 69");
+  ExpectAllPassed(Run("q2m", {0, 0, 1, 1}, "queued", {"count=10000"}), "queued ok=68 of 69");
+  ExpectAllPassed(Run("q3m", {0, 0, 1, 2}, "queued", {"count=10000"}), "queued ok=68 of 69");
   ExpectAllPassed(Run("q3a", {0, 0, 1, 2}, "async", {}), "async done=128");
 }
 

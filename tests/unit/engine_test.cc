@@ -387,16 +387,34 @@ class RecordingBackend final : public Backend {
     absl::MutexLock lock(&mu_);
     return ops_;
   }
+  // Set before the first op: the first Run waits (bounded) for `first_run_may_end`, and a
+  // batch, once its first op finished, for `rest_may_finish`.
+  bool gated = false;
+  absl::Notification first_run_may_end, rest_may_finish;
 
  private:
   struct Comm final : Communicator {
     explicit Comm(RecordingBackend* owner) : owner(owner) {}
     absl::Status Run(const Collective& op) override {
+      if (owner->gated && !ran_once) {
+        owner->first_run_may_end.WaitForNotificationWithTimeout(absl::Seconds(10));
+      }
+      ran_once = true;
       absl::MutexLock lock(&owner->mu_);
       owner->ops_.push_back(op);
       return op.local_failure;
     }
+    void RunBatch(absl::Span<const Collective* const> ops,
+                  absl::FunctionRef<void(size_t, absl::Status)> finished) override {
+      for (size_t i = 0; i < ops.size(); ++i) {
+        if (i == 1 && owner->gated) {
+          owner->rest_may_finish.WaitForNotificationWithTimeout(absl::Seconds(10));
+        }
+        finished(i, Run(*ops[i]));
+      }
+    }
     RecordingBackend* owner;
+    bool ran_once = false;
   };
   absl::Mutex mu_;
   std::vector<CommunicatorSpec> specs_ ABSL_GUARDED_BY(mu_);
@@ -555,6 +573,62 @@ class TwoNodeEngineTest : public ::testing::Test {
   Node a_{&store_, "a:7451"};
   Node b_{&store_, "b:7451"};
 };
+
+// A batch of ops crossing nodes: each op goes to the history as it finishes, ListOps shows
+// every op of the batch still running (not only the first), and the members are answered
+// once the batch has finished.
+TEST_F(TwoNodeEngineTest, OpsOfABatchAreRecordedOneByOneAndAnsweredTogether) {
+  a_.backend.gated = true;
+  Member r0 = Join(a_, "cpu", 0, 0, 2), r1 = Join(a_, "cpu", 1, 1, 2),
+         r2 = Join(b_, "cpu", 2, 0, 1);
+  // Op 0 runs alone and is held there until ops 1..3 are queued behind it: they go as a batch.
+  auto submit = [&](uint64_t tag) {
+    for (Member* m : {&r0, &r1, &r2}) {
+      (m == &r2 ? b_ : a_).engine.Submit(m->session, m->sink, tag, AllReduce(*m, 4));
+    }
+  };
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  auto shown = [&](size_t n, Engine::OpWait first) {
+    auto view = a_.engine.ListOps("cpu", "world");
+    return view.ok() && view->ops.size() == n && view->ops[0].waiting_for == first;
+  };
+  submit(1);
+  while (!shown(1, Engine::OpWait::kNetwork) && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(shown(1, Engine::OpWait::kNetwork));
+  for (uint64_t tag = 2; tag <= 4; ++tag) submit(tag);
+  while (!shown(4, Engine::OpWait::kNetwork) && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(shown(4, Engine::OpWait::kNetwork));
+  a_.backend.first_run_may_end.Notify();
+  // Op 0 (alone) answered; op 1 of the batch in the history; 2 and 3 held in the batch.
+  ASSERT_TRUE(r0.sink->WaitFor(1));
+  auto recorded = [&](size_t n) {
+    auto history = a_.engine.GetHistory("cpu", "world");
+    return history.ok() && history->ops.size() == n;
+  };
+  while (!recorded(2) && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_TRUE(recorded(2));
+  auto history = a_.engine.GetHistory("cpu", "world");
+  EXPECT_EQ(history->ops[1].seq, 1u);
+  EXPECT_TRUE(history->ops[1].outcome.ok()) << history->ops[1].outcome;
+  EXPECT_EQ(r0.sink->events().size(), 1u);
+  auto view = a_.engine.ListOps("cpu", "world");
+  ASSERT_TRUE(view.ok()) << view.status();
+  ASSERT_EQ(view->ops.size(), 2u);
+  EXPECT_EQ(view->ops[0].seq, 2u);
+  EXPECT_EQ(view->ops[1].seq, 3u);
+  a_.backend.rest_may_finish.Notify();
+  ASSERT_TRUE(r0.sink->WaitFor(4));
+  ASSERT_TRUE(r1.sink->WaitFor(4));
+  for (const RecordingSink::Event& e : r0.sink->events()) EXPECT_TRUE(e.status.ok()) << e.status;
+  history = a_.engine.GetHistory("cpu", "world");
+  ASSERT_TRUE(history.ok()) << history.status();
+  EXPECT_EQ(history->ops.size(), 4u);
+  EXPECT_TRUE(a_.engine.ListOps("cpu", "world")->ops.empty());
+}
 
 TEST_F(TwoNodeEngineTest, EveryNodeOfARunSharesItsToken) {
   DesyncOnA("cpu");

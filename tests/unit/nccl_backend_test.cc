@@ -1088,18 +1088,26 @@ class CountingBackend final : public core::Backend {
  public:
   struct Comm final : core::Communicator {
     int* runs;
+    std::vector<size_t>* batches;
     absl::Status Run(const core::Collective&) override {
       ++*runs;
       return absl::OkStatus();
     }
+    void RunBatch(absl::Span<const core::Collective* const> ops,
+                  absl::FunctionRef<void(size_t, absl::Status)> finished) override {
+      batches->push_back(ops.size());
+      for (size_t i = 0; i < ops.size(); ++i) finished(i, Run(*ops[i]));
+    }
   };
   int runs = 0;
+  std::vector<size_t> batches;     // sizes of the batches its communicators were handed
   std::vector<std::string> ended;  // jobs told JobEnded
   void JobEnded(const std::string& job) override { ended.push_back(job); }
   absl::StatusOr<std::shared_ptr<core::Communicator>> CreateCommunicator(
       const core::CommunicatorSpec&) override {
     auto c = std::make_shared<Comm>();
     c->runs = &runs;
+    c->batches = &batches;
     return c;
   }
 };
@@ -1128,6 +1136,24 @@ TEST_F(NcclBackendTest, DispatchSendsHostOpsToTheCpuPlaneAndDeviceOpsToNccl) {
   failed.plane = core::Plane::kHost;
   EXPECT_TRUE(comm->Run(failed).ok());
   EXPECT_EQ(cpu.runs, 3);
+}
+
+TEST_F(NcclBackendTest, DispatchHandsEachPlaneItsRunOfABatchWhole) {
+  // The CPU plane overlaps a batch's exchanges across nodes only if it gets the batch at once.
+  CountingBackend cpu, gpu;
+  DispatchBackend dispatch(&cpu, &gpu);
+  auto comm = *dispatch.CreateCommunicator(Spec({0, 1}, 2));
+  std::vector<core::Collective> ops(6);
+  for (size_t i = 3; i < 5; ++i) ops[i].plane = core::Plane::kDevice;
+  std::vector<const core::Collective*> pointers;
+  for (const core::Collective& op : ops) pointers.push_back(&op);
+  std::vector<absl::Status> out(ops.size(), absl::UnknownError("not run"));
+  comm->RunBatch(pointers, [&out](size_t i, absl::Status s) { out[i] = std::move(s); });
+  for (const absl::Status& s : out) EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(cpu.batches, (std::vector<size_t>{3, 1}));
+  EXPECT_EQ(gpu.batches, (std::vector<size_t>{2}));
+  EXPECT_EQ(cpu.runs, 4);
+  EXPECT_EQ(gpu.runs, 2);
 }
 
 TEST_F(NcclBackendTest, DispatchTellsBothPlanesThatAJobEnded) {

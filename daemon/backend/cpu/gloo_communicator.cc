@@ -30,15 +30,24 @@ constexpr absl::Duration kGrace = absl::Seconds(10);
 // Gloo's ring keeps two segments in flight per peer; its default (1 MiB) leaves loopback and
 // fast links idle between segments. Measured on loopback (README): 4 MiB was best.
 constexpr size_t kSegmentBytes = 4 << 20;
-// Ops moving at most this many bytes per node travel inside their verdict message: one exchange
-// instead of a verdict round and then Gloo's algorithm. Every receive slot (one per op and peer
-// in flight) holds this much, so it also bounds a stage's memory with kMaxStageOps.
+// Ops moving at most this many bytes per node travel inside their record: one exchange instead
+// of a verdict round and then Gloo's algorithm.
 constexpr int64_t kInlineMaxBytes = 256 << 10;
-// Most ops whose messages are in flight at once (RunBatch splits longer runs).
+// Most ops whose records are in flight at once (RunBatch splits longer runs).
 constexpr size_t kMaxStageOps = 256;
-// Gloo slots of the verdict messages: a prefix Gloo's algorithms do not use, and the op's seq.
-constexpr uint64_t kVerdictSlotPrefix = uint64_t{0xA5} << 56;
-constexpr uint64_t kVerdictSlotSeqMask = (uint64_t{1} << 56) - 1;
+// A stream message: at most this many bytes (a receive buffer's size), sent once it holds
+// kStreamFlushBytes so that the wire and the peer start while later records are packed.
+constexpr size_t kStreamMessageBytes = 1 << 20;
+constexpr size_t kStreamFlushBytes = 256 << 10;
+// Receives each node keeps posted per peer (so many messages may be on the wire towards it).
+constexpr size_t kStreamDepth = 4;
+// Send buffers a communicator keeps between stages (a 200 x 40 KiB batch takes about 30).
+constexpr size_t kKeptSendMessages = 32;
+// Gloo slots of the stream messages: a prefix Gloo's algorithms do not use, and the message's
+// number on its stream.
+constexpr uint64_t kStreamSlotPrefix = uint64_t{0xA6} << 56;
+constexpr uint64_t kStreamSlotMask = (uint64_t{1} << 56) - 1;
+constexpr uint64_t kStreamMagic = 0x67737265636f7264;  // "gsrecord"
 
 std::chrono::milliseconds MillisUntil(absl::Time deadline) {
   return std::chrono::milliseconds(
@@ -61,6 +70,71 @@ void WithElementType(int64_t esize, F&& f) {
 }
 
 }  // namespace
+
+namespace {
+
+// What one node sends every other for each op, on its stream: its view of the op, then its
+// inline contribution (payload_bytes of it, padded to kRecordAlign).
+struct RecordHeader {
+  uint64_t seq;
+  int32_t code;
+  uint32_t payload_bytes;
+  uint64_t fingerprint_hash;  // of the whole fingerprint (the text below may be cut)
+  char fingerprint[240];
+  char message[248];
+};
+static_assert(sizeof(RecordHeader) == 512);
+// Opens every stream message; `bytes` counts the whole message, this header included.
+struct MessageHeader {
+  uint64_t magic;
+  uint64_t bytes;
+  uint64_t records;
+  uint64_t reserved[5];
+};
+static_assert(sizeof(MessageHeader) == 64);
+constexpr size_t kRecordAlign = 64;  // payloads stay aligned for the reduction kernels
+
+size_t Padded(size_t bytes) { return (bytes + kRecordAlign - 1) / kRecordAlign * kRecordAlign; }
+
+// FNV-1a: the same on every node for the same text.
+uint64_t HashOf(std::string_view s) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : s) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return h;
+}
+
+uint64_t StreamSlot(uint64_t message) { return kStreamSlotPrefix | (message & kStreamSlotMask); }
+
+}  // namespace
+
+struct GlooCommunicator::Exchange {
+  absl::Status local;  // this node's verdict
+  bool inline_data = false;
+  const std::byte* mine = nullptr;  // this node's record, in an outbox message
+};
+
+// This node's messages of one stage: the open one and those handed to Gloo.
+struct GlooCommunicator::Outbox {
+  struct Message {
+    std::unique_ptr<std::byte[]> memory;  // kStreamMessageBytes
+    size_t bytes = sizeof(MessageHeader);
+    uint64_t records = 0;
+    // Declared after the memory it points into, so destroyed first.
+    std::unique_ptr<::gloo::transport::UnboundBuffer> buffer;
+  };
+  std::vector<Message> messages;  // the last one is open while it has no buffer
+};
+
+// A peer's stream towards this node: message k lands in memory[k % kStreamDepth].
+struct GlooCommunicator::PeerStream {
+  std::vector<std::unique_ptr<std::byte[]>> memory;
+  // Declared after the memory they point into, so destroyed (withdrawn) first.
+  std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> receives;
+  uint64_t posted = 0;              // messages with a receive posted: [0, posted)
+  uint64_t received = 0;            // messages taken: the current one is received - 1
+  const std::byte* next = nullptr;  // the current message's next record
+  const std::byte* end = nullptr;   // and its end
+};
 
 GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool)
     : spec_(std::move(spec)), pool_(pool) {
@@ -113,6 +187,14 @@ absl::Status GlooCommunicator::Connect(absl::Time deadline) {
         deadline - absl::Now());
     context->connectFullMesh(store, device);
     context_ = std::move(context);
+    // Every peer's first messages may leave as soon as it has them.
+    streams_.resize(nodes_.size());
+    for (size_t node = 0; node < nodes_.size(); ++node) {
+      if (static_cast<int>(node) == my_node_) continue;
+      streams_[node].memory.resize(kStreamDepth);
+      streams_[node].receives.resize(kStreamDepth);
+      PostReceives(static_cast<int>(node), streams_[node]);
+    }
     return absl::OkStatus();
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat(what, ": ", e.what()));
@@ -127,7 +209,8 @@ absl::Status GlooCommunicator::BrokenStatus(const core::Collective& op) const {
 absl::Status GlooCommunicator::FailLink(const core::Collective& op, absl::Status error) {
   // A peer daemon died, or did not reach the op by its deadline. The nodes may now disagree
   // on where the group's sequence stands, so the group stays failed (its ranks form the job
-  // again) rather than reconnecting to stale rendezvous keys.
+  // again) rather than reconnecting to stale rendezvous keys. Receives go before the context.
+  streams_.clear();
   context_.reset();
   if (absl::Now() >= op.deadline) {
     error = absl::DeadlineExceededError(
@@ -140,17 +223,17 @@ absl::Status GlooCommunicator::FailLink(const core::Collective& op, absl::Status
 
 absl::Status GlooCommunicator::Run(const core::Collective& op) {
   const core::Collective* const ops[] = {&op};
-  absl::Status out[1];
-  RunBatch(ops, out);
-  return out[0];
+  absl::Status out;
+  RunBatch(ops, [&out](size_t, absl::Status s) { out = std::move(s); });
+  return out;
 }
 
 void GlooCommunicator::RunBatch(absl::Span<const core::Collective* const> ops,
-                                absl::Span<absl::Status> out) {
+                                absl::FunctionRef<void(size_t, absl::Status)> finished) {
   size_t i = 0;
   while (i < ops.size()) {
     if (!broken_.ok()) {
-      out[i] = BrokenStatus(*ops[i]);
+      finished(i, BrokenStatus(*ops[i]));
       ++i;
       continue;
     }
@@ -158,12 +241,12 @@ void GlooCommunicator::RunBatch(absl::Span<const core::Collective* const> ops,
     // op of the group: allow the peers kGrace past this op's deadline (the op still fails if
     // late).
     if (absl::Status s = Connect(std::max(ops[i]->deadline, absl::Now() + kGrace)); !s.ok()) {
-      out[i] = FailLink(*ops[i], std::move(s));
+      finished(i, FailLink(*ops[i], std::move(s)));
       ++i;
       continue;
     }
     const size_t end = StageEnd(ops, i);
-    RunStage(ops.subspan(i, end - i), out.subspan(i, end - i));
+    RunStage(ops.subspan(i, end - i), i, finished);
     i = end;
   }
 }
@@ -206,70 +289,122 @@ size_t GlooCommunicator::StageEnd(absl::Span<const core::Collective* const> ops,
   return end;
 }
 
-// What one node sends every other for each op: its view of the op, then its inline
-// contribution (payload_bytes of it).
-struct VerdictHeader {
-  int32_t code;
-  uint32_t payload_bytes;
-  uint64_t fingerprint_hash;  // of the whole fingerprint (the text below may be cut)
-  char fingerprint[240];
-  char message[256];
-};
-static_assert(sizeof(VerdictHeader) == 512);
-
-struct GlooCommunicator::Exchange {
-  absl::Status local;  // this node's verdict
-  bool inline_data = false;
-  std::vector<std::byte> send;       // header, then this node's contribution
-  std::vector<std::byte*> received;  // by node (null at my_node_): header, then contribution
-  // Declared after the memory they point into, so destroyed first.
-  std::unique_ptr<::gloo::transport::UnboundBuffer> send_buffer;
-  std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> receive_buffers;
-};
-
-std::byte* GlooCommunicator::ReceiveSlot(size_t index) {
-  while (receive_slots_.size() <= index) {
+std::unique_ptr<std::byte[]> GlooCommunicator::TakeSendMemory() {
+  if (free_send_memory_.empty()) {
     // Not value-initialized: pages a message never reaches are never touched.
-    receive_slots_.emplace_back(new std::byte[sizeof(VerdictHeader) + kInlineMaxBytes]);
+    return std::unique_ptr<std::byte[]>(new std::byte[kStreamMessageBytes]);
   }
-  return receive_slots_[index].get();
+  std::unique_ptr<std::byte[]> m = std::move(free_send_memory_.back());
+  free_send_memory_.pop_back();
+  return m;
 }
 
-void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops,
-                                absl::Span<absl::Status> out) {
-  std::vector<Exchange> exchanges(ops.size());
-  size_t done = 0;  // ops whose outcome is in out[]
-  try {
-    size_t slot = 0;
-    for (size_t k = 0; k < ops.size(); ++k) {
-      Exchange& ex = exchanges[k];
-      for (size_t node = 0; node < nodes_.size(); ++node) {
-        ex.received.push_back(static_cast<int>(node) == my_node_ ? nullptr : ReceiveSlot(slot++));
-      }
-      Post(*ops[k], ex);
+void GlooCommunicator::PostReceives(int node, PeerStream& stream) {
+  // Message k reuses the memory of message k - kStreamDepth, which the caller has consumed:
+  // records are taken in order, and this runs only when every message taken is used up (the
+  // peer's next kStreamDepth - 1 messages may arrive while the current one is read).
+  while (stream.posted < stream.received + kStreamDepth) {
+    const size_t index = stream.posted % kStreamDepth;
+    if (!stream.memory[index]) stream.memory[index].reset(new std::byte[kStreamMessageBytes]);
+    stream.receives[index] =
+        context_->createUnboundBuffer(stream.memory[index].get(), kStreamMessageBytes);
+    stream.receives[index]->recv(node, StreamSlot(stream.posted));
+    ++stream.posted;
+  }
+}
+
+const std::byte* GlooCommunicator::NextRecord(int node, uint64_t seq,
+                                              std::chrono::milliseconds timeout) {
+  PeerStream& stream = streams_[node];
+  if (stream.next == stream.end) {
+    PostReceives(node, stream);
+    const size_t index = stream.received % kStreamDepth;
+    if (!stream.receives[index]->waitRecv(nullptr, timeout)) {
+      throw std::runtime_error("record exchange aborted");
     }
-    for (; done < ops.size(); ++done) out[done] = Finish(*ops[done], exchanges[done]);
-  } catch (const std::exception& e) {
-    const core::Collective& op = *ops[done];
-    out[done] = FailLink(op, absl::UnavailableError(absl::StrCat(
-                                 op.label, " across ", nodes_.size(),
-                                 " nodes failed (peers: ", PeersWithRanks(), "): ", e.what())));
-    for (size_t k = done + 1; k < ops.size(); ++k) out[k] = BrokenStatus(*ops[k]);
+    ++stream.received;
+    const std::byte* const m = stream.memory[index].get();
+    MessageHeader header;
+    std::memcpy(&header, m, sizeof(header));
+    if (header.magic != kStreamMagic || header.bytes < sizeof(header) ||
+        header.bytes > kStreamMessageBytes || header.records == 0) {
+      throw std::runtime_error(absl::StrCat("malformed stream message from node ", nodes_[node]));
+    }
+    stream.next = m + sizeof(header);
+    stream.end = m + header.bytes;
+  }
+  const std::byte* const record = stream.next;
+  RecordHeader header;
+  if (static_cast<size_t>(stream.end - record) < sizeof(header)) {
+    throw std::runtime_error(absl::StrCat("malformed stream message from node ", nodes_[node]));
+  }
+  std::memcpy(&header, record, sizeof(header));
+  const size_t bytes = sizeof(header) + Padded(header.payload_bytes);
+  if (header.seq != seq || static_cast<size_t>(stream.end - record) < bytes) {
+    throw std::runtime_error(absl::StrCat("node ", nodes_[node], " sent the record of seq ",
+                                          header.seq, " where seq ", seq,
+                                          " was due: the nodes are out of step"));
+  }
+  stream.next = record + bytes;
+  return record;
+}
+
+void GlooCommunicator::Flush(Outbox& outbox) {
+  if (outbox.messages.empty() || outbox.messages.back().buffer) return;
+  Outbox::Message& m = outbox.messages.back();
+  const MessageHeader header{kStreamMagic, m.bytes, m.records, {}};
+  std::memcpy(m.memory.get(), &header, sizeof(header));
+  m.buffer = context_->createUnboundBuffer(m.memory.get(), m.bytes);
+  const uint64_t slot = StreamSlot(messages_sent_++);
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    if (static_cast<int>(node) != my_node_) m.buffer->send(static_cast<int>(node), slot);
   }
 }
 
-namespace {
-
-// FNV-1a: the same on every node for the same text.
-uint64_t HashOf(std::string_view s) {
-  uint64_t h = 1469598103934665603ull;
-  for (char c : s) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
-  return h;
+void GlooCommunicator::WaitSent(Outbox& outbox, std::chrono::milliseconds timeout) {
+  for (Outbox::Message& m : outbox.messages) {
+    if (!m.buffer) continue;
+    for (size_t node = 0; node < nodes_.size(); ++node) {
+      if (static_cast<int>(node) == my_node_) continue;
+      if (!m.buffer->waitSend(nullptr, timeout)) {
+        throw std::runtime_error("record exchange aborted");
+      }
+    }
+  }
 }
 
-uint64_t SlotOf(uint64_t seq) { return kVerdictSlotPrefix | (seq & kVerdictSlotSeqMask); }
-
-}  // namespace
+void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops, size_t first,
+                                absl::FunctionRef<void(size_t, absl::Status)> finished) {
+  std::vector<Exchange> exchanges(ops.size());
+  Outbox outbox;
+  size_t done = 0;  // ops told to `finished`
+  absl::Time latest = absl::InfinitePast();
+  try {
+    for (size_t k = 0; k < ops.size(); ++k) {
+      Post(*ops[k], exchanges[k], outbox);
+      latest = std::max(latest, ops[k]->deadline);
+    }
+    Flush(outbox);
+    for (; done < ops.size(); ++done) finished(first + done, Finish(*ops[done], exchanges[done]));
+    WaitSent(outbox, std::max(MillisUntil(latest), absl::ToChronoMilliseconds(kGrace)));
+    // A few kept for the next stage; a large batch's others go back to the allocator.
+    for (Outbox::Message& m : outbox.messages) {
+      m.buffer.reset();
+      if (free_send_memory_.size() < kKeptSendMessages) {
+        free_send_memory_.push_back(std::move(m.memory));
+      }
+    }
+  } catch (const std::exception& e) {
+    const size_t failed = std::min(done, ops.size() - 1);  // all done: the last sends failed
+    const core::Collective& op = *ops[failed];
+    const absl::Status status =
+        FailLink(op, absl::UnavailableError(absl::StrCat(op.label, " across ", nodes_.size(),
+                                                         " nodes failed (peers: ", PeersWithRanks(),
+                                                         "): ", e.what())));
+    if (done < ops.size()) finished(first + done, status);
+    for (size_t k = done + 1; k < ops.size(); ++k) finished(first + k, BrokenStatus(*ops[k]));
+  }
+}
 
 int64_t GlooCommunicator::InlineBytes(const core::Collective& op, int node) const {
   const int64_t esize = DTypeSize(op.dtype);
@@ -339,11 +474,13 @@ void GlooCommunicator::Pack(const core::Collective& op, std::byte* payload) {
   }
 }
 
-void GlooCommunicator::Unpack(const core::Collective& op, absl::Span<std::byte* const> payloads) {
+void GlooCommunicator::Unpack(const core::Collective& op,
+                              absl::Span<const std::byte* const> payloads) {
   const int64_t n = op.count;
   const int64_t total = op.kind == v1::REDUCE_SCATTER ? n * op.group_size : n;
+  // Read only: core::View names writable runs.
   std::vector<core::View> views;
-  for (std::byte* p : payloads) views.push_back({{p, total}});
+  for (const std::byte* p : payloads) views.push_back({{const_cast<std::byte*>(p), total}});
   switch (op.kind) {
     case v1::ALL_REDUCE: {
       std::vector<Slice> srcs, dsts;
@@ -373,7 +510,7 @@ void GlooCommunicator::Unpack(const core::Collective& op, absl::Span<std::byte* 
       std::vector<int64_t> next(nodes_.size(), 0);  // next block of each node's part
       for (int q = 0; q < op.group_size; ++q) {
         const int node = node_of_group_rank_[q];
-        const core::View part = {{payloads[node], n * members_on_node_[node]}};
+        const core::View part = {{views[node][0].data, n * members_on_node_[node]}};
         const Slice from{&part, next[node]};
         next[node] += n;
         std::vector<Slice> dsts;
@@ -387,7 +524,7 @@ void GlooCommunicator::Unpack(const core::Collective& op, absl::Span<std::byte* 
   }
 }
 
-void GlooCommunicator::Post(const core::Collective& op, Exchange& ex) {
+void GlooCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& outbox) {
   ex.local = op.local_failure;
   if (ex.local.ok() && absl::Now() > op.deadline) {
     ex.local = absl::DeadlineExceededError(absl::StrCat(
@@ -395,54 +532,47 @@ void GlooCommunicator::Post(const core::Collective& op, Exchange& ex) {
   }
   ex.inline_data = ex.local.ok() && TravelsInline(op);
   const int64_t payload = ex.inline_data ? InlineBytes(op, my_node_) : 0;
-  ex.send.resize(sizeof(VerdictHeader) + static_cast<size_t>(payload));
-  VerdictHeader header{};
+  const size_t bytes = sizeof(RecordHeader) + Padded(static_cast<size_t>(payload));
+  if (!outbox.messages.empty() && !outbox.messages.back().buffer &&
+      outbox.messages.back().bytes + bytes > kStreamMessageBytes) {
+    Flush(outbox);
+  }
+  if (outbox.messages.empty() || outbox.messages.back().buffer) {
+    outbox.messages.emplace_back().memory = TakeSendMemory();
+  }
+  Outbox::Message& m = outbox.messages.back();
+  std::byte* const record = m.memory.get() + m.bytes;
+  RecordHeader header{};
+  header.seq = op.seq;
   header.code = static_cast<int32_t>(ex.local.code());
   header.payload_bytes = static_cast<uint32_t>(payload);
   header.fingerprint_hash = HashOf(op.fingerprint);
   std::snprintf(header.fingerprint, sizeof(header.fingerprint), "%s", op.fingerprint.c_str());
   std::snprintf(header.message, sizeof(header.message), "%s",
                 std::string(ex.local.message()).c_str());
-  std::memcpy(ex.send.data(), &header, sizeof(header));
-  if (ex.inline_data) Pack(op, ex.send.data() + sizeof(VerdictHeader));
-
-  const uint64_t slot = SlotOf(op.seq);
-  // Receives first: each tells its peer it may send at once.
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    if (static_cast<int>(node) == my_node_) {
-      ex.receive_buffers.emplace_back();
-      continue;
-    }
-    ex.receive_buffers.push_back(
-        context_->createUnboundBuffer(ex.received[node], sizeof(VerdictHeader) + kInlineMaxBytes));
-    ex.receive_buffers.back()->recv(static_cast<int>(node), slot);
-  }
-  ex.send_buffer = context_->createUnboundBuffer(ex.send.data(), ex.send.size());
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    if (static_cast<int>(node) != my_node_) ex.send_buffer->send(static_cast<int>(node), slot);
-  }
+  std::memcpy(record, &header, sizeof(header));
+  if (ex.inline_data) Pack(op, record + sizeof(RecordHeader));
+  ex.mine = record;
+  m.bytes += bytes;
+  ++m.records;
+  if (m.bytes >= kStreamFlushBytes) Flush(outbox);
 }
 
 absl::Status GlooCommunicator::Finish(const core::Collective& op, Exchange& ex) {
   // Peers whose op failed at their own deadline (a rank missing there) come a moment later.
   const auto timeout = std::max(MillisUntil(op.deadline), absl::ToChronoMilliseconds(kGrace));
+  std::vector<const std::byte*> records(nodes_.size());
+  std::vector<RecordHeader> headers(nodes_.size());
   for (size_t node = 0; node < nodes_.size(); ++node) {
-    if (static_cast<int>(node) == my_node_) continue;
-    if (!ex.receive_buffers[node]->waitRecv(nullptr, timeout) ||
-        !ex.send_buffer->waitSend(nullptr, timeout)) {
-      throw std::runtime_error("verdict exchange aborted");
-    }
-  }
-  std::vector<VerdictHeader> headers(nodes_.size());
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    std::memcpy(&headers[node],
-                static_cast<int>(node) == my_node_ ? ex.send.data() : ex.received[node],
-                sizeof(VerdictHeader));
+    records[node] = static_cast<int>(node) == my_node_
+                        ? ex.mine
+                        : NextRecord(static_cast<int>(node), op.seq, timeout);
+    std::memcpy(&headers[node], records[node], sizeof(RecordHeader));
   }
   if (!op.local_failure.ok()) return op.local_failure;
   // A peer's own failure says more than our "we waited for the peers".
   for (size_t node = 0; node < nodes_.size(); ++node) {
-    const VerdictHeader& h = headers[node];
+    const RecordHeader& h = headers[node];
     if (static_cast<int>(node) != my_node_ && h.code != 0) {
       return absl::Status(
           static_cast<absl::StatusCode>(h.code),
@@ -451,9 +581,9 @@ absl::Status GlooCommunicator::Finish(const core::Collective& op, Exchange& ex) 
     }
   }
   if (!ex.local.ok()) return ex.local;
-  const VerdictHeader& mine = headers[my_node_];
+  const RecordHeader& mine = headers[my_node_];
   for (size_t node = 0; node < nodes_.size(); ++node) {
-    const VerdictHeader& h = headers[node];
+    const RecordHeader& h = headers[node];
     if (h.fingerprint_hash != mine.fingerprint_hash ||
         std::strncmp(h.fingerprint, mine.fingerprint, sizeof(h.fingerprint)) != 0) {
       return absl::FailedPreconditionError(
@@ -463,15 +593,14 @@ absl::Status GlooCommunicator::Finish(const core::Collective& op, Exchange& ex) 
     }
   }
   if (!ex.inline_data) return RunWithGloo(op);
-  std::vector<std::byte*> payloads(nodes_.size());
+  std::vector<const std::byte*> payloads(nodes_.size());
   for (size_t node = 0; node < nodes_.size(); ++node) {
     const int64_t want = InlineBytes(op, static_cast<int>(node));
     if (headers[node].payload_bytes != static_cast<uint64_t>(want)) {
       return absl::InternalError(absl::StrCat(op.label, ": node ", nodes_[node], " sent ",
                                               headers[node].payload_bytes, " bytes, not ", want));
     }
-    payloads[node] = (static_cast<int>(node) == my_node_ ? ex.send.data() : ex.received[node]) +
-                     sizeof(VerdictHeader);
+    payloads[node] = records[node] + sizeof(RecordHeader);
   }
   Unpack(op, payloads);
   return absl::OkStatus();

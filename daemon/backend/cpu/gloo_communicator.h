@@ -3,6 +3,7 @@
 // Collectives of a group that spans nodes: reduced inside each daemon, exchanged between nodes
 // over Gloo, one Gloo rank per node.
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -22,16 +23,23 @@ namespace gradsync::backend::cpu {
 /// group's nodes (one Gloo rank per node), and the result is written back to every local
 /// member. MEAN divides by the group size, not the node count.
 ///
-/// Every op starts with one message from each node to every other, on a Gloo slot of its own
-/// (the op's seq): the node's verdict (its status and the op's fingerprint) and, for ops that
-/// move at most kInlineMaxBytes, the node's whole contribution. Such an op is done in that one
-/// exchange (each node combines the contributions in node order, so all get the same bits);
-/// a larger one then runs Gloo's algorithm. An op that failed on one node, or that nodes
-/// disagree on, fails on all of them the same way and writes no member buffer.
+/// Every op starts with one record from each node to every other: the node's verdict (its
+/// status and the op's fingerprint) and, for ops that move at most kInlineMaxBytes, the node's
+/// whole contribution. Such an op is done in that one exchange (each node combines the
+/// contributions in node order, so all get the same bits); a larger one then runs Gloo's
+/// algorithm. An op that failed on one node, or that nodes disagree on, fails on all of them
+/// the same way and writes no member buffer.
 ///
-/// RunBatch posts the messages of a run of queued ops at once, so their exchanges overlap on
-/// the wire; each op keeps its own outcome, deadline and desync check. Nodes need not batch
-/// the same way: messages meet by seq.
+/// Records travel on one stream per ordered pair of nodes, in sequence order: RunBatch packs
+/// the records of a run of queued ops into few messages (each up to kStreamMessageBytes),
+/// and each node keeps receives for its peers' next messages posted ahead, so a message goes
+/// out at once (no announce round) and a batch costs a few messages per peer, not one per op.
+/// A stage's records are all packed before its first op waits for its peers' (packing ahead
+/// by a bounded window measured slower here), and each op is reported as soon as it finishes,
+/// keeping its own outcome, deadline and desync check. Nodes
+/// need not batch the same way: a reader takes records one by one, whatever message they came
+/// in; a record of another seq than the one due means the nodes are out of step, and fails the
+/// link.
 ///
 /// Not thread-safe: the engine never overlaps a group's calls (core::Communicator), and all
 /// state here is the group's. The Gloo context is connected at the first op (rendezvous through
@@ -45,10 +53,12 @@ class GlooCommunicator final : public core::Communicator {
   ~GlooCommunicator() override;
   absl::Status Run(const core::Collective& op) override;
   void RunBatch(absl::Span<const core::Collective* const> ops,
-                absl::Span<absl::Status> out) override;
+                absl::FunctionRef<void(size_t, absl::Status)> finished) override;
 
  private:
   struct Exchange;
+  struct Outbox;
+  struct PeerStream;
 
   absl::Status Connect(absl::Time deadline);
   // The status of an op reached after the group's link failed.
@@ -56,15 +66,27 @@ class GlooCommunicator final : public core::Communicator {
   // Records that `op` failed on the link (`error`): the group stays failed. Returns the op's
   // status (DEADLINE_EXCEEDED naming the peers once its deadline passed).
   absl::Status FailLink(const core::Collective& op, absl::Status error);
-  // One past the last of ops[begin...] that may have their messages in flight together: an op
+  // One past the last of ops[begin...] that may have their records in flight together: an op
   // that reads what an earlier one of the run writes waits for it.
   size_t StageEnd(absl::Span<const core::Collective* const> ops, size_t begin) const;
-  // Runs ops whose messages may all be in flight at once. Throws (Gloo) only through out[].
-  void RunStage(absl::Span<const core::Collective* const> ops, absl::Span<absl::Status> out);
-  // Packs this node's verdict (and inline contribution) and posts the op's receives and sends.
-  // Throws (Gloo).
-  void Post(const core::Collective& op, Exchange& ex);
-  // Waits for the op's messages, decides its verdict and completes it. Throws (Gloo).
+  // Runs ops whose records may all be in flight at once, ops[i] being the batch's op first + i.
+  // Throws (Gloo) only through `finished`.
+  void RunStage(absl::Span<const core::Collective* const> ops, size_t first,
+                absl::FunctionRef<void(size_t, absl::Status)> finished);
+  // Appends this node's record of `op` (verdict and inline contribution) to `outbox`, sending
+  // its message to every peer when full. Throws (Gloo).
+  void Post(const core::Collective& op, Exchange& ex, Outbox& outbox);
+  // Sends the outbox's open message (if any) to every peer. Throws (Gloo).
+  void Flush(Outbox& outbox);
+  // Waits until every message of `outbox` reached every peer. Throws (Gloo).
+  void WaitSent(Outbox& outbox, std::chrono::milliseconds timeout);
+  // The next record on `node`'s stream, which must be op `seq`'s: waits for its message up to
+  // `timeout`. The record stays valid until the next call for that node. Throws (Gloo, or a
+  // stream out of step).
+  const std::byte* NextRecord(int node, uint64_t seq, std::chrono::milliseconds timeout);
+  // Keeps receives posted for `stream`'s next kStreamDepth messages. Throws (Gloo).
+  void PostReceives(int node, PeerStream& stream);
+  // Waits for the peers' records of the op, decides its verdict and completes it. Throws (Gloo).
   absl::Status Finish(const core::Collective& op, Exchange& ex);
   // Bytes node `node` contributes to `op` when it travels inline.
   int64_t InlineBytes(const core::Collective& op, int node) const;
@@ -72,7 +94,7 @@ class GlooCommunicator final : public core::Communicator {
   // This node's contribution to an inline op, into `payload`.
   void Pack(const core::Collective& op, std::byte* payload);
   // Every node's contribution (node order) into the local members' buffers.
-  void Unpack(const core::Collective& op, absl::Span<std::byte* const> payloads);
+  void Unpack(const core::Collective& op, absl::Span<const std::byte* const> payloads);
   // An op past its verdict that runs Gloo's algorithms (not inline). Throws (Gloo).
   absl::Status RunWithGloo(const core::Collective& op);
   // One Gloo all-reduce of n elements across the nodes, our kernel as its reduce function
@@ -83,8 +105,8 @@ class GlooCommunicator final : public core::Communicator {
   // Reduces the local members' inputs [0, n) into scratch_, then all-reduces it.
   void ReduceIntoScratch(const core::Collective& op, int64_t n);
   std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..."
-  // A receive slot of kInlineMaxBytes plus the header, reused across batches.
-  std::byte* ReceiveSlot(size_t index);
+  // A message buffer (kStreamMessageBytes) for sending, reused across stages.
+  std::unique_ptr<std::byte[]> TakeSendMemory();
 
   const core::CommunicatorSpec spec_;
   WorkerPool* const pool_;
@@ -93,8 +115,12 @@ class GlooCommunicator final : public core::Communicator {
   std::vector<int> members_on_node_;  // by node index
   int my_node_ = -1;
   std::shared_ptr<::gloo::Context> context_;
+  // By node (empty at my_node_); their posted receives point into their memory. Declared after
+  // context_: destroyed (receives withdrawn) before it.
+  std::vector<PeerStream> streams_;
+  uint64_t messages_sent_ = 0;  // this node's stream messages so far (each goes to every peer)
+  std::vector<std::unique_ptr<std::byte[]>> free_send_memory_;
   std::vector<std::byte> scratch_;
-  std::vector<std::unique_ptr<std::byte[]>> receive_slots_;
   absl::Status broken_;  // once a cross-node op failed, every later op fails with it
 };
 

@@ -13,8 +13,36 @@ class DispatchCommunicator final : public core::Communicator {
       : spec_(std::move(spec)), cpu_backend_(cpu), gpu_backend_(gpu) {}
 
   absl::Status Run(const core::Collective& op) override {
-    // The engine chose the plane (for a failed op: the one the group's other nodes run it on).
-    const bool device = op.plane == core::Plane::kDevice;
+    absl::StatusOr<core::Communicator*> target = Target(op.plane);
+    if (!target.ok()) return target.status();
+    return (*target)->Run(op);
+  }
+
+  // Each run of consecutive ops on one plane goes to that plane's communicator as one batch
+  // (the CPU plane overlaps a batch's exchanges across nodes).
+  void RunBatch(absl::Span<const core::Collective* const> ops,
+                absl::FunctionRef<void(size_t, absl::Status)> finished) override {
+    size_t begin = 0;
+    while (begin < ops.size()) {
+      const core::Plane plane = ops[begin]->plane;
+      size_t end = begin + 1;
+      while (end < ops.size() && ops[end]->plane == plane) ++end;
+      absl::StatusOr<core::Communicator*> target = Target(plane);
+      if (target.ok()) {
+        (*target)->RunBatch(ops.subspan(begin, end - begin),
+                            [&](size_t i, absl::Status s) { finished(begin + i, std::move(s)); });
+      } else {
+        for (size_t i = begin; i < end; ++i) finished(i, target.status());
+      }
+      begin = end;
+    }
+  }
+
+ private:
+  // The plane's communicator for the group, made at its first op there. The engine chose the
+  // plane (for a failed op: the one the group's other nodes run it on).
+  absl::StatusOr<core::Communicator*> Target(core::Plane plane) {
+    const bool device = plane == core::Plane::kDevice;
     std::shared_ptr<core::Communicator>& target = device ? gpu_ : cpu_;
     if (!target) {
       absl::StatusOr<std::shared_ptr<core::Communicator>> made =
@@ -22,10 +50,9 @@ class DispatchCommunicator final : public core::Communicator {
       if (!made.ok()) return made.status();
       target = *std::move(made);
     }
-    return target->Run(op);
+    return target.get();
   }
 
- private:
   const core::CommunicatorSpec spec_;
   core::Backend* const cpu_backend_;
   core::Backend* const gpu_backend_;
