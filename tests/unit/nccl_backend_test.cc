@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/logging.h"
 #include "daemon/backend/nccl/dispatch_backend.h"
 #include "daemon/backend/nccl/launched_ops.h"
@@ -290,6 +291,8 @@ TEST_F(NcclBackendTest, AtMostAFixedNumberOfOpsPerGroupAreLaunchedTheNextWaitsFo
   absl::Status s = comm->Run(AllReduce({{0, 0}, {1, 1}}, 2, kMax, absl::Milliseconds(100)));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "not launched by its deadline, 64 earlier ops")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "the oldest: all_reduce job=j group=world seq=0)"))
+      << s;                                              // which op the GPU is stuck on
   EXPECT_EQ(Count("coll"), static_cast<int>(2 * kMax));  // it never reached NCCL
   EXPECT_EQ(gpu_.Aborts(), 0);                           // the earlier ones run on
   // The GPU catches up while the next op waits: it launches.
@@ -660,6 +663,30 @@ TEST_F(NcclBackendTest, JobEndAbortsALaunchedOpThatHangsPastItsDeadline) {
   EXPECT_EQ(gpu.StreamsOpen(), 0);
 }
 
+TEST_F(NcclBackendTest, JobEndDoesNotWaitForeverForALaunchedOpWithNoDeadline) {
+  FakeGpu gpu;
+  NcclOptions options;
+  options.abort_drain = absl::Milliseconds(100);
+  NcclBackend backend(&gpu, options);
+  gpu.streams_hang = true;  // never finishes
+  core::Collective op = AllReduce({{0, 0}, {1, 1}}, 2);
+  op.deadline = absl::InfiniteFuture();  // a Collective's default: nothing ends its watch
+  ASSERT_TRUE((*backend.CreateCommunicator(Spec({0, 1}, 2)))->Run(op).ok());
+  absl::Notification ended;
+  std::thread end([&] {
+    backend.JobEnded("j");
+    ended.Notify();
+  });
+  const bool returned = ended.WaitForNotificationWithTimeout(absl::Seconds(10));
+  gpu.streams_hang = false;  // lets a JobEnded that waits for the GPU return too
+  end.join();
+  EXPECT_TRUE(returned) << "JobEnded waited for a launched op with no deadline";
+  EXPECT_EQ(backend.LaunchedOps(), 0u);
+  EXPECT_EQ(gpu.Aborts(), 2);
+  EXPECT_EQ(gpu.StreamsOpen(), 0);
+  EXPECT_EQ(gpu.EventsOpen(), 0);
+}
+
 TEST_F(NcclBackendTest, TheWatchdogAbortsFailedIdleCommunicatorsAndTellsTheOtherNodes) {
   store::MemoryStore store;
   FakeGpu gpu;
@@ -796,6 +823,32 @@ class TwoNodesTest : public NcclBackendTest {
 TEST_F(TwoNodesTest, FastOpsLeaveTheStoreAlone) {
   for (uint64_t seq = 1; seq < 5; ++seq) ASSERT_TRUE(RunBoth(seq).second.ok());
   EXPECT_EQ(*store_.List("j", "nccl/"), std::vector<std::string>{"nccl/r2/world/0/id"});
+}
+
+TEST_F(TwoNodesTest, OnlyTheOldestLaunchedOpOfAGroupWatchesTheStore) {
+  ASSERT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
+  gpu_.streams_hang = true;  // the GPUs are behind: every op stays launched
+  gpu_b_.streams_hang = true;
+  constexpr uint64_t kOps = 8;
+  for (uint64_t seq = 1; seq <= kOps; ++seq) {
+    auto [sa, sb] = RunBoth(seq);
+    ASSERT_TRUE(sa.ok()) << sa;
+    ASSERT_TRUE(sb.ok()) << sb;
+  }
+  const std::string ops = "nccl/r2/world/op/";
+  // Past PeerFailureWatch::kWatchAfter the watchers publish the fingerprint of what they watch.
+  ASSERT_TRUE(Eventually([&] {
+    absl::StatusOr<std::vector<std::string>> keys = store_.List("j", ops + "1/");
+    return keys.ok() && keys->size() == 2;
+  }));
+  absl::SleepFor(3 * PeerFailureWatch::kWatchAfter);  // every op is past it now
+  EXPECT_EQ(*store_.List("j", ops),
+            (std::vector<std::string>{ops + "1/a:7451", ops + "1/b:7451"}));  // one watch each
+  gpu_.streams_hang = false;
+  gpu_b_.streams_hang = false;
+  EXPECT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
+  EXPECT_EQ(gpu_.Aborts(), 0);
+  EXPECT_EQ(gpu_b_.Aborts(), 0);
 }
 
 TEST_F(TwoNodesTest, KeysOfAnEarlierRunOfTheJobAreNotHeard) {
