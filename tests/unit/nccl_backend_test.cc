@@ -1099,6 +1099,31 @@ TEST_F(TwoNodesTest, AFusedOpAgainstAContiguousOneFailsOnBothNodesNamingBoth) {
       << b2;
 }
 
+TEST_F(TwoNodesTest, AFusedOpThatWaitedForTheOtherNodesSplitStillHearsItsCommunicatorsAbandoned) {
+  ASSERT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
+  const DeviceBuffer& xa = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& xb = BufferAt(0x9200'0000, 0, 1020);
+  gpu_.streams_hang = true;  // A's op waits in NCCL for B's ranks, which go
+  // A comes first and compares its split for longer than kWatchAfter: its watch begins there,
+  // before the op knows which communicators it runs on.
+  absl::Status sa;
+  std::thread t([&] { sa = a_->Run(Fused({{0, {Seg(xa, 0, 4), Seg(xa, 8, 12)}}}, 2, 1)); });
+  absl::SleepFor(3 * PeerFailureWatch::kWatchAfter);
+  absl::Status sb = b_->Run(Fused({{1, {Seg(xb, 0, 4), Seg(xb, 8, 12)}}}, 2, 1));
+  t.join();
+  ASSERT_TRUE(sa.ok()) << sa;  // launched
+  ASSERT_TRUE(sb.ok()) << sb;
+  b_backend_.JobEnded("j");  // B's trainers left: B abandons the communicators built at op 0
+  // A's watcher hears it with no further op (not at the op's deadline of 20 s).
+  ASSERT_TRUE(Eventually([&] { return gpu_.Aborts() == 1; }));
+  gpu_.streams_hang = false;
+  absl::Status a2 = a_->Run(Op(0, 2));
+  EXPECT_EQ(a2.code(), absl::StatusCode::kAborted) << a2;
+  EXPECT_TRUE(absl::StrContains(a2.message(), "seq=1 failed after it was launched")) << a2;
+  EXPECT_TRUE(absl::StrContains(a2.message(), "abandoned")) << a2;
+  EXPECT_TRUE(absl::StrContains(a2.message(), "node b:7451")) << a2;
+}
+
 TEST_F(NcclBackendTest, LongSegmentationsAreDigestedInWhatTheNodesCompare) {
   // 40 segments on each of two nodes differing only in the middle: the published fingerprints
   // must still differ. Checked through the desync message, as above.
