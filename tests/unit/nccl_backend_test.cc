@@ -1124,6 +1124,31 @@ TEST_F(TwoNodesTest, AFusedOpThatWaitedForTheOtherNodesSplitStillHearsItsCommuni
   EXPECT_TRUE(absl::StrContains(a2.message(), "node b:7451")) << a2;
 }
 
+TEST_F(TwoNodesTest, ALaunchedOpThatBuiltItsCommunicatorsHearsThemAbandoned) {
+  auto a_pair = Make(NodeSpec({0}, "a:7451", "pair"));
+  auto b_pair = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "pair"));
+  gpu_.streams_hang = true;  // the pair's first op, which builds its communicators, hangs
+  gpu_b_.streams_hang = true;
+  absl::Status sb;
+  std::thread t([&] { sb = b_pair->Run(AllReduce({{1, 0}}, 2, 0, absl::Seconds(20))); });
+  absl::Status sa = a_pair->Run(AllReduce({{0, 0}}, 2, 0, absl::Seconds(20)));
+  t.join();
+  ASSERT_TRUE(sa.ok()) << sa;  // launched on both nodes
+  ASSERT_TRUE(sb.ok()) << sb;
+  // Another group of the job failed on B: B aborts the pair's communicators under its op, and
+  // says so with broken/0 only (its op was answered: no fail/0).
+  b_backend_.AbortJob("j", absl::UnavailableError("group x: remote process exited"));
+  ASSERT_EQ(gpu_b_.Aborts(), 2);  // world's and pair's
+  // A's op hears it with no further op (not at its deadline of 20 s).
+  ASSERT_TRUE(Eventually([&] { return gpu_.Aborts() == 1; }));
+  gpu_.streams_hang = false;
+  gpu_b_.streams_hang = false;
+  absl::Status a2 = a_pair->Run(AllReduce({{0, 0}}, 2, 1));
+  EXPECT_EQ(a2.code(), absl::StatusCode::kAborted) << a2;
+  EXPECT_TRUE(absl::StrContains(a2.message(), "abandoned")) << a2;
+  EXPECT_TRUE(absl::StrContains(a2.message(), "remote process exited")) << a2;
+}
+
 TEST_F(NcclBackendTest, LongSegmentationsAreDigestedInWhatTheNodesCompare) {
   // 40 segments on each of two nodes differing only in the middle: the published fingerprints
   // must still differ. Checked through the desync message, as above.
