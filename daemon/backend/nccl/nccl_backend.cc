@@ -155,9 +155,9 @@ void NcclBackend::JobEnded(const std::string& job) {
           *c,
           absl::AbortedError(
               absl::StrCat("the job's trainers on this node have left and ", c->launched.size(),
-                           " op(s) with no deadline, the oldest ", c->launched.front()->op.label,
-                           ", were still running on the GPU after abort_drain (",
-                           absl::FormatDuration(options_.abort_drain), ")")),
+                           " launched op(s), one with no deadline, were still running on the GPU ",
+                           absl::FormatDuration(options_.abort_drain),
+                           " (abort_drain) later; the oldest: ", c->launched.front()->op.label)),
           later);
     }
     table_.ForgetLaunched(c.get());
