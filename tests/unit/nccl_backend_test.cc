@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/logging.h"
 #include "daemon/backend/nccl/dispatch_backend.h"
 #include "daemon/backend/nccl/launched_ops.h"
@@ -290,6 +291,8 @@ TEST_F(NcclBackendTest, AtMostAFixedNumberOfOpsPerGroupAreLaunchedTheNextWaitsFo
   absl::Status s = comm->Run(AllReduce({{0, 0}, {1, 1}}, 2, kMax, absl::Milliseconds(100)));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "not launched by its deadline, 64 earlier ops")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "the oldest: all_reduce job=j group=world seq=0)"))
+      << s;                                              // which op the GPU is stuck on
   EXPECT_EQ(Count("coll"), static_cast<int>(2 * kMax));  // it never reached NCCL
   EXPECT_EQ(gpu_.Aborts(), 0);                           // the earlier ones run on
   // The GPU catches up while the next op waits: it launches.
@@ -660,6 +663,30 @@ TEST_F(NcclBackendTest, JobEndAbortsALaunchedOpThatHangsPastItsDeadline) {
   EXPECT_EQ(gpu.StreamsOpen(), 0);
 }
 
+TEST_F(NcclBackendTest, JobEndDoesNotWaitForeverForALaunchedOpWithNoDeadline) {
+  FakeGpu gpu;
+  NcclOptions options;
+  options.abort_drain = absl::Milliseconds(100);
+  NcclBackend backend(&gpu, options);
+  gpu.streams_hang = true;  // never finishes
+  core::Collective op = AllReduce({{0, 0}, {1, 1}}, 2);
+  op.deadline = absl::InfiniteFuture();  // a Collective's default: nothing ends its watch
+  ASSERT_TRUE((*backend.CreateCommunicator(Spec({0, 1}, 2)))->Run(op).ok());
+  absl::Notification ended;
+  std::thread end([&] {
+    backend.JobEnded("j");
+    ended.Notify();
+  });
+  const bool returned = ended.WaitForNotificationWithTimeout(absl::Seconds(10));
+  gpu.streams_hang = false;  // lets a JobEnded that waits for the GPU return too
+  end.join();
+  EXPECT_TRUE(returned) << "JobEnded waited for a launched op with no deadline";
+  EXPECT_EQ(backend.LaunchedOps(), 0u);
+  EXPECT_EQ(gpu.Aborts(), 2);
+  EXPECT_EQ(gpu.StreamsOpen(), 0);
+  EXPECT_EQ(gpu.EventsOpen(), 0);
+}
+
 TEST_F(NcclBackendTest, TheWatchdogAbortsFailedIdleCommunicatorsAndTellsTheOtherNodes) {
   store::MemoryStore store;
   FakeGpu gpu;
@@ -796,6 +823,32 @@ class TwoNodesTest : public NcclBackendTest {
 TEST_F(TwoNodesTest, FastOpsLeaveTheStoreAlone) {
   for (uint64_t seq = 1; seq < 5; ++seq) ASSERT_TRUE(RunBoth(seq).second.ok());
   EXPECT_EQ(*store_.List("j", "nccl/"), std::vector<std::string>{"nccl/r2/world/0/id"});
+}
+
+TEST_F(TwoNodesTest, OnlyTheOldestLaunchedOpOfAGroupWatchesTheStore) {
+  ASSERT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
+  gpu_.streams_hang = true;  // the GPUs are behind: every op stays launched
+  gpu_b_.streams_hang = true;
+  constexpr uint64_t kOps = 8;
+  for (uint64_t seq = 1; seq <= kOps; ++seq) {
+    auto [sa, sb] = RunBoth(seq);
+    ASSERT_TRUE(sa.ok()) << sa;
+    ASSERT_TRUE(sb.ok()) << sb;
+  }
+  const std::string ops = "nccl/r2/world/op/";
+  // Past PeerFailureWatch::kWatchAfter the watchers publish the fingerprint of what they watch.
+  ASSERT_TRUE(Eventually([&] {
+    absl::StatusOr<std::vector<std::string>> keys = store_.List("j", ops + "1/");
+    return keys.ok() && keys->size() == 2;
+  }));
+  absl::SleepFor(3 * PeerFailureWatch::kWatchAfter);  // every op is past it now
+  EXPECT_EQ(*store_.List("j", ops),
+            (std::vector<std::string>{ops + "1/a:7451", ops + "1/b:7451"}));  // one watch each
+  gpu_.streams_hang = false;
+  gpu_b_.streams_hang = false;
+  EXPECT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
+  EXPECT_EQ(gpu_.Aborts(), 0);
+  EXPECT_EQ(gpu_b_.Aborts(), 0);
 }
 
 TEST_F(TwoNodesTest, KeysOfAnEarlierRunOfTheJobAreNotHeard) {
@@ -1044,6 +1097,59 @@ TEST_F(TwoNodesTest, AFusedOpAgainstAContiguousOneFailsOnBothNodesNamingBoth) {
                                 "node b:7451 has all_reduce(sum, float32, count=16) "
                                 "seq=1 segments=[16] but node a:7451"))
       << b2;
+}
+
+TEST_F(TwoNodesTest, AFusedOpThatWaitedForTheOtherNodesSplitStillHearsItsCommunicatorsAbandoned) {
+  ASSERT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
+  const DeviceBuffer& xa = BufferAt(0x9000'0000, 0, 1000);
+  const DeviceBuffer& xb = BufferAt(0x9200'0000, 0, 1020);
+  gpu_.streams_hang = true;  // A's op waits in NCCL for B's ranks, which go
+  // A comes first and compares its split for longer than kWatchAfter: its watch begins there,
+  // before the op knows which communicators it runs on.
+  absl::Status sa;
+  std::thread t([&] { sa = a_->Run(Fused({{0, {Seg(xa, 0, 4), Seg(xa, 8, 12)}}}, 2, 1)); });
+  absl::SleepFor(3 * PeerFailureWatch::kWatchAfter);
+  absl::Status sb = b_->Run(Fused({{1, {Seg(xb, 0, 4), Seg(xb, 8, 12)}}}, 2, 1));
+  t.join();
+  ASSERT_TRUE(sa.ok()) << sa;  // launched
+  ASSERT_TRUE(sb.ok()) << sb;
+  b_backend_.JobEnded("j");  // B's trainers left: B abandons the communicators built at op 0
+  // A's watcher hears it with no further op (not at the op's deadline of 20 s).
+  ASSERT_TRUE(Eventually([&] { return gpu_.Aborts() == 1; }));
+  gpu_.streams_hang = false;
+  absl::Status a2 = a_->Run(Op(0, 2));
+  EXPECT_EQ(a2.code(), absl::StatusCode::kAborted) << a2;
+  EXPECT_TRUE(absl::StrContains(a2.message(), "seq=1 failed after it was launched")) << a2;
+  EXPECT_TRUE(absl::StrContains(a2.message(), "abandoned")) << a2;
+  EXPECT_TRUE(absl::StrContains(a2.message(), "node b:7451")) << a2;
+}
+
+TEST_F(TwoNodesTest, ALaunchedOpThatBuiltItsCommunicatorsHearsThemAbandoned) {
+  ASSERT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
+  auto a_pair = Make(NodeSpec({0}, "a:7451", "pair"));
+  auto b_pair = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "pair"));
+  gpu_.streams_hang = true;  // the pair's first op, which builds its communicators, hangs
+  gpu_b_.streams_hang = true;
+  absl::Status sb;
+  std::thread t([&] { sb = b_pair->Run(AllReduce({{1, 0}}, 2, 0, absl::Seconds(20))); });
+  absl::Status sa = a_pair->Run(AllReduce({{0, 0}}, 2, 0, absl::Seconds(20)));
+  t.join();
+  ASSERT_TRUE(sa.ok()) << sa;  // launched on both nodes
+  ASSERT_TRUE(sb.ok()) << sb;
+  // Another group of the job failed on B: B aborts the pair's communicators under its op, and
+  // says so with broken/0 only (its op was answered: no fail/0).
+  b_backend_.AbortJob("j", absl::UnavailableError("group x: remote process exited"));
+  // (at once, or by B's watcher when it held the pair's lock then; B's world may wait for its
+  // next op: nothing of it is launched)
+  ASSERT_TRUE(Eventually([&] { return gpu_b_.Aborts() >= 1; }));
+  // A's op hears it with no further op (not at its deadline of 20 s).
+  ASSERT_TRUE(Eventually([&] { return gpu_.Aborts() == 1; }));
+  gpu_.streams_hang = false;
+  gpu_b_.streams_hang = false;
+  absl::Status a2 = a_pair->Run(AllReduce({{0, 0}}, 2, 1));
+  EXPECT_EQ(a2.code(), absl::StatusCode::kAborted) << a2;
+  EXPECT_TRUE(absl::StrContains(a2.message(), "abandoned")) << a2;
+  EXPECT_TRUE(absl::StrContains(a2.message(), "remote process exited")) << a2;
 }
 
 TEST_F(NcclBackendTest, LongSegmentationsAreDigestedInWhatTheNodesCompare) {

@@ -111,7 +111,12 @@ void LookAtLaunchedLocked(CommsTable& table, GroupComms& c, DeferredWrites& late
   }
   const absl::Time now = absl::Now();
   for (const std::shared_ptr<LaunchedOp>& op : c.launched) {
-    absl::Status s = op->peers.Check();
+    // Only the oldest watches the store: the group's ops finish in order on its streams, so
+    // the others can neither finish nor hang before it settles (then the next is the oldest),
+    // and a watch per launched op would cost the job's root store a wait, a fingerprint and a
+    // comparison every kCompareEvery for each of up to kMaxLaunchedPerGroup ops, under the
+    // group's lock.
+    absl::Status s = op == c.launched.front() ? op->peers.Check() : absl::OkStatus();
     if (s.ok() && now > op->op.deadline) {
       s = absl::DeadlineExceededError(
           "did not finish on the GPU by its deadline (a peer never entered it, or hung)");
@@ -132,7 +137,8 @@ absl::Status AwaitLaunchedLocked(CommsTable& table, GroupComms& c, size_t keep, 
     if (c.launched.size() <= keep) return absl::OkStatus();
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(
-          absl::StrCat(c.launched.size(), " earlier ops of the group still running on the GPU"));
+          absl::StrCat(c.launched.size(), " earlier ops of the group still running on the GPU (",
+                       "the oldest: ", c.launched.front()->op.label, ")"));
     }
     backoff.Pause();
   }

@@ -47,7 +47,8 @@ struct LaunchedOp {
 /// One look at `c`'s launched ops, without blocking: those finished (oldest first) are settled
 /// and released; when one that has not finished failed (its event or a communicator reports
 /// an error, the job's communicators were aborted, another node's word, its deadline passed),
-/// the group is aborted and drained as FailLaunchedLocked says.
+/// the group is aborted and drained as FailLaunchedLocked says. Only the oldest op watches the
+/// other nodes' word (the others finish after it on the same streams).
 void LookAtLaunchedLocked(CommsTable& table, GroupComms& c, DeferredWrites& later)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
 

@@ -2,6 +2,7 @@
 
 #include "daemon/backend/nccl/nccl_backend.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -142,8 +143,23 @@ void NcclBackend::JobEnded(const std::string& job) {
     LockedComms locked(c.get());
     if (c->erased) continue;
     // The job's ops still on the GPU finish first (or fail: each by its own deadline), so that
-    // the communicators are not aborted under the other nodes' last ops.
-    (void)AwaitLaunchedLocked(table_, *c, 0, absl::InfiniteFuture(), later);
+    // the communicators are not aborted under the other nodes' last ops. An op with no deadline
+    // is waited for at most abort_drain: nobody is left here to end the wait.
+    const bool no_deadline =
+        std::any_of(c->launched.begin(), c->launched.end(),
+                    [](const auto& op) { return op->op.deadline == absl::InfiniteFuture(); });
+    const absl::Time until =
+        no_deadline ? absl::Now() + options_.abort_drain : absl::InfiniteFuture();
+    if (!AwaitLaunchedLocked(table_, *c, 0, until, later).ok()) {
+      (void)table_.AbortLocked(
+          *c,
+          absl::AbortedError(
+              absl::StrCat("the job's trainers on this node have left and ", c->launched.size(),
+                           " launched op(s), one with no deadline, were still running on the GPU ",
+                           absl::FormatDuration(options_.abort_drain),
+                           " (abort_drain) later; the oldest: ", c->launched.front()->op.label)),
+          later);
+    }
     table_.ForgetLaunched(c.get());
     c->launch_failure = absl::OkStatus();  // the job's trainers here are gone: nobody to tell
     if (options_.keep_after_job > absl::ZeroDuration() && !c->comms.empty() &&

@@ -99,7 +99,8 @@ class NcclBackend final : public core::Backend {
   void AbortJob(const std::string& job, const absl::Status& reason);
   /// Drops the job's communicators (after aborting any still live), or keeps them for a restart
   /// (NcclOptions::keep_after_job). Blocks while an op of the job's groups runs here, and until
-  /// its launched ops have finished or failed (each bounded by its deadline).
+  /// its launched ops have finished or failed (each bounded by its deadline; one with none, by
+  /// abort_drain).
   void JobEnded(const std::string& job) override;
 
   /// Stops the watchdog and launch watcher threads, then waits for the ops still launched (at

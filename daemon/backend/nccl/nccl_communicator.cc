@@ -324,9 +324,10 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
   }
   if (c.comms.empty()) {
     if (absl::Status s = BuildLocked(c, op, members, devices, peers, later); !s.ok()) return s;
-  } else {
-    peers.RunsOn(c.built_at);
   }
+  // Also when this op built them: once launched and answered, its failure on another node
+  // (a job-wide abort there that took its launched ops) says only broken/<b>, not fail/<seq>.
+  peers.RunsOn(c.built_at);
   for (int d : devices) {
     if (c.streams.count(d)) continue;
     absl::StatusOr<gpu::Stream> stream = api_->CreateStream(d);

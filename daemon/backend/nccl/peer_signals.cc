@@ -99,14 +99,15 @@ absl::Status PeerFailureWatch::Check() {
   if (!fail_) {
     if (now - start_ < kWatchAfter) return absl::OkStatus();
     fail_.emplace(store_, spec_.job, FailKey(spec_, op_.seq), op_.deadline);
-    if (built_at_) {
-      broken_.emplace(store_, spec_.job, BrokenKey(spec_.run, spec_.group, *built_at_),
-                      op_.deadline);
-    }
     if (!published_) {  // (CompareBeforeLaunch may have)
       published_ = nccl::WriteWhileRunLasts(store_, spec_.job, spec_.run,
                                             FingerprintKey(spec_.node), fingerprint_);
     }
+  }
+  // Not with `fail_` alone: a watch begun in CompareBeforeLaunch, before RunsOn, watches the
+  // communicators too once the op knows them.
+  if (built_at_ && !broken_) {
+    broken_.emplace(store_, spec_.job, BrokenKey(spec_.run, spec_.group, *built_at_), op_.deadline);
   }
   std::optional<std::string> failed = fail_->value();
   std::optional<std::string> broken = broken_ ? broken_->value() : std::nullopt;

@@ -90,8 +90,8 @@ class BackgroundKeyWait {
 };
 
 /// What the other nodes of a group spanning nodes say about the op this node runs: `fail/<seq>`
-/// for the op itself, `broken/<b>` for the communicators it runs on (built at op `b`; none when
-/// the op builds its own), and a fingerprint under `op/<seq>/` that differs from this node's
+/// for the op itself, `broken/<b>` for the communicators it runs on (built at op `b`, from the
+/// time it knows them), and a fingerprint under `op/<seq>/` that differs from this node's
 /// (the nodes' ranks submitted different ops: NCCL would hang on them, or mix them). The store
 /// is watched only once the op has run for kWatchAfter, so that an op that completes quickly
 /// costs the store nothing. One per op, on the op's thread; not thread-safe.
@@ -109,7 +109,8 @@ class PeerFailureWatch {
                    const core::Collective& op, std::string fingerprint)
       : store_(store), spec_(spec), op_(op), fingerprint_(std::move(fingerprint)) {}
 
-  /// The op runs on communicators built at op `built_at` (none: it builds its own).
+  /// The op runs on communicators built at op `built_at` (its own seq when it built them; none
+  /// while it is building them).
   void RunsOn(std::optional<uint64_t> built_at) { built_at_ = built_at; }
 
   /// OK, or the reason another node's word gives: ABORTED (it failed the op or abandoned the
