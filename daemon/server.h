@@ -82,6 +82,14 @@ class DaemonServer {
   std::unique_ptr<gpu::GpuApi> gpu_;
   ipc::CudaImporter cuda_importer_;
   ipc::DispatchImporter importer_;  // shared memory or CUDA, by the registration
+  // Before the backends and engine: the NCCL backend's launched ops watch the other nodes
+  // through these stores until it is destroyed, so they go after it.
+  absl::Mutex peers_mu_;
+  std::string node_address_ ABSL_GUARDED_BY(peers_mu_);
+  absl::flat_hash_map<std::string, std::unique_ptr<net::StoreClient>> peer_stores_
+      ABSL_GUARDED_BY(peers_mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> peer_channels_
+      ABSL_GUARDED_BY(peers_mu_);
   backend::cpu::CpuBackend backend_;
   backend::nccl::NcclBackend nccl_backend_;
   backend::nccl::DispatchBackend dispatch_backend_;  // host buffers to backend_, device to NCCL
@@ -93,12 +101,6 @@ class DaemonServer {
   rpc::InspectService inspect_service_;
   rpc::HealthService health_service_;
   std::unique_ptr<grpc::Server> server_;
-  absl::Mutex peers_mu_;
-  std::string node_address_ ABSL_GUARDED_BY(peers_mu_);
-  absl::flat_hash_map<std::string, std::unique_ptr<net::StoreClient>> peer_stores_
-      ABSL_GUARDED_BY(peers_mu_);
-  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> peer_channels_
-      ABSL_GUARDED_BY(peers_mu_);
   // Last: its HTTP threads read the engine, store and counters, so it goes first.
   std::unique_ptr<metrics::MetricsServer> metrics_;
   int tcp_port_ = -1;

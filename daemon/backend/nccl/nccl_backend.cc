@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
-#include "daemon/backend/nccl/backoff.h"
 #include "daemon/backend/nccl/launched_ops.h"
 #include "daemon/backend/nccl/nccl_communicator.h"
 #include "daemon/backend/nccl/peer_signals.h"
@@ -30,16 +29,14 @@ NcclBackend::NcclBackend(gpu::GpuApi* api, NcclOptions options)
 }
 
 void NcclBackend::WatchLaunched() {
-  // Sleeps while no group has launched ops; while some have, looks at them as a waiting op
-  // would (Backoff: a short spin, then at most every 100 us), skipping groups whose lock is
-  // held (an op of theirs is running and looks at them itself).
-  std::optional<Backoff> backoff;
+  // Sleeps while no group has launched ops; while some have, looks at them every
+  // kWatcherPace, skipping groups whose lock is held (an op of theirs is running and looks at
+  // them itself). Nobody waits on these looks (a trainer's stream waits on its done event, the
+  // group's next op looks itself), so they need not be sooner: they release finished ops'
+  // buffers and catch a failure after launch.
   while (!stop_.HasBeenNotified()) {
     const std::vector<std::shared_ptr<GroupComms>> groups = table_.LaunchedGroups(kWatcherIdle);
-    if (groups.empty()) {
-      backoff.reset();
-      continue;
-    }
+    if (groups.empty()) continue;
     for (const std::shared_ptr<GroupComms>& c : groups) {
       DeferredWrites later;  // declared before the group's lock: written once it is released
       if (!c->mu.TryLock()) continue;
@@ -47,8 +44,7 @@ void NcclBackend::WatchLaunched() {
       LookAtLaunchedLocked(table_, *c, later);
       if (c->launched.empty()) table_.ForgetLaunched(c.get());
     }
-    if (!backoff) backoff.emplace();
-    backoff->Pause();
+    (void)stop_.WaitForNotificationWithTimeout(kWatcherPace);
   }
 }
 

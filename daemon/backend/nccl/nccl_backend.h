@@ -118,6 +118,8 @@ class NcclBackend final : public core::Backend {
   // How long the launch watcher sleeps between looks for groups with launched ops while none
   // has any (it is woken as soon as one has).
   static constexpr absl::Duration kWatcherIdle = absl::Seconds(1);
+  // How often the launch watcher looks at groups with launched ops.
+  static constexpr absl::Duration kWatcherPace = absl::Milliseconds(1);
 
   // One look at every idle group's communicators (the watchdog's tick).
   void WatchIdle();
