@@ -134,6 +134,7 @@ struct GlooCommunicator::PeerStream {
   uint64_t received = 0;            // messages taken: the current one is received - 1
   const std::byte* next = nullptr;  // the current message's next record
   const std::byte* end = nullptr;   // and its end
+  std::string post_error;           // why receives stopped being posted (the link failed)
 };
 
 GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool)
@@ -151,7 +152,21 @@ GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool
   for (int node : node_of_group_rank_) ++members_on_node_[node];
 }
 
-GlooCommunicator::~GlooCommunicator() = default;
+GlooCommunicator::~GlooCommunicator() { ClosePairs(); }
+
+void GlooCommunicator::ClosePairs() {
+  // Until a pair is closed, Gloo's device thread may signal an error (a peer closing its end)
+  // into a receive posted on it, holding the pair's lock; a buffer destroyed meanwhile is
+  // destroyed under it (seen by TSan). Destroying a pair takes that lock and takes it off the
+  // device thread, so no receive posted on it is touched after. (The buffers hold the context,
+  // so resetting context_ alone closes nothing.) Destroyed, not close()d: Gloo's close() is a
+  // hard close (SO_LINGER 0: a reset that can drop our last messages before the peer reads
+  // them); its destructor shuts the connection down after what was written.
+  if (!context_) return;
+  for (int i = 0; i < context_->size; ++i) {
+    if (i != context_->rank) context_->getPair(i).reset();
+  }
+}
 
 std::string GlooCommunicator::PeersWithRanks() const {
   std::string out;
@@ -209,7 +224,9 @@ absl::Status GlooCommunicator::BrokenStatus(const core::Collective& op) const {
 absl::Status GlooCommunicator::FailLink(const core::Collective& op, absl::Status error) {
   // A peer daemon died, or did not reach the op by its deadline. The nodes may now disagree
   // on where the group's sequence stands, so the group stays failed (its ranks form the job
-  // again) rather than reconnecting to stale rendezvous keys. Receives go before the context.
+  // again) rather than reconnecting to stale rendezvous keys. The pairs close before the
+  // receives posted on them go: see ClosePairs.
+  ClosePairs();
   streams_.clear();
   context_.reset();
   if (absl::Now() >= op.deadline) {
@@ -306,9 +323,18 @@ void GlooCommunicator::PostReceives(int node, PeerStream& stream) {
   while (stream.posted < stream.received + kStreamDepth) {
     const size_t index = stream.posted % kStreamDepth;
     if (!stream.memory[index]) stream.memory[index].reset(new std::byte[kStreamMessageBytes]);
-    stream.receives[index] =
-        context_->createUnboundBuffer(stream.memory[index].get(), kStreamMessageBytes);
-    stream.receives[index]->recv(node, StreamSlot(stream.posted));
+    try {
+      stream.receives[index] =
+          context_->createUnboundBuffer(stream.memory[index].get(), kStreamMessageBytes);
+      stream.receives[index]->recv(node, StreamSlot(stream.posted));
+    } catch (const std::exception& e) {
+      // The link failed, typically the peer closed its end after its last op: the messages it
+      // sent before are received already and still read; only one that needed this receive
+      // fails (NextRecord), with this error.
+      stream.receives[index].reset();
+      stream.post_error = e.what();
+      return;
+    }
     ++stream.posted;
   }
 }
@@ -318,6 +344,7 @@ const std::byte* GlooCommunicator::NextRecord(int node, uint64_t seq,
   PeerStream& stream = streams_[node];
   if (stream.next == stream.end) {
     PostReceives(node, stream);
+    if (stream.received >= stream.posted) throw std::runtime_error(stream.post_error);
     const size_t index = stream.received % kStreamDepth;
     if (!stream.receives[index]->waitRecv(nullptr, timeout)) {
       throw std::runtime_error("record exchange aborted");

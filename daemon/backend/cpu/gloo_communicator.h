@@ -61,6 +61,8 @@ class GlooCommunicator final : public core::Communicator {
   struct PeerStream;
 
   absl::Status Connect(absl::Time deadline);
+  // Closes the context's pairs (none touches a posted buffer after); before streams_ go.
+  void ClosePairs();
   // The status of an op reached after the group's link failed.
   absl::Status BrokenStatus(const core::Collective& op) const;
   // Records that `op` failed on the link (`error`): the group stays failed. Returns the op's
@@ -115,8 +117,8 @@ class GlooCommunicator final : public core::Communicator {
   std::vector<int> members_on_node_;  // by node index
   int my_node_ = -1;
   std::shared_ptr<::gloo::Context> context_;
-  // By node (empty at my_node_); their posted receives point into their memory. Declared after
-  // context_: destroyed (receives withdrawn) before it.
+  // By node (empty at my_node_); their posted receives point into their memory. Destroyed
+  // only after the context's pairs are closed (ClosePairs: the destructor, FailLink).
   std::vector<PeerStream> streams_;
   uint64_t messages_sent_ = 0;  // this node's stream messages so far (each goes to every peer)
   std::vector<std::unique_ptr<std::byte[]>> free_send_memory_;
