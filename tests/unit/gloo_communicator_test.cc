@@ -4,6 +4,7 @@
 
 #include "daemon/backend/cpu/gloo_communicator.h"
 
+#include <atomic>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -226,6 +227,50 @@ TEST_F(GlooCommunicatorTest, DesyncedAndFailedOpsInABatchFailAloneAndWriteNothin
       ExpectValues(k, [&](int, int64_t i) { return k % 2 ? Max(i) : Sum(i); });
     }
   }
+}
+
+TEST_F(GlooCommunicatorTest, RingOpWhoseDeadlinePassesBehindAnEarlierRingOpFailsAloneInABatch) {
+  // Op 0 connects the nodes. Then nodes a and c batch ring op 1, ring op 2 (deadline 1 s away on
+  // a and c) and small op 3; node b starts only once that deadline has passed, so op 2's
+  // deadline passes while op 1 runs. Op 2 must fail by its deadline on every node without
+  // breaking the group's link: op 3 succeeds.
+  std::atomic<int> ready{0};
+  std::atomic<int64_t> latest_deadline_ns{0};
+  RunOnEveryNode(
+      {64, 100000, 4000000, 64}, [](int, int) { return "w"; },
+      [](int, int) { return absl::OkStatus(); },
+      [&](int node, Node& n) {
+        n.out[0] = n.comm->Run(n.ops[0]);
+        if (node != 1) {
+          n.ops[2].deadline = absl::Now() + absl::Seconds(1);
+          int64_t ns = absl::ToUnixNanos(n.ops[2].deadline);
+          int64_t seen = latest_deadline_ns.load();
+          while (seen < ns && !latest_deadline_ns.compare_exchange_weak(seen, ns)) {
+          }
+          ++ready;
+        } else {
+          // Bounded: at most 60 s.
+          for (int i = 0; i < 1200; ++i) {
+            if (ready.load() == 2 && absl::Now() > absl::FromUnixNanos(latest_deadline_ns.load()) +
+                                                       absl::Milliseconds(100)) {
+              break;
+            }
+            absl::SleepFor(absl::Milliseconds(50));
+          }
+        }
+        std::vector<const core::Collective*> ops = {&n.ops[1], &n.ops[2], &n.ops[3]};
+        n.comm->RunBatch(ops, [&n](size_t i, absl::Status s) { n.out[1 + i] = std::move(s); });
+      });
+  for (int node = 0; node < kNodes; ++node) {
+    const std::vector<absl::Status>& out = nodes_[node].out;
+    EXPECT_TRUE(out[0].ok()) << node << " " << out[0];
+    EXPECT_TRUE(out[1].ok()) << node << " " << out[1];
+    EXPECT_EQ(out[2].code(), absl::StatusCode::kDeadlineExceeded) << node << " " << out[2];
+    EXPECT_TRUE(out[3].ok()) << node << " " << out[3];
+  }
+  ExpectValues(1, [](int, int64_t i) { return Max(i); });
+  ExpectValues(2, [](int rank, int64_t i) { return Input(rank, i); });
+  ExpectValues(3, [](int, int64_t i) { return Max(i); });
 }
 
 }  // namespace
