@@ -5,6 +5,7 @@
 #include "daemon/backend/cpu/gloo_communicator.h"
 
 #include <atomic>
+#include <csignal>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -271,6 +272,44 @@ TEST_F(GlooCommunicatorTest, RingOpWhoseDeadlinePassesBehindAnEarlierRingOpFails
   ExpectValues(1, [](int, int64_t i) { return Max(i); });
   ExpectValues(2, [](int rank, int64_t i) { return Input(rank, i); });
   ExpectValues(3, [](int, int64_t i) { return Max(i); });
+}
+
+TEST_F(GlooCommunicatorTest, PeerWhoseCommunicatorGoesMidBatchFailsTheRestWithoutHanging) {
+  // Nodes a and b batch 120 ops of 40 KB (many stream messages each way); node c runs the first
+  // 30 and then its communicator goes (its daemon died), with the peers' later messages still
+  // on the wire towards it. a and b end every op without hanging: ops 30 on fail naming the
+  // group's nodes; an op of the first 30 succeeds with the group's values or, when c's going
+  // cut its records off the wire first, fails and writes nothing.
+  ::signal(SIGPIPE, SIG_IGN);  // as gradsyncd does: a write to the gone peer fails, no signal
+  std::vector<int64_t> counts(120, 10000);
+  RunOnEveryNode(
+      counts, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
+      [](int node, Node& n) {
+        if (node != 2) return RunAll(n);
+        std::vector<const core::Collective*> ops;
+        for (size_t k = 0; k < 30; ++k) ops.push_back(&n.ops[k]);
+        n.comm->RunBatch(ops, [&n](size_t i, absl::Status s) { n.out[i] = std::move(s); });
+        n.comm.reset();
+      });
+  for (int node = 0; node < kNodes; ++node) {
+    const std::vector<absl::Status>& out = nodes_[node].out;
+    for (size_t k = 0; k < counts.size(); ++k) {
+      if (node == 2 && k >= 30) break;
+      EXPECT_NE(out[k].code(), absl::StatusCode::kUnknown) << node << " " << k << out[k];
+      if (node == 2 || k >= 30) {
+        EXPECT_EQ(out[k].ok(), k < 30) << node << " " << k << out[k];
+      }
+      for (size_t m = 0; m < nodes_[node].buffers[k].size(); ++m) {
+        const std::vector<float>& data = nodes_[node].buffers[k][m];
+        const int rank = kLocal[node][m];
+        for (size_t i = 0; i < data.size(); ++i) {
+          const float want = !out[k].ok() ? Input(rank, i) : k % 2 ? Max(i) : Sum(i);
+          ASSERT_EQ(data[i], want) << node << " " << k << " " << m << " " << i << out[k];
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(absl::StrContains(nodes_[0].out[30].message(), "127.0.0.1:3")) << nodes_[0].out[30];
 }
 
 }  // namespace
