@@ -312,5 +312,41 @@ TEST_F(GlooCommunicatorTest, PeerWhoseCommunicatorGoesMidBatchFailsTheRestWithou
   EXPECT_TRUE(absl::StrContains(nodes_[0].out[30].message(), "127.0.0.1:3")) << nodes_[0].out[30];
 }
 
+TEST_F(GlooCommunicatorTest, DesyncOfARingOpAgainstInlineOnesMidBatchFailsItAloneOnEveryNode) {
+  // Op 2 is 64 floats (inline) on nodes a and b but 100000 (the ring) on node c: the nodes'
+  // records differ in size and c's stage ends there. Op 2 fails as a desync naming both
+  // fingerprints everywhere and writes nothing; the ops around it succeed.
+  const std::vector<int64_t> counts = {64, 64, 64, 64, 100000, 64};
+  RunOnEveryNode(
+      counts, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
+      [](int node, Node& n) {
+        if (node == 2) {  // never runs: the verdicts differ first
+          n.ops[2].count = 100000;
+          n.ops[2].fingerprint = "all_reduce(w, count=100000) seq=2";
+        }
+        RunAll(n);
+      });
+  for (int node = 0; node < kNodes; ++node) {
+    const std::vector<absl::Status>& out = nodes_[node].out;
+    for (size_t k = 0; k < counts.size(); ++k) {
+      if (k != 2) {
+        EXPECT_TRUE(out[k].ok()) << node << " " << k << " " << out[k];
+        continue;
+      }
+      EXPECT_EQ(out[k].code(), absl::StatusCode::kFailedPrecondition) << out[k];
+      EXPECT_TRUE(absl::StrContains(out[k].message(), "count=64) seq=2") &&
+                  absl::StrContains(out[k].message(), "count=100000) seq=2"))
+          << out[k];
+    }
+  }
+  for (size_t k = 0; k < counts.size(); ++k) {
+    if (k == 2) {
+      ExpectValues(k, [](int rank, int64_t i) { return Input(rank, i); });
+    } else {
+      ExpectValues(k, [&](int, int64_t i) { return k % 2 ? Max(i) : Sum(i); });
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gradsync::backend::cpu
