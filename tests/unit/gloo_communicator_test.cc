@@ -4,6 +4,8 @@
 
 #include "daemon/backend/cpu/gloo_communicator.h"
 
+#include <atomic>
+#include <csignal>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -221,6 +223,124 @@ TEST_F(GlooCommunicatorTest, DesyncedAndFailedOpsInABatchFailAloneAndWriteNothin
   }
   for (size_t k = 0; k < counts.size(); ++k) {
     if (k == 2 || k == 4) {
+      ExpectValues(k, [](int rank, int64_t i) { return Input(rank, i); });
+    } else {
+      ExpectValues(k, [&](int, int64_t i) { return k % 2 ? Max(i) : Sum(i); });
+    }
+  }
+}
+
+TEST_F(GlooCommunicatorTest, RingOpWhoseDeadlinePassesBehindAnEarlierRingOpFailsAloneInABatch) {
+  // Op 0 connects the nodes. Then nodes a and c batch ring op 1, ring op 2 (deadline 1 s away on
+  // a and c) and small op 3; node b starts only once that deadline has passed, so op 2's
+  // deadline passes while op 1 runs. Op 2 must fail by its deadline on every node without
+  // breaking the group's link: op 3 succeeds.
+  std::atomic<int> ready{0};
+  std::atomic<int64_t> latest_deadline_ns{0};
+  RunOnEveryNode(
+      {64, 100000, 4000000, 64}, [](int, int) { return "w"; },
+      [](int, int) { return absl::OkStatus(); },
+      [&](int node, Node& n) {
+        n.out[0] = n.comm->Run(n.ops[0]);
+        if (node != 1) {
+          n.ops[2].deadline = absl::Now() + absl::Seconds(1);
+          int64_t ns = absl::ToUnixNanos(n.ops[2].deadline);
+          int64_t seen = latest_deadline_ns.load();
+          while (seen < ns && !latest_deadline_ns.compare_exchange_weak(seen, ns)) {
+          }
+          ++ready;
+        } else {
+          // Bounded: at most 60 s.
+          for (int i = 0; i < 1200; ++i) {
+            if (ready.load() == 2 && absl::Now() > absl::FromUnixNanos(latest_deadline_ns.load()) +
+                                                       absl::Milliseconds(100)) {
+              break;
+            }
+            absl::SleepFor(absl::Milliseconds(50));
+          }
+        }
+        std::vector<const core::Collective*> ops = {&n.ops[1], &n.ops[2], &n.ops[3]};
+        n.comm->RunBatch(ops, [&n](size_t i, absl::Status s) { n.out[1 + i] = std::move(s); });
+      });
+  for (int node = 0; node < kNodes; ++node) {
+    const std::vector<absl::Status>& out = nodes_[node].out;
+    EXPECT_TRUE(out[0].ok()) << node << " " << out[0];
+    EXPECT_TRUE(out[1].ok()) << node << " " << out[1];
+    EXPECT_EQ(out[2].code(), absl::StatusCode::kDeadlineExceeded) << node << " " << out[2];
+    EXPECT_TRUE(out[3].ok()) << node << " " << out[3];
+  }
+  ExpectValues(1, [](int, int64_t i) { return Max(i); });
+  ExpectValues(2, [](int rank, int64_t i) { return Input(rank, i); });
+  ExpectValues(3, [](int, int64_t i) { return Max(i); });
+}
+
+TEST_F(GlooCommunicatorTest, PeerWhoseCommunicatorGoesMidBatchFailsTheRestWithoutHanging) {
+  // Nodes a and b batch 120 ops of 40 KB (many stream messages each way); node c runs the first
+  // 30 and then its communicator goes (its daemon died), with the peers' later messages still
+  // on the wire towards it. a and b end every op without hanging: ops 30 on fail naming the
+  // group's nodes; an op of the first 30 succeeds with the group's values or, when c's going
+  // cut its records off the wire first, fails and writes nothing.
+  ::signal(SIGPIPE, SIG_IGN);  // as gradsyncd does: a write to the gone peer fails, no signal
+  std::vector<int64_t> counts(120, 10000);
+  RunOnEveryNode(
+      counts, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
+      [](int node, Node& n) {
+        if (node != 2) return RunAll(n);
+        std::vector<const core::Collective*> ops;
+        for (size_t k = 0; k < 30; ++k) ops.push_back(&n.ops[k]);
+        n.comm->RunBatch(ops, [&n](size_t i, absl::Status s) { n.out[i] = std::move(s); });
+        n.comm.reset();
+      });
+  for (int node = 0; node < kNodes; ++node) {
+    const std::vector<absl::Status>& out = nodes_[node].out;
+    for (size_t k = 0; k < counts.size(); ++k) {
+      if (node == 2 && k >= 30) break;
+      EXPECT_NE(out[k].code(), absl::StatusCode::kUnknown) << node << " " << k << out[k];
+      if (node == 2 || k >= 30) {
+        EXPECT_EQ(out[k].ok(), k < 30) << node << " " << k << out[k];
+      }
+      for (size_t m = 0; m < nodes_[node].buffers[k].size(); ++m) {
+        const std::vector<float>& data = nodes_[node].buffers[k][m];
+        const int rank = kLocal[node][m];
+        for (size_t i = 0; i < data.size(); ++i) {
+          const float want = !out[k].ok() ? Input(rank, i) : k % 2 ? Max(i) : Sum(i);
+          ASSERT_EQ(data[i], want) << node << " " << k << " " << m << " " << i << out[k];
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(absl::StrContains(nodes_[0].out[30].message(), "127.0.0.1:3")) << nodes_[0].out[30];
+}
+
+TEST_F(GlooCommunicatorTest, DesyncOfARingOpAgainstInlineOnesMidBatchFailsItAloneOnEveryNode) {
+  // Op 2 is 64 floats (inline) on nodes a and b but 100000 (the ring) on node c: the nodes'
+  // records differ in size and c's stage ends there. Op 2 fails as a desync naming both
+  // fingerprints everywhere and writes nothing; the ops around it succeed.
+  const std::vector<int64_t> counts = {64, 64, 64, 64, 100000, 64};
+  RunOnEveryNode(
+      counts, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
+      [](int node, Node& n) {
+        if (node == 2) {  // never runs: the verdicts differ first
+          n.ops[2].count = 100000;
+          n.ops[2].fingerprint = "all_reduce(w, count=100000) seq=2";
+        }
+        RunAll(n);
+      });
+  for (int node = 0; node < kNodes; ++node) {
+    const std::vector<absl::Status>& out = nodes_[node].out;
+    for (size_t k = 0; k < counts.size(); ++k) {
+      if (k != 2) {
+        EXPECT_TRUE(out[k].ok()) << node << " " << k << " " << out[k];
+        continue;
+      }
+      EXPECT_EQ(out[k].code(), absl::StatusCode::kFailedPrecondition) << out[k];
+      EXPECT_TRUE(absl::StrContains(out[k].message(), "count=64) seq=2") &&
+                  absl::StrContains(out[k].message(), "count=100000) seq=2"))
+          << out[k];
+    }
+  }
+  for (size_t k = 0; k < counts.size(); ++k) {
+    if (k == 2) {
       ExpectValues(k, [](int rank, int64_t i) { return Input(rank, i); });
     } else {
       ExpectValues(k, [&](int, int64_t i) { return k % 2 ? Max(i) : Sum(i); });

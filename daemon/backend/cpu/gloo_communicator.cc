@@ -298,6 +298,10 @@ size_t GlooCommunicator::StageEnd(absl::Span<const core::Collective* const> ops,
         if (rb < we && wb < re) return end == begin ? begin + 1 : end;
       }
     }
+    // An op that runs Gloo's algorithm ends its stage: the ops behind it post their verdicts
+    // (their deadline checks) once it is done, so one whose deadline passes while it runs fails
+    // by its verdict on every node, not by a Gloo timeout that breaks the group's link.
+    if (!TravelsInline(op)) return end + 1;
     const bool writes_output = op.kind == v1::ALL_GATHER || op.kind == v1::REDUCE_SCATTER;
     for (const core::LocalMember& m : op.local) {
       AddRanges(writes_output ? m.output : m.input, esize, written);

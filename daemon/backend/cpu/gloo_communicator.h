@@ -69,7 +69,8 @@ class GlooCommunicator final : public core::Communicator {
   // status (DEADLINE_EXCEEDED naming the peers once its deadline passed).
   absl::Status FailLink(const core::Collective& op, absl::Status error);
   // One past the last of ops[begin...] that may have their records in flight together: an op
-  // that reads what an earlier one of the run writes waits for it.
+  // that reads what an earlier one of the run writes waits for it, and an op that runs Gloo's
+  // algorithm is the last of its stage.
   size_t StageEnd(absl::Span<const core::Collective* const> ops, size_t begin) const;
   // Runs ops whose records may all be in flight at once, ops[i] being the batch's op first + i.
   // Throws (Gloo) only through `finished`.
