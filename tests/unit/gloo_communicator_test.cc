@@ -70,7 +70,7 @@ class GlooCommunicatorTest : public ::testing::Test {
       spec.node = kMemberNodes[kLocal[node][0]];
       spec.rendezvous = &store_;
       spec.run = "r1";
-      n.comm = std::make_unique<GlooCommunicator>(spec, nullptr);
+      n.comm = std::make_unique<GlooCommunicator>(spec);
       n.buffers.resize(counts.size());
       for (size_t k = 0; k < counts.size(); ++k) {
         core::Collective op =

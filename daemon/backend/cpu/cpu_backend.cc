@@ -113,7 +113,7 @@ absl::StatusOr<std::shared_ptr<core::Communicator>> CpuBackend::CreateCommunicat
                        " spans nodes but this "
                        "daemon has no job store or TCP address to reach its peers"));
     }
-    return std::make_shared<GlooCommunicator>(spec, pool_);
+    return std::make_shared<GlooCommunicator>(spec);
   }
   if (spec.local_members != spec.members) {
     return absl::FailedPreconditionError(absl::StrCat(

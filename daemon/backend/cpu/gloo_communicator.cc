@@ -137,8 +137,7 @@ struct GlooCommunicator::PeerStream {
   std::string post_error;           // why receives stopped being posted (the link failed)
 };
 
-GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool)
-    : spec_(std::move(spec)), pool_(pool) {
+GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec) : spec_(std::move(spec)) {
   nodes_ = spec_.member_nodes;
   std::sort(nodes_.begin(), nodes_.end());
   nodes_.erase(std::unique(nodes_.begin(), nodes_.end()), nodes_.end());

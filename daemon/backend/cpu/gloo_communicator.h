@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "common/worker_pool.h"
 #include "daemon/core/backend.h"
 
 namespace gloo {
@@ -49,7 +48,7 @@ namespace gradsync::backend::cpu {
 /// block; AllGather gathers the nodes' parts.
 class GlooCommunicator final : public core::Communicator {
  public:
-  GlooCommunicator(core::CommunicatorSpec spec, WorkerPool* pool);
+  explicit GlooCommunicator(core::CommunicatorSpec spec);
   ~GlooCommunicator() override;
   absl::Status Run(const core::Collective& op) override;
   void RunBatch(absl::Span<const core::Collective* const> ops,
@@ -112,7 +111,6 @@ class GlooCommunicator final : public core::Communicator {
   std::unique_ptr<std::byte[]> TakeSendMemory();
 
   const core::CommunicatorSpec spec_;
-  WorkerPool* const pool_;
   std::vector<std::string> nodes_;  // the group's nodes, sorted: Gloo rank = index
   std::vector<int> node_of_group_rank_;
   std::vector<int> members_on_node_;  // by node index
