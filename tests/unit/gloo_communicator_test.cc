@@ -139,16 +139,19 @@ void RunInTwoBatches(Node& n) {
                    [&n, half](size_t i, absl::Status s) { n.out[half + i] = std::move(s); });
 }
 
+// Node 0 runs the ops in one batch, node 1 one by one, node 2 in two batches.
+void RunThreeWays(int node, Node& n) {
+  if (node == 0) RunAll(n);
+  if (node == 1) RunOneByOne(n);
+  if (node == 2) RunInTwoBatches(n);
+}
+
 TEST_F(GlooCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAndByRing) {
   // Small ops travel inside their records; 100000 floats (over 256 KiB) take the ring.
   const std::vector<int64_t> counts = {1, 1000, 0, 100000, 7, 4096, 100000, 3};
   RunOnEveryNode(
       counts, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
-      [](int node, Node& n) {
-        if (node == 0) RunAll(n);
-        if (node == 1) RunOneByOne(n);
-        if (node == 2) RunInTwoBatches(n);
-      });
+      RunThreeWays);
   for (int node = 0; node < kNodes; ++node) {
     for (size_t k = 0; k < counts.size(); ++k) {
       EXPECT_TRUE(nodes_[node].out[k].ok()) << node << " " << k << nodes_[node].out[k];
@@ -167,11 +170,7 @@ TEST_F(GlooCommunicatorTest, ManyOpsSpanningManyStreamMessagesKeepTheirValuesHow
   counts[120] = 100000;
   RunOnEveryNode(
       counts, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
-      [](int node, Node& n) {
-        if (node == 0) RunAll(n);
-        if (node == 1) RunOneByOne(n);
-        if (node == 2) RunInTwoBatches(n);
-      });
+      RunThreeWays);
   for (int node = 0; node < kNodes; ++node) {
     for (size_t k = 0; k < counts.size(); ++k) {
       EXPECT_TRUE(nodes_[node].out[k].ok()) << node << " " << k << nodes_[node].out[k];
