@@ -294,24 +294,20 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
       Ready& r = batch[i];
       {
         // Before the members hear of it: history never lags the trainers.
-        const absl::Time finished = absl::Now();
+        const absl::Time now = absl::Now();
         absl::MutexLock lock(&job->mu);
         internal::AssertGroupOf(*job, *group);
         group->running_ops = absl::MakeSpan(batch).subspan(i + 1);
         if (r.record) {
-          NoteFinished(*group, options_, r.seq, r.fp, r.plane, r.bytes, r.queued, r.started,
-                       finished, status);
+          NoteFinished(*group, options_, r.seq, r.fp, r.plane, r.bytes, r.queued, r.started, now,
+                       status);
         }
       }
       statuses[i] = std::move(status);
     };
-    if (batch.size() == 1) {
-      finished(0, group->comm->Run(batch[0].op));
-    } else {
-      std::vector<const Collective*> ops;
-      for (const Ready& r : batch) ops.push_back(&r.op);
-      group->comm->RunBatch(ops, finished);
-    }
+    std::vector<const Collective*> ops;
+    for (const Ready& r : batch) ops.push_back(&r.op);
+    group->comm->RunBatch(ops, finished);  // of one op: the same as Run, in every communicator
     {
       absl::MutexLock lock(&job->mu);
       group->running_ops = {};  // every op finished (the batch goes now)

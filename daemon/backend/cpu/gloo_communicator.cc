@@ -69,10 +69,6 @@ void WithElementType(int64_t esize, F&& f) {
   }
 }
 
-}  // namespace
-
-namespace {
-
 // What one node sends every other for each op, on its stream: its view of the op, then its
 // inline contribution (payload_bytes of it, padded to kRecordAlign).
 struct RecordHeader {

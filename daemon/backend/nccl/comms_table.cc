@@ -164,10 +164,6 @@ void CommsTable::DropKeptOn(const std::vector<int>& devices, const std::string& 
       later);
 }
 
-}  // namespace gradsync::backend::nccl
-
-namespace gradsync::backend::nccl {
-
 void CommsTable::NoteLaunched(std::shared_ptr<GroupComms> c) {
   absl::MutexLock lock(&watch_mu_);
   const GroupComms* key = c.get();

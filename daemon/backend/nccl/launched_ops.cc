@@ -17,20 +17,9 @@ auto Log() { return logging::Logger("nccl"); }
 // The engine's op without its members (their views point into memory the op's keep_alive
 // holds; nothing after the launch reads them).
 core::Collective WithoutMembers(const core::Collective& op) {
-  core::Collective c;
-  c.kind = op.kind;
-  c.reduce_op = op.reduce_op;
-  c.dtype = op.dtype;
-  c.count = op.count;
-  c.root = op.root;
-  c.group_size = op.group_size;
-  c.deadline = op.deadline;
-  c.seq = op.seq;
-  c.label = op.label;
-  c.fingerprint = op.fingerprint;
-  c.local_failure = op.local_failure;
-  c.plane = op.plane;
-  c.keep_alive = op.keep_alive;
+  core::Collective c = op;
+  c.local.clear();
+  c.local.shrink_to_fit();
   return c;
 }
 

@@ -53,10 +53,9 @@ void NcclBackend::SettleLaunched(const std::string& job, absl::Duration bound) {
   for (auto& c : table_.OfJob(job)) {
     LockedComms locked(c.get());
     if (c->launched.empty()) continue;
-    // Each op's own deadline bounds the wait (one past it fails); `bound` may end it sooner.
-    const absl::Time until =
-        bound == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + bound;
-    if (!AwaitLaunchedLocked(table_, *c, 0, until, later).ok()) {
+    // Each op's own deadline bounds the wait (one past it fails); `bound` may end it sooner
+    // (an infinite one saturates to InfiniteFuture).
+    if (!AwaitLaunchedLocked(table_, *c, 0, absl::Now() + bound, later).ok()) {
       (void)table_.AbortLocked(*c, absl::UnavailableError("the daemon is shutting down"), later);
     }
     table_.ForgetLaunched(c.get());
