@@ -182,13 +182,7 @@ class CudaGpuApi final : public GpuApi {
 
   absl::StatusOr<bool> StreamDone(int device, Stream stream) override {
     if (absl::Status s = Use(device); !s.ok()) return s;
-    const cudaError_t e = cudaStreamQuery(static_cast<cudaStream_t>(stream));
-    if (e == cudaErrorNotReady) {
-      cudaGetLastError();
-      return false;
-    }
-    if (absl::Status s = FromCuda(e, "cudaStreamQuery", device); !s.ok()) return s;
-    return true;
+    return Reached(cudaStreamQuery(static_cast<cudaStream_t>(stream)), "cudaStreamQuery", device);
   }
 
   absl::StatusOr<Event> CreateEvent(int device) override {
@@ -202,13 +196,7 @@ class CudaGpuApi final : public GpuApi {
 
   absl::StatusOr<bool> EventDone(int device, Event event) override {
     if (absl::Status s = Use(device); !s.ok()) return s;
-    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
-    if (e == cudaErrorNotReady) {
-      cudaGetLastError();
-      return false;
-    }
-    if (absl::Status s = FromCuda(e, "cudaEventQuery", device); !s.ok()) return s;
-    return true;
+    return Reached(cudaEventQuery(static_cast<cudaEvent_t>(event)), "cudaEventQuery", device);
   }
 
   absl::StatusOr<std::string> NcclUniqueId() override {
@@ -287,6 +275,17 @@ class CudaGpuApi final : public GpuApi {
 
  private:
   // Every CUDA result of this API passes here: the first sticky error is reported, once.
+  // What a cudaStreamQuery/cudaEventQuery said: false while the work is not done (that
+  // "error" cleared), true once it is, or the error.
+  absl::StatusOr<bool> Reached(cudaError_t e, absl::string_view call, int device) {
+    if (e == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    if (absl::Status s = FromCuda(e, call, device); !s.ok()) return s;
+    return true;
+  }
+
   absl::Status FromCuda(cudaError_t e, absl::string_view call, int device) {
     absl::Status s = cuda::FromCuda(static_cast<int>(e), call, device);
     if (cuda::IsSticky(static_cast<int>(e)) && !broken_.exchange(true) && on_broken_) {
