@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/backend/cpu/gloo_store.h"
 #include "daemon/backend/cpu/kernels.h"
+#include "daemon/backend/cpu/record_links.h"
 #include "gloo/allgather.h"
 #include "gloo/allgatherv.h"
 #include "gloo/allreduce.h"
@@ -20,7 +21,6 @@
 #include "gloo/broadcast.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/transport/tcp/device.h"
-#include "gloo/transport/unbound_buffer.h"
 
 namespace gradsync::backend::cpu {
 namespace {
@@ -35,18 +35,12 @@ constexpr size_t kSegmentBytes = 4 << 20;
 constexpr int64_t kInlineMaxBytes = 256 << 10;
 // Most ops whose records are in flight at once (RunBatch splits longer runs).
 constexpr size_t kMaxStageOps = 256;
-// A stream message: at most this many bytes (a receive buffer's size), sent once it holds
-// kStreamFlushBytes so that the wire and the peer start while later records are packed.
+// A stream message: at most this many bytes, sent once it holds kStreamFlushBytes so that the
+// wire and the peer start while later records are packed.
 constexpr size_t kStreamMessageBytes = 1 << 20;
 constexpr size_t kStreamFlushBytes = 256 << 10;
-// Receives each node keeps posted per peer (so many messages may be on the wire towards it).
-constexpr size_t kStreamDepth = 4;
 // Send buffers a communicator keeps between stages (a 200 x 40 KiB batch takes about 30).
 constexpr size_t kKeptSendMessages = 32;
-// Gloo slots of the stream messages: a prefix Gloo's algorithms do not use, and the message's
-// number on its stream.
-constexpr uint64_t kStreamSlotPrefix = uint64_t{0xA6} << 56;
-constexpr uint64_t kStreamSlotMask = (uint64_t{1} << 56) - 1;
 constexpr uint64_t kStreamMagic = 0x67737265636f7264;  // "gsrecord"
 
 std::chrono::milliseconds MillisUntil(absl::Time deadline) {
@@ -99,8 +93,6 @@ uint64_t HashOf(std::string_view s) {
   return h;
 }
 
-uint64_t StreamSlot(uint64_t message) { return kStreamSlotPrefix | (message & kStreamSlotMask); }
-
 }  // namespace
 
 struct GlooCommunicator::Exchange {
@@ -109,28 +101,23 @@ struct GlooCommunicator::Exchange {
   const std::byte* mine = nullptr;  // this node's record, in an outbox message
 };
 
-// This node's messages of one stage: the open one and those handed to Gloo.
+// This node's messages of one stage (its records are read again when each op finishes).
 struct GlooCommunicator::Outbox {
   struct Message {
     std::unique_ptr<std::byte[]> memory;  // kStreamMessageBytes
     size_t bytes = sizeof(MessageHeader);
     uint64_t records = 0;
-    // Declared after the memory it points into, so destroyed first.
-    std::unique_ptr<::gloo::transport::UnboundBuffer> buffer;
+    bool sent = false;
   };
-  std::vector<Message> messages;  // the last one is open while it has no buffer
+  std::vector<Message> messages;  // the last one is open while not sent
+  absl::Time deadline;            // of sending: the stage's latest op deadline, kGrace at least
 };
 
-// A peer's stream towards this node: message k lands in memory[k % kStreamDepth].
+// Where this node is in a peer's current message (from RecordLinks::Receive, valid until the
+// next Receive from that peer).
 struct GlooCommunicator::PeerStream {
-  std::vector<std::unique_ptr<std::byte[]>> memory;
-  // Declared after the memory they point into, so destroyed (withdrawn) first.
-  std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> receives;
-  uint64_t posted = 0;              // messages with a receive posted: [0, posted)
-  uint64_t received = 0;            // messages taken: the current one is received - 1
   const std::byte* next = nullptr;  // the current message's next record
   const std::byte* end = nullptr;   // and its end
-  std::string post_error;           // why receives stopped being posted (the link failed)
 };
 
 GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec) : spec_(std::move(spec)) {
@@ -150,13 +137,10 @@ GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec) : spec_(std::mov
 GlooCommunicator::~GlooCommunicator() { ClosePairs(); }
 
 void GlooCommunicator::ClosePairs() {
-  // Until a pair is closed, Gloo's device thread may signal an error (a peer closing its end)
-  // into a receive posted on it, holding the pair's lock; a buffer destroyed meanwhile is
-  // destroyed under it (seen by TSan). Destroying a pair takes that lock and takes it off the
-  // device thread, so no receive posted on it is touched after. (The buffers hold the context,
-  // so resetting context_ alone closes nothing.) Destroyed, not close()d: Gloo's close() is a
-  // hard close (SO_LINGER 0: a reset that can drop our last messages before the peer reads
-  // them); its destructor shuts the connection down after what was written.
+  // Destroyed, not close()d: Gloo's close() is a hard close (SO_LINGER 0: a reset that can
+  // drop our last messages before the peer reads them); its destructor shuts the connection
+  // down after what was written. (The buffers hold the context, so resetting context_ alone
+  // closes nothing.)
   if (!context_) return;
   for (int i = 0; i < context_->size; ++i) {
     if (i != context_->rank) context_->getPair(i).reset();
@@ -196,15 +180,23 @@ absl::Status GlooCommunicator::Connect(absl::Time deadline) {
         absl::StrCat("gloo/", spec_.run, spec_.run.empty() ? "" : "/", spec_.group, "/"),
         deadline - absl::Now());
     context->connectFullMesh(store, device);
-    context_ = std::move(context);
-    // Every peer's first messages may leave as soon as it has them.
-    streams_.resize(nodes_.size());
-    for (size_t node = 0; node < nodes_.size(); ++node) {
-      if (static_cast<int>(node) == my_node_) continue;
-      streams_[node].memory.resize(kStreamDepth);
-      streams_[node].receives.resize(kStreamDepth);
-      PostReceives(static_cast<int>(node), streams_[node]);
+    RecordLinks::Spec links;
+    links.store = spec_.rendezvous;
+    links.job = spec_.job;
+    links.prefix =
+        absl::StrCat("records/", spec_.run, spec_.run.empty() ? "" : "/", spec_.group, "/");
+    links.nodes = nodes_;
+    links.me = my_node_;
+    links.max_message_bytes = kStreamMessageBytes;
+    absl::StatusOr<std::unique_ptr<RecordLinks>> connected =
+        RecordLinks::Connect(std::move(links), deadline);
+    if (!connected.ok()) {
+      return absl::Status(connected.status().code(),
+                          absl::StrCat(what, ": ", connected.status().message()));
     }
+    context_ = std::move(context);
+    links_ = *std::move(connected);
+    streams_.assign(nodes_.size(), PeerStream{});
     return absl::OkStatus();
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat(what, ": ", e.what()));
@@ -219,10 +211,10 @@ absl::Status GlooCommunicator::BrokenStatus(const core::Collective& op) const {
 absl::Status GlooCommunicator::FailLink(const core::Collective& op, absl::Status error) {
   // A peer daemon died, or did not reach the op by its deadline. The nodes may now disagree
   // on where the group's sequence stands, so the group stays failed (its ranks form the job
-  // again) rather than reconnecting to stale rendezvous keys. The pairs close before the
-  // receives posted on them go: see ClosePairs.
+  // again) rather than reconnecting to stale rendezvous keys.
   ClosePairs();
   streams_.clear();
+  links_.reset();
   context_.reset();
   if (absl::Now() >= op.deadline) {
     error = absl::DeadlineExceededError(
@@ -315,45 +307,20 @@ std::unique_ptr<std::byte[]> GlooCommunicator::TakeSendMemory() {
   return m;
 }
 
-void GlooCommunicator::PostReceives(int node, PeerStream& stream) {
-  // Message k reuses the memory of message k - kStreamDepth, which the caller has consumed:
-  // records are taken in order, and this runs only when every message taken is used up (the
-  // peer's next kStreamDepth - 1 messages may arrive while the current one is read).
-  while (stream.posted < stream.received + kStreamDepth) {
-    const size_t index = stream.posted % kStreamDepth;
-    if (!stream.memory[index]) stream.memory[index].reset(new std::byte[kStreamMessageBytes]);
-    try {
-      stream.receives[index] =
-          context_->createUnboundBuffer(stream.memory[index].get(), kStreamMessageBytes);
-      stream.receives[index]->recv(node, StreamSlot(stream.posted));
-    } catch (const std::exception& e) {
-      // The link failed, typically the peer closed its end after its last op: the messages it
-      // sent before are received already and still read; only one that needed this receive
-      // fails (NextRecord), with this error.
-      stream.receives[index].reset();
-      stream.post_error = e.what();
-      return;
-    }
-    ++stream.posted;
-  }
-}
-
 const std::byte* GlooCommunicator::NextRecord(int node, uint64_t seq,
                                               std::chrono::milliseconds timeout) {
   PeerStream& stream = streams_[node];
   if (stream.next == stream.end) {
-    PostReceives(node, stream);
-    if (stream.received >= stream.posted) throw std::runtime_error(stream.post_error);
-    const size_t index = stream.received % kStreamDepth;
-    if (!stream.receives[index]->waitRecv(nullptr, timeout)) {
-      throw std::runtime_error("record exchange aborted");
-    }
-    ++stream.received;
-    const std::byte* const m = stream.memory[index].get();
+    absl::StatusOr<absl::Span<const std::byte>> message =
+        links_->Receive(node, absl::Now() + absl::FromChrono(timeout));
+    if (!message.ok()) throw std::runtime_error(std::string(message.status().message()));
+    const std::byte* const m = message->data();
     MessageHeader header;
+    if (message->size() < sizeof(header)) {
+      throw std::runtime_error(absl::StrCat("malformed stream message from node ", nodes_[node]));
+    }
     std::memcpy(&header, m, sizeof(header));
-    if (header.magic != kStreamMagic || header.bytes < sizeof(header) ||
-        header.bytes > kStreamMessageBytes || header.records == 0) {
+    if (header.magic != kStreamMagic || header.bytes != message->size() || header.records == 0) {
       throw std::runtime_error(absl::StrCat("malformed stream message from node ", nodes_[node]));
     }
     stream.next = m + sizeof(header);
@@ -376,26 +343,13 @@ const std::byte* GlooCommunicator::NextRecord(int node, uint64_t seq,
 }
 
 void GlooCommunicator::Flush(Outbox& outbox) {
-  if (outbox.messages.empty() || outbox.messages.back().buffer) return;
+  if (outbox.messages.empty() || outbox.messages.back().sent) return;
   Outbox::Message& m = outbox.messages.back();
   const MessageHeader header{kStreamMagic, m.bytes, m.records, {}};
   std::memcpy(m.memory.get(), &header, sizeof(header));
-  m.buffer = context_->createUnboundBuffer(m.memory.get(), m.bytes);
-  const uint64_t slot = StreamSlot(messages_sent_++);
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    if (static_cast<int>(node) != my_node_) m.buffer->send(static_cast<int>(node), slot);
-  }
-}
-
-void GlooCommunicator::WaitSent(Outbox& outbox, std::chrono::milliseconds timeout) {
-  for (Outbox::Message& m : outbox.messages) {
-    if (!m.buffer) continue;
-    for (size_t node = 0; node < nodes_.size(); ++node) {
-      if (static_cast<int>(node) == my_node_) continue;
-      if (!m.buffer->waitSend(nullptr, timeout)) {
-        throw std::runtime_error("record exchange aborted");
-      }
-    }
+  m.sent = true;
+  if (absl::Status s = links_->Send({m.memory.get(), m.bytes}, outbox.deadline); !s.ok()) {
+    throw std::runtime_error(std::string(s.message()));
   }
 }
 
@@ -403,19 +357,16 @@ void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops, s
                                 absl::FunctionRef<void(size_t, absl::Status)> finished) {
   std::vector<Exchange> exchanges(ops.size());
   Outbox outbox;
+  // Peers whose op failed at their own deadline come a moment later (as in Finish).
+  outbox.deadline = absl::Now() + kGrace;
+  for (const core::Collective* op : ops) outbox.deadline = std::max(outbox.deadline, op->deadline);
   size_t done = 0;  // ops told to `finished`
-  absl::Time latest = absl::InfinitePast();
   try {
-    for (size_t k = 0; k < ops.size(); ++k) {
-      Post(*ops[k], exchanges[k], outbox);
-      latest = std::max(latest, ops[k]->deadline);
-    }
+    for (size_t k = 0; k < ops.size(); ++k) Post(*ops[k], exchanges[k], outbox);
     Flush(outbox);
     for (; done < ops.size(); ++done) finished(first + done, Finish(*ops[done], exchanges[done]));
-    WaitSent(outbox, std::max(MillisUntil(latest), absl::ToChronoMilliseconds(kGrace)));
     // A few kept for the next stage; a large batch's others go back to the allocator.
     for (Outbox::Message& m : outbox.messages) {
-      m.buffer.reset();
       if (free_send_memory_.size() < kKeptSendMessages) {
         free_send_memory_.push_back(std::move(m.memory));
       }
@@ -559,11 +510,11 @@ void GlooCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& ou
   ex.inline_data = ex.local.ok() && TravelsInline(op);
   const int64_t payload = ex.inline_data ? InlineBytes(op, my_node_) : 0;
   const size_t bytes = sizeof(RecordHeader) + Padded(static_cast<size_t>(payload));
-  if (!outbox.messages.empty() && !outbox.messages.back().buffer &&
+  if (!outbox.messages.empty() && !outbox.messages.back().sent &&
       outbox.messages.back().bytes + bytes > kStreamMessageBytes) {
     Flush(outbox);
   }
-  if (outbox.messages.empty() || outbox.messages.back().buffer) {
+  if (outbox.messages.empty() || outbox.messages.back().sent) {
     outbox.messages.emplace_back().memory = TakeSendMemory();
   }
   Outbox::Message& m = outbox.messages.back();

@@ -17,6 +17,8 @@ class Context;
 
 namespace gradsync::backend::cpu {
 
+class RecordLinks;
+
 /// Collectives of a group whose members sit on several nodes, hierarchically: the local
 /// members' buffers are reduced inside the daemon into one scratch buffer, exchanged among the
 /// group's nodes (one Gloo rank per node), and the result is written back to every local
@@ -29,10 +31,10 @@ namespace gradsync::backend::cpu {
 /// algorithm. An op that failed on one node, or that nodes disagree on, fails on all of them
 /// the same way and writes no member buffer.
 ///
-/// Records travel on one stream per ordered pair of nodes, in sequence order: RunBatch packs
-/// the records of a run of queued ops into few messages (each up to kStreamMessageBytes),
-/// and each node keeps receives for its peers' next messages posted ahead, so a message goes
-/// out at once (no announce round) and a batch costs a few messages per peer, not one per op.
+/// Records travel on one stream per ordered pair of nodes, in sequence order, over the group's
+/// own TCP connections (record_links.h: written and read by this thread, no transport thread
+/// in between): RunBatch packs the records of a run of queued ops into few messages (each up
+/// to kStreamMessageBytes), so a batch costs a few messages per peer, not one per op.
 /// A stage's records are all packed before its first op waits for its peers' (packing ahead
 /// by a bounded window measured slower here), and each op is reported as soon as it finishes,
 /// keeping its own outcome, deadline and desync check. Nodes
@@ -42,10 +44,10 @@ namespace gradsync::backend::cpu {
 ///
 /// Not thread-safe: the engine never overlaps a group's calls (core::Communicator), and all
 /// state here is the group's. The Gloo context is connected at the first op (rendezvous through
-/// the job's store), bounded by that op's deadline. Gloo's exceptions stop here: a lost peer is
-/// UNAVAILABLE naming the op, and the group's later ops fail the same way (the job must be
-/// formed again). ReduceScatter reduces the whole input across nodes and hands each member its
-/// block; AllGather gathers the nodes' parts.
+/// the job's store), with the record links, bounded by that op's deadline. Gloo's exceptions stop
+/// here: a lost peer is UNAVAILABLE naming the op, and the group's later ops fail the same way (the
+/// job must be formed again). ReduceScatter reduces the whole input across nodes and hands each
+/// member its block; AllGather gathers the nodes' parts.
 class GlooCommunicator final : public core::Communicator {
  public:
   explicit GlooCommunicator(core::CommunicatorSpec spec);
@@ -60,7 +62,7 @@ class GlooCommunicator final : public core::Communicator {
   struct PeerStream;
 
   absl::Status Connect(absl::Time deadline);
-  // Closes the context's pairs (none touches a posted buffer after); before streams_ go.
+  // Closes the context's pairs, after what was sent on them (FailLink, the destructor).
   void ClosePairs();
   // The status of an op reached after the group's link failed.
   absl::Status BrokenStatus(const core::Collective& op) const;
@@ -78,16 +80,13 @@ class GlooCommunicator final : public core::Communicator {
   // Appends this node's record of `op` (verdict and inline contribution) to `outbox`, sending
   // its message to every peer when full. Throws (Gloo).
   void Post(const core::Collective& op, Exchange& ex, Outbox& outbox);
-  // Sends the outbox's open message (if any) to every peer. Throws (Gloo).
+  // Sends the outbox's open message (if any) to every peer; returns once the kernel holds it.
+  // Throws (a failed link).
   void Flush(Outbox& outbox);
-  // Waits until every message of `outbox` reached every peer. Throws (Gloo).
-  void WaitSent(Outbox& outbox, std::chrono::milliseconds timeout);
   // The next record on `node`'s stream, which must be op `seq`'s: waits for its message up to
-  // `timeout`. The record stays valid until the next call for that node. Throws (Gloo, or a
-  // stream out of step).
+  // `timeout`. The record stays valid until the next call for that node. Throws (a failed
+  // link, or a stream out of step).
   const std::byte* NextRecord(int node, uint64_t seq, std::chrono::milliseconds timeout);
-  // Keeps receives posted for `stream`'s next kStreamDepth messages. Throws (Gloo).
-  void PostReceives(int node, PeerStream& stream);
   // Waits for the peers' records of the op, decides its verdict and completes it. Throws (Gloo).
   absl::Status Finish(const core::Collective& op, Exchange& ex);
   // Bytes node `node` contributes to `op` when it travels inline.
@@ -116,10 +115,8 @@ class GlooCommunicator final : public core::Communicator {
   std::vector<int> members_on_node_;  // by node index
   int my_node_ = -1;
   std::shared_ptr<::gloo::Context> context_;
-  // By node (empty at my_node_); their posted receives point into their memory. Destroyed
-  // only after the context's pairs are closed (ClosePairs: the destructor, FailLink).
-  std::vector<PeerStream> streams_;
-  uint64_t messages_sent_ = 0;  // this node's stream messages so far (each goes to every peer)
+  std::unique_ptr<RecordLinks> links_;  // the record streams, connected with context_
+  std::vector<PeerStream> streams_;     // by node (unused at my_node_): into links_' messages
   std::vector<std::unique_ptr<std::byte[]>> free_send_memory_;
   std::vector<std::byte> scratch_;
   absl::Status broken_;  // once a cross-node op failed, every later op fails with it

@@ -1,0 +1,483 @@
+// Implementation of record_links.h: the connections (listen, publish, connect with the key,
+// accept), message framing, and the send pump that reads while a peer's socket is full.
+
+#include "daemon/backend/cpu/record_links.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace gradsync::backend::cpu {
+namespace {
+
+constexpr uint64_t kHelloMagic = 0x67736c696e6b3031;  // "gslink01"
+constexpr size_t kKeyBytes = 16;
+// A connection to our port that sends no hello gets this long (or up to the deadline).
+constexpr absl::Duration kHelloWait = absl::Seconds(5);
+// Reads take at least this much room, so a stream of small messages costs one recv each
+// batch of them, not one per message.
+constexpr size_t kReadChunk = 256 << 10;
+// A drained receive buffer above this is given back (below, it is kept for the next stage).
+constexpr size_t kKeepBufferBytes = size_t{64} << 20;
+// Most bytes a peer may have sent ahead of what we took (a stage's records are far less).
+constexpr size_t kMaxBufferedBytes = size_t{256} << 20;
+constexpr size_t kFrameHeader = sizeof(uint64_t);
+
+struct Hello {
+  uint64_t magic;
+  uint32_t from;
+  uint32_t to;
+  char key[2 * kKeyBytes];
+};
+static_assert(sizeof(Hello) == 48);
+
+std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
+
+// Time left until `deadline`, for ppoll (never negative).
+timespec Left(absl::Time deadline) {
+  const absl::Duration left = std::max(absl::ZeroDuration(), deadline - absl::Now());
+  return absl::ToTimespec(std::min(left, absl::Hours(24)));
+}
+
+// Waits for `events` on fd until `deadline`. Returns false on timeout.
+absl::StatusOr<bool> WaitFor(int fd, short events, absl::Time deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    const timespec t = Left(deadline);
+    const int rv = ::ppoll(&p, 1, &t, nullptr);
+    if (rv > 0) return true;
+    if (rv == 0) return false;
+    if (errno != EINTR) return absl::UnavailableError(Errno("poll"));
+  }
+}
+
+void SetNoDelay(int fd) {
+  int on = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
+}
+
+// "host:port" or "[v6]:port" -> host.
+std::string HostOf(const std::string& node) {
+  std::string host = node.substr(0, node.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host;
+}
+
+absl::StatusOr<addrinfo*> Resolve(const std::string& host, const std::string& port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* out = nullptr;
+  if (const int rv = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &out); rv != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot resolve ", host, ": ", ::gai_strerror(rv)));
+  }
+  return out;
+}
+
+// Sends all of `bytes` on a fresh connection (a hello: it fits the socket's buffer).
+absl::Status SendAll(int fd, const void* bytes, size_t n, absl::Time deadline) {
+  const char* p = static_cast<const char*>(bytes);
+  while (n > 0) {
+    const ssize_t rv = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (rv > 0) {
+      p += rv;
+      n -= static_cast<size_t>(rv);
+      continue;
+    }
+    if (rv < 0 && errno == EINTR) continue;
+    if (rv < 0 && errno != EAGAIN) return absl::UnavailableError(Errno("send"));
+    absl::StatusOr<bool> ready = WaitFor(fd, POLLOUT, deadline);
+    if (!ready.ok()) return ready.status();
+    if (!*ready) return absl::DeadlineExceededError("send timed out");
+  }
+  return absl::OkStatus();
+}
+
+// Reads exactly n bytes by `deadline`.
+absl::Status RecvAll(int fd, void* bytes, size_t n, absl::Time deadline) {
+  char* p = static_cast<char*>(bytes);
+  while (n > 0) {
+    const ssize_t rv = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (rv > 0) {
+      p += rv;
+      n -= static_cast<size_t>(rv);
+      continue;
+    }
+    if (rv == 0) return absl::UnavailableError("connection closed");
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN) return absl::UnavailableError(Errno("recv"));
+    absl::StatusOr<bool> ready = WaitFor(fd, POLLIN, deadline);
+    if (!ready.ok()) return ready.status();
+    if (!*ready) return absl::DeadlineExceededError("timed out");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+struct RecordLinks::Peer {
+  int fd = -1;
+  std::unique_ptr<std::byte[]> rx;  // received bytes: [head, tail) not yet taken
+  size_t capacity = 0;
+  size_t head = 0;
+  size_t tail = 0;
+  size_t returned = 0;  // the frame last returned by Receive, dropped at the next Receive
+  std::unique_ptr<std::byte[]> held;  // an earlier rx that still holds that frame
+  bool closed = false;                // the peer closed its end (what it sent before is still read)
+  absl::Status error;                 // once set, every call that needs this peer fails with it
+};
+
+RecordLinks::RecordLinks(Spec spec) : spec_(std::move(spec)), peers_(spec_.nodes.size()) {}
+
+RecordLinks::~RecordLinks() {
+  for (Peer& p : peers_) {
+    if (p.fd < 0) continue;
+    // Unread bytes at close(2) make the kernel reset the connection, which can drop what we
+    // sent last before the peer reads it: take them first, so the close is an orderly one.
+    char sink[4096];
+    for (int i = 0; i < 1024 && ::recv(p.fd, sink, sizeof(sink), MSG_DONTWAIT) > 0; ++i) {
+    }
+    ::close(p.fd);
+  }
+}
+
+std::string RecordLinks::Name(int node) const { return absl::StrCat("node ", spec_.nodes[node]); }
+
+absl::Status RecordLinks::Fail(int node, absl::Status status) {
+  Peer& p = peers_[node];
+  if (p.error.ok()) {
+    p.error = absl::Status(status.code(),
+                           absl::StrCat("record link to ", Name(node), ": ", status.message()));
+  }
+  return p.error;
+}
+
+absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, absl::Time deadline) {
+  const int n = static_cast<int>(spec.nodes.size());
+  const int me = spec.me;
+  if (spec.store == nullptr || me < 0 || me >= n) {
+    return absl::InvalidArgumentError("record links: no store, or this node is not in the group");
+  }
+  std::unique_ptr<RecordLinks> links(new RecordLinks(std::move(spec)));
+  const Spec& s = links->spec_;
+  const std::string host = HostOf(s.nodes[me]);
+
+  // Listen on an ephemeral port of this node's address.
+  absl::StatusOr<addrinfo*> local = Resolve(host, "0");
+  if (!local.ok()) return local.status();
+  int listener = ::socket((*local)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  absl::Status listened = absl::OkStatus();
+  if (listener < 0) {
+    listened = absl::UnavailableError(Errno("socket"));
+  } else if (::bind(listener, (*local)->ai_addr, (*local)->ai_addrlen) != 0) {
+    listened = absl::UnavailableError(Errno(absl::StrCat("bind ", host).c_str()));
+  } else if (::listen(listener, n + 8) != 0) {
+    listened = absl::UnavailableError(Errno("listen"));
+  }
+  ::freeaddrinfo(*local);
+  struct Closer {
+    int& fd;
+    ~Closer() {
+      if (fd >= 0) ::close(fd);
+    }
+  } close_listener{listener};
+  if (!listened.ok()) return listened;
+  sockaddr_storage addr{};
+  socklen_t addr_len = sizeof(addr);
+  if (::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &addr_len) != 0) {
+    return absl::UnavailableError(Errno("getsockname"));
+  }
+  const int port =
+      ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                       : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  unsigned char raw_key[kKeyBytes];
+  if (::getrandom(raw_key, sizeof(raw_key), 0) != static_cast<ssize_t>(sizeof(raw_key))) {
+    return absl::InternalError(Errno("getrandom"));
+  }
+  const std::string key =
+      absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(raw_key), kKeyBytes));
+  if (absl::Status st =
+          s.store->Set(s.job, absl::StrCat(s.prefix, me), absl::StrCat(host, " ", port, " ", key));
+      !st.ok()) {
+    return st;
+  }
+
+  // Connect to every earlier node, presenting its key.
+  for (int i = 0; i < me; ++i) {
+    absl::StatusOr<std::vector<std::string>> values =
+        s.store->WaitBlocking(s.job, {absl::StrCat(s.prefix, i)}, deadline);
+    if (!values.ok()) {
+      return absl::Status(values.status().code(),
+                          absl::StrCat("record link to ", links->Name(i),
+                                       ": its address never came: ", values.status().message()));
+    }
+    const std::vector<std::string> parts = absl::StrSplit(values->front(), ' ');
+    if (parts.size() != 3 || parts[2].size() != 2 * kKeyBytes) {
+      return absl::InternalError(
+          absl::StrCat("record link to ", links->Name(i), ": malformed address ", values->front()));
+    }
+    absl::StatusOr<addrinfo*> remote = Resolve(parts[0], parts[1]);
+    if (!remote.ok()) return remote.status();
+    const int fd = ::socket((*remote)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    links->peers_[i].fd = fd;
+    int rv = fd < 0 ? -1 : ::connect(fd, (*remote)->ai_addr, (*remote)->ai_addrlen);
+    const int connect_errno = errno;
+    ::freeaddrinfo(*remote);
+    if (fd < 0 || (rv != 0 && connect_errno != EINPROGRESS)) {
+      errno = connect_errno;
+      return links->Fail(i, absl::UnavailableError(Errno("connect")));
+    }
+    if (rv != 0) {
+      absl::StatusOr<bool> ready = WaitFor(fd, POLLOUT, deadline);
+      if (!ready.ok()) return links->Fail(i, ready.status());
+      if (!*ready) return links->Fail(i, absl::DeadlineExceededError("connect timed out"));
+      int err = 0;
+      socklen_t len = sizeof(err);
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      if (err != 0) {
+        errno = err;
+        return links->Fail(i, absl::UnavailableError(Errno("connect")));
+      }
+    }
+    SetNoDelay(fd);
+    Hello hello{kHelloMagic, static_cast<uint32_t>(me), static_cast<uint32_t>(i), {}};
+    std::memcpy(hello.key, parts[2].data(), sizeof(hello.key));
+    if (absl::Status st = SendAll(fd, &hello, sizeof(hello), deadline); !st.ok()) {
+      return links->Fail(i, st);
+    }
+  }
+
+  // Accept every later node; a connection without the key is closed and does not count.
+  int missing = n - me - 1;
+  while (missing > 0) {
+    absl::StatusOr<bool> ready = WaitFor(listener, POLLIN, deadline);
+    if (!ready.ok()) return ready.status();
+    if (!*ready) {
+      std::string who;
+      for (int j = me + 1; j < n; ++j) {
+        if (links->peers_[j].fd < 0) absl::StrAppend(&who, who.empty() ? "" : ", ", s.nodes[j]);
+      }
+      return absl::DeadlineExceededError(
+          absl::StrCat("record links: node(s) ", who, " did not connect by the deadline"));
+    }
+    const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) continue;  // the connection went again, or EINTR: keep waiting
+    Hello hello{};
+    const absl::Status got =
+        RecvAll(fd, &hello, sizeof(hello), std::min(deadline, absl::Now() + kHelloWait));
+    const int from = static_cast<int>(hello.from);
+    if (!got.ok() || hello.magic != kHelloMagic || static_cast<int>(hello.to) != me || from <= me ||
+        from >= n || links->peers_[from].fd >= 0 ||
+        std::memcmp(hello.key, key.data(), sizeof(hello.key)) != 0) {
+      ::close(fd);  // not our peer
+      continue;
+    }
+    SetNoDelay(fd);
+    links->peers_[from].fd = fd;
+    --missing;
+  }
+  return links;
+}
+
+size_t RecordLinks::BufferedFrom(int node) const {
+  const Peer& p = peers_[node];
+  return p.tail - p.head - p.returned;
+}
+
+absl::Status RecordLinks::ReadAvailable(int node) {
+  Peer& p = peers_[node];
+  if (!p.error.ok()) return p.error;
+  while (!p.closed) {
+    if (p.capacity - p.tail < kReadChunk) {
+      // Room at the end. The message Receive returned last stays where it is (the caller reads
+      // it until its next Receive). Bytes still to be taken move to the front when the space
+      // before them is at least as large (each byte moves O(1) times), else to a buffer twice
+      // as large; a buffer that holds the returned message is kept until the next Receive.
+      // Buffers are reused across stages: fresh memory costs page faults, freed memory TLB
+      // shootdowns, both dear here.
+      const size_t keep = p.head + p.returned;
+      const size_t live = p.tail - keep;
+      if (live > kMaxBufferedBytes) {
+        return Fail(node, absl::ResourceExhaustedError(
+                              absl::StrCat("the peer sent more than ", kMaxBufferedBytes,
+                                           " bytes ahead of what this node took")));
+      }
+      if (p.returned == 0 && p.head >= live && p.capacity - live >= kReadChunk) {
+        std::memmove(p.rx.get(), p.rx.get() + p.head, live);
+      } else {
+        const size_t size = std::max(2 * p.capacity, live + kReadChunk);
+        std::unique_ptr<std::byte[]> fresh(new std::byte[size]);  // not zeroed
+        if (live > 0) std::memcpy(fresh.get(), p.rx.get() + keep, live);
+        if (p.returned > 0) p.held = std::move(p.rx);
+        p.rx = std::move(fresh);
+        p.capacity = size;
+      }
+      p.head = 0;
+      p.returned = 0;
+      p.tail = live;
+    }
+    const size_t room = p.capacity - p.tail;
+    const ssize_t rv = ::recv(p.fd, p.rx.get() + p.tail, room, MSG_DONTWAIT);
+    if (rv > 0) {
+      p.tail += static_cast<size_t>(rv);
+      if (static_cast<size_t>(rv) < room) return absl::OkStatus();  // drained
+      continue;
+    }
+    if (rv == 0) {
+      p.closed = true;
+      return absl::OkStatus();
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN) return absl::OkStatus();
+    return Fail(node, absl::UnavailableError(Errno("recv")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time deadline) {
+  const int n = static_cast<int>(peers_.size());
+  const uint64_t length = message.size();
+  const size_t total = kFrameHeader + message.size();
+  std::vector<size_t> sent(n, total);  // bytes of the frame each peer took
+  for (int i = 0; i < n; ++i) {
+    if (i == spec_.me) continue;
+    if (!peers_[i].error.ok()) return peers_[i].error;
+    sent[i] = 0;
+  }
+  // Writes what `i`'s socket takes now. OK when it is full.
+  auto push = [&](int i) -> absl::Status {
+    while (sent[i] < total) {
+      iovec iov[2];
+      int count = 0;
+      if (sent[i] < kFrameHeader) {
+        iov[count++] = {const_cast<char*>(reinterpret_cast<const char*>(&length)) + sent[i],
+                        kFrameHeader - sent[i]};
+      }
+      const size_t body = sent[i] < kFrameHeader ? 0 : sent[i] - kFrameHeader;
+      if (body < message.size()) {
+        iov[count++] = {const_cast<std::byte*>(message.data()) + body, message.size() - body};
+      }
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = count;
+      const ssize_t rv = ::sendmsg(peers_[i].fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (rv > 0) {
+        sent[i] += static_cast<size_t>(rv);
+        continue;
+      }
+      if (rv < 0 && errno == EINTR) continue;
+      if (rv < 0 && errno == EAGAIN) return absl::OkStatus();
+      return Fail(i, absl::UnavailableError(Errno("send")));
+    }
+    return absl::OkStatus();
+  };
+  for (int i = 0; i < n; ++i) {
+    if (i == spec_.me) continue;
+    if (absl::Status st = push(i); !st.ok()) return st;
+  }
+  std::vector<pollfd> fds;
+  std::vector<int> node_of;
+  for (;;) {
+    fds.clear();
+    node_of.clear();
+    bool waiting = false;
+    for (int i = 0; i < n; ++i) {
+      if (i == spec_.me) continue;
+      const short events =
+          static_cast<short>((peers_[i].closed ? 0 : POLLIN) | (sent[i] < total ? POLLOUT : 0));
+      waiting = waiting || sent[i] < total;
+      if (events != 0) {
+        fds.push_back({peers_[i].fd, events, 0});
+        node_of.push_back(i);
+      }
+    }
+    if (!waiting) return absl::OkStatus();
+    const timespec t = Left(deadline);
+    const int rv = ::ppoll(fds.data(), fds.size(), &t, nullptr);
+    if (rv < 0 && errno == EINTR) continue;
+    if (rv < 0) return absl::UnavailableError(Errno("poll"));
+    if (rv == 0) {
+      for (int i = 0; i < n; ++i) {
+        if (i != spec_.me && sent[i] < total) {
+          return absl::DeadlineExceededError(
+              absl::StrCat("record link to ", Name(i),
+                           ": the peer took no more of our records by the "
+                           "deadline (",
+                           sent[i], " of ", total, " bytes of a message)"));
+        }
+      }
+    }
+    for (size_t k = 0; k < fds.size(); ++k) {
+      const int i = node_of[k];
+      if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) != 0 && !peers_[i].closed) {
+        if (absl::Status st = ReadAvailable(i); !st.ok()) return st;
+      }
+      if ((fds[k].revents & (POLLOUT | POLLERR | POLLHUP)) != 0 && sent[i] < total) {
+        if (absl::Status st = push(i); !st.ok()) return st;
+      }
+    }
+  }
+}
+
+absl::StatusOr<absl::Span<const std::byte>> RecordLinks::Receive(int node, absl::Time deadline) {
+  Peer& p = peers_[node];
+  p.held.reset();
+  p.head += p.returned;
+  p.returned = 0;
+  if (p.head == p.tail) {
+    p.head = p.tail = 0;
+    if (p.capacity > kKeepBufferBytes) {
+      p.rx.reset();
+      p.capacity = 0;
+    }
+  }
+  for (;;) {
+    const size_t have = p.tail - p.head;
+    if (have >= kFrameHeader) {
+      uint64_t length = 0;
+      std::memcpy(&length, p.rx.get() + p.head, kFrameHeader);
+      if (length > spec_.max_message_bytes) {
+        return Fail(node, absl::UnavailableError(absl::StrCat("malformed stream: a message of ",
+                                                              length, " bytes (at most ",
+                                                              spec_.max_message_bytes, ")")));
+      }
+      if (have >= kFrameHeader + length) {
+        p.returned = kFrameHeader + length;
+        return absl::Span<const std::byte>(p.rx.get() + p.head + kFrameHeader, length);
+      }
+    }
+    if (!p.error.ok()) return p.error;
+    if (p.closed) {
+      return Fail(node,
+                  absl::UnavailableError(absl::StrCat(
+                      "the peer closed its end", have > 0 ? " in the middle of a message" : "")));
+    }
+    absl::StatusOr<bool> ready = WaitFor(p.fd, POLLIN, deadline);
+    if (!ready.ok()) return Fail(node, ready.status());
+    if (!*ready) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("record link to ", Name(node), ": no record by the deadline"));
+    }
+    if (absl::Status st = ReadAvailable(node); !st.ok()) return st;
+  }
+}
+
+}  // namespace gradsync::backend::cpu

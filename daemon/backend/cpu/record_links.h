@@ -1,0 +1,82 @@
+#pragma once
+
+// The record streams of one group between its nodes: one TCP connection per pair of nodes,
+// read and written by the group's own thread (no transport thread, no hand-off).
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/store.h"
+
+namespace gradsync::backend::cpu {
+
+/// One TCP connection per pair of the group's nodes, each carrying a stream of messages both
+/// ways (a message: its length, then its bytes). The thread that sends and receives is the
+/// caller's: a message leaves in one system call when the socket has room, and a node waiting
+/// for a peer's message sleeps in poll(2) on that peer's socket, woken by the kernel when the
+/// bytes arrive. (Gloo's unbound buffers cost three messages per send, a receive-ready notice,
+/// a send-ready notice and the data, and hand every receive from Gloo's device thread to the
+/// waiting one; on a small op across two nodes that was most of the daemon's time.)
+///
+/// Connecting: every node listens on an ephemeral port of its address and publishes
+/// "host port key" in the job's store under `prefix` (the key: 128 random bits); the node
+/// later in `nodes` connects to the earlier one and sends its index and the earlier node's key
+/// first. A connection that does not present the key is closed and the node keeps waiting for
+/// its peer, so a host that cannot read the job's store (which the cluster token protects)
+/// can neither read nor inject records.
+///
+/// Sending never waits on a peer that is itself sending: while a peer's socket is full, Send
+/// reads whatever any peer sent into that peer's receive buffer, so two nodes sending each
+/// other a stage's records at once both progress (the buffer grows to what the peer sent ahead,
+/// at most its stage; it shrinks back once drained).
+///
+/// Not thread-safe: one thread (the group's) calls it. Failures are statuses naming the peer:
+/// UNAVAILABLE for a closed or broken connection, DEADLINE_EXCEEDED when the deadline passed.
+class RecordLinks {
+ public:
+  struct Spec {
+    gradsync::Store* store = nullptr;  // the job's store
+    std::string job;
+    std::string prefix;                  // keys of this group's links (run and group in it)
+    std::vector<std::string> nodes;      // the group's nodes ("host:port"), sorted
+    int me = -1;                         // this node's index in `nodes`
+    size_t max_message_bytes = 1 << 20;  // a longer incoming message fails the link
+  };
+
+  /// Connects to every other node of the group, by `deadline`.
+  static absl::StatusOr<std::unique_ptr<RecordLinks>> Connect(Spec spec, absl::Time deadline);
+  /// Closes every connection after what was sent (the peers read it before they see the end).
+  ~RecordLinks();
+  RecordLinks(const RecordLinks&) = delete;
+  RecordLinks& operator=(const RecordLinks&) = delete;
+
+  /// Sends one message to every peer, after the earlier ones. Returns once the kernel holds all
+  /// of it (so `message` may be reused), or fails by `deadline`.
+  absl::Status Send(absl::Span<const std::byte> message, absl::Time deadline);
+
+  /// The next message from `node`, whole. Stays valid until the next Receive from that node
+  /// (Sends in between may read more from it, but never move this one).
+  absl::StatusOr<absl::Span<const std::byte>> Receive(int node, absl::Time deadline);
+
+  /// Bytes received from `node` and not yet returned by Receive (for tests).
+  size_t BufferedFrom(int node) const;
+
+ private:
+  struct Peer;
+  explicit RecordLinks(Spec spec);
+  absl::Status Fail(int node, absl::Status status);
+  // Reads what `node`'s socket holds into its buffer, without waiting. OK when nothing is there.
+  absl::Status ReadAvailable(int node);
+  std::string Name(int node) const;  // "node host:port"
+
+  const Spec spec_;
+  std::vector<Peer> peers_;  // by node index; peers_[me] unused
+};
+
+}  // namespace gradsync::backend::cpu

@@ -1,0 +1,253 @@
+// RecordLinks between in-process "nodes" (one thread each, real TCP on loopback, rendezvous
+// over a MemoryStore): messages in order both ways, bulk both ways at once without deadlock,
+// the key check against a stranger, a peer gone, deadlines and malformed lengths.
+
+#include "daemon/backend/cpu/record_links.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "daemon/store/memory_store.h"
+#include "gtest/gtest.h"
+
+namespace gradsync::backend::cpu {
+namespace {
+
+const std::vector<std::string> kNodes = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
+
+RecordLinks::Spec SpecOf(gradsync::Store* store, int me, int nodes, std::string prefix = "r/") {
+  RecordLinks::Spec spec;
+  spec.store = store;
+  spec.job = "j";
+  spec.prefix = std::move(prefix);
+  spec.nodes.assign(kNodes.begin(), kNodes.begin() + nodes);
+  spec.me = me;
+  spec.max_message_bytes = 1 << 20;
+  return spec;
+}
+
+// Connects `nodes` nodes, each on its own thread; returns their links (all must connect).
+std::vector<std::unique_ptr<RecordLinks>> ConnectAll(gradsync::Store* store, int nodes) {
+  std::vector<std::unique_ptr<RecordLinks>> links(nodes);
+  std::vector<absl::Status> status(nodes);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < nodes; ++i) {
+    threads.emplace_back([&, i] {
+      auto l = RecordLinks::Connect(SpecOf(store, i, nodes), absl::Now() + absl::Seconds(20));
+      status[i] = l.status();
+      if (l.ok()) links[i] = *std::move(l);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < nodes; ++i) EXPECT_TRUE(status[i].ok()) << i << ": " << status[i];
+  return links;
+}
+
+std::vector<std::byte> Message(int from, int k, size_t bytes) {
+  std::vector<std::byte> m(bytes);
+  for (size_t i = 0; i < bytes; ++i) m[i] = static_cast<std::byte>((from * 131 + k * 7 + i) % 251);
+  return m;
+}
+
+void RunOnEach(int nodes, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int i = 0; i < nodes; ++i) threads.emplace_back(fn, i);
+  for (std::thread& t : threads) t.join();
+}
+
+TEST(RecordLinksTest, MessagesOfEverySizeArriveWholeAndInOrderBothWays) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 3);
+  ASSERT_EQ(links.size(), 3u);
+  const std::vector<size_t> sizes = {0, 1, 64, 4096, 300000, 1 << 20};
+  RunOnEach(3, [&](int me) {
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      ASSERT_TRUE(links[me]->Send(Message(me, k, sizes[k]), absl::Now() + absl::Seconds(20)).ok());
+    }
+    for (int from = 0; from < 3; ++from) {
+      if (from == me) continue;
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        auto got = links[me]->Receive(from, absl::Now() + absl::Seconds(20));
+        ASSERT_TRUE(got.ok()) << got.status();
+        const std::vector<std::byte> want = Message(from, k, sizes[k]);
+        ASSERT_EQ(got->size(), want.size()) << "node " << me << " from " << from << " k " << k;
+        ASSERT_EQ(std::memcmp(got->data(), want.data(), want.size()), 0);
+      }
+    }
+  });
+}
+
+TEST(RecordLinksTest, NodesSendingBulkToEachOtherAtOnceBothFinishAndKeepEveryByte) {
+  // Each node sends 48 MiB to each peer before it reads anything: far beyond the sockets'
+  // buffers, so a Send that did not read while blocked would deadlock the two.
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2);
+  ASSERT_EQ(links.size(), 2u);
+  constexpr int kMessages = 48;
+  RunOnEach(2, [&](int me) {
+    for (int k = 0; k < kMessages; ++k) {
+      ASSERT_TRUE(links[me]->Send(Message(me, k, 1 << 20), absl::Now() + absl::Seconds(60)).ok());
+    }
+    const int from = 1 - me;
+    for (int k = 0; k < kMessages; ++k) {
+      auto got = links[me]->Receive(from, absl::Now() + absl::Seconds(60));
+      ASSERT_TRUE(got.ok()) << got.status();
+      const std::vector<std::byte> want = Message(from, k, 1 << 20);
+      ASSERT_EQ(got->size(), want.size());
+      ASSERT_EQ(std::memcmp(got->data(), want.data(), want.size()), 0) << "message " << k;
+    }
+    EXPECT_EQ(links[me]->BufferedFrom(from), 0u);
+  });
+}
+
+TEST(RecordLinksTest, AMessageStaysValidWhileLaterSendsReadMoreFromThatPeer) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2);
+  ASSERT_EQ(links.size(), 2u);
+  RunOnEach(2, [&](int me) {
+    const int from = 1 - me;
+    ASSERT_TRUE(links[me]->Send(Message(me, 0, 1000), absl::Now() + absl::Seconds(20)).ok());
+    auto first = links[me]->Receive(from, absl::Now() + absl::Seconds(20));
+    ASSERT_TRUE(first.ok()) << first.status();
+    // The peer now sends 16 MiB while this node sends its own: reads during these Sends must
+    // not move the message returned above.
+    for (int k = 1; k <= 16; ++k) {
+      ASSERT_TRUE(links[me]->Send(Message(me, k, 1 << 20), absl::Now() + absl::Seconds(60)).ok());
+    }
+    const std::vector<std::byte> want = Message(from, 0, 1000);
+    ASSERT_EQ(std::memcmp(first->data(), want.data(), want.size()), 0);
+    for (int k = 1; k <= 16; ++k) {
+      auto got = links[me]->Receive(from, absl::Now() + absl::Seconds(60));
+      ASSERT_TRUE(got.ok()) << got.status();
+      const std::vector<std::byte> w = Message(from, k, 1 << 20);
+      ASSERT_EQ(std::memcmp(got->data(), w.data(), w.size()), 0) << "message " << k;
+    }
+  });
+}
+
+// Connects to the address node `of` published, sends `bytes` and returns the socket.
+int Stranger(store::MemoryStore& store, int of, const void* bytes, size_t n) {
+  auto value = store.WaitBlocking("j", {absl::StrCat("r/", of)}, absl::Now() + absl::Seconds(20));
+  EXPECT_TRUE(value.ok());
+  if (!value.ok()) return -1;
+  const std::vector<std::string> parts = absl::StrSplit(value->front(), ' ');
+  EXPECT_EQ(parts.size(), 3u);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(std::stoi(parts[1])));
+  inet_pton(AF_INET, parts[0].c_str(), &addr.sin_addr);
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(::send(fd, bytes, n, MSG_NOSIGNAL), static_cast<ssize_t>(n));
+  return fd;
+}
+
+TEST(RecordLinksTest, AConnectionWithoutTheKeyIsClosedAndTheRealPeerStillConnects) {
+  store::MemoryStore store;
+  std::unique_ptr<RecordLinks> zero;
+  absl::Status zero_status;
+  std::thread t([&] {
+    auto l = RecordLinks::Connect(SpecOf(&store, 0, 2), absl::Now() + absl::Seconds(20));
+    zero_status = l.status();
+    if (l.ok()) zero = *std::move(l);
+  });
+  // A stranger that read nothing from the store: a hello from "node 1" with a wrong key, then
+  // one that sends garbage.
+  struct {
+    uint64_t magic = 0x67736c696e6b3031;
+    uint32_t from = 1;
+    uint32_t to = 0;
+    char key[32];
+  } hello;
+  std::memset(hello.key, 'a', sizeof(hello.key));
+  const int wrong_key = Stranger(store, 0, &hello, sizeof(hello));
+  const char garbage[48] = "GET / HTTP/1.0\r\n\r\n";
+  const int junk = Stranger(store, 0, garbage, sizeof(garbage));
+  // Node 0 closes both: a read sees the end.
+  for (int fd : {wrong_key, junk}) {
+    char b;
+    timeval tv{10, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    EXPECT_EQ(::recv(fd, &b, 1, 0), 0) << "node 0 kept a connection without the key";
+    ::close(fd);
+  }
+  auto one = RecordLinks::Connect(SpecOf(&store, 1, 2), absl::Now() + absl::Seconds(20));
+  t.join();
+  ASSERT_TRUE(zero_status.ok()) << zero_status;
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_TRUE((*one)->Send(Message(1, 0, 100), absl::Now() + absl::Seconds(20)).ok());
+  auto got = zero->Receive(1, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->size(), 100u);
+}
+
+TEST(RecordLinksTest, APeerThatNeverComesFailsConnectByTheDeadlineNamingIt) {
+  store::MemoryStore store;
+  auto l = RecordLinks::Connect(SpecOf(&store, 0, 2), absl::Now() + absl::Milliseconds(300));
+  ASSERT_FALSE(l.ok());
+  EXPECT_EQ(l.status().code(), absl::StatusCode::kDeadlineExceeded) << l.status();
+  EXPECT_TRUE(absl::StrContains(l.status().message(), kNodes[1])) << l.status();
+}
+
+TEST(RecordLinksTest, APeerGoneFailsTheNextReceiveAfterWhatItSentIsTaken) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2);
+  ASSERT_EQ(links.size(), 2u);
+  ASSERT_TRUE(links[1]->Send(Message(1, 0, 5000), absl::Now() + absl::Seconds(20)).ok());
+  links[1].reset();  // its daemon went
+  auto first = links[0]->Receive(1, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(first.ok()) << first.status();  // sent before it went: still read
+  EXPECT_EQ(first->size(), 5000u);
+  auto next = links[0]->Receive(1, absl::Now() + absl::Seconds(20));
+  ASSERT_FALSE(next.ok());
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kUnavailable) << next.status();
+  EXPECT_TRUE(absl::StrContains(next.status().message(), kNodes[1])) << next.status();
+  // Sending to it fails too (now or once the kernel sees the reset), never hangs.
+  absl::Status sent = absl::OkStatus();
+  for (int k = 0; k < 64 && sent.ok(); ++k) {
+    sent = links[0]->Send(Message(0, k, 1 << 20), absl::Now() + absl::Seconds(20));
+  }
+  EXPECT_FALSE(sent.ok());
+}
+
+TEST(RecordLinksTest, ReceiveWithNothingComingFailsAtItsDeadlineAndTheLinkStillWorks) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2);
+  ASSERT_EQ(links.size(), 2u);
+  auto none = links[0]->Receive(1, absl::Now() + absl::Milliseconds(100));
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kDeadlineExceeded) << none.status();
+  ASSERT_TRUE(links[1]->Send(Message(1, 0, 10), absl::Now() + absl::Seconds(20)).ok());
+  auto got = links[0]->Receive(1, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(got.ok()) << got.status();
+}
+
+TEST(RecordLinksTest, AMessageLongerThanTheLimitFailsTheLinkInsteadOfAllocatingIt) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2);
+  ASSERT_EQ(links.size(), 2u);
+  // 2 MiB against a 1 MiB limit: the receiver refuses it as soon as it sees the length (the
+  // sender, which the receiver no longer reads, gives up at its own deadline).
+  std::thread sender(
+      [&] { (void)links[1]->Send(Message(1, 0, 2 << 20), absl::Now() + absl::Seconds(2)); });
+  auto got = links[0]->Receive(1, absl::Now() + absl::Seconds(20));
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  EXPECT_TRUE(absl::StrContains(got.status().message(), "malformed")) << got.status();
+  auto again = links[0]->Receive(1, absl::Now() + absl::Seconds(1));
+  EXPECT_FALSE(again.ok());  // the link stays failed
+  sender.join();
+}
+
+}  // namespace
+}  // namespace gradsync::backend::cpu
