@@ -148,7 +148,9 @@ int Stranger(store::MemoryStore& store, int of, const void* bytes, size_t n) {
   inet_pton(AF_INET, parts[0].c_str(), &addr.sin_addr);
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  EXPECT_EQ(::send(fd, bytes, n, MSG_NOSIGNAL), static_cast<ssize_t>(n));
+  if (n > 0) {
+    EXPECT_EQ(::send(fd, bytes, n, MSG_NOSIGNAL), static_cast<ssize_t>(n));
+  }
   return fd;
 }
 
@@ -189,6 +191,32 @@ TEST(RecordLinksTest, AConnectionWithoutTheKeyIsClosedAndTheRealPeerStillConnect
   auto got = zero->Receive(1, absl::Now() + absl::Seconds(20));
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->size(), 100u);
+}
+
+TEST(RecordLinksTest, SilentConnectionsDelayNoOneAndTheRealPeerConnectsAtOnce) {
+  store::MemoryStore store;
+  std::unique_ptr<RecordLinks> zero;
+  absl::Status zero_status;
+  // Node 0's deadline is shorter than the wait it gives one hello (5 s): had it waited for the
+  // strangers' hellos one after another, it could not connect its peer in time.
+  std::thread t([&] {
+    auto l = RecordLinks::Connect(SpecOf(&store, 0, 2), absl::Now() + absl::Seconds(4));
+    zero_status = l.status();
+    if (l.ok()) zero = *std::move(l);
+  });
+  // Three strangers connect and send nothing (or part of a hello), and stay connected.
+  const char part[10] = {};
+  std::vector<int> silent = {Stranger(store, 0, part, 0), Stranger(store, 0, part, sizeof(part)),
+                             Stranger(store, 0, part, 0)};
+  auto one = RecordLinks::Connect(SpecOf(&store, 1, 2), absl::Now() + absl::Seconds(30));
+  t.join();
+  for (int fd : silent) ::close(fd);
+  ASSERT_TRUE(zero_status.ok()) << zero_status;
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_TRUE((*one)->Send(Message(1, 0, 64), absl::Now() + absl::Seconds(20)).ok());
+  auto got = zero->Receive(1, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->size(), 64u);
 }
 
 TEST(RecordLinksTest, APeerThatNeverComesFailsConnectByTheDeadlineNamingIt) {

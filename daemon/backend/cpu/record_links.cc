@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <new>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
@@ -29,6 +30,8 @@ constexpr uint64_t kHelloMagic = 0x67736c696e6b3031;  // "gslink01"
 constexpr size_t kKeyBytes = 16;
 // A connection to our port that sends no hello gets this long (or up to the deadline).
 constexpr absl::Duration kHelloWait = absl::Seconds(5);
+// Connections whose hello is awaited at once; more are closed at once.
+constexpr size_t kMaxPendingHellos = 64;
 // Reads take at least this much room, so a stream of small messages costs one recv each
 // batch of them, not one per message.
 constexpr size_t kReadChunk = 256 << 10;
@@ -36,7 +39,9 @@ constexpr size_t kReadChunk = 256 << 10;
 constexpr size_t kKeepBufferBytes = size_t{64} << 20;
 // Most bytes a peer may have sent ahead of what we took (a stage's records are far less).
 constexpr size_t kMaxBufferedBytes = size_t{256} << 20;
-constexpr size_t kFrameHeader = sizeof(uint64_t);
+// A frame: its length (8 bytes, then zeros to 64) and the message. 64 bytes, so messages whose
+// size is a multiple of 64 (the communicator's) keep their bytes 64-byte aligned in the buffers.
+constexpr size_t kFrameHeader = 64;
 
 struct Hello {
   uint64_t magic;
@@ -45,6 +50,15 @@ struct Hello {
   char key[2 * kKeyBytes];
 };
 static_assert(sizeof(Hello) == 48);
+
+// Compares the key without an early exit on the first differing byte.
+bool SameKey(const char* got, const std::string& key) {
+  unsigned char diff = 0;
+  for (size_t i = 0; i < 2 * kKeyBytes; ++i) {
+    diff |= static_cast<unsigned char>(got[i] ^ key[i]);
+  }
+  return diff == 0;
+}
 
 std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
 
@@ -111,38 +125,31 @@ absl::Status SendAll(int fd, const void* bytes, size_t n, absl::Time deadline) {
   return absl::OkStatus();
 }
 
-// Reads exactly n bytes by `deadline`.
-absl::Status RecvAll(int fd, void* bytes, size_t n, absl::Time deadline) {
-  char* p = static_cast<char*>(bytes);
-  while (n > 0) {
-    const ssize_t rv = ::recv(fd, p, n, MSG_DONTWAIT);
-    if (rv > 0) {
-      p += rv;
-      n -= static_cast<size_t>(rv);
-      continue;
-    }
-    if (rv == 0) return absl::UnavailableError("connection closed");
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN) return absl::UnavailableError(Errno("recv"));
-    absl::StatusOr<bool> ready = WaitFor(fd, POLLIN, deadline);
-    if (!ready.ok()) return ready.status();
-    if (!*ready) return absl::DeadlineExceededError("timed out");
-  }
-  return absl::OkStatus();
+}  // namespace
+
+namespace {
+
+// Receive buffers, 64-byte aligned (see kFrameHeader).
+struct AlignedDelete {
+  void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{64}); }
+};
+using Buffer = std::unique_ptr<std::byte[], AlignedDelete>;
+Buffer NewBuffer(size_t bytes) {  // not zeroed
+  return Buffer(static_cast<std::byte*>(::operator new[](bytes, std::align_val_t{64})));
 }
 
 }  // namespace
 
 struct RecordLinks::Peer {
   int fd = -1;
-  std::unique_ptr<std::byte[]> rx;  // received bytes: [head, tail) not yet taken
+  Buffer rx;  // received bytes: [head, tail) not yet taken
   size_t capacity = 0;
   size_t head = 0;
   size_t tail = 0;
   size_t returned = 0;  // the frame last returned by Receive, dropped at the next Receive
-  std::unique_ptr<std::byte[]> held;  // an earlier rx that still holds that frame
-  bool closed = false;                // the peer closed its end (what it sent before is still read)
-  absl::Status error;                 // once set, every call that needs this peer fails with it
+  Buffer held;          // an earlier rx that still holds that frame
+  bool closed = false;  // the peer closed its end (what it sent before is still read)
+  absl::Status error;   // once set, every call that needs this peer fails with it
 };
 
 RecordLinks::RecordLinks(Spec spec) : spec_(std::move(spec)), peers_(spec_.nodes.size()) {}
@@ -189,7 +196,7 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
     listened = absl::UnavailableError(Errno("socket"));
   } else if (::bind(listener, (*local)->ai_addr, (*local)->ai_addrlen) != 0) {
     listened = absl::UnavailableError(Errno(absl::StrCat("bind ", host).c_str()));
-  } else if (::listen(listener, n + 8) != 0) {
+  } else if (::listen(listener, 128) != 0) {
     listened = absl::UnavailableError(Errno("listen"));
   }
   ::freeaddrinfo(*local);
@@ -265,12 +272,25 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
     }
   }
 
-  // Accept every later node; a connection without the key is closed and does not count.
+  // Accept every later node. Hellos are read side by side, each by its own short deadline, so a
+  // connection that sends nothing (or not the key) delays no one; it is closed and does not
+  // count.
+  struct Pending {
+    int fd;
+    absl::Time until;
+    Hello hello;
+    size_t got;
+  };
+  std::vector<Pending> pending;
+  auto close_all = [&pending] {
+    for (Pending& c : pending) ::close(c.fd);
+    pending.clear();
+  };
   int missing = n - me - 1;
   while (missing > 0) {
-    absl::StatusOr<bool> ready = WaitFor(listener, POLLIN, deadline);
-    if (!ready.ok()) return ready.status();
-    if (!*ready) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      close_all();
       std::string who;
       for (int j = me + 1; j < n; ++j) {
         if (links->peers_[j].fd < 0) absl::StrAppend(&who, who.empty() ? "" : ", ", s.nodes[j]);
@@ -278,22 +298,61 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
       return absl::DeadlineExceededError(
           absl::StrCat("record links: node(s) ", who, " did not connect by the deadline"));
     }
-    const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) continue;  // the connection went again, or EINTR: keep waiting
-    Hello hello{};
-    const absl::Status got =
-        RecvAll(fd, &hello, sizeof(hello), std::min(deadline, absl::Now() + kHelloWait));
-    const int from = static_cast<int>(hello.from);
-    if (!got.ok() || hello.magic != kHelloMagic || static_cast<int>(hello.to) != me || from <= me ||
-        from >= n || links->peers_[from].fd >= 0 ||
-        std::memcmp(hello.key, key.data(), sizeof(hello.key)) != 0) {
-      ::close(fd);  // not our peer
-      continue;
+    absl::Time wake = deadline;
+    std::vector<pollfd> fds = {{listener, POLLIN, 0}};
+    for (const Pending& c : pending) {
+      fds.push_back({c.fd, POLLIN, 0});
+      wake = std::min(wake, c.until);
     }
-    SetNoDelay(fd);
-    links->peers_[from].fd = fd;
-    --missing;
+    const timespec t = Left(wake);
+    if (::ppoll(fds.data(), fds.size(), &t, nullptr) < 0 && errno != EINTR) {
+      close_all();
+      return absl::UnavailableError(Errno("poll"));
+    }
+    // Hellos first (their indices match fds[1...]), then new connections.
+    std::vector<Pending> still;
+    for (size_t k = 0; k < pending.size(); ++k) {
+      Pending& c = pending[k];
+      bool drop = absl::Now() >= c.until || (fds[k + 1].revents & (POLLERR | POLLNVAL)) != 0;
+      if (!drop && (fds[k + 1].revents & (POLLIN | POLLHUP)) != 0) {
+        const ssize_t rv = ::recv(c.fd, reinterpret_cast<char*>(&c.hello) + c.got,
+                                  sizeof(c.hello) - c.got, MSG_DONTWAIT);
+        if (rv > 0) c.got += static_cast<size_t>(rv);
+        drop = rv == 0 || (rv < 0 && errno != EAGAIN && errno != EINTR);
+      }
+      if (!drop && c.got == sizeof(c.hello)) {
+        const int from = static_cast<int>(c.hello.from);
+        if (c.hello.magic == kHelloMagic && static_cast<int>(c.hello.to) == me && from > me &&
+            from < n && links->peers_[from].fd < 0 && SameKey(c.hello.key, key)) {
+          SetNoDelay(c.fd);
+          links->peers_[from].fd = c.fd;
+          --missing;
+          continue;
+        }
+        drop = true;  // not our peer
+      }
+      if (drop) {
+        ::close(c.fd);
+      } else {
+        still.push_back(c);
+      }
+    }
+    pending = std::move(still);
+    if ((fds[0].revents & POLLIN) != 0) {
+      const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd >= 0) {
+        if (pending.size() >= kMaxPendingHellos) {
+          ::close(fd);  // a flood: the real peers retry nothing, but strangers cannot pile up
+        } else {
+          pending.push_back({fd, std::min(deadline, absl::Now() + kHelloWait), Hello{}, 0});
+        }
+      } else if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED && errno != EPROTO) {
+        close_all();
+        return absl::UnavailableError(Errno("accept"));
+      }
+    }
   }
+  close_all();
   return links;
 }
 
@@ -323,8 +382,12 @@ absl::Status RecordLinks::ReadAvailable(int node) {
       if (p.returned == 0 && p.head >= live && p.capacity - live >= kReadChunk) {
         std::memmove(p.rx.get(), p.rx.get() + p.head, live);
       } else {
-        const size_t size = std::max(2 * p.capacity, live + kReadChunk);
-        std::unique_ptr<std::byte[]> fresh(new std::byte[size]);  // not zeroed
+        // Pinned by the returned message with little after it: a buffer of the same size will
+        // do; else twice the size.
+        const size_t size = p.returned > 0 && p.capacity >= 2 * live + kReadChunk
+                                ? p.capacity
+                                : std::max(2 * p.capacity, live + kReadChunk);
+        Buffer fresh = NewBuffer(size);
         if (live > 0) std::memcpy(fresh.get(), p.rx.get() + keep, live);
         if (p.returned > 0) p.held = std::move(p.rx);
         p.rx = std::move(fresh);
@@ -354,7 +417,7 @@ absl::Status RecordLinks::ReadAvailable(int node) {
 
 absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time deadline) {
   const int n = static_cast<int>(peers_.size());
-  const uint64_t length = message.size();
+  uint64_t frame[kFrameHeader / sizeof(uint64_t)] = {message.size()};
   const size_t total = kFrameHeader + message.size();
   std::vector<size_t> sent(n, total);  // bytes of the frame each peer took
   for (int i = 0; i < n; ++i) {
@@ -368,8 +431,7 @@ absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time d
       iovec iov[2];
       int count = 0;
       if (sent[i] < kFrameHeader) {
-        iov[count++] = {const_cast<char*>(reinterpret_cast<const char*>(&length)) + sent[i],
-                        kFrameHeader - sent[i]};
+        iov[count++] = {reinterpret_cast<char*>(frame) + sent[i], kFrameHeader - sent[i]};
       }
       const size_t body = sent[i] < kFrameHeader ? 0 : sent[i] - kFrameHeader;
       if (body < message.size()) {
@@ -410,11 +472,7 @@ absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time d
       }
     }
     if (!waiting) return absl::OkStatus();
-    const timespec t = Left(deadline);
-    const int rv = ::ppoll(fds.data(), fds.size(), &t, nullptr);
-    if (rv < 0 && errno == EINTR) continue;
-    if (rv < 0) return absl::UnavailableError(Errno("poll"));
-    if (rv == 0) {
+    if (absl::Now() >= deadline) {
       for (int i = 0; i < n; ++i) {
         if (i != spec_.me && sent[i] < total) {
           return absl::DeadlineExceededError(
@@ -425,8 +483,15 @@ absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time d
         }
       }
     }
+    const timespec t = Left(deadline);
+    const int rv = ::ppoll(fds.data(), fds.size(), &t, nullptr);
+    if (rv < 0 && errno == EINTR) continue;
+    if (rv < 0) return absl::UnavailableError(Errno("poll"));
     for (size_t k = 0; k < fds.size(); ++k) {
       const int i = node_of[k];
+      if ((fds[k].revents & POLLNVAL) != 0) {
+        return Fail(i, absl::InternalError("the socket is not open"));
+      }
       if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) != 0 && !peers_[i].closed) {
         if (absl::Status st = ReadAvailable(i); !st.ok()) return st;
       }
@@ -453,7 +518,7 @@ absl::StatusOr<absl::Span<const std::byte>> RecordLinks::Receive(int node, absl:
     const size_t have = p.tail - p.head;
     if (have >= kFrameHeader) {
       uint64_t length = 0;
-      std::memcpy(&length, p.rx.get() + p.head, kFrameHeader);
+      std::memcpy(&length, p.rx.get() + p.head, sizeof(length));
       if (length > spec_.max_message_bytes) {
         return Fail(node, absl::UnavailableError(absl::StrCat("malformed stream: a message of ",
                                                               length, " bytes (at most ",

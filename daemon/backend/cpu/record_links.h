@@ -17,19 +17,21 @@
 namespace gradsync::backend::cpu {
 
 /// One TCP connection per pair of the group's nodes, each carrying a stream of messages both
-/// ways (a message: its length, then its bytes). The thread that sends and receives is the
-/// caller's: a message leaves in one system call when the socket has room, and a node waiting
-/// for a peer's message sleeps in poll(2) on that peer's socket, woken by the kernel when the
-/// bytes arrive. (Gloo's unbound buffers cost three messages per send, a receive-ready notice,
+/// ways (a message: a 64-byte frame header holding its length, then its bytes; a message whose
+/// size is a multiple of 64 bytes is returned 64-byte aligned). The thread that sends and receives
+/// is the caller's: a message leaves in one system call when the socket has room, and a node
+/// waiting for a peer's message sleeps in poll(2) on that peer's socket, woken by the kernel when
+/// the bytes arrive. (Gloo's unbound buffers cost three messages per send, a receive-ready notice,
 /// a send-ready notice and the data, and hand every receive from Gloo's device thread to the
 /// waiting one; on a small op across two nodes that was most of the daemon's time.)
 ///
 /// Connecting: every node listens on an ephemeral port of its address and publishes
 /// "host port key" in the job's store under `prefix` (the key: 128 random bits); the node
 /// later in `nodes` connects to the earlier one and sends its index and the earlier node's key
-/// first. A connection that does not present the key is closed and the node keeps waiting for
-/// its peer, so a host that cannot read the job's store (which the cluster token protects)
-/// can neither read nor inject records.
+/// first. A connection that does not present the key within a few seconds is closed and the
+/// node keeps waiting for its peer (hellos are read side by side: a silent connection delays no
+/// one), so a host that cannot read the job's store (which the cluster token protects) cannot
+/// take a peer's place. (The records themselves are not encrypted.)
 ///
 /// Sending never waits on a peer that is itself sending: while a peer's socket is full, Send
 /// reads whatever any peer sent into that peer's receive buffer, so two nodes sending each
