@@ -81,7 +81,9 @@ TEST(RecordLinksTest, MessagesOfEverySizeArriveWholeAndInOrderBothWays) {
         ASSERT_TRUE(got.ok()) << got.status();
         const std::vector<std::byte> want = Message(from, k, sizes[k]);
         ASSERT_EQ(got->size(), want.size()) << "node " << me << " from " << from << " k " << k;
-        ASSERT_EQ(std::memcmp(got->data(), want.data(), want.size()), 0);
+        if (!want.empty()) {
+          ASSERT_EQ(std::memcmp(got->data(), want.data(), want.size()), 0);
+        }
       }
     }
   });
