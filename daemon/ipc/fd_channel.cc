@@ -5,7 +5,6 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -16,9 +15,9 @@
 #include <cstring>
 #include <vector>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/random_hex.h"
 
 namespace gradsync::ipc {
 namespace {
@@ -35,40 +34,7 @@ void Reply(int fd, int code, const std::string& payload) {
   (void)::send(fd, msg.data(), msg.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
-absl::StatusOr<std::string> NewToken() {
-  unsigned char bytes[FdChannel::kTokenHexChars / 2];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(errno)));
-    }
-    got += static_cast<size_t>(n);
-  }
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
-}
-
 }  // namespace
-
-UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = other.Release();
-  }
-  return *this;
-}
-
-UniqueFd::~UniqueFd() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-int UniqueFd::Release() {
-  const int fd = fd_;
-  fd_ = -1;
-  return fd;
-}
 
 absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Listen(const std::string& path, mode_t mode,
                                                              FdChannelLimits limits) {
@@ -186,7 +152,7 @@ bool FdChannel::Serve(int fd, uid_t uid) {
           "send one byte 'F' with exactly one descriptor");
     return true;
   }
-  absl::StatusOr<std::string> token = NewToken();
+  absl::StatusOr<std::string> token = RandomHex(kTokenHexChars / 2);
   if (!token.ok()) {
     Reply(fd, static_cast<int>(token.status().code()), std::string(token.status().message()));
     return true;

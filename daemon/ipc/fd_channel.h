@@ -25,25 +25,11 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/unique_fd.h"
 
 namespace gradsync::ipc {
 
-/// A file descriptor, closed when this goes.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& other) noexcept : fd_(other.Release()) {}
-  UniqueFd& operator=(UniqueFd&& other) noexcept;
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd();
-  int get() const { return fd_; }
-  int Release();
-
- private:
-  int fd_ = -1;
-};
+using gradsync::UniqueFd;
 
 struct FdChannelLimits {
   /// Connections open at once; more are closed at once.

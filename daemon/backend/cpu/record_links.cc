@@ -3,12 +3,10 @@
 
 #include "daemon/backend/cpu/record_links.h"
 
-#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -18,10 +16,10 @@
 #include <cstring>
 #include <new>
 
-#include "absl/strings/escaping.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/random_hex.h"
+#include "common/unique_fd.h"
 
 namespace gradsync::backend::cpu {
 namespace {
@@ -125,10 +123,6 @@ absl::Status SendAll(int fd, const void* bytes, size_t n, absl::Time deadline) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-namespace {
-
 // Receive buffers, 64-byte aligned (see kFrameHeader).
 struct AlignedDelete {
   void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{64}); }
@@ -141,7 +135,7 @@ Buffer NewBuffer(size_t bytes) {  // not zeroed
 }  // namespace
 
 struct RecordLinks::Peer {
-  int fd = -1;
+  UniqueFd fd;
   Buffer rx;  // received bytes: [head, tail) not yet taken
   size_t capacity = 0;
   size_t head = 0;
@@ -156,13 +150,12 @@ RecordLinks::RecordLinks(Spec spec) : spec_(std::move(spec)), peers_(spec_.nodes
 
 RecordLinks::~RecordLinks() {
   for (Peer& p : peers_) {
-    if (p.fd < 0) continue;
+    if (p.fd.get() < 0) continue;
     // Unread bytes at close(2) make the kernel reset the connection, which can drop what we
     // sent last before the peer reads it: take them first, so the close is an orderly one.
     char sink[4096];
-    for (int i = 0; i < 1024 && ::recv(p.fd, sink, sizeof(sink), MSG_DONTWAIT) > 0; ++i) {
+    for (int i = 0; i < 1024 && ::recv(p.fd.get(), sink, sizeof(sink), MSG_DONTWAIT) > 0; ++i) {
     }
-    ::close(p.fd);
   }
 }
 
@@ -190,39 +183,30 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
   // Listen on an ephemeral port of this node's address.
   absl::StatusOr<addrinfo*> local = Resolve(host, "0");
   if (!local.ok()) return local.status();
-  int listener = ::socket((*local)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  const UniqueFd listener(
+      ::socket((*local)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   absl::Status listened = absl::OkStatus();
-  if (listener < 0) {
+  if (listener.get() < 0) {
     listened = absl::UnavailableError(Errno("socket"));
-  } else if (::bind(listener, (*local)->ai_addr, (*local)->ai_addrlen) != 0) {
+  } else if (::bind(listener.get(), (*local)->ai_addr, (*local)->ai_addrlen) != 0) {
     listened = absl::UnavailableError(Errno(absl::StrCat("bind ", host).c_str()));
-  } else if (::listen(listener, 128) != 0) {
+  } else if (::listen(listener.get(), 128) != 0) {
     listened = absl::UnavailableError(Errno("listen"));
   }
   ::freeaddrinfo(*local);
-  struct Closer {
-    int& fd;
-    ~Closer() {
-      if (fd >= 0) ::close(fd);
-    }
-  } close_listener{listener};
   if (!listened.ok()) return listened;
   sockaddr_storage addr{};
   socklen_t addr_len = sizeof(addr);
-  if (::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &addr_len) != 0) {
+  if (::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &addr_len) != 0) {
     return absl::UnavailableError(Errno("getsockname"));
   }
   const int port =
       ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
                                        : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-  unsigned char raw_key[kKeyBytes];
-  if (::getrandom(raw_key, sizeof(raw_key), 0) != static_cast<ssize_t>(sizeof(raw_key))) {
-    return absl::InternalError(Errno("getrandom"));
-  }
-  const std::string key =
-      absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(raw_key), kKeyBytes));
+  absl::StatusOr<std::string> key = RandomHex(kKeyBytes);
+  if (!key.ok()) return key.status();
   if (absl::Status st =
-          s.store->Set(s.job, absl::StrCat(s.prefix, me), absl::StrCat(host, " ", port, " ", key));
+          s.store->Set(s.job, absl::StrCat(s.prefix, me), absl::StrCat(host, " ", port, " ", *key));
       !st.ok()) {
     return st;
   }
@@ -243,8 +227,9 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
     }
     absl::StatusOr<addrinfo*> remote = Resolve(parts[0], parts[1]);
     if (!remote.ok()) return remote.status();
-    const int fd = ::socket((*remote)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    links->peers_[i].fd = fd;
+    links->peers_[i].fd =
+        UniqueFd(::socket((*remote)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    const int fd = links->peers_[i].fd.get();
     int rv = fd < 0 ? -1 : ::connect(fd, (*remote)->ai_addr, (*remote)->ai_addrlen);
     const int connect_errno = errno;
     ::freeaddrinfo(*remote);
@@ -276,37 +261,32 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
   // connection that sends nothing (or not the key) delays no one; it is closed and does not
   // count.
   struct Pending {
-    int fd;
+    UniqueFd fd;
     absl::Time until;
     Hello hello;
     size_t got;
   };
-  std::vector<Pending> pending;
-  auto close_all = [&pending] {
-    for (Pending& c : pending) ::close(c.fd);
-    pending.clear();
-  };
+  std::vector<Pending> pending;  // closed when this returns
   int missing = n - me - 1;
   while (missing > 0) {
     const absl::Time now = absl::Now();
     if (now >= deadline) {
-      close_all();
       std::string who;
       for (int j = me + 1; j < n; ++j) {
-        if (links->peers_[j].fd < 0) absl::StrAppend(&who, who.empty() ? "" : ", ", s.nodes[j]);
+        if (links->peers_[j].fd.get() < 0)
+          absl::StrAppend(&who, who.empty() ? "" : ", ", s.nodes[j]);
       }
       return absl::DeadlineExceededError(
           absl::StrCat("record links: node(s) ", who, " did not connect by the deadline"));
     }
     absl::Time wake = deadline;
-    std::vector<pollfd> fds = {{listener, POLLIN, 0}};
+    std::vector<pollfd> fds = {{listener.get(), POLLIN, 0}};
     for (const Pending& c : pending) {
-      fds.push_back({c.fd, POLLIN, 0});
+      fds.push_back({c.fd.get(), POLLIN, 0});
       wake = std::min(wake, c.until);
     }
     const timespec t = Left(wake);
     if (::ppoll(fds.data(), fds.size(), &t, nullptr) < 0 && errno != EINTR) {
-      close_all();
       return absl::UnavailableError(Errno("poll"));
     }
     // Hellos first (their indices match fds[1...]), then new connections.
@@ -315,7 +295,7 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
       Pending& c = pending[k];
       bool drop = absl::Now() >= c.until || (fds[k + 1].revents & (POLLERR | POLLNVAL)) != 0;
       if (!drop && (fds[k + 1].revents & (POLLIN | POLLHUP)) != 0) {
-        const ssize_t rv = ::recv(c.fd, reinterpret_cast<char*>(&c.hello) + c.got,
+        const ssize_t rv = ::recv(c.fd.get(), reinterpret_cast<char*>(&c.hello) + c.got,
                                   sizeof(c.hello) - c.got, MSG_DONTWAIT);
         if (rv > 0) c.got += static_cast<size_t>(rv);
         drop = rv == 0 || (rv < 0 && errno != EAGAIN && errno != EINTR);
@@ -323,36 +303,31 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
       if (!drop && c.got == sizeof(c.hello)) {
         const int from = static_cast<int>(c.hello.from);
         if (c.hello.magic == kHelloMagic && static_cast<int>(c.hello.to) == me && from > me &&
-            from < n && links->peers_[from].fd < 0 && SameKey(c.hello.key, key)) {
-          SetNoDelay(c.fd);
-          links->peers_[from].fd = c.fd;
+            from < n && links->peers_[from].fd.get() < 0 && SameKey(c.hello.key, *key)) {
+          SetNoDelay(c.fd.get());
+          links->peers_[from].fd = std::move(c.fd);
           --missing;
           continue;
         }
         drop = true;  // not our peer
       }
-      if (drop) {
-        ::close(c.fd);
-      } else {
-        still.push_back(c);
-      }
+      if (!drop) still.push_back(std::move(c));  // a dropped one closes here
     }
     pending = std::move(still);
     if ((fds[0].revents & POLLIN) != 0) {
-      const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-      if (fd >= 0) {
-        if (pending.size() >= kMaxPendingHellos) {
-          ::close(fd);  // a flood: the real peers retry nothing, but strangers cannot pile up
-        } else {
-          pending.push_back({fd, std::min(deadline, absl::Now() + kHelloWait), Hello{}, 0});
+      UniqueFd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (fd.get() >= 0) {
+        // Past kMaxPendingHellos (a flood) a new connection closes at once: strangers cannot
+        // pile up.
+        if (pending.size() < kMaxPendingHellos) {
+          pending.push_back(
+              {std::move(fd), std::min(deadline, absl::Now() + kHelloWait), Hello{}, 0});
         }
       } else if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED && errno != EPROTO) {
-        close_all();
         return absl::UnavailableError(Errno("accept"));
       }
     }
   }
-  close_all();
   return links;
 }
 
@@ -398,7 +373,7 @@ absl::Status RecordLinks::ReadAvailable(int node) {
       p.tail = live;
     }
     const size_t room = p.capacity - p.tail;
-    const ssize_t rv = ::recv(p.fd, p.rx.get() + p.tail, room, MSG_DONTWAIT);
+    const ssize_t rv = ::recv(p.fd.get(), p.rx.get() + p.tail, room, MSG_DONTWAIT);
     if (rv > 0) {
       p.tail += static_cast<size_t>(rv);
       if (static_cast<size_t>(rv) < room) return absl::OkStatus();  // drained
@@ -440,7 +415,7 @@ absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time d
       msghdr msg{};
       msg.msg_iov = iov;
       msg.msg_iovlen = count;
-      const ssize_t rv = ::sendmsg(peers_[i].fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      const ssize_t rv = ::sendmsg(peers_[i].fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (rv > 0) {
         sent[i] += static_cast<size_t>(rv);
         continue;
@@ -467,7 +442,7 @@ absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time d
           static_cast<short>((peers_[i].closed ? 0 : POLLIN) | (sent[i] < total ? POLLOUT : 0));
       waiting = waiting || sent[i] < total;
       if (events != 0) {
-        fds.push_back({peers_[i].fd, events, 0});
+        fds.push_back({peers_[i].fd.get(), events, 0});
         node_of.push_back(i);
       }
     }
@@ -477,9 +452,8 @@ absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time d
         if (i != spec_.me && sent[i] < total) {
           return absl::DeadlineExceededError(
               absl::StrCat("record link to ", Name(i),
-                           ": the peer took no more of our records by the "
-                           "deadline (",
-                           sent[i], " of ", total, " bytes of a message)"));
+                           ": the peer took no more of our records by the deadline (", sent[i],
+                           " of ", total, " bytes of a message)"));
         }
       }
     }
@@ -535,7 +509,7 @@ absl::StatusOr<absl::Span<const std::byte>> RecordLinks::Receive(int node, absl:
                   absl::UnavailableError(absl::StrCat(
                       "the peer closed its end", have > 0 ? " in the middle of a message" : "")));
     }
-    absl::StatusOr<bool> ready = WaitFor(p.fd, POLLIN, deadline);
+    absl::StatusOr<bool> ready = WaitFor(p.fd.get(), POLLIN, deadline);
     if (!ready.ok()) return Fail(node, ready.status());
     if (!*ready) {
       return absl::DeadlineExceededError(
