@@ -315,11 +315,8 @@ const std::byte* GlooCommunicator::NextRecord(int node, uint64_t seq,
         links_->Receive(node, absl::Now() + absl::FromChrono(timeout));
     if (!message.ok()) throw std::runtime_error(std::string(message.status().message()));
     const std::byte* const m = message->data();
-    MessageHeader header;
-    if (message->size() < sizeof(header)) {
-      throw std::runtime_error(absl::StrCat("malformed stream message from node ", nodes_[node]));
-    }
-    std::memcpy(&header, m, sizeof(header));
+    MessageHeader header{};  // a message too short to hold one fails the magic check
+    if (message->size() >= sizeof(header)) std::memcpy(&header, m, sizeof(header));
     if (header.magic != kStreamMagic || header.bytes != message->size() || header.records == 0) {
       throw std::runtime_error(absl::StrCat("malformed stream message from node ", nodes_[node]));
     }
