@@ -19,50 +19,15 @@
 #include "absl/strings/str_split.h"
 #include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"
+#include "tests/unit/record_links_testing.h"
 
 namespace gradsync::backend::cpu {
 namespace {
-
-const std::vector<std::string> kNodes = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
-
-RecordLinks::Spec SpecOf(gradsync::Store* store, int me, int nodes, std::string prefix = "r/") {
-  RecordLinks::Spec spec;
-  spec.store = store;
-  spec.job = "j";
-  spec.prefix = std::move(prefix);
-  spec.nodes.assign(kNodes.begin(), kNodes.begin() + nodes);
-  spec.me = me;
-  spec.max_message_bytes = 1 << 20;
-  return spec;
-}
-
-// Connects `nodes` nodes, each on its own thread; returns their links (all must connect).
-std::vector<std::unique_ptr<RecordLinks>> ConnectAll(gradsync::Store* store, int nodes) {
-  std::vector<std::unique_ptr<RecordLinks>> links(nodes);
-  std::vector<absl::Status> status(nodes);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < nodes; ++i) {
-    threads.emplace_back([&, i] {
-      auto l = RecordLinks::Connect(SpecOf(store, i, nodes), absl::Now() + absl::Seconds(20));
-      status[i] = l.status();
-      if (l.ok()) links[i] = *std::move(l);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int i = 0; i < nodes; ++i) EXPECT_TRUE(status[i].ok()) << i << ": " << status[i];
-  return links;
-}
 
 std::vector<std::byte> Message(int from, int k, size_t bytes) {
   std::vector<std::byte> m(bytes);
   for (size_t i = 0; i < bytes; ++i) m[i] = static_cast<std::byte>((from * 131 + k * 7 + i) % 251);
   return m;
-}
-
-void RunOnEach(int nodes, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int i = 0; i < nodes; ++i) threads.emplace_back(fn, i);
-  for (std::thread& t : threads) t.join();
 }
 
 TEST(RecordLinksTest, MessagesOfEverySizeArriveWholeAndInOrderBothWays) {

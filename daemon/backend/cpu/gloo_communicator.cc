@@ -14,9 +14,9 @@
 #include "daemon/backend/cpu/gloo_store.h"
 #include "daemon/backend/cpu/kernels.h"
 #include "daemon/backend/cpu/record_links.h"
+#include "daemon/backend/cpu/ring_allreduce.h"
 #include "gloo/allgather.h"
 #include "gloo/allgatherv.h"
-#include "gloo/allreduce.h"
 #include "gloo/barrier.h"
 #include "gloo/broadcast.h"
 #include "gloo/rendezvous/context.h"
@@ -27,9 +27,8 @@ namespace {
 
 // How long past an op's deadline a node waits for its peers' verdicts (and connections).
 constexpr absl::Duration kGrace = absl::Seconds(10);
-// Gloo's ring keeps two segments in flight per peer; its default (1 MiB) leaves loopback and
-// fast links idle between segments. Measured on loopback (README): 4 MiB was best.
-constexpr size_t kSegmentBytes = 4 << 20;
+// The ring's segment: one message on the links.
+constexpr size_t kSegmentBytes = 1 << 20;
 // Ops moving at most this many bytes per node travel inside their record: one exchange instead
 // of a verdict round and then Gloo's algorithm.
 constexpr int64_t kInlineMaxBytes = 256 << 10;
@@ -187,7 +186,7 @@ absl::Status GlooCommunicator::Connect(absl::Time deadline) {
         absl::StrCat("records/", spec_.run, spec_.run.empty() ? "" : "/", spec_.group, "/");
     links.nodes = nodes_;
     links.me = my_node_;
-    links.max_message_bytes = kStreamMessageBytes;
+    links.max_message_bytes = std::max(kStreamMessageBytes, kSegmentBytes + 64);
     absl::StatusOr<std::unique_ptr<RecordLinks>> connected =
         RecordLinks::Connect(std::move(links), deadline);
     if (!connected.ok()) {
@@ -581,35 +580,19 @@ absl::Status GlooCommunicator::Finish(const core::Collective& op, Exchange& ex) 
 }
 
 void GlooCommunicator::AllreduceAcrossNodes(const core::Collective& op, int64_t n,
-                                            absl::Span<std::byte* const> buffers) {
-  if (n == 0) return;
-  const int64_t esize = DTypeSize(op.dtype);
-  // MEAN sums everywhere; the caller divides once at the end, by the group size.
-  const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
-  ::gloo::AllreduceOptions opts(context_);
-  opts.setTimeout(MillisUntil(op.deadline));
-  // The ring: bandwidth optimal, its segments pipelined (ops this large are not latency bound;
-  // small ones never get here, they travel inline).
-  opts.setAlgorithm(::gloo::AllreduceOptions::Algorithm::RING);
-  opts.setMaxSegmentSize(kSegmentBytes);
-  WithElementType(esize, [&](auto t) {
-    using T = decltype(t);
-    std::vector<T*> ptrs;
-    for (std::byte* b : buffers) ptrs.push_back(reinterpret_cast<T*>(b));
-    opts.setOutputs(ptrs, static_cast<size_t>(n));
-  });
-  const DType dtype = op.dtype;
-  opts.setReduceFunction([dtype, partial](void* c, const void* a, const void* b, size_t count) {
-    const core::View va = {
-        {static_cast<std::byte*>(const_cast<void*>(a)), static_cast<int64_t>(count)}};
-    const core::View vb = {
-        {static_cast<std::byte*>(const_cast<void*>(b)), static_cast<int64_t>(count)}};
-    const core::View vc = {{static_cast<std::byte*>(c), static_cast<int64_t>(count)}};
-    const Slice srcs[] = {{&va, 0}, {&vb, 0}};
-    const Slice dst{&vc, 0};
-    Reduce(dtype, partial, 1, srcs, {&dst, 1}, static_cast<int64_t>(count));
-  });
-  ::gloo::allreduce(opts);
+                                            absl::Span<std::byte* const> buffers, bool finish) {
+  RingSpec ring;
+  ring.seq = op.seq;
+  ring.dtype = op.dtype;
+  // Unfinished, MEAN sums: the caller divides once at the end, by the group size.
+  ring.op = finish || op.reduce_op != v1::MEAN ? op.reduce_op : v1::SUM;
+  ring.divisor = op.group_size;
+  ring.count = n;
+  ring.deadline = op.deadline;
+  ring.segment_bytes = kSegmentBytes;
+  if (absl::Status s = RingAllreduce(*links_, ring, buffers); !s.ok()) {
+    throw std::runtime_error(std::string(s.message()));
+  }
 }
 
 void GlooCommunicator::ReduceIntoScratch(const core::Collective& op, int64_t n) {
@@ -622,7 +605,7 @@ void GlooCommunicator::ReduceIntoScratch(const core::Collective& op, int64_t n) 
   for (const core::LocalMember& m : op.local) locals.push_back({&m.input, 0});
   Reduce(op.dtype, partial, 1, locals, {&out, 1}, n);
   std::byte* const buffer = scratch_.data();
-  AllreduceAcrossNodes(op, n, {&buffer, 1});
+  AllreduceAcrossNodes(op, n, {&buffer, 1}, /*finish=*/false);
 }
 
 absl::Status GlooCommunicator::RunWithGloo(const core::Collective& op) {
@@ -636,21 +619,14 @@ absl::Status GlooCommunicator::RunWithGloo(const core::Collective& op) {
       return absl::OkStatus();
     }
     case v1::ALL_REDUCE: {
-      // Contiguous members (the usual case): Gloo reduces them into the first member's
-      // buffer segment by segment as the ring sends, and copies each reduced segment to the
-      // others as it arrives, so the local passes overlap the network.
+      // Contiguous members (the usual case): the ring reduces them in its own passes and
+      // writes each finished block (MEAN divided) to every member.
       std::vector<std::byte*> contiguous;
       for (const core::LocalMember& m : op.local) {
         if (m.input.size() == 1 && m.input[0].count == n) contiguous.push_back(m.input[0].data);
       }
       if (contiguous.size() == op.local.size()) {
-        AllreduceAcrossNodes(op, n, contiguous);
-        if (op.reduce_op == v1::MEAN) {
-          for (const core::LocalMember& m : op.local) {
-            const Slice s{&m.input, 0};
-            Reduce(op.dtype, v1::MEAN, op.group_size, {&s, 1}, {&s, 1}, n);
-          }
-        }
+        AllreduceAcrossNodes(op, n, contiguous, /*finish=*/true);
         return absl::OkStatus();
       }
       // Fused ops (members' segments): through one contiguous scratch buffer.

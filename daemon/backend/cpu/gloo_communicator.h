@@ -27,8 +27,9 @@ class RecordLinks;
 /// Every op starts with one record from each node to every other: the node's verdict (its
 /// status and the op's fingerprint) and, for ops that move at most kInlineMaxBytes, the node's
 /// whole contribution. Such an op is done in that one exchange (each node combines the
-/// contributions in node order, so all get the same bits); a larger one then runs Gloo's
-/// algorithm. An op that failed on one node, or that nodes disagree on, fails on all of them
+/// contributions in node order, so all get the same bits); a larger one then runs a ring
+/// all-reduce over the same links (ring_allreduce.h: all-reduce, reduce-scatter) or Gloo's
+/// algorithm (broadcast, all-gather). An op that failed on one node, or that nodes disagree on, fails on all of them
 /// the same way and writes no member buffer.
 ///
 /// Records travel on one stream per ordered pair of nodes, in sequence order, over the group's
@@ -98,11 +99,11 @@ class GlooCommunicator final : public core::Communicator {
   void Unpack(const core::Collective& op, absl::Span<const std::byte* const> payloads);
   // An op past its verdict that runs Gloo's algorithms (not inline). Throws (Gloo).
   absl::Status RunWithGloo(const core::Collective& op);
-  // One Gloo all-reduce of n elements across the nodes, our kernel as its reduce function
-  // (MEAN as SUM: the caller divides). Gloo first reduces `buffers` into buffers[0], segment by
-  // segment, and leaves the result in every one of them. Throws (Gloo).
+  // All-reduces n elements of `buffers` (the local members') across the nodes, over the record
+  // links (ring_allreduce.h), leaving the result in every one of them: the op's reduction when
+  // `finish`, else MEAN as SUM (the caller divides). Throws (a failed link).
   void AllreduceAcrossNodes(const core::Collective& op, int64_t n,
-                            absl::Span<std::byte* const> buffers);
+                            absl::Span<std::byte* const> buffers, bool finish);
   // Reduces the local members' inputs [0, n) into scratch_, then all-reduces it.
   void ReduceIntoScratch(const core::Collective& op, int64_t n);
   std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..."

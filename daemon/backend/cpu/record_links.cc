@@ -391,30 +391,57 @@ absl::Status RecordLinks::ReadAvailable(int node) {
 }
 
 absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time deadline) {
+  const absl::Span<const std::byte> parts[] = {message};
+  return SendFrame(-1, parts, deadline);
+}
+
+absl::Status RecordLinks::SendTo(int node, absl::Span<const absl::Span<const std::byte>> parts,
+                                 absl::Time deadline) {
+  if (node < 0 || node >= static_cast<int>(peers_.size()) || node == spec_.me ||
+      parts.size() > kMaxParts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("record links: no peer ", node, " or more than ", kMaxParts, " parts"));
+  }
+  return SendFrame(node, parts, deadline);
+}
+
+absl::Status RecordLinks::SendFrame(int to, absl::Span<const absl::Span<const std::byte>> parts,
+                                    absl::Time deadline) {
   const int n = static_cast<int>(peers_.size());
-  uint64_t frame[kFrameHeader / sizeof(uint64_t)] = {message.size()};
-  const size_t total = kFrameHeader + message.size();
+  size_t length = 0;
+  for (const absl::Span<const std::byte>& part : parts) length += part.size();
+  uint64_t frame[kFrameHeader / sizeof(uint64_t)] = {length};
+  // The frame header, then the parts, as one sequence of iovecs.
+  iovec whole[1 + kMaxParts];
+  whole[0] = {frame, kFrameHeader};
+  size_t count = 1;
+  for (const absl::Span<const std::byte>& part : parts) {
+    if (!part.empty()) whole[count++] = {const_cast<std::byte*>(part.data()), part.size()};
+  }
+  const size_t total = kFrameHeader + length;
   std::vector<size_t> sent(n, total);  // bytes of the frame each peer took
   for (int i = 0; i < n; ++i) {
-    if (i == spec_.me) continue;
+    if (i == spec_.me || (to >= 0 && i != to)) continue;
     if (!peers_[i].error.ok()) return peers_[i].error;
     sent[i] = 0;
   }
   // Writes what `i`'s socket takes now. OK when it is full.
   auto push = [&](int i) -> absl::Status {
     while (sent[i] < total) {
-      iovec iov[2];
-      int count = 0;
-      if (sent[i] < kFrameHeader) {
-        iov[count++] = {reinterpret_cast<char*>(frame) + sent[i], kFrameHeader - sent[i]};
-      }
-      const size_t body = sent[i] < kFrameHeader ? 0 : sent[i] - kFrameHeader;
-      if (body < message.size()) {
-        iov[count++] = {const_cast<std::byte*>(message.data()) + body, message.size() - body};
+      iovec iov[1 + kMaxParts];
+      int used = 0;
+      size_t skip = sent[i];
+      for (size_t k = 0; k < count; ++k) {
+        if (skip >= whole[k].iov_len) {
+          skip -= whole[k].iov_len;
+          continue;
+        }
+        iov[used++] = {static_cast<char*>(whole[k].iov_base) + skip, whole[k].iov_len - skip};
+        skip = 0;
       }
       msghdr msg{};
       msg.msg_iov = iov;
-      msg.msg_iovlen = count;
+      msg.msg_iovlen = used;
       const ssize_t rv = ::sendmsg(peers_[i].fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (rv > 0) {
         sent[i] += static_cast<size_t>(rv);
@@ -427,8 +454,9 @@ absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time d
     return absl::OkStatus();
   };
   for (int i = 0; i < n; ++i) {
-    if (i == spec_.me) continue;
-    if (absl::Status st = push(i); !st.ok()) return st;
+    if (sent[i] < total) {
+      if (absl::Status st = push(i); !st.ok()) return st;
+    }
   }
   std::vector<pollfd> fds;
   std::vector<int> node_of;

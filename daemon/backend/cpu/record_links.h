@@ -61,10 +61,19 @@ class RecordLinks {
   /// Sends one message to every peer, after the earlier ones. Returns once the kernel holds all
   /// of it (so `message` may be reused), or fails by `deadline`.
   absl::Status Send(absl::Span<const std::byte> message, absl::Time deadline);
+  /// Sends one message, the concatenation of `parts` (at most kMaxParts), to `node` only; as
+  /// Send otherwise (while its socket is full, every peer is read).
+  static constexpr size_t kMaxParts = 3;
+  absl::Status SendTo(int node, absl::Span<const absl::Span<const std::byte>> parts,
+                      absl::Time deadline);
 
   /// The next message from `node`, whole. Stays valid until the next Receive from that node
   /// (Sends in between may read more from it, but never move this one).
   absl::StatusOr<absl::Span<const std::byte>> Receive(int node, absl::Time deadline);
+
+  int nodes() const { return static_cast<int>(spec_.nodes.size()); }
+  int me() const { return spec_.me; }
+  const std::string& node(int i) const { return spec_.nodes[i]; }
 
   /// Bytes received from `node` and not yet returned by Receive (for tests).
   size_t BufferedFrom(int node) const;
@@ -73,6 +82,9 @@ class RecordLinks {
   struct Peer;
   explicit RecordLinks(Spec spec);
   absl::Status Fail(int node, absl::Status status);
+  // Sends the concatenation of `parts` to `to` (every peer when -1).
+  absl::Status SendFrame(int to, absl::Span<const absl::Span<const std::byte>> parts,
+                         absl::Time deadline);
   // Reads what `node`'s socket holds into its buffer, without waiting. OK when nothing is there.
   absl::Status ReadAvailable(int node);
   std::string Name(int node) const;  // "node host:port"

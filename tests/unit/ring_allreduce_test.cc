@@ -1,0 +1,191 @@
+// RingAllreduce between in-process "nodes" (one thread each, RecordLinks over loopback TCP):
+// exact results on every node and member for every dtype, reduction, count and segment size;
+// refused out-of-step messages, deadlines and a peer gone.
+
+#include "daemon/backend/cpu/ring_allreduce.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "daemon/backend/cpu/kernels.h"
+#include "tests/unit/record_links_testing.h"
+
+namespace gradsync::backend::cpu {
+namespace {
+
+// Small integers: every sum is exact in every dtype below, so each node's result can be compared
+// bit for bit with one computed here.
+int Input(int node, int member, int64_t i) {
+  return static_cast<int>((node * 7 + member * 3 + i) % 11) - 5;
+}
+
+template <typename T>
+T FromInt(DType dtype, int v) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return dtype == v1::FLOAT16 ? FloatToHalf(static_cast<float>(v))
+                                : FloatToBFloat16(static_cast<float>(v));
+  } else {
+    return static_cast<T>(v);
+  }
+}
+
+struct Case {
+  DType dtype;
+  v1::ReduceOp op;
+};
+
+// Runs one ring over `nodes` nodes (members[node] members each) and checks every buffer.
+template <typename T>
+void ExpectRing(std::vector<std::unique_ptr<RecordLinks>>& links, const std::vector<int>& members,
+                Case c, int64_t count, size_t segment_bytes, uint64_t seq) {
+  const int nodes = static_cast<int>(links.size());
+  int total_members = 0;
+  for (int node = 0; node < nodes; ++node) total_members += members[node];
+  // What every element must be, computed as the kernels would (one final rounding).
+  std::vector<T> want(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    double acc = c.op == v1::MIN ? 1e9 : c.op == v1::MAX ? -1e9 : 0;
+    for (int node = 0; node < nodes; ++node) {
+      for (int m = 0; m < members[node]; ++m) {
+        const int v = Input(node, m, i);
+        acc = c.op == v1::MIN   ? std::min<double>(acc, v)
+              : c.op == v1::MAX ? std::max<double>(acc, v)
+                                : acc + v;
+      }
+    }
+    if (c.op == v1::MEAN) {
+      const T sum = FromInt<T>(c.dtype, static_cast<int>(acc));
+      const core::View in = {{reinterpret_cast<std::byte*>(const_cast<T*>(&sum)), 1}};
+      const core::View out = {{reinterpret_cast<std::byte*>(&want[i]), 1}};
+      const Slice src{&in, 0}, dst{&out, 0};
+      Reduce(c.dtype, v1::MEAN, total_members, {&src, 1}, {&dst, 1}, 1);
+    } else {
+      want[i] = FromInt<T>(c.dtype, static_cast<int>(acc));
+    }
+  }
+  std::vector<std::vector<std::vector<T>>> data(nodes);
+  std::vector<absl::Status> status(nodes);
+  RunOnEach(nodes, [&](int node) {
+    std::vector<std::byte*> buffers;
+    for (int m = 0; m < members[node]; ++m) {
+      std::vector<T>& b = data[node].emplace_back(static_cast<size_t>(count));
+      for (int64_t i = 0; i < count; ++i) b[i] = FromInt<T>(c.dtype, Input(node, m, i));
+      buffers.push_back(reinterpret_cast<std::byte*>(b.data()));
+    }
+    RingSpec spec;
+    spec.seq = seq;
+    spec.dtype = c.dtype;
+    spec.op = c.op;
+    spec.divisor = total_members;
+    spec.count = count;
+    spec.deadline = absl::Now() + absl::Seconds(60);
+    spec.segment_bytes = segment_bytes;
+    status[node] = RingAllreduce(*links[node], spec, buffers);
+  });
+  for (int node = 0; node < nodes; ++node) {
+    ASSERT_TRUE(status[node].ok()) << "node " << node << ": " << status[node];
+    for (int m = 0; m < members[node]; ++m) {
+      if (count == 0) continue;
+      ASSERT_EQ(std::memcmp(data[node][m].data(), want.data(), count * sizeof(T)), 0)
+          << "dtype " << c.dtype << " op " << c.op << " count " << count << " segment "
+          << segment_bytes << " node " << node << " member " << m;
+    }
+    for (int from = 0; from < nodes; ++from) {
+      if (from != node) {
+        EXPECT_EQ(links[node]->BufferedFrom(from), 0u);
+      }
+    }
+  }
+}
+
+TEST(RingAllreduceTest, EveryMemberOfEveryNodeGetsTheExactResultForEveryShape) {
+  // Counts below the node count (empty chunks), uneven chunks, segments of one element to
+  // whole chunks; nodes with one, two and three members.
+  for (int nodes : {2, 3}) {
+    store::MemoryStore store;
+    auto links = ConnectAll(&store, nodes, 2 << 20);
+    ASSERT_EQ(links.size(), static_cast<size_t>(nodes));
+    const std::vector<int> members =
+        nodes == 2 ? std::vector<int>{2, 1} : std::vector<int>{2, 1, 3};
+    uint64_t seq = 0;
+    for (int64_t count : {0, 1, 2, 5, 4099}) {
+      for (size_t segment : {size_t{8}, size_t{256}, size_t{1} << 20}) {
+        ExpectRing<float>(links, members, {v1::FLOAT32, v1::SUM}, count, segment, ++seq);
+        ExpectRing<float>(links, members, {v1::FLOAT32, v1::MEAN}, count, segment, ++seq);
+        ExpectRing<double>(links, members, {v1::FLOAT64, v1::MEAN}, count, segment, ++seq);
+        ExpectRing<int32_t>(links, members, {v1::INT32, v1::MAX}, count, segment, ++seq);
+        ExpectRing<int64_t>(links, members, {v1::INT64, v1::MIN}, count, segment, ++seq);
+        ExpectRing<int8_t>(links, members, {v1::INT8, v1::SUM}, count, segment, ++seq);
+        ExpectRing<uint16_t>(links, members, {v1::FLOAT16, v1::SUM}, count, segment, ++seq);
+        ExpectRing<uint16_t>(links, members, {v1::BFLOAT16, v1::MEAN}, count, segment, ++seq);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+TEST(RingAllreduceTest, LargeBuffersFlowThroughBoundedSegments) {
+  // 24 MiB per member: far more than the sockets hold, in 1 MiB segments.
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2, 2 << 20);
+  ASSERT_EQ(links.size(), 2u);
+  ExpectRing<float>(links, {2, 2}, {v1::FLOAT32, v1::MEAN}, int64_t{6} << 20, 1 << 20, 1);
+}
+
+absl::Status RunAlone(RecordLinks& links, uint64_t seq, int64_t count, absl::Duration within,
+                      std::vector<float>& data) {
+  data.assign(static_cast<size_t>(count), 1.0f);
+  std::byte* buffer = reinterpret_cast<std::byte*>(data.data());
+  RingSpec spec;
+  spec.seq = seq;
+  spec.count = count;
+  spec.deadline = absl::Now() + within;
+  spec.segment_bytes = 4096;
+  return RingAllreduce(links, spec, {&buffer, 1});
+}
+
+TEST(RingAllreduceTest, NodesOnDifferentOpsRefuseEachOthersSegmentsAsOutOfStep) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2, 2 << 20);
+  ASSERT_EQ(links.size(), 2u);
+  std::vector<absl::Status> status(2);
+  std::vector<std::vector<float>> data(2);
+  RunOnEach(2, [&](int node) {
+    status[node] = RunAlone(*links[node], /*seq=*/10 + node, 100000, absl::Seconds(30), data[node]);
+  });
+  for (int node = 0; node < 2; ++node) {
+    EXPECT_EQ(status[node].code(), absl::StatusCode::kInternal) << status[node];
+    EXPECT_TRUE(absl::StrContains(status[node].message(), "out of step")) << status[node];
+    EXPECT_TRUE(absl::StrContains(status[node].message(), kNodes[1 - node])) << status[node];
+  }
+}
+
+TEST(RingAllreduceTest, APeerThatNeverJoinsFailsTheRingByItsDeadlineNamingIt) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2, 2 << 20);
+  ASSERT_EQ(links.size(), 2u);
+  std::vector<float> data;
+  const absl::Status s = RunAlone(*links[0], 1, 1000, absl::Milliseconds(300), data);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), kNodes[1])) << s;
+}
+
+TEST(RingAllreduceTest, APeerGoneMidRingFailsItAsUnavailable) {
+  // Node 1 leaves after its first segments; node 0 has a minute left but must not wait it out.
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2, 2 << 20);
+  ASSERT_EQ(links.size(), 2u);
+  absl::Status zero;
+  std::vector<float> data;
+  std::thread t([&] { zero = RunAlone(*links[0], 1, 1 << 20, absl::Seconds(60), data); });
+  std::vector<float> one_data;
+  (void)RunAlone(*links[1], 1, 1 << 20, absl::Milliseconds(1), one_data);
+  links[1].reset();
+  t.join();
+  EXPECT_EQ(zero.code(), absl::StatusCode::kUnavailable) << zero;
+  EXPECT_TRUE(absl::StrContains(zero.message(), kNodes[1])) << zero;
+}
+
+}  // namespace
+}  // namespace gradsync::backend::cpu
