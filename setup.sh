@@ -18,7 +18,6 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev libsystemd-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev googletest
   clang libclang-rt-14-dev
-  libgloo-dev
   python3-torch python3-grpcio python3-pytest python3-numpy
   openmpi-bin libopenmpi-dev
   iproute2 systemd procps

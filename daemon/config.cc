@@ -18,7 +18,7 @@ ABSL_FLAG(std::string, socket_mode, "0660", "Octal file mode of the unix socket"
 ABSL_FLAG(std::string, bind_address, "127.0.0.1",
           "Address of the TCP listener for other daemons; 0.0.0.0 only when you mean it");
 ABSL_FLAG(std::string, advertise_address, "",
-          "Host other daemons reach this one at: its node address in a job, and where its Gloo "
+          "Host other daemons reach this one at: its node address in a job, and where its data "
           "links listen; empty: --bind_address (required when that is a wildcard)");
 ABSL_FLAG(int, port, -1,
           "TCP port for other daemons (7451 is customary; needs --token_file); 0 picks a free "
@@ -170,7 +170,7 @@ absl::Status Validate(const DaemonConfig& c) {
         " listens on every interface; set --advertise_address to the one other daemons use"));
   }
   if (IsWildcard(c.advertise_address)) {
-    // Peers could not dial it, and Gloo's links, which listen on it, would take every interface.
+    // Peers could not dial it, and the data links, which listen on it, would take every interface.
     return absl::InvalidArgumentError(
         absl::StrCat("--advertise_address=", c.advertise_address,
                      " is every interface; set the address other daemons reach this node at"));

@@ -40,7 +40,7 @@ struct LocalMember {
   View output;  // ALL_GATHER and REDUCE_SCATTER only
 };
 
-/// Where an op's bytes live: host memory (the CPU backend, Gloo across nodes) or GPU memory
+/// Where an op's bytes live: host memory (the CPU backend, TCP across nodes) or GPU memory
 /// (NCCL).
 enum class Plane { kHost = 0, kDevice = 1 };
 
@@ -123,7 +123,7 @@ class Communicator {
   }
 };
 
-/// A data plane (CPU shared memory + Gloo, or NCCL). Thread-safe.
+/// A data plane (CPU shared memory + TCP between daemons, or NCCL). Thread-safe.
 class Backend {
  public:
   virtual ~Backend() = default;

@@ -253,7 +253,7 @@ void Engine::OnDeadline(const std::weak_ptr<Job>& weak, Group* group, uint64_t s
 }
 
 void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
-  // A run of consecutive ready host-plane ops that wait on other daemons (Gloo) goes to the
+  // A run of consecutive ready host-plane ops that wait on other daemons goes to the
   // communicator in one call (their exchanges overlap on the wire), bounded so that the first's
   // members are told soon and a batch's buffers stay small. Device-plane ops run one by one.
   constexpr size_t kMaxBatchOps = 256;

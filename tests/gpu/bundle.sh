@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the GPU binaries here (Debian 12, the CUDA toolkit and NCCL under /usr/local/cuda) and
 # bundles them, with the Debian libraries they need, into build-gpu-bundle/ for a GPU machine
-# that has CUDA and NCCL but not Debian's gRPC, protobuf, Abseil, spdlog or Gloo. libgradsync_c.so
+# that has CUDA and NCCL but not Debian's gRPC, protobuf, Abseil or spdlog. libgradsync_c.so
 # (the C ABI the Python package loads) goes with them; the package's Python files are the
 # tree's own (run.sh points PYTHONPATH at client/python):
 #   tests/gpu/bundle.sh   then (device tool, one call of at most 8 minutes) tests/gpu/run.sh,

@@ -128,7 +128,7 @@ TEST(DaemonConfigTest, RejectsBadSettings) {
               c.port = -1;
             }),
             absl::StatusCode::kOk);
-  // Peers dial the advertised address and Gloo's links listen on it: never every interface.
+  // Peers dial the advertised address and the data links listen on it: never every interface.
   EXPECT_EQ(bad([](auto& c) { c.advertise_address = "0.0.0.0"; }),
             absl::StatusCode::kInvalidArgument);
   // TCP serves other daemons and always needs the cluster token.

@@ -7,8 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "daemon/backend/cpu/gloo_communicator.h"
 #include "daemon/backend/cpu/kernels.h"
+#include "daemon/backend/cpu/nodes_communicator.h"
 
 namespace gradsync::backend::cpu {
 namespace {
@@ -113,7 +113,7 @@ absl::StatusOr<std::shared_ptr<core::Communicator>> CpuBackend::CreateCommunicat
                        " spans nodes but this "
                        "daemon has no job store or TCP address to reach its peers"));
     }
-    return std::make_shared<GlooCommunicator>(spec);
+    return std::make_shared<NodesCommunicator>(spec);
   }
   if (spec.local_members != spec.members) {
     return absl::FailedPreconditionError(absl::StrCat(

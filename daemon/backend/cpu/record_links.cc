@@ -392,21 +392,16 @@ absl::Status RecordLinks::ReadAvailable(int node) {
 
 absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time deadline) {
   const absl::Span<const std::byte> parts[] = {message};
-  return SendFrame(-1, parts, deadline);
+  return SendTo(kEveryPeer, parts, deadline);
 }
 
-absl::Status RecordLinks::SendTo(int node, absl::Span<const absl::Span<const std::byte>> parts,
+absl::Status RecordLinks::SendTo(int to, absl::Span<const absl::Span<const std::byte>> parts,
                                  absl::Time deadline) {
-  if (node < 0 || node >= static_cast<int>(peers_.size()) || node == spec_.me ||
+  if ((to != kEveryPeer && (to < 0 || to >= nodes() || to == spec_.me)) ||
       parts.size() > kMaxParts) {
     return absl::InvalidArgumentError(
-        absl::StrCat("record links: no peer ", node, " or more than ", kMaxParts, " parts"));
+        absl::StrCat("record links: no peer ", to, ", or more than ", kMaxParts, " parts"));
   }
-  return SendFrame(node, parts, deadline);
-}
-
-absl::Status RecordLinks::SendFrame(int to, absl::Span<const absl::Span<const std::byte>> parts,
-                                    absl::Time deadline) {
   const int n = static_cast<int>(peers_.size());
   size_t length = 0;
   for (const absl::Span<const std::byte>& part : parts) length += part.size();
@@ -421,7 +416,7 @@ absl::Status RecordLinks::SendFrame(int to, absl::Span<const absl::Span<const st
   const size_t total = kFrameHeader + length;
   std::vector<size_t> sent(n, total);  // bytes of the frame each peer took
   for (int i = 0; i < n; ++i) {
-    if (i == spec_.me || (to >= 0 && i != to)) continue;
+    if (i == spec_.me || (to != kEveryPeer && i != to)) continue;
     if (!peers_[i].error.ok()) return peers_[i].error;
     sent[i] = 0;
   }

@@ -61,9 +61,11 @@ class RecordLinks {
   /// Sends one message to every peer, after the earlier ones. Returns once the kernel holds all
   /// of it (so `message` may be reused), or fails by `deadline`.
   absl::Status Send(absl::Span<const std::byte> message, absl::Time deadline);
-  /// Sends one message, the concatenation of `parts` (at most kMaxParts), to `node` only; as
-  /// Send otherwise (while its socket is full, every peer is read).
+  /// Sends one message, the concatenation of `parts` (at most kMaxParts), to `node` only, or
+  /// to every peer when `node` is kEveryPeer; as Send otherwise (while a socket is full, every
+  /// peer is read).
   static constexpr size_t kMaxParts = 3;
+  static constexpr int kEveryPeer = -1;
   absl::Status SendTo(int node, absl::Span<const absl::Span<const std::byte>> parts,
                       absl::Time deadline);
 
@@ -82,9 +84,6 @@ class RecordLinks {
   struct Peer;
   explicit RecordLinks(Spec spec);
   absl::Status Fail(int node, absl::Status status);
-  // Sends the concatenation of `parts` to `to` (every peer when -1).
-  absl::Status SendFrame(int to, absl::Span<const absl::Span<const std::byte>> parts,
-                         absl::Time deadline);
   // Reads what `node`'s socket holds into its buffer, without waiting. OK when nothing is there.
   absl::Status ReadAvailable(int node);
   std::string Name(int node) const;  // "node host:port"

@@ -1,8 +1,8 @@
-// GlooCommunicator across three in-process "nodes" (one thread and one communicator each, real
-// Gloo TCP contexts on loopback, rendezvous over a MemoryStore): batches of queued ops, each
+// NodesCommunicator across three in-process "nodes" (one thread and one communicator each, real
+// TCP links on loopback, rendezvous over a MemoryStore): batches of queued ops, each
 // keeping its own values and outcome, whichever way each node batches them.
 
-#include "daemon/backend/cpu/gloo_communicator.h"
+#include "daemon/backend/cpu/nodes_communicator.h"
 
 #include <atomic>
 #include <csignal>
@@ -28,7 +28,7 @@ float Input(int rank, int64_t i) { return static_cast<float>((rank + 1) * (i % 5
 
 // One node's state: its communicator and its members' buffers, one per op.
 struct Node {
-  std::unique_ptr<GlooCommunicator> comm;
+  std::unique_ptr<NodesCommunicator> comm;
   std::vector<std::vector<std::vector<float>>> buffers;  // [op][local member]
   std::vector<core::Collective> ops;
   std::vector<absl::Status> out;
@@ -48,7 +48,7 @@ core::Collective AllReduce(uint64_t seq, int64_t count, v1::ReduceOp reduce, std
   return op;
 }
 
-class GlooCommunicatorTest : public ::testing::Test {
+class NodesCommunicatorTest : public ::testing::Test {
  protected:
   // Every node builds the same ops (fingerprint_of may differ by node), then runs them with
   // run(node): its own way of handing them to the communicator.
@@ -70,7 +70,7 @@ class GlooCommunicatorTest : public ::testing::Test {
       spec.node = kMemberNodes[kLocal[node][0]];
       spec.rendezvous = &store_;
       spec.run = "r1";
-      n.comm = std::make_unique<GlooCommunicator>(spec);
+      n.comm = std::make_unique<NodesCommunicator>(spec);
       n.buffers.resize(counts.size());
       for (size_t k = 0; k < counts.size(); ++k) {
         core::Collective op =
@@ -146,7 +146,7 @@ void RunThreeWays(int node, Node& n) {
   if (node == 2) RunInTwoBatches(n);
 }
 
-TEST_F(GlooCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAndByRing) {
+TEST_F(NodesCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAndByRing) {
   // Small ops travel inside their records; 100000 floats (over 256 KiB) take the ring.
   const std::vector<int64_t> counts = {1, 1000, 0, 100000, 7, 4096, 100000, 3};
   RunOnEveryNode(
@@ -162,7 +162,7 @@ TEST_F(GlooCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAndB
   }
 }
 
-TEST_F(GlooCommunicatorTest, ManyOpsSpanningManyStreamMessagesKeepTheirValuesHoweverBatched) {
+TEST_F(NodesCommunicatorTest, ManyOpsSpanningManyStreamMessagesKeepTheirValuesHoweverBatched) {
   // 150 ops of 40 KB (6 MB per node: many stream messages, more than the receives a node keeps
   // posted), with two ring ops among them; the nodes batch them three different ways.
   std::vector<int64_t> counts(150, 10000);
@@ -182,7 +182,7 @@ TEST_F(GlooCommunicatorTest, ManyOpsSpanningManyStreamMessagesKeepTheirValuesHow
   }
 }
 
-TEST_F(GlooCommunicatorTest, OpThatReadsAnEarlierOpsResultInTheSameBatchSeesIt) {
+TEST_F(NodesCommunicatorTest, OpThatReadsAnEarlierOpsResultInTheSameBatchSeesIt) {
   // Ops 1 and 2 all-reduce op 0's buffers again (SUM, MAX, SUM): each must see the last result.
   RunOnEveryNode(
       {500, 500, 500}, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
@@ -194,7 +194,7 @@ TEST_F(GlooCommunicatorTest, OpThatReadsAnEarlierOpsResultInTheSameBatchSeesIt) 
   ExpectValues(0, [](int, int64_t i) { return 4.0f * Sum(i); });
 }
 
-TEST_F(GlooCommunicatorTest, DesyncedAndFailedOpsInABatchFailAloneAndWriteNothing) {
+TEST_F(NodesCommunicatorTest, DesyncedAndFailedOpsInABatchFailAloneAndWriteNothing) {
   // Op 2: node c names it differently (a desync across nodes). Op 4: it failed on node b before
   // it ran (a rank gone there). Op 5 is large. The rest succeed.
   const std::vector<int64_t> counts = {64, 64, 64, 64, 64, 100000, 64};
@@ -229,7 +229,7 @@ TEST_F(GlooCommunicatorTest, DesyncedAndFailedOpsInABatchFailAloneAndWriteNothin
   }
 }
 
-TEST_F(GlooCommunicatorTest, RingOpWhoseDeadlinePassesBehindAnEarlierRingOpFailsAloneInABatch) {
+TEST_F(NodesCommunicatorTest, RingOpWhoseDeadlinePassesBehindAnEarlierRingOpFailsAloneInABatch) {
   // Op 0 connects the nodes. Then nodes a and c batch ring op 1, ring op 2 (deadline 1 s away on
   // a and c) and small op 3; node b starts only once that deadline has passed, so op 2's
   // deadline passes while op 1 runs. Op 2 must fail by its deadline on every node without
@@ -273,7 +273,7 @@ TEST_F(GlooCommunicatorTest, RingOpWhoseDeadlinePassesBehindAnEarlierRingOpFails
   ExpectValues(3, [](int, int64_t i) { return Max(i); });
 }
 
-TEST_F(GlooCommunicatorTest, PeerWhoseCommunicatorGoesMidBatchFailsTheRestWithoutHanging) {
+TEST_F(NodesCommunicatorTest, PeerWhoseCommunicatorGoesMidBatchFailsTheRestWithoutHanging) {
   // Nodes a and b batch 120 ops of 40 KB (many stream messages each way); node c runs the first
   // 30 and then its communicator goes (its daemon died), with the peers' later messages still
   // on the wire towards it. a and b end every op without hanging: ops 30 on fail naming the
@@ -311,7 +311,7 @@ TEST_F(GlooCommunicatorTest, PeerWhoseCommunicatorGoesMidBatchFailsTheRestWithou
   EXPECT_TRUE(absl::StrContains(nodes_[0].out[30].message(), "127.0.0.1:3")) << nodes_[0].out[30];
 }
 
-TEST_F(GlooCommunicatorTest, DesyncOfARingOpAgainstInlineOnesMidBatchFailsItAloneOnEveryNode) {
+TEST_F(NodesCommunicatorTest, DesyncOfARingOpAgainstInlineOnesMidBatchFailsItAloneOnEveryNode) {
   // Op 2 is 64 floats (inline) on nodes a and b but 100000 (the ring) on node c: the nodes'
   // records differ in size and c's stage ends there. Op 2 fails as a desync naming both
   // fingerprints everywhere and writes nothing; the ops around it succeed.

@@ -1,7 +1,8 @@
 #pragma once
 
-// The all-reduce of larger ops between a group's nodes: a pipelined ring over the group's record
-// links, fused with the reduction of the node's own members.
+// The collectives of larger ops between a group's nodes, over the group's record links: a
+// pipelined ring all-reduce fused with the reduction of the node's own members, a broadcast and
+// an all-gather. (Small ops never come here: they travel inside their records.)
 
 #include <cstddef>
 #include <cstdint>
@@ -16,14 +17,20 @@ namespace gradsync::backend::cpu {
 
 class RecordLinks;
 
+/// What every collective here is told: which op (every message carries its seq, and a message
+/// of another op, kind, step or segment is refused: the nodes are out of step), by when, and the
+/// pipeline's unit (one message per segment).
+struct LinkOp {
+  uint64_t seq = 0;
+  absl::Time deadline = absl::InfiniteFuture();
+  size_t segment_bytes = 1 << 20;
+};
+
 struct RingSpec {
-  uint64_t seq = 0;  // the op's: every message carries it, and a message of another is refused
   DType dtype = v1::FLOAT32;
   v1::ReduceOp op = v1::SUM;  // MEAN sums, and divides once by `divisor` when a block is done
   int64_t divisor = 1;
   int64_t count = 0;  // elements of every buffer
-  absl::Time deadline = absl::InfiniteFuture();
-  size_t segment_bytes = 1 << 20;  // the unit of the pipeline: one message each
 };
 
 /// Reduces `buffers` (this node's members: `count` elements each) with every other node's, and
@@ -40,8 +47,20 @@ struct RingSpec {
 /// Each block is reduced on one node and sent to the others, so every node ends with the same
 /// bits. On failure (a link lost, a peer out of step, the deadline passed) the buffers hold
 /// partial results and the links' state is undefined: the caller fails the group.
-/// Every node of the links must call it for the same op with the same spec (count, dtype, op).
-absl::Status RingAllreduce(RecordLinks& links, const RingSpec& spec,
+/// Every node of the links must call it for the same op with the same spec.
+absl::Status RingAllreduce(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
                            absl::Span<std::byte* const> buffers);
+
+/// `buffer` of node `root` into `buffer` of every other node: the root sends each segment to
+/// every peer (a tree would spare the root's link on many nodes; groups here span few).
+absl::Status LinkBroadcast(RecordLinks& links, const LinkOp& op, int root,
+                           absl::Span<std::byte> buffer);
+
+/// Every node's part into every node's `output`: the parts lie in node order, part_bytes[i]
+/// bytes for node i, and this node's is in place already. Each node sends its part to every
+/// peer (each byte leaves its node N−1 times, as in a ring), at most two segments ahead of the
+/// ones it received from its slowest peer.
+absl::Status LinkAllGather(RecordLinks& links, const LinkOp& op,
+                           absl::Span<const size_t> part_bytes, std::byte* output);
 
 }  // namespace gradsync::backend::cpu

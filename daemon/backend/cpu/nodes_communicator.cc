@@ -1,7 +1,7 @@
-// Implementation of gloo_communicator.h: the per-op verdict exchange (with small ops' data
-// inline), batching of queued ops, Gloo's algorithms for larger ops, and link failure.
+// Implementation of nodes_communicator.h: the per-op verdict exchange (with small ops' data
+// inline), batching of queued ops, the link collectives for larger ops, and link failure.
 
-#include "daemon/backend/cpu/gloo_communicator.h"
+#include "daemon/backend/cpu/nodes_communicator.h"
 
 #include <algorithm>
 #include <chrono>
@@ -11,26 +11,19 @@
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/backend/cpu/gloo_store.h"
 #include "daemon/backend/cpu/kernels.h"
+#include "daemon/backend/cpu/link_collectives.h"
 #include "daemon/backend/cpu/record_links.h"
-#include "daemon/backend/cpu/ring_allreduce.h"
-#include "gloo/allgather.h"
-#include "gloo/allgatherv.h"
-#include "gloo/barrier.h"
-#include "gloo/broadcast.h"
-#include "gloo/rendezvous/context.h"
-#include "gloo/transport/tcp/device.h"
 
 namespace gradsync::backend::cpu {
 namespace {
 
 // How long past an op's deadline a node waits for its peers' verdicts (and connections).
 constexpr absl::Duration kGrace = absl::Seconds(10);
-// The ring's segment: one message on the links.
+// The link collectives' segment: one message on the links.
 constexpr size_t kSegmentBytes = 1 << 20;
 // Ops moving at most this many bytes per node travel inside their record: one exchange instead
-// of a verdict round and then Gloo's algorithm.
+// of a verdict round and then a link collective.
 constexpr int64_t kInlineMaxBytes = 256 << 10;
 // Most ops whose records are in flight at once (RunBatch splits longer runs).
 constexpr size_t kMaxStageOps = 256;
@@ -45,21 +38,6 @@ constexpr uint64_t kStreamMagic = 0x67737265636f7264;  // "gsrecord"
 std::chrono::milliseconds MillisUntil(absl::Time deadline) {
   return std::chrono::milliseconds(
       std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
-}
-
-// Element type Gloo is told about: only the size matters, our function does the arithmetic.
-template <typename F>
-void WithElementType(int64_t esize, F&& f) {
-  switch (esize) {
-    case 1:
-      return f(uint8_t{});
-    case 2:
-      return f(uint16_t{});
-    case 4:
-      return f(uint32_t{});
-    default:
-      return f(uint64_t{});
-  }
 }
 
 // What one node sends every other for each op, on its stream: its view of the op, then its
@@ -94,14 +72,14 @@ uint64_t HashOf(std::string_view s) {
 
 }  // namespace
 
-struct GlooCommunicator::Exchange {
+struct NodesCommunicator::Exchange {
   absl::Status local;  // this node's verdict
   bool inline_data = false;
   const std::byte* mine = nullptr;  // this node's record, in an outbox message
 };
 
 // This node's messages of one stage (its records are read again when each op finishes).
-struct GlooCommunicator::Outbox {
+struct NodesCommunicator::Outbox {
   struct Message {
     std::unique_ptr<std::byte[]> memory;  // kStreamMessageBytes
     size_t bytes = sizeof(MessageHeader);
@@ -114,12 +92,12 @@ struct GlooCommunicator::Outbox {
 
 // Where this node is in a peer's current message (from RecordLinks::Receive, valid until the
 // next Receive from that peer).
-struct GlooCommunicator::PeerStream {
+struct NodesCommunicator::PeerStream {
   const std::byte* next = nullptr;  // the current message's next record
   const std::byte* end = nullptr;   // and its end
 };
 
-GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec) : spec_(std::move(spec)) {
+NodesCommunicator::NodesCommunicator(core::CommunicatorSpec spec) : spec_(std::move(spec)) {
   nodes_ = spec_.member_nodes;
   std::sort(nodes_.begin(), nodes_.end());
   nodes_.erase(std::unique(nodes_.begin(), nodes_.end()), nodes_.end());
@@ -133,20 +111,9 @@ GlooCommunicator::GlooCommunicator(core::CommunicatorSpec spec) : spec_(std::mov
   for (int node : node_of_group_rank_) ++members_on_node_[node];
 }
 
-GlooCommunicator::~GlooCommunicator() { ClosePairs(); }
+NodesCommunicator::~NodesCommunicator() = default;
 
-void GlooCommunicator::ClosePairs() {
-  // Destroyed, not close()d: Gloo's close() is a hard close (SO_LINGER 0: a reset that can
-  // drop our last messages before the peer reads them); its destructor shuts the connection
-  // down after what was written. (The buffers hold the context, so resetting context_ alone
-  // closes nothing.)
-  if (!context_) return;
-  for (int i = 0; i < context_->size; ++i) {
-    if (i != context_->rank) context_->getPair(i).reset();
-  }
-}
-
-std::string GlooCommunicator::PeersWithRanks() const {
+std::string NodesCommunicator::PeersWithRanks() const {
   std::string out;
   for (size_t i = 0; i < nodes_.size(); ++i) {
     if (static_cast<int>(i) == my_node_) continue;
@@ -162,59 +129,40 @@ std::string GlooCommunicator::PeersWithRanks() const {
   return out;
 }
 
-absl::Status GlooCommunicator::Connect(absl::Time deadline) {
-  if (context_) return absl::OkStatus();
-  const std::string what = absl::StrCat("gloo connect job=", spec_.job, " group=", spec_.group,
-                                        " nodes=", nodes_.size());
-  try {
-    ::gloo::transport::tcp::attr attr;
-    attr.hostname = spec_.node.substr(0, spec_.node.rfind(':'));  // "host:port" -> host
-    auto device = ::gloo::transport::tcp::CreateDevice(attr);
-    auto context =
-        std::make_shared<::gloo::rendezvous::Context>(my_node_, static_cast<int>(nodes_.size()));
-    context->setTimeout(MillisUntil(deadline));
-    // Under the run's token: a late key of an earlier run of this job id is never read.
-    GlooStore store(
-        spec_.rendezvous, spec_.job,
-        absl::StrCat("gloo/", spec_.run, spec_.run.empty() ? "" : "/", spec_.group, "/"),
-        deadline - absl::Now());
-    context->connectFullMesh(store, device);
-    RecordLinks::Spec links;
-    links.store = spec_.rendezvous;
-    links.job = spec_.job;
-    links.prefix =
-        absl::StrCat("records/", spec_.run, spec_.run.empty() ? "" : "/", spec_.group, "/");
-    links.nodes = nodes_;
-    links.me = my_node_;
-    links.max_message_bytes = std::max(kStreamMessageBytes, kSegmentBytes + 64);
-    absl::StatusOr<std::unique_ptr<RecordLinks>> connected =
-        RecordLinks::Connect(std::move(links), deadline);
-    if (!connected.ok()) {
-      return absl::Status(connected.status().code(),
-                          absl::StrCat(what, ": ", connected.status().message()));
-    }
-    context_ = std::move(context);
-    links_ = *std::move(connected);
-    streams_.assign(nodes_.size(), PeerStream{});
-    return absl::OkStatus();
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat(what, ": ", e.what()));
+absl::Status NodesCommunicator::Connect(absl::Time deadline) {
+  if (links_) return absl::OkStatus();
+  RecordLinks::Spec links;
+  links.store = spec_.rendezvous;
+  links.job = spec_.job;
+  // Under the run's token: a late key of an earlier run of this job id is never read.
+  links.prefix =
+      absl::StrCat("records/", spec_.run, spec_.run.empty() ? "" : "/", spec_.group, "/");
+  links.nodes = nodes_;
+  links.me = my_node_;
+  links.max_message_bytes = std::max(kStreamMessageBytes, kSegmentBytes + 64);
+  absl::StatusOr<std::unique_ptr<RecordLinks>> connected =
+      RecordLinks::Connect(std::move(links), deadline);
+  if (!connected.ok()) {
+    return absl::Status(connected.status().code(),
+                        absl::StrCat("connecting job=", spec_.job, " group=", spec_.group,
+                                     " nodes=", nodes_.size(), ": ", connected.status().message()));
   }
+  links_ = *std::move(connected);
+  streams_.assign(nodes_.size(), PeerStream{});
+  return absl::OkStatus();
 }
 
-absl::Status GlooCommunicator::BrokenStatus(const core::Collective& op) const {
+absl::Status NodesCommunicator::BrokenStatus(const core::Collective& op) const {
   return absl::Status(broken_.code(), absl::StrCat(op.label, ": the group's link to its other ",
                                                    "nodes failed earlier: ", broken_.message()));
 }
 
-absl::Status GlooCommunicator::FailLink(const core::Collective& op, absl::Status error) {
+absl::Status NodesCommunicator::FailLink(const core::Collective& op, absl::Status error) {
   // A peer daemon died, or did not reach the op by its deadline. The nodes may now disagree
   // on where the group's sequence stands, so the group stays failed (its ranks form the job
   // again) rather than reconnecting to stale rendezvous keys.
-  ClosePairs();
   streams_.clear();
   links_.reset();
-  context_.reset();
   if (absl::Now() >= op.deadline) {
     error = absl::DeadlineExceededError(
         absl::StrCat(op.label, " did not complete by its deadline: ", "it waited for ",
@@ -224,15 +172,15 @@ absl::Status GlooCommunicator::FailLink(const core::Collective& op, absl::Status
   return error;
 }
 
-absl::Status GlooCommunicator::Run(const core::Collective& op) {
+absl::Status NodesCommunicator::Run(const core::Collective& op) {
   const core::Collective* const ops[] = {&op};
   absl::Status out;
   RunBatch(ops, [&out](size_t, absl::Status s) { out = std::move(s); });
   return out;
 }
 
-void GlooCommunicator::RunBatch(absl::Span<const core::Collective* const> ops,
-                                absl::FunctionRef<void(size_t, absl::Status)> finished) {
+void NodesCommunicator::RunBatch(absl::Span<const core::Collective* const> ops,
+                                 absl::FunctionRef<void(size_t, absl::Status)> finished) {
   size_t i = 0;
   while (i < ops.size()) {
     if (!broken_.ok()) {
@@ -267,8 +215,8 @@ void AddRanges(const core::View& v, int64_t esize,
 
 }  // namespace
 
-size_t GlooCommunicator::StageEnd(absl::Span<const core::Collective* const> ops,
-                                  size_t begin) const {
+size_t NodesCommunicator::StageEnd(absl::Span<const core::Collective* const> ops,
+                                   size_t begin) const {
   // An inline op's contribution is packed when its messages are posted, before the ops ahead
   // of it in the stage complete: it must not read bytes one of them writes.
   std::vector<std::pair<uintptr_t, uintptr_t>> written, read;
@@ -284,9 +232,10 @@ size_t GlooCommunicator::StageEnd(absl::Span<const core::Collective* const> ops,
         if (rb < we && wb < re) return end == begin ? begin + 1 : end;
       }
     }
-    // An op that runs Gloo's algorithm ends its stage: the ops behind it post their verdicts
-    // (their deadline checks) once it is done, so one whose deadline passes while it runs fails
-    // by its verdict on every node, not by a Gloo timeout that breaks the group's link.
+    // An op that runs a link collective ends its stage: its segments follow its record on the
+    // streams, and the ops behind it post their verdicts (their deadline checks) once it is
+    // done, so one whose deadline passes while it runs fails by its verdict on every node, not
+    // by a timeout that breaks the group's link.
     if (!TravelsInline(op)) return end + 1;
     const bool writes_output = op.kind == v1::ALL_GATHER || op.kind == v1::REDUCE_SCATTER;
     for (const core::LocalMember& m : op.local) {
@@ -296,7 +245,7 @@ size_t GlooCommunicator::StageEnd(absl::Span<const core::Collective* const> ops,
   return end;
 }
 
-std::unique_ptr<std::byte[]> GlooCommunicator::TakeSendMemory() {
+std::unique_ptr<std::byte[]> NodesCommunicator::TakeSendMemory() {
   if (free_send_memory_.empty()) {
     // Not value-initialized: pages a message never reaches are never touched.
     return std::unique_ptr<std::byte[]>(new std::byte[kStreamMessageBytes]);
@@ -306,8 +255,8 @@ std::unique_ptr<std::byte[]> GlooCommunicator::TakeSendMemory() {
   return m;
 }
 
-const std::byte* GlooCommunicator::NextRecord(int node, uint64_t seq,
-                                              std::chrono::milliseconds timeout) {
+const std::byte* NodesCommunicator::NextRecord(int node, uint64_t seq,
+                                               std::chrono::milliseconds timeout) {
   PeerStream& stream = streams_[node];
   if (stream.next == stream.end) {
     absl::StatusOr<absl::Span<const std::byte>> message =
@@ -338,7 +287,7 @@ const std::byte* GlooCommunicator::NextRecord(int node, uint64_t seq,
   return record;
 }
 
-void GlooCommunicator::Flush(Outbox& outbox) {
+void NodesCommunicator::Flush(Outbox& outbox) {
   if (outbox.messages.empty() || outbox.messages.back().sent) return;
   Outbox::Message& m = outbox.messages.back();
   const MessageHeader header{kStreamMagic, m.bytes, m.records, {}};
@@ -349,8 +298,8 @@ void GlooCommunicator::Flush(Outbox& outbox) {
   }
 }
 
-void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops, size_t first,
-                                absl::FunctionRef<void(size_t, absl::Status)> finished) {
+void NodesCommunicator::RunStage(absl::Span<const core::Collective* const> ops, size_t first,
+                                 absl::FunctionRef<void(size_t, absl::Status)> finished) {
   std::vector<Exchange> exchanges(ops.size());
   Outbox outbox;
   // Peers whose op failed at their own deadline come a moment later (as in Finish).
@@ -379,7 +328,7 @@ void GlooCommunicator::RunStage(absl::Span<const core::Collective* const> ops, s
   }
 }
 
-int64_t GlooCommunicator::InlineBytes(const core::Collective& op, int node) const {
+int64_t NodesCommunicator::InlineBytes(const core::Collective& op, int node) const {
   const int64_t esize = DTypeSize(op.dtype);
   switch (op.kind) {
     case v1::ALL_REDUCE:
@@ -397,7 +346,7 @@ int64_t GlooCommunicator::InlineBytes(const core::Collective& op, int node) cons
 
 // Decided from what the fingerprint pins (kind, dtype, count, root) and the group's layout:
 // nodes that agree on the op decide the same.
-bool GlooCommunicator::TravelsInline(const core::Collective& op) const {
+bool NodesCommunicator::TravelsInline(const core::Collective& op) const {
   if (op.kind == v1::BARRIER) return true;
   if (op.kind == v1::BROADCAST &&
       (op.root < 0 || op.root >= static_cast<int>(node_of_group_rank_.size()))) {
@@ -409,7 +358,7 @@ bool GlooCommunicator::TravelsInline(const core::Collective& op) const {
   return true;
 }
 
-void GlooCommunicator::Pack(const core::Collective& op, std::byte* payload) {
+void NodesCommunicator::Pack(const core::Collective& op, std::byte* payload) {
   const int64_t n = op.count;
   const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
   std::vector<Slice> inputs;
@@ -447,8 +396,8 @@ void GlooCommunicator::Pack(const core::Collective& op, std::byte* payload) {
   }
 }
 
-void GlooCommunicator::Unpack(const core::Collective& op,
-                              absl::Span<const std::byte* const> payloads) {
+void NodesCommunicator::Unpack(const core::Collective& op,
+                               absl::Span<const std::byte* const> payloads) {
   const int64_t n = op.count;
   const int64_t total = op.kind == v1::REDUCE_SCATTER ? n * op.group_size : n;
   // Read only: core::View names writable runs.
@@ -497,7 +446,7 @@ void GlooCommunicator::Unpack(const core::Collective& op,
   }
 }
 
-void GlooCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& outbox) {
+void NodesCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& outbox) {
   ex.local = op.local_failure;
   if (ex.local.ok() && absl::Now() > op.deadline) {
     ex.local = absl::DeadlineExceededError(absl::StrCat(
@@ -531,7 +480,7 @@ void GlooCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& ou
   if (m.bytes >= kStreamFlushBytes) Flush(outbox);
 }
 
-absl::Status GlooCommunicator::Finish(const core::Collective& op, Exchange& ex) {
+absl::Status NodesCommunicator::Finish(const core::Collective& op, Exchange& ex) {
   // Peers whose op failed at their own deadline (a rank missing there) come a moment later.
   const auto timeout = std::max(MillisUntil(op.deadline), absl::ToChronoMilliseconds(kGrace));
   std::vector<const std::byte*> records(nodes_.size());
@@ -565,7 +514,7 @@ absl::Status GlooCommunicator::Finish(const core::Collective& op, Exchange& ex) 
                        std::string(h.fingerprint, strnlen(h.fingerprint, sizeof(h.fingerprint)))));
     }
   }
-  if (!ex.inline_data) return RunWithGloo(op);
+  if (!ex.inline_data) return RunLarge(op);
   std::vector<const std::byte*> payloads(nodes_.size());
   for (size_t node = 0; node < nodes_.size(); ++node) {
     const int64_t want = InlineBytes(op, static_cast<int>(node));
@@ -579,23 +528,30 @@ absl::Status GlooCommunicator::Finish(const core::Collective& op, Exchange& ex) 
   return absl::OkStatus();
 }
 
-void GlooCommunicator::AllreduceAcrossNodes(const core::Collective& op, int64_t n,
-                                            absl::Span<std::byte* const> buffers, bool finish) {
+LinkOp NodesCommunicator::LinkOpOf(const core::Collective& op) const {
+  LinkOp out;
+  out.seq = op.seq;
+  out.deadline = op.deadline;
+  out.segment_bytes = kSegmentBytes;
+  return out;
+}
+
+void NodesCommunicator::AllreduceAcrossNodes(const core::Collective& op, int64_t n,
+                                             absl::Span<std::byte* const> buffers, bool finish) {
   RingSpec ring;
-  ring.seq = op.seq;
   ring.dtype = op.dtype;
   // Unfinished, MEAN sums: the caller divides once at the end, by the group size.
   ring.op = finish || op.reduce_op != v1::MEAN ? op.reduce_op : v1::SUM;
   ring.divisor = op.group_size;
   ring.count = n;
-  ring.deadline = op.deadline;
-  ring.segment_bytes = kSegmentBytes;
-  if (absl::Status s = RingAllreduce(*links_, ring, buffers); !s.ok()) {
-    throw std::runtime_error(std::string(s.message()));
-  }
+  ThrowIfFailed(RingAllreduce(*links_, LinkOpOf(op), ring, buffers));
 }
 
-void GlooCommunicator::ReduceIntoScratch(const core::Collective& op, int64_t n) {
+void NodesCommunicator::ThrowIfFailed(const absl::Status& status) {
+  if (!status.ok()) throw std::runtime_error(std::string(status.message()));
+}
+
+void NodesCommunicator::ReduceIntoScratch(const core::Collective& op, int64_t n) {
   const int64_t esize = DTypeSize(op.dtype);
   const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
   scratch_.resize(static_cast<size_t>(n * esize));
@@ -608,16 +564,10 @@ void GlooCommunicator::ReduceIntoScratch(const core::Collective& op, int64_t n) 
   AllreduceAcrossNodes(op, n, {&buffer, 1}, /*finish=*/false);
 }
 
-absl::Status GlooCommunicator::RunWithGloo(const core::Collective& op) {
+absl::Status NodesCommunicator::RunLarge(const core::Collective& op) {
   const int64_t esize = DTypeSize(op.dtype);
   const int64_t n = op.count;
   switch (op.kind) {
-    case v1::BARRIER: {
-      ::gloo::BarrierOptions opts(context_);
-      opts.setTimeout(MillisUntil(op.deadline));
-      ::gloo::barrier(opts);
-      return absl::OkStatus();
-    }
     case v1::ALL_REDUCE: {
       // Contiguous members (the usual case): the ring reduces them in its own passes and
       // writes each finished block (MEAN divided) to every member.
@@ -639,10 +589,12 @@ absl::Status GlooCommunicator::RunWithGloo(const core::Collective& op) {
       return absl::OkStatus();
     }
     case v1::BROADCAST: {
+      if (op.root < 0 || op.root >= static_cast<int>(node_of_group_rank_.size())) {
+        return absl::InvalidArgumentError(absl::StrCat(op.label, ": no rank ", op.root));
+      }
       scratch_.resize(static_cast<size_t>(n * esize));
       const core::View scratch = {{scratch_.data(), n}};
       const Slice buf{&scratch, 0};
-      const int root_node = node_of_group_rank_[op.root];
       std::vector<Slice> locals;
       for (const core::LocalMember& m : op.local) {
         locals.push_back({&m.input, 0});
@@ -651,16 +603,8 @@ absl::Status GlooCommunicator::RunWithGloo(const core::Collective& op) {
           Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&src, 1}, {&buf, 1}, n);
         }
       }
-      if (n > 0) {
-        ::gloo::BroadcastOptions opts(context_);
-        opts.setTimeout(MillisUntil(op.deadline));
-        opts.setRoot(root_node);
-        WithElementType(esize, [&](auto t) {
-          using T = decltype(t);
-          opts.setOutput(reinterpret_cast<T*>(scratch_.data()), static_cast<size_t>(n));
-        });
-        ::gloo::broadcast(opts);
-      }
+      ThrowIfFailed(LinkBroadcast(*links_, LinkOpOf(op), node_of_group_rank_[op.root],
+                                  absl::MakeSpan(scratch_.data(), scratch_.size())));
       Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&buf, 1}, locals, n);
       return absl::OkStatus();
     }
@@ -677,13 +621,13 @@ absl::Status GlooCommunicator::RunWithGloo(const core::Collective& op) {
       return absl::OkStatus();
     }
     case v1::ALL_GATHER: {
-      // Each node contributes its members' inputs (ascending group rank); Gloo's allgatherv
-      // lays the nodes' parts out in node order; every block is then copied to its place.
-      std::vector<size_t> per_node(nodes_.size(), 0);
-      for (int node : node_of_group_rank_) per_node[node] += static_cast<size_t>(n);
-      std::vector<int64_t> next(nodes_.size(), 0);
+      // Each node's part is its members' inputs (ascending group rank), the parts in node
+      // order; every block is then copied to its place in every member's output.
+      std::vector<size_t> part_bytes(nodes_.size(), 0);
+      for (int node : node_of_group_rank_) part_bytes[node] += static_cast<size_t>(n * esize);
+      std::vector<int64_t> next(nodes_.size(), 0);  // elements before each node's next block
       for (size_t i = 1; i < nodes_.size(); ++i) {
-        next[i] = next[i - 1] + static_cast<int64_t>(per_node[i - 1]);
+        next[i] = next[i - 1] + static_cast<int64_t>(part_bytes[i - 1]) / esize;
       }
       std::vector<int64_t> block_start(op.group_size);
       for (int q = 0; q < op.group_size; ++q) {
@@ -691,28 +635,14 @@ absl::Status GlooCommunicator::RunWithGloo(const core::Collective& op) {
         next[node_of_group_rank_[q]] += n;
       }
       const int64_t total = n * op.group_size;
-      const int64_t mine = static_cast<int64_t>(per_node[my_node_]);
-      std::vector<std::byte> input(static_cast<size_t>(mine * esize));
       scratch_.resize(static_cast<size_t>(total * esize));
-      const core::View in_view = {{input.data(), mine}};
-      int64_t at = 0;
-      for (const core::LocalMember& m : op.local) {  // ascending group rank
-        const Slice from{&m.input, 0};
-        const Slice to{&in_view, at};
-        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&from, 1}, {&to, 1}, n);
-        at += n;
-      }
-      if (total > 0) {
-        ::gloo::AllgathervOptions opts(context_);
-        opts.setTimeout(MillisUntil(op.deadline));
-        WithElementType(esize, [&](auto t) {
-          using T = decltype(t);
-          opts.setInput(reinterpret_cast<T*>(input.data()), static_cast<size_t>(mine));
-          opts.setOutput(reinterpret_cast<T*>(scratch_.data()), per_node);
-        });
-        ::gloo::allgatherv(opts);
-      }
       const core::View gathered = {{scratch_.data(), total}};
+      for (const core::LocalMember& m : op.local) {
+        const Slice from{&m.input, 0};
+        const Slice to{&gathered, block_start[m.group_rank]};
+        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&from, 1}, {&to, 1}, n);
+      }
+      ThrowIfFailed(LinkAllGather(*links_, LinkOpOf(op), part_bytes, scratch_.data()));
       for (int q = 0; q < op.group_size; ++q) {
         const Slice from{&gathered, block_start[q]};
         std::vector<Slice> dsts;
@@ -721,8 +651,8 @@ absl::Status GlooCommunicator::RunWithGloo(const core::Collective& op) {
       }
       return absl::OkStatus();
     }
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(op.label, ": unknown op kind"));
+    default:  // a barrier is its records alone (TravelsInline)
+      return absl::InternalError(absl::StrCat(op.label, ": not an op that moves data"));
   }
 }
 

@@ -1,8 +1,9 @@
-// RingAllreduce between in-process "nodes" (one thread each, RecordLinks over loopback TCP):
-// exact results on every node and member for every dtype, reduction, count and segment size;
-// refused out-of-step messages, deadlines and a peer gone.
+// The link collectives between in-process "nodes" (one thread each, RecordLinks over loopback
+// TCP): the ring all-reduce's exact results on every node and member for every dtype, reduction,
+// count and segment size; broadcast and all-gather byte for byte with uneven parts; refused
+// out-of-step messages, deadlines and a peer gone.
 
-#include "daemon/backend/cpu/ring_allreduce.h"
+#include "daemon/backend/cpu/link_collectives.h"
 
 #include <cstring>
 #include <vector>
@@ -73,15 +74,16 @@ void ExpectRing(std::vector<std::unique_ptr<RecordLinks>>& links, const std::vec
       for (int64_t i = 0; i < count; ++i) b[i] = FromInt<T>(c.dtype, Input(node, m, i));
       buffers.push_back(reinterpret_cast<std::byte*>(b.data()));
     }
+    LinkOp op;
+    op.seq = seq;
+    op.deadline = absl::Now() + absl::Seconds(60);
+    op.segment_bytes = segment_bytes;
     RingSpec spec;
-    spec.seq = seq;
     spec.dtype = c.dtype;
     spec.op = c.op;
     spec.divisor = total_members;
     spec.count = count;
-    spec.deadline = absl::Now() + absl::Seconds(60);
-    spec.segment_bytes = segment_bytes;
-    status[node] = RingAllreduce(*links[node], spec, buffers);
+    status[node] = RingAllreduce(*links[node], op, spec, buffers);
   });
   for (int node = 0; node < nodes; ++node) {
     ASSERT_TRUE(status[node].ok()) << "node " << node << ": " << status[node];
@@ -137,12 +139,13 @@ absl::Status RunAlone(RecordLinks& links, uint64_t seq, int64_t count, absl::Dur
                       std::vector<float>& data) {
   data.assign(static_cast<size_t>(count), 1.0f);
   std::byte* buffer = reinterpret_cast<std::byte*>(data.data());
+  LinkOp op;
+  op.seq = seq;
+  op.deadline = absl::Now() + within;
+  op.segment_bytes = 4096;
   RingSpec spec;
-  spec.seq = seq;
   spec.count = count;
-  spec.deadline = absl::Now() + within;
-  spec.segment_bytes = 4096;
-  return RingAllreduce(links, spec, {&buffer, 1});
+  return RingAllreduce(links, op, spec, {&buffer, 1});
 }
 
 TEST(RingAllreduceTest, NodesOnDifferentOpsRefuseEachOthersSegmentsAsOutOfStep) {
@@ -185,6 +188,126 @@ TEST(RingAllreduceTest, APeerGoneMidRingFailsItAsUnavailable) {
   t.join();
   EXPECT_EQ(zero.code(), absl::StatusCode::kUnavailable) << zero;
   EXPECT_TRUE(absl::StrContains(zero.message(), kNodes[1])) << zero;
+}
+
+std::vector<std::byte> Bytes(int node, size_t n) {
+  std::vector<std::byte> out(n);
+  for (size_t i = 0; i < n; ++i)
+    out[i] = static_cast<std::byte>((node * 37 + i * 11 + i / 4096) % 253);
+  return out;
+}
+
+TEST(LinkBroadcastTest, EveryNodeGetsTheRootsBytesFromEveryRoot) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 3, 2 << 20);
+  ASSERT_EQ(links.size(), 3u);
+  uint64_t seq = 0;
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{4097}, size_t{5} << 20}) {
+    for (size_t segment : {size_t{1000}, size_t{1} << 20}) {
+      if (bytes > (1 << 20) && segment < 4096) continue;  // thousands of messages: slow, no news
+      for (int root = 0; root < 3; ++root) {
+        ++seq;
+        std::vector<std::vector<std::byte>> data(3);
+        std::vector<absl::Status> status(3);
+        RunOnEach(3, [&](int node) {
+          data[node] = node == root ? Bytes(root, bytes) : std::vector<std::byte>(bytes);
+          LinkOp op;
+          op.seq = seq;
+          op.deadline = absl::Now() + absl::Seconds(60);
+          op.segment_bytes = segment;
+          status[node] = LinkBroadcast(*links[node], op, root, absl::MakeSpan(data[node]));
+        });
+        const std::vector<std::byte> want = Bytes(root, bytes);
+        for (int node = 0; node < 3; ++node) {
+          ASSERT_TRUE(status[node].ok()) << node << ": " << status[node];
+          ASSERT_TRUE(data[node] == want) << "root " << root << " node " << node << " bytes "
+                                          << bytes << " segment " << segment;
+        }
+      }
+    }
+  }
+}
+
+TEST(LinkAllGatherTest, EveryNodeGetsEveryPartInNodeOrderWhateverTheirSizes) {
+  // Parts of different sizes (one empty, one of many segments): the slowest peer paces the
+  // others, and nobody waits for segments a peer does not have.
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 3, 2 << 20);
+  ASSERT_EQ(links.size(), 3u);
+  const std::vector<std::vector<size_t>> shapes = {
+      {0, 0, 0}, {1, 0, 3}, {4096, 100000, 7}, {size_t{3} << 20, 5000, 0}};
+  uint64_t seq = 0;
+  for (const std::vector<size_t>& parts : shapes) {
+    for (size_t segment : {size_t{512}, size_t{1} << 20}) {
+      ++seq;
+      size_t total = 0;
+      for (size_t p : parts) total += p;
+      std::vector<std::byte> want;
+      for (int node = 0; node < 3; ++node) {
+        const std::vector<std::byte> b = Bytes(node, parts[node]);
+        want.insert(want.end(), b.begin(), b.end());
+      }
+      std::vector<std::vector<std::byte>> out(3);
+      std::vector<absl::Status> status(3);
+      RunOnEach(3, [&](int node) {
+        out[node].assign(total, std::byte{0xee});
+        size_t at = 0;
+        for (int i = 0; i < node; ++i) at += parts[i];
+        const std::vector<std::byte> mine = Bytes(node, parts[node]);
+        std::copy(mine.begin(), mine.end(), out[node].begin() + static_cast<ptrdiff_t>(at));
+        LinkOp op;
+        op.seq = seq;
+        op.deadline = absl::Now() + absl::Seconds(60);
+        op.segment_bytes = segment;
+        status[node] = LinkAllGather(*links[node], op, parts, out[node].data());
+      });
+      for (int node = 0; node < 3; ++node) {
+        ASSERT_TRUE(status[node].ok()) << node << ": " << status[node];
+        ASSERT_TRUE(out[node] == want) << "node " << node << " shape " << parts[0] << ","
+                                       << parts[1] << "," << parts[2] << " segment " << segment;
+        for (int from = 0; from < 3; ++from) {
+          if (from != node) {
+            EXPECT_EQ(links[node]->BufferedFrom(from), 0u);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(LinkBroadcastTest, ARootThatNeverSendsFailsTheOthersByTheDeadlineNamingIt) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2, 2 << 20);
+  ASSERT_EQ(links.size(), 2u);
+  std::vector<std::byte> data(100);
+  LinkOp op;
+  op.seq = 1;
+  op.deadline = absl::Now() + absl::Milliseconds(300);
+  const absl::Status s = LinkBroadcast(*links[1], op, /*root=*/0, absl::MakeSpan(data));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), kNodes[0])) << s;
+}
+
+TEST(LinkAllGatherTest, ABroadcastWhereAnAllGatherWasDueIsOutOfStep) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2, 2 << 20);
+  ASSERT_EQ(links.size(), 2u);
+  std::vector<absl::Status> status(2);
+  RunOnEach(2, [&](int node) {
+    std::vector<std::byte> data(1000);
+    LinkOp op;
+    op.seq = 5;
+    op.deadline = absl::Now() + absl::Seconds(30);
+    if (node == 0) {
+      status[0] = LinkBroadcast(*links[0], op, 0, absl::MakeSpan(data));
+    } else {
+      const std::vector<size_t> parts = {500, 500};
+      status[1] = LinkAllGather(*links[1], op, parts, data.data());
+    }
+  });
+  EXPECT_TRUE(status[0].ok()) << status[0];  // the root sent and is done
+  EXPECT_EQ(status[1].code(), absl::StatusCode::kInternal) << status[1];
+  EXPECT_TRUE(absl::StrContains(status[1].message(), "out of step")) << status[1];
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 #pragma once
 
 // Collectives of a group that spans nodes: reduced inside each daemon, exchanged between nodes
-// over Gloo, one Gloo rank per node.
+// over the group's own authenticated TCP links (record_links.h), one link per pair of nodes.
 
 #include <chrono>
 #include <cstdint>
@@ -9,28 +9,25 @@
 #include <vector>
 
 #include "absl/types/span.h"
+#include "daemon/backend/cpu/link_collectives.h"
 #include "daemon/core/backend.h"
-
-namespace gloo {
-class Context;
-}
 
 namespace gradsync::backend::cpu {
 
 class RecordLinks;
 
 /// Collectives of a group whose members sit on several nodes, hierarchically: the local
-/// members' buffers are reduced inside the daemon into one scratch buffer, exchanged among the
-/// group's nodes (one Gloo rank per node), and the result is written back to every local
-/// member. MEAN divides by the group size, not the node count.
+/// members' buffers are reduced inside the daemon, exchanged among the group's nodes (one
+/// stream each way per pair of nodes), and the result is written back to every local member.
+/// MEAN divides by the group size, not the node count.
 ///
 /// Every op starts with one record from each node to every other: the node's verdict (its
 /// status and the op's fingerprint) and, for ops that move at most kInlineMaxBytes, the node's
 /// whole contribution. Such an op is done in that one exchange (each node combines the
-/// contributions in node order, so all get the same bits); a larger one then runs a ring
-/// all-reduce over the same links (ring_allreduce.h: all-reduce, reduce-scatter) or Gloo's
-/// algorithm (broadcast, all-gather). An op that failed on one node, or that nodes disagree on, fails on all of them
-/// the same way and writes no member buffer.
+/// contributions in node order, so all get the same bits); a larger one then runs a link
+/// collective on the same streams (link_collectives.h: a ring all-reduce for all-reduce and
+/// reduce-scatter, a broadcast, an all-gather). An op that failed on one node, or that nodes
+/// disagree on, fails on all of them the same way and writes no member buffer.
 ///
 /// Records travel on one stream per ordered pair of nodes, in sequence order, over the group's
 /// own TCP connections (record_links.h: written and read by this thread, no transport thread
@@ -44,15 +41,15 @@ class RecordLinks;
 /// link.
 ///
 /// Not thread-safe: the engine never overlaps a group's calls (core::Communicator), and all
-/// state here is the group's. The Gloo context is connected at the first op (rendezvous through
-/// the job's store), with the record links, bounded by that op's deadline. Gloo's exceptions stop
-/// here: a lost peer is UNAVAILABLE naming the op, and the group's later ops fail the same way (the
-/// job must be formed again). ReduceScatter reduces the whole input across nodes and hands each
-/// member its block; AllGather gathers the nodes' parts.
-class GlooCommunicator final : public core::Communicator {
+/// state here is the group's. The links are connected at the first op (rendezvous through the
+/// job's store), bounded by that op's deadline. A lost peer is UNAVAILABLE naming the op, and
+/// the group's later ops fail the same way (the job must be formed again). ReduceScatter reduces
+/// the whole input across nodes and hands each member its block; AllGather gathers the nodes'
+/// parts.
+class NodesCommunicator final : public core::Communicator {
  public:
-  explicit GlooCommunicator(core::CommunicatorSpec spec);
-  ~GlooCommunicator() override;
+  explicit NodesCommunicator(core::CommunicatorSpec spec);
+  ~NodesCommunicator() override;
   absl::Status Run(const core::Collective& op) override;
   void RunBatch(absl::Span<const core::Collective* const> ops,
                 absl::FunctionRef<void(size_t, absl::Status)> finished) override;
@@ -63,23 +60,21 @@ class GlooCommunicator final : public core::Communicator {
   struct PeerStream;
 
   absl::Status Connect(absl::Time deadline);
-  // Closes the context's pairs, after what was sent on them (FailLink, the destructor).
-  void ClosePairs();
   // The status of an op reached after the group's link failed.
   absl::Status BrokenStatus(const core::Collective& op) const;
   // Records that `op` failed on the link (`error`): the group stays failed. Returns the op's
   // status (DEADLINE_EXCEEDED naming the peers once its deadline passed).
   absl::Status FailLink(const core::Collective& op, absl::Status error);
   // One past the last of ops[begin...] that may have their records in flight together: an op
-  // that reads what an earlier one of the run writes waits for it, and an op that runs Gloo's
-  // algorithm is the last of its stage.
+  // that reads what an earlier one of the run writes waits for it, and an op that runs a link
+  // collective is the last of its stage.
   size_t StageEnd(absl::Span<const core::Collective* const> ops, size_t begin) const;
   // Runs ops whose records may all be in flight at once, ops[i] being the batch's op first + i.
-  // Throws (Gloo) only through `finished`.
+  // Never throws: a failed link fails its ops through `finished`.
   void RunStage(absl::Span<const core::Collective* const> ops, size_t first,
                 absl::FunctionRef<void(size_t, absl::Status)> finished);
   // Appends this node's record of `op` (verdict and inline contribution) to `outbox`, sending
-  // its message to every peer when full. Throws (Gloo).
+  // its message to every peer when full. Throws (a failed link).
   void Post(const core::Collective& op, Exchange& ex, Outbox& outbox);
   // Sends the outbox's open message (if any) to every peer; returns once the kernel holds it.
   // Throws (a failed link).
@@ -88,7 +83,8 @@ class GlooCommunicator final : public core::Communicator {
   // `timeout`. The record stays valid until the next call for that node. Throws (a failed
   // link, or a stream out of step).
   const std::byte* NextRecord(int node, uint64_t seq, std::chrono::milliseconds timeout);
-  // Waits for the peers' records of the op, decides its verdict and completes it. Throws (Gloo).
+  // Waits for the peers' records of the op, decides its verdict and completes it. Throws (a failed
+  // link).
   absl::Status Finish(const core::Collective& op, Exchange& ex);
   // Bytes node `node` contributes to `op` when it travels inline.
   int64_t InlineBytes(const core::Collective& op, int node) const;
@@ -97,8 +93,11 @@ class GlooCommunicator final : public core::Communicator {
   void Pack(const core::Collective& op, std::byte* payload);
   // Every node's contribution (node order) into the local members' buffers.
   void Unpack(const core::Collective& op, absl::Span<const std::byte* const> payloads);
-  // An op past its verdict that runs Gloo's algorithms (not inline). Throws (Gloo).
-  absl::Status RunWithGloo(const core::Collective& op);
+  // An op past its verdict that runs a link collective (not inline). Throws (a failed link).
+  absl::Status RunLarge(const core::Collective& op);
+  LinkOp LinkOpOf(const core::Collective& op) const;
+  // Throws a failed link's status (RunStage fails the group with it).
+  static void ThrowIfFailed(const absl::Status& status);
   // All-reduces n elements of `buffers` (the local members') across the nodes, over the record
   // links (ring_allreduce.h), leaving the result in every one of them: the op's reduction when
   // `finish`, else MEAN as SUM (the caller divides). Throws (a failed link).
@@ -111,12 +110,11 @@ class GlooCommunicator final : public core::Communicator {
   std::unique_ptr<std::byte[]> TakeSendMemory();
 
   const core::CommunicatorSpec spec_;
-  std::vector<std::string> nodes_;  // the group's nodes, sorted: Gloo rank = index
+  std::vector<std::string> nodes_;  // the group's nodes, sorted (link index)
   std::vector<int> node_of_group_rank_;
   std::vector<int> members_on_node_;  // by node index
   int my_node_ = -1;
-  std::shared_ptr<::gloo::Context> context_;
-  std::unique_ptr<RecordLinks> links_;  // the record streams, connected with context_
+  std::unique_ptr<RecordLinks> links_;  // the record streams, connected at the first op
   std::vector<PeerStream> streams_;     // by node (unused at my_node_): into links_' messages
   std::vector<std::unique_ptr<std::byte[]>> free_send_memory_;
   std::vector<std::byte> scratch_;

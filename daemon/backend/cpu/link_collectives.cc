@@ -1,0 +1,266 @@
+// Implementation of link_collectives.h: segment messages, the ring's steps, broadcast and
+// all-gather, over RecordLinks.
+
+#include "daemon/backend/cpu/link_collectives.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/backend/cpu/kernels.h"
+#include "daemon/backend/cpu/record_links.h"
+
+namespace gradsync::backend::cpu {
+namespace {
+
+constexpr uint64_t kSegmentMagic = 0x677373656730310a;  // "gsseg01\n"
+// Segments a node sends ahead of the ones it received in the same step.
+constexpr int64_t kWindow = 2;
+constexpr size_t kAlign = 64;  // segments stay 64-byte aligned in the peer's receive buffer
+
+enum Kind : uint32_t { kRing = 1, kBroadcast = 2, kAllGather = 3 };
+
+// Opens every segment's message.
+struct SegmentHeader {
+  uint64_t magic;
+  uint64_t seq;
+  uint32_t kind;
+  uint32_t step;  // the ring's step; 0 otherwise
+  uint64_t segment;
+  uint64_t bytes;  // of data, then zeros up to a multiple of kAlign
+  uint64_t reserved[3];
+};
+static_assert(sizeof(SegmentHeader) == kAlign);
+
+constexpr std::byte kZeros[kAlign] = {};
+
+size_t Padded(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// Segment `segment` (its `data`) of the op to `to` (or every peer).
+absl::Status SendSegment(RecordLinks& links, const LinkOp& op, int to, Kind kind, uint32_t step,
+                         uint64_t segment, const std::byte* data, size_t bytes) {
+  const SegmentHeader header{kSegmentMagic, op.seq, kind, step, segment, bytes, {}};
+  const absl::Span<const std::byte> parts[] = {
+      {reinterpret_cast<const std::byte*>(&header), sizeof(header)},
+      {data, bytes},
+      {kZeros, Padded(bytes) - bytes}};
+  return links.SendTo(to, parts, op.deadline);
+}
+
+// The next message from `from`, which must be that segment of the op: its data (valid until
+// the next Receive from `from`).
+absl::StatusOr<const std::byte*> ReceiveSegment(RecordLinks& links, const LinkOp& op, int from,
+                                                Kind kind, uint32_t step, uint64_t segment,
+                                                size_t bytes) {
+  absl::StatusOr<absl::Span<const std::byte>> message = links.Receive(from, op.deadline);
+  if (!message.ok()) return message.status();
+  SegmentHeader header{};  // a message too short to hold one fails the magic check
+  if (message->size() >= sizeof(header)) std::memcpy(&header, message->data(), sizeof(header));
+  if (header.magic != kSegmentMagic || header.seq != op.seq || header.kind != kind ||
+      header.step != step || header.segment != segment || header.bytes != bytes ||
+      message->size() != sizeof(header) + Padded(bytes)) {
+    return absl::InternalError(
+        absl::StrCat("node ", links.node(from), " sent a message that is not segment ", segment,
+                     " (kind ", kind, ", step ", step, ") of seq ", op.seq, ": ", message->size(),
+                     " bytes naming seq ", header.seq, " kind ", header.kind, " step ", header.step,
+                     " segment ", header.segment, ": the nodes are out of step"));
+  }
+  return message->data() + sizeof(header);
+}
+
+class Ring {
+ public:
+  Ring(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
+       absl::Span<std::byte* const> buffers)
+      : links_(links),
+        op_(op),
+        spec_(spec),
+        n_(links.nodes()),
+        me_(links.me()),
+        esize_(DTypeSize(spec.dtype)),
+        segment_(std::max<int64_t>(1, static_cast<int64_t>(op.segment_bytes) / esize_)),
+        partial_(spec.op == v1::MEAN ? v1::SUM : spec.op) {
+    for (std::byte* b : buffers) views_.push_back({{b, spec.count}});
+  }
+
+  absl::Status Run() {
+    if (n_ == 1) {  // nothing to exchange: the members' reduction is the result
+      const std::vector<Slice> all = Members(0);
+      Reduce(spec_.dtype, spec_.op, spec_.divisor, all, all, spec_.count);
+      return absl::OkStatus();
+    }
+    for (int t = 0; t < 2 * (n_ - 1); ++t) {
+      if (absl::Status s = Step(t); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  int Mod(int c) const { return ((c % n_) + n_) % n_; }
+  int64_t Begin(int chunk) const { return spec_.count * chunk / n_; }
+  int64_t Segments(int chunk) const {
+    return (Begin(chunk + 1) - Begin(chunk) + segment_ - 1) / segment_;
+  }
+  // Elements [begin, end) of segment k of `chunk`.
+  std::pair<int64_t, int64_t> Bounds(int chunk, int64_t k) const {
+    const int64_t b = Begin(chunk) + k * segment_;
+    return {b, std::min(b + segment_, Begin(chunk + 1))};
+  }
+  std::vector<Slice> Members(int64_t at) const {
+    std::vector<Slice> out;
+    for (const core::View& v : views_) out.push_back({&v, at});
+    return out;
+  }
+
+  // Step t: reduce-scatter steps 0..n-2 (a node completes chunk me+1), then all-gather steps.
+  absl::Status Step(int t) {
+    const bool scatter = t < n_ - 1;
+    const int s = scatter ? t : t - (n_ - 1);
+    const int send_chunk = scatter ? Mod(me_ - s) : Mod(me_ + 1 - s);
+    const int recv_chunk = scatter ? Mod(me_ - s - 1) : Mod(me_ - s);
+    const int64_t sends = Segments(send_chunk);
+    const int64_t receives = Segments(recv_chunk);
+    int64_t i = 0, j = 0;
+    while (i < sends || j < receives) {
+      if (i < sends && (i < j + kWindow || j == receives)) {
+        if (absl::Status st = Send(t, scatter && s == 0, send_chunk, i++); !st.ok()) return st;
+      } else {
+        if (absl::Status st = Receive(t, scatter && s == n_ - 2, scatter, recv_chunk, j++);
+            !st.ok()) {
+          return st;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // `first`: the node's own block, whose members are summed here first.
+  absl::Status Send(int t, bool first, int chunk, int64_t k) {
+    const auto [b, e] = Bounds(chunk, k);
+    if (first && views_.size() > 1) {
+      const Slice into{&views_[0], b};
+      Reduce(spec_.dtype, partial_, 1, Members(b), {&into, 1}, e - b);
+    }
+    return SendSegment(links_, op_, Mod(me_ + 1), kRing, static_cast<uint32_t>(t),
+                       static_cast<uint64_t>(k), views_[0][0].data + b * esize_,
+                       static_cast<size_t>((e - b) * esize_));
+  }
+
+  // `last`: the scatter's last step, which completes the block.
+  absl::Status Receive(int t, bool last, bool scatter, int chunk, int64_t k) {
+    const auto [b, e] = Bounds(chunk, k);
+    absl::StatusOr<const std::byte*> data =
+        ReceiveSegment(links_, op_, Mod(me_ - 1), kRing, static_cast<uint32_t>(t),
+                       static_cast<uint64_t>(k), static_cast<size_t>((e - b) * esize_));
+    if (!data.ok()) return data.status();
+    // Read only: core::View names writable runs.
+    const core::View received = {{const_cast<std::byte*>(*data), e - b}};
+    const Slice from_link{&received, 0};
+    if (!scatter) {  // a finished block: into every member
+      Reduce(spec_.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&from_link, 1}, Members(b), e - b);
+      return absl::OkStatus();
+    }
+    // Every chunk reaches a node once in the scatter: the peers' sum so far, plus this node's
+    // members.
+    std::vector<Slice> srcs = Members(b);
+    srcs.push_back(from_link);
+    if (last) {  // the result, into every member
+      Reduce(spec_.dtype, spec_.op, spec_.divisor, srcs, Members(b), e - b);
+    } else {
+      const Slice into{&views_[0], b};
+      Reduce(spec_.dtype, partial_, 1, srcs, {&into, 1}, e - b);
+    }
+    return absl::OkStatus();
+  }
+
+  RecordLinks& links_;
+  const LinkOp& op_;
+  const RingSpec& spec_;
+  const int n_;
+  const int me_;
+  const int64_t esize_;
+  const int64_t segment_;  // elements
+  const v1::ReduceOp partial_;
+  std::vector<core::View> views_;  // one per buffer
+};
+
+// Segments of `bytes` bytes, and the bounds of segment k.
+struct Segmented {
+  size_t bytes;
+  size_t segment;
+  uint64_t count() const { return (bytes + segment - 1) / segment; }
+  size_t begin(uint64_t k) const { return k * segment; }
+  size_t size(uint64_t k) const { return std::min(segment, bytes - k * segment); }
+};
+
+}  // namespace
+
+absl::Status RingAllreduce(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
+                           absl::Span<std::byte* const> buffers) {
+  if (buffers.empty() || spec.count < 0) {
+    return absl::InvalidArgumentError("ring all-reduce: no buffers, or a negative count");
+  }
+  return Ring(links, op, spec, buffers).Run();
+}
+
+absl::Status LinkBroadcast(RecordLinks& links, const LinkOp& op, int root,
+                           absl::Span<std::byte> buffer) {
+  if (root < 0 || root >= links.nodes()) {
+    return absl::InvalidArgumentError(absl::StrCat("broadcast: no node ", root));
+  }
+  const Segmented s{buffer.size(), std::max<size_t>(1, op.segment_bytes)};
+  for (uint64_t k = 0; k < s.count(); ++k) {
+    std::byte* const at = buffer.data() + s.begin(k);
+    if (links.me() == root) {
+      absl::Status sent =
+          SendSegment(links, op, RecordLinks::kEveryPeer, kBroadcast, 0, k, at, s.size(k));
+      if (!sent.ok()) return sent;
+      continue;
+    }
+    absl::StatusOr<const std::byte*> data =
+        ReceiveSegment(links, op, root, kBroadcast, 0, k, s.size(k));
+    if (!data.ok()) return data.status();
+    std::memcpy(at, *data, s.size(k));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LinkAllGather(RecordLinks& links, const LinkOp& op,
+                           absl::Span<const size_t> part_bytes, std::byte* output) {
+  const int n = links.nodes();
+  const int me = links.me();
+  if (static_cast<int>(part_bytes.size()) != n) {
+    return absl::InvalidArgumentError("all-gather: one part per node");
+  }
+  const size_t segment = std::max<size_t>(1, op.segment_bytes);
+  std::vector<size_t> offset(n, 0);
+  for (int i = 1; i < n; ++i) offset[i] = offset[i - 1] + part_bytes[i - 1];
+  std::vector<uint64_t> got(n, 0);  // segments received from each peer
+  const Segmented mine{part_bytes[me], segment};
+  uint64_t sent = 0;
+  for (;;) {
+    // The peer furthest behind that still has segments to come (its next one is awaited).
+    int behind = -1;
+    for (int p = 0; p < n; ++p) {
+      if (p == me || got[p] == Segmented{part_bytes[p], segment}.count()) continue;
+      if (behind < 0 || got[p] < got[behind]) behind = p;
+    }
+    if (sent < mine.count() && (behind < 0 || sent < got[behind] + kWindow)) {
+      absl::Status st = SendSegment(links, op, RecordLinks::kEveryPeer, kAllGather, 0, sent,
+                                    output + offset[me] + mine.begin(sent), mine.size(sent));
+      if (!st.ok()) return st;
+      ++sent;
+      continue;
+    }
+    if (behind < 0) return absl::OkStatus();  // all sent, all received
+    const Segmented part{part_bytes[behind], segment};
+    const uint64_t k = got[behind]++;
+    absl::StatusOr<const std::byte*> data =
+        ReceiveSegment(links, op, behind, kAllGather, 0, k, part.size(k));
+    if (!data.ok()) return data.status();
+    std::memcpy(output + offset[behind] + part.begin(k), *data, part.size(k));
+  }
+}
+
+}  // namespace gradsync::backend::cpu
