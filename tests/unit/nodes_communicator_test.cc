@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/backend/cpu/record_links.h"
 #include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"
 
@@ -345,6 +346,69 @@ TEST_F(NodesCommunicatorTest, DesyncOfARingOpAgainstInlineOnesMidBatchFailsItAlo
       ExpectValues(k, [&](int, int64_t i) { return k % 2 ? Max(i) : Sum(i); });
     }
   }
+}
+
+// FNV-1a of a fingerprint, as the records carry it (the wire format's).
+uint64_t FingerprintHash(std::string_view s) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : s) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return h;
+}
+
+TEST(NodesCommunicatorPeerTest, ARecordAfterALargeOpsRecordFailsItAsOutOfStepAndWritesNothing) {
+  // A peer (authenticated, but out of step or hostile) puts a record after a large op's in the
+  // same message. The node fails the op at once, before the collective reads that stream on
+  // (which would drop the message the left-over record sits in), and writes no buffer.
+  ::signal(SIGPIPE, SIG_IGN);
+  store::MemoryStore store;
+  const std::vector<std::string> nodes = {"127.0.0.1:1", "127.0.0.1:2"};
+  core::CommunicatorSpec spec;
+  spec.job = "j";
+  spec.group = "world";
+  spec.members = {0, 1};
+  spec.local_members = {0};
+  spec.member_nodes = nodes;
+  spec.node = nodes[0];
+  spec.rendezvous = &store;
+  spec.run = "r1";
+  NodesCommunicator comm(spec);
+  constexpr int64_t kCount = 100000;  // 400 KB: past the inline limit, so a ring op
+  std::vector<float> data(kCount, 1.0f);
+  core::Collective op = AllReduce(0, kCount, v1::SUM, "w");
+  op.group_size = 2;
+  op.deadline = absl::Now() + absl::Seconds(20);
+  op.local.push_back({0, {{reinterpret_cast<std::byte*>(data.data()), kCount}}, {}});
+  absl::Status status;
+  std::thread t([&] { status = comm.Run(op); });
+
+  RecordLinks::Spec peer_spec;
+  peer_spec.store = &store;
+  peer_spec.job = "j";
+  peer_spec.prefix = "records/r1/world/";
+  peer_spec.nodes = nodes;
+  peer_spec.me = 1;
+  peer_spec.max_message_bytes = 2 << 20;
+  auto peer = RecordLinks::Connect(peer_spec, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  // One stream message: its header, then the records of seq 0 (agreeing) and seq 1.
+  constexpr size_t kRecord = 512;
+  std::vector<std::byte> message(64 + 2 * kRecord);
+  const uint64_t header[3] = {0x67737265636f7264, message.size(), 2};
+  std::memcpy(message.data(), header, sizeof(header));
+  for (uint64_t seq = 0; seq < 2; ++seq) {
+    std::byte* const r = message.data() + 64 + seq * kRecord;
+    const std::string fp = seq == 0 ? op.fingerprint : "all_reduce(w, count=1) seq=1";
+    const uint64_t hash = FingerprintHash(fp);
+    std::memcpy(r, &seq, sizeof(seq));  // then code 0, payload 0
+    std::memcpy(r + 16, &hash, sizeof(hash));
+    std::memcpy(r + 24, fp.data(), fp.size());
+  }
+  ASSERT_TRUE((*peer)->Send(message, absl::Now() + absl::Seconds(20)).ok());
+  t.join();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "out of step")) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), nodes[1])) << status;
+  for (int64_t i = 0; i < kCount; ++i) ASSERT_EQ(data[i], 1.0f) << i;
 }
 
 }  // namespace

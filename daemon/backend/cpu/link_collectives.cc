@@ -198,8 +198,9 @@ struct Segmented {
 
 absl::Status RingAllreduce(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
                            absl::Span<std::byte* const> buffers) {
-  if (buffers.empty() || spec.count < 0) {
-    return absl::InvalidArgumentError("ring all-reduce: no buffers, or a negative count");
+  if (buffers.empty() || spec.count < 0 || DTypeSize(spec.dtype) <= 0) {
+    return absl::InvalidArgumentError(
+        "ring all-reduce: no buffers, a negative count or an unknown dtype");
   }
   return Ring(links, op, spec, buffers).Run();
 }

@@ -22,6 +22,7 @@ namespace {
 constexpr absl::Duration kGrace = absl::Seconds(10);
 // The link collectives' segment: one message on the links.
 constexpr size_t kSegmentBytes = 1 << 20;
+static_assert(kSegmentBytes % 64 == 0, "a segment's message must fit max_message_bytes");
 // Ops moving at most this many bytes per node travel inside their record: one exchange instead
 // of a verdict round and then a link collective.
 constexpr int64_t kInlineMaxBytes = 256 << 10;
@@ -514,7 +515,18 @@ absl::Status NodesCommunicator::Finish(const core::Collective& op, Exchange& ex)
                        std::string(h.fingerprint, strnlen(h.fingerprint, sizeof(h.fingerprint)))));
     }
   }
-  if (!ex.inline_data) return RunLarge(op);
+  if (!ex.inline_data) {
+    // The collective's segments follow the op's record on every stream: a record left after it
+    // in a peer's message means the peer is out of step (an honest one ends its stage here). Its
+    // messages are about to be read past, so this is checked before, never after.
+    for (size_t node = 0; node < nodes_.size(); ++node) {
+      if (static_cast<int>(node) != my_node_ && streams_[node].next != streams_[node].end) {
+        throw std::runtime_error(absl::StrCat("node ", nodes_[node], " sent records after ",
+                                              op.label, "'s: the nodes are out of step"));
+      }
+    }
+    return RunLarge(op);
+  }
   std::vector<const std::byte*> payloads(nodes_.size());
   for (size_t node = 0; node < nodes_.size(); ++node) {
     const int64_t want = InlineBytes(op, static_cast<int>(node));
