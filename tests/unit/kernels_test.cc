@@ -169,5 +169,66 @@ TEST(ReduceTest, OneSourceCopiesToEveryDestination) {
   EXPECT_EQ(d2, src);
 }
 
+// Every op over 1-4 sources into fresh destinations, in place into the first source, and into
+// destinations that alias later sources (each destination then holds what a reference computes
+// from the inputs as they were), for a float and an integer type, across several steps.
+template <typename T>
+void ExpectEveryAliasingGivesTheReference(DType dtype) {
+  constexpr int64_t n = 5000;  // more than one step of the kernel, not a multiple of it
+  std::mt19937 rng(7);
+  for (v1::ReduceOp op : {v1::SUM, v1::MEAN, v1::MIN, v1::MAX}) {
+    for (int sources = 1; sources <= 4; ++sources) {
+      for (int layout = 0; layout < 3; ++layout) {
+        std::vector<std::vector<T>> in(sources, std::vector<T>(n));
+        for (auto& v : in) {
+          for (T& x : v) x = static_cast<T>(static_cast<int>(rng() % 2001) - 1000) / T{4};
+        }
+        std::vector<T> want(n);
+        for (int64_t i = 0; i < n; ++i) {
+          T acc = in[0][i];
+          for (int k = 1; k < sources; ++k) {
+            acc = op == v1::MIN   ? std::min(acc, in[k][i])
+                  : op == v1::MAX ? std::max(acc, in[k][i])
+                                  : static_cast<T>(acc + in[k][i]);
+          }
+          if (op == v1::MEAN) acc = static_cast<T>(acc / T{3});
+          want[i] = acc;
+        }
+        std::vector<T> fresh1(n), fresh2(n);
+        std::vector<core::View> views;
+        views.reserve(sources + 2);
+        for (auto& v : in) views.push_back(Flat(v.data(), n));
+        views.push_back(Flat(fresh1.data(), n));
+        views.push_back(Flat(fresh2.data(), n));
+        std::vector<Slice> srcs, dsts;
+        for (int k = 0; k < sources; ++k) srcs.push_back({&views[k], 0});
+        std::vector<T*> check;
+        if (layout == 0) {  // fresh destinations
+          dsts = {{&views[sources], 0}, {&views[sources + 1], 0}};
+          check = {fresh1.data(), fresh2.data()};
+        } else if (layout == 1) {  // in place into every source
+          for (int k = 0; k < sources; ++k) dsts.push_back({&views[k], 0});
+          for (auto& v : in) check.push_back(v.data());
+        } else {  // the last source first, then the first source
+          dsts = {{&views[sources - 1], 0}, {&views[0], 0}};
+          check = {in[sources - 1].data(), in[0].data()};
+        }
+        Reduce(dtype, op, 3, srcs, dsts, n);
+        for (T* got : check) {
+          for (int64_t i = 0; i < n; ++i) {
+            ASSERT_EQ(got[i], want[i]) << "op " << op << " sources " << sources << " layout "
+                                       << layout << " element " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(ReduceTest, EveryOpAndAliasingOfSourcesAndDestinationsGivesTheReference) {
+  ExpectEveryAliasingGivesTheReference<float>(v1::FLOAT32);
+  ExpectEveryAliasingGivesTheReference<int64_t>(v1::INT64);
+}
+
 }  // namespace
 }  // namespace gradsync::backend::cpu

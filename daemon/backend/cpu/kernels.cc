@@ -75,6 +75,60 @@ struct Traits<BF16> {
   static BF16 Store(float v) { return BF16{FloatToBFloat16(v)}; }
 };
 
+// d[i] = a[i] op b[i] (d may be a, element for element).
+template <typename T>
+void Combine(v1::ReduceOp op, T* d, const T* a, const T* b, int64_t n) {
+  switch (op) {
+    case v1::SUM:
+    case v1::MEAN:
+      for (int64_t i = 0; i < n; ++i) d[i] = a[i] + b[i];
+      return;
+    case v1::MIN:
+      for (int64_t i = 0; i < n; ++i) d[i] = std::min(a[i], b[i]);
+      return;
+    case v1::MAX:
+      for (int64_t i = 0; i < n; ++i) d[i] = std::max(a[i], b[i]);
+      return;
+    default:
+      return;  // validated before the op gets here
+  }
+}
+
+// One step (len elements) straight into the first destination (one pass over it, no
+// accumulator), then copied to the others. Only for a type reduced in itself (not a half type)
+// and no source after the first at that destination (sources alias destinations only element
+// for element, so comparing where the step starts is enough; the first is read before each
+// write). False when it does not apply.
+template <typename T>
+bool ReduceDirect(v1::ReduceOp op, int64_t divisor, const std::vector<Cursor>& in,
+                  const std::vector<Cursor>& out, int64_t len) {
+  if constexpr (!std::is_same_v<typename Traits<T>::Acc, T>) {
+    return false;
+  } else {
+    for (size_t k = 1; k < in.size(); ++k) {
+      if (in[k].Ptr() == out[0].Ptr()) return false;
+    }
+    T* const d = reinterpret_cast<T*>(out[0].Ptr());
+    const T* const s0 = reinterpret_cast<const T*>(in[0].Ptr());
+    if (in.size() == 1) {
+      if (d != s0) std::memmove(d, s0, len * sizeof(T));
+    } else {
+      Combine(op, d, s0, reinterpret_cast<const T*>(in[1].Ptr()), len);
+    }
+    for (size_t k = 2; k < in.size(); ++k) {
+      Combine(op, d, d, reinterpret_cast<const T*>(in[k].Ptr()), len);
+    }
+    if (op == v1::MEAN && divisor > 1) {
+      const T dv = static_cast<T>(divisor);
+      for (int64_t i = 0; i < len; ++i) d[i] /= dv;
+    }
+    for (size_t k = 1; k < out.size(); ++k) {
+      if (out[k].Ptr() != out[0].Ptr()) std::memcpy(out[k].Ptr(), d, len * sizeof(T));
+    }
+    return true;
+  }
+}
+
 template <typename T>
 void ReduceTyped(v1::ReduceOp op, int64_t divisor, absl::Span<const Slice> srcs,
                  absl::Span<const Slice> dsts, int64_t n) {
@@ -98,6 +152,7 @@ void ReduceTyped(v1::ReduceOp op, int64_t divisor, absl::Span<const Slice> srcs,
       for (const Cursor& c : out) {
         if (c.Ptr() != first) std::memmove(c.Ptr(), first, len * esize);
       }
+    } else if (ReduceDirect<T>(op, divisor, in, out, len)) {
     } else {
       const T* s0 = reinterpret_cast<const T*>(first);
       for (int64_t i = 0; i < len; ++i) acc[i] = Tr::Load(s0[i]);
