@@ -17,7 +17,8 @@ namespace {
 constexpr uint64_t kSegmentMagic = 0x677373656730310a;  // "gsseg01\n"
 // Segments a node sends ahead of the ones it received in the same step.
 constexpr int64_t kWindow = 2;
-constexpr size_t kAlign = 64;  // segments stay 64-byte aligned in the peer's receive buffer
+// Segments stay aligned in the peer's receive buffer.
+constexpr size_t kAlign = RecordLinks::kAlign;
 
 enum Kind : uint32_t { kRing = 1, kBroadcast = 2, kAllGather = 3 };
 
@@ -35,8 +36,6 @@ static_assert(sizeof(SegmentHeader) == kAlign);
 
 constexpr std::byte kZeros[kAlign] = {};
 
-size_t Padded(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
 // Segment `segment` (its `data`) of the op to `to` (or every peer).
 absl::Status SendSegment(RecordLinks& links, const LinkOp& op, int to, Kind kind, uint32_t step,
                          uint64_t segment, const std::byte* data, size_t bytes) {
@@ -44,7 +43,7 @@ absl::Status SendSegment(RecordLinks& links, const LinkOp& op, int to, Kind kind
   const absl::Span<const std::byte> parts[] = {
       {reinterpret_cast<const std::byte*>(&header), sizeof(header)},
       {data, bytes},
-      {kZeros, Padded(bytes) - bytes}};
+      {kZeros, RecordLinks::Padded(bytes) - bytes}};
   return links.SendTo(to, parts, op.deadline);
 }
 
@@ -59,7 +58,7 @@ absl::StatusOr<const std::byte*> ReceiveSegment(RecordLinks& links, const LinkOp
   if (message->size() >= sizeof(header)) std::memcpy(&header, message->data(), sizeof(header));
   if (header.magic != kSegmentMagic || header.seq != op.seq || header.kind != kind ||
       header.step != step || header.segment != segment || header.bytes != bytes ||
-      message->size() != sizeof(header) + Padded(bytes)) {
+      message->size() != SegmentMessageBytes(bytes)) {
     return absl::InternalError(
         absl::StrCat("node ", links.node(from), " sent a message that is not segment ", segment,
                      " (kind ", kind, ", step ", step, ") of seq ", op.seq, ": ", message->size(),
@@ -195,6 +194,10 @@ struct Segmented {
 };
 
 }  // namespace
+
+size_t SegmentMessageBytes(size_t segment_bytes) {
+  return sizeof(SegmentHeader) + RecordLinks::Padded(segment_bytes);
+}
 
 absl::Status RingAllreduce(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
                            absl::Span<std::byte* const> buffers) {

@@ -26,6 +26,10 @@ struct LinkOp {
   size_t segment_bytes = 1 << 20;
 };
 
+/// The longest message a collective sends with segments of `segment_bytes` (the links'
+/// max_message_bytes must allow it).
+size_t SegmentMessageBytes(size_t segment_bytes);
+
 struct RingSpec {
   DType dtype = v1::FLOAT32;
   v1::ReduceOp op = v1::SUM;  // MEAN sums, and divides once by `divisor` when a block is done

@@ -22,7 +22,6 @@ namespace {
 constexpr absl::Duration kGrace = absl::Seconds(10);
 // The link collectives' segment: one message on the links.
 constexpr size_t kSegmentBytes = 1 << 20;
-static_assert(kSegmentBytes % 64 == 0, "a segment's message must fit max_message_bytes");
 // Ops moving at most this many bytes per node travel inside their record: one exchange instead
 // of a verdict round and then a link collective.
 constexpr int64_t kInlineMaxBytes = 256 << 10;
@@ -42,7 +41,8 @@ std::chrono::milliseconds MillisUntil(absl::Time deadline) {
 }
 
 // What one node sends every other for each op, on its stream: its view of the op, then its
-// inline contribution (payload_bytes of it, padded to kRecordAlign).
+// inline contribution (payload_bytes of it, padded to RecordLinks::kAlign so that payloads stay
+// aligned for the reduction kernels).
 struct RecordHeader {
   uint64_t seq;
   int32_t code;
@@ -60,10 +60,6 @@ struct MessageHeader {
   uint64_t reserved[5];
 };
 static_assert(sizeof(MessageHeader) == 64);
-constexpr size_t kRecordAlign = 64;  // payloads stay aligned for the reduction kernels
-
-size_t Padded(size_t bytes) { return (bytes + kRecordAlign - 1) / kRecordAlign * kRecordAlign; }
-
 // FNV-1a: the same on every node for the same text.
 uint64_t HashOf(std::string_view s) {
   uint64_t h = 1469598103934665603ull;
@@ -140,7 +136,7 @@ absl::Status NodesCommunicator::Connect(absl::Time deadline) {
       absl::StrCat("records/", spec_.run, spec_.run.empty() ? "" : "/", spec_.group, "/");
   links.nodes = nodes_;
   links.me = my_node_;
-  links.max_message_bytes = std::max(kStreamMessageBytes, kSegmentBytes + 64);
+  links.max_message_bytes = std::max(kStreamMessageBytes, SegmentMessageBytes(kSegmentBytes));
   absl::StatusOr<std::unique_ptr<RecordLinks>> connected =
       RecordLinks::Connect(std::move(links), deadline);
   if (!connected.ok()) {
@@ -262,7 +258,7 @@ const std::byte* NodesCommunicator::NextRecord(int node, uint64_t seq,
   if (stream.next == stream.end) {
     absl::StatusOr<absl::Span<const std::byte>> message =
         links_->Receive(node, absl::Now() + absl::FromChrono(timeout));
-    if (!message.ok()) throw std::runtime_error(std::string(message.status().message()));
+    ThrowIfFailed(message.status());
     const std::byte* const m = message->data();
     MessageHeader header{};  // a message too short to hold one fails the magic check
     if (message->size() >= sizeof(header)) std::memcpy(&header, m, sizeof(header));
@@ -278,7 +274,7 @@ const std::byte* NodesCommunicator::NextRecord(int node, uint64_t seq,
     throw std::runtime_error(absl::StrCat("malformed stream message from node ", nodes_[node]));
   }
   std::memcpy(&header, record, sizeof(header));
-  const size_t bytes = sizeof(header) + Padded(header.payload_bytes);
+  const size_t bytes = sizeof(header) + RecordLinks::Padded(header.payload_bytes);
   if (header.seq != seq || static_cast<size_t>(stream.end - record) < bytes) {
     throw std::runtime_error(absl::StrCat("node ", nodes_[node], " sent the record of seq ",
                                           header.seq, " where seq ", seq,
@@ -294,9 +290,7 @@ void NodesCommunicator::Flush(Outbox& outbox) {
   const MessageHeader header{kStreamMagic, m.bytes, m.records, {}};
   std::memcpy(m.memory.get(), &header, sizeof(header));
   m.sent = true;
-  if (absl::Status s = links_->Send({m.memory.get(), m.bytes}, outbox.deadline); !s.ok()) {
-    throw std::runtime_error(std::string(s.message()));
-  }
+  ThrowIfFailed(links_->Send({m.memory.get(), m.bytes}, outbox.deadline));
 }
 
 void NodesCommunicator::RunStage(absl::Span<const core::Collective* const> ops, size_t first,
@@ -455,7 +449,7 @@ void NodesCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& o
   }
   ex.inline_data = ex.local.ok() && TravelsInline(op);
   const int64_t payload = ex.inline_data ? InlineBytes(op, my_node_) : 0;
-  const size_t bytes = sizeof(RecordHeader) + Padded(static_cast<size_t>(payload));
+  const size_t bytes = sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(payload));
   if (!outbox.messages.empty() && !outbox.messages.back().sent &&
       outbox.messages.back().bytes + bytes > kStreamMessageBytes) {
     Flush(outbox);

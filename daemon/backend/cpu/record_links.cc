@@ -38,9 +38,9 @@ constexpr size_t kReadChunk = 256 << 10;
 constexpr size_t kKeepBufferBytes = size_t{64} << 20;
 // Most bytes a peer may have sent ahead of what we took (a stage's records are far less).
 constexpr size_t kMaxBufferedBytes = size_t{256} << 20;
-// A frame: its length (8 bytes, then zeros to 64) and the message. 64 bytes, so messages whose
-// size is a multiple of 64 (the communicator's) keep their bytes 64-byte aligned in the buffers.
-constexpr size_t kFrameHeader = 64;
+// A frame: its length (8 bytes, then zeros to kAlign) and the message. kAlign bytes, so messages
+// whose size is a multiple of kAlign keep their bytes kAlign-aligned in the buffers.
+constexpr size_t kFrameHeader = RecordLinks::kAlign;
 
 struct Hello {
   uint64_t magic;

@@ -66,6 +66,11 @@ class RecordLinks {
   /// peer is read).
   static constexpr size_t kMaxParts = 3;
   static constexpr int kEveryPeer = -1;
+
+  /// A message whose size is a multiple of kAlign is returned kAlign-aligned (so is every one
+  /// after it); Padded rounds a size up to that.
+  static constexpr size_t kAlign = 64;
+  static constexpr size_t Padded(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
   absl::Status SendTo(int node, absl::Span<const absl::Span<const std::byte>> parts,
                       absl::Time deadline);
 
