@@ -214,6 +214,17 @@ class Ctl {
       }
     }
     if (resp.ops().empty()) std::cout << "(no pending ops)\n";
+    if (!resp.peers().empty()) {  // the liveness of the job's other daemons, as this one sees it
+      std::cout << absl::StrFormat("%-24s %-10s %10s  %s\n", "PEER", "STATE", "LAST HEARD",
+                                   "CAUSE");
+      for (const v1::PeerLiveness& p : resp.peers()) {
+        std::cout << absl::StrFormat(
+            "%-24s %-10s %10s  %s\n", p.node(), p.state(),
+            p.last_heard_seconds() < 0 ? "never"
+                                       : absl::StrFormat("%.1fs ago", p.last_heard_seconds()),
+            p.cause().empty() ? "-" : p.cause());
+      }
+    }
     return 0;
   }
 

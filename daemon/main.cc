@@ -3,6 +3,7 @@
 #include <iostream>
 #include <string>
 
+#include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -11,7 +12,10 @@
 #include "common/build_info.h"
 #include "common/logging.h"
 #include "daemon/config.h"
+#include "daemon/config_doc.h"
 #include "daemon/daemon.h"
+
+ABSL_DECLARE_FLAG(std::string, print_config);
 
 int main(int argc, char** argv) {
   gradsync::daemon::BlockStopSignals();  // before any thread exists
@@ -28,6 +32,18 @@ int main(int argc, char** argv) {
   if (rest.size() > 1) {
     std::cerr << "gradsyncd: unexpected argument '" << rest[1] << "' (flags only; see --help)\n";
     return 2;
+  }
+  if (const std::string what = absl::GetFlag(FLAGS_print_config); !what.empty()) {
+    auto text = what == "flagfile"   ? gradsync::daemon::RenderFlagfile()
+                : what == "markdown" ? gradsync::daemon::RenderConfigurationPage()
+                                     : absl::InvalidArgumentError(
+                                           "--print_config='" + what + "': flagfile or markdown");
+    if (!text.ok()) {
+      std::cerr << "gradsyncd: " << text.status().message() << "\n";
+      return 2;
+    }
+    std::cout << *text;
+    return 0;
   }
   auto config = gradsync::daemon::ConfigFromFlags();
   if (!config.ok()) {

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "common/worker_pool.h"
 #include "daemon/backend/cpu/cpu_backend.h"
+#include "daemon/backend/cpu/peer_watch.h"
 #include "daemon/backend/nccl/dispatch_backend.h"
 #include "daemon/backend/nccl/nccl_backend.h"
 #include "daemon/config.h"
@@ -94,6 +95,9 @@ class DaemonServer {
   backend::nccl::NcclBackend nccl_backend_;
   backend::nccl::DispatchBackend dispatch_backend_;  // host buffers to backend_, device to NCCL
   core::Engine engine_;
+  // After the engine it calls back (and which calls it): its thread stops before the engine
+  // goes, after the server and pool that may still end jobs.
+  backend::cpu::LinkPeerWatch peer_watch_;
   // After the engine and backend that use it: destroyed (its queued ops run) before them.
   WorkerPool pool_;
   rpc::GradSyncService gradsync_service_;

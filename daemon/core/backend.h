@@ -121,6 +121,13 @@ class Communicator {
                         absl::FunctionRef<void(size_t, absl::Status)> finished) {
     for (size_t i = 0; i < ops.size(); ++i) finished(i, Run(*ops[i]));
   }
+  /// A node of the group was lost (the job's peer watch said so, naming it and the cause in
+  /// `status`, UNAVAILABLE): the op running now and every later one fail with `status` as soon
+  /// as possible, writing no member buffer, instead of waiting out their deadlines. Thread-safe:
+  /// called from another thread than Run's, with no engine lock held; returns without waiting
+  /// for the running op. Idempotent (the first status stays). Default: nothing (the op ends by
+  /// its deadline).
+  virtual void Abort(const absl::Status& status) {}
 };
 
 /// A data plane (CPU shared memory + TCP between daemons, or NCCL). Thread-safe.

@@ -69,6 +69,8 @@ void Engine::SetNodeAddress(std::string address) {
   node_address_ = std::move(address);
 }
 
+void Engine::SetPeerWatch(PeerWatch* watch) { peer_watch_ = watch; }
+
 Engine::~Engine() { Shutdown(); }
 
 absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vector<int>& members,
@@ -103,10 +105,15 @@ absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vecto
   auto group = std::make_unique<Group>(&job, key, members, std::move(local_group_ranks),
                                        spans_nodes, std::move(comm));
   internal::AssertGroupOf(job, *group);
-  // Ranks that left before the group existed break it too.
+  // Ranks that left before the group existed break it too, and so do nodes lost before.
   for (int r : job.departed) {
     if (std::binary_search(members.begin(), members.end(), r)) {
       group->broken = absl::StrCat("rank ", r, " left job ", job.id);
+    }
+  }
+  for (const std::string& node : spec.member_nodes) {
+    if (auto lost = job.lost_nodes.find(node); lost != job.lost_nodes.end()) {
+      group->broken = lost->second;
     }
   }
   Log()->debug("group created job={} group={} size={}", job.id, key, members.size());

@@ -21,6 +21,7 @@
 #include "daemon/core/deadline_timer.h"
 #include "daemon/core/job.h"
 #include "daemon/core/op_counters.h"
+#include "daemon/core/peer_watch.h"
 #include "gradsync/v1/gradsync.pb.h"
 
 namespace gradsync::core {
@@ -89,6 +90,10 @@ class Engine {
   /// This daemon's TCP address as other daemons reach it ("host:port"); set once serving.
   /// Without it, jobs spanning nodes are refused.
   void SetNodeAddress(std::string address);
+  /// The liveness of other daemons (jobs spanning nodes are watched once formed, until they
+  /// end); null: none (a lost node is then noticed by the ops' deadlines). Set before serving;
+  /// it must outlive the engine.
+  void SetPeerWatch(PeerWatch* watch);
   ~Engine();
 
   /// Opens a session for one rank of a job. INVALID_ARGUMENT on a job id CheckJobId refuses, bad
@@ -150,6 +155,7 @@ class Engine {
     std::vector<std::string> node_of_rank;  // jobs spanning nodes, once formed; else empty
     std::vector<int> local_ranks;           // attached here, ascending
     std::vector<OpView> ops;                // by group, then seq
+    std::vector<PeerState> peers;           // the peer watch's view of the job's other daemons
   };
   /// This node's unfinished ops of `job` (of `group` only, unless empty). NOT_FOUND when no
   /// rank of the job is attached here. Takes the job's lock briefly; never waits otherwise.
@@ -215,6 +221,10 @@ class Engine {
   // Jobs spanning nodes: publish this node's ranks in the root store, wait for everyone's.
   void StartFormation(std::shared_ptr<Job> job, std::string node);
   void OnFormed(const std::weak_ptr<Job>& job, absl::StatusOr<std::vector<std::string>> nodes);
+  // The peer watch lost `node` of the job: its groups spanning it fail their pending, running
+  // and later ops with UNAVAILABLE naming the node, its ranks and `cause`.
+  void OnPeerLost(const std::weak_ptr<Job>& job, const std::string& node,
+                  const absl::Status& cause);
   // Submit past the formation check.
   void SubmitNow(const std::shared_ptr<Session>& session, const std::shared_ptr<SessionSink>& sink,
                  uint64_t tag, const v1::OpRequest& op);
@@ -232,6 +242,7 @@ class Engine {
   std::atomic<int64_t> buffers_{0};        // registered by all sessions, node-wide
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::string node_address_ ABSL_GUARDED_BY(mu_);
+  PeerWatch* peer_watch_ = nullptr;  // set before serving
   DeadlineTimer timer_;  // last: destroyed (its thread joined) before the state it touches
 };
 

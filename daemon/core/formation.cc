@@ -1,6 +1,7 @@
 // Jobs spanning nodes: formation. Once a job's local ranks have all registered, this daemon
 // agrees on the run's token in the root daemon's store, publishes which ranks it holds and waits
 // for every rank's node; ops submitted meanwhile are parked and replayed in order once formed.
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -102,6 +103,24 @@ void Engine::OnFormed(const std::weak_ptr<Job>& weak,
     return;
   }
   Log()->info("job formed job={} nodes={}", job->id, nodes_listed);
+  if (peer_watch_ != nullptr) {  // the job's other daemons, watched until the job ends here
+    std::vector<std::string> nodes;
+    std::string run, me;
+    {
+      absl::MutexLock lock(&job->mu);
+      nodes = job->node_of_rank;
+      run = job->run;
+      me = job->node;
+    }
+    std::sort(nodes.begin(), nodes.end());
+    nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+    const int my_index =
+        static_cast<int>(std::find(nodes.begin(), nodes.end(), me) - nodes.begin());
+    peer_watch_->Watch(job->id, run, nodes, my_index, job->root_store,
+                       [this, weak](const std::string& node, const absl::Status& cause) {
+                         OnPeerLost(weak, node, cause);
+                       });
+  }
   for (;;) {  // parked ops first, in order; new ones park behind them until the queue is empty
     Job::Parked p;
     {
@@ -115,6 +134,46 @@ void Engine::OnFormed(const std::weak_ptr<Job>& weak,
     }
     SubmitNow(p.session, p.sink, p.tag, p.op);
   }
+}
+
+void Engine::OnPeerLost(const std::weak_ptr<Job>& weak, const std::string& node,
+                        const absl::Status& cause) {
+  std::shared_ptr<Job> job = weak.lock();
+  if (!job) return;
+  Completions out;
+  std::vector<std::shared_ptr<Communicator>> running;
+  std::string why;
+  {
+    absl::MutexLock lock(&job->mu);
+    std::vector<int> ranks;
+    for (int r = 0; r < static_cast<int>(job->node_of_rank.size()); ++r) {
+      if (job->node_of_rank[r] == node) ranks.push_back(r);
+    }
+    why = absl::StrCat("node ", node, " (ranks ", JoinBounded(ranks, ","), ") ", cause.message());
+    job->lost_nodes.emplace(node, why);
+    for (auto& [key, group] : job->groups) {
+      internal::AssertGroupOf(*job, *group);
+      const bool spans = std::any_of(ranks.begin(), ranks.end(), [&](int r) {
+        return std::binary_search(group->members.begin(), group->members.end(), r);
+      });
+      if (!spans) continue;
+      if (group->broken.empty()) group->broken = why;
+      running.push_back(group->comm);
+      // The other survivors' watches find the node lost too: nothing goes to them.
+      while (!group->pending.empty()) {
+        const auto& [seq, pending] = *group->pending.begin();
+        FailPendingLocked(*group, seq,
+                          absl::UnavailableError(
+                              absl::StrCat(internal::OpLabel(pending.fp.kind, job->id, key, seq),
+                                           " cannot complete: ", why)),
+                          out, /*send_to_other_nodes=*/false);
+      }
+    }
+  }
+  Log()->warn("job={} {}: its groups fail ({} here)", job->id, why, running.size());
+  for (auto& fn : out) fn();
+  // An op running now fails at once instead of waiting out its deadline.
+  for (auto& comm : running) comm->Abort(absl::UnavailableError(why));
 }
 
 }  // namespace gradsync::core

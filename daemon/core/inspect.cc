@@ -165,6 +165,8 @@ absl::StatusOr<Engine::JobOpsView> Engine::ListOps(const std::string& job_id,
   for (Session* s : job->ranks) {
     if (s != nullptr) view.local_ranks.push_back(s->rank);
   }
+  // Lock order: a job's mutex before the watch's (which calls back with none of its own held).
+  if (peer_watch_ != nullptr) view.peers = peer_watch_->Peers(job_id);
   for (const auto& [key, group] : job->groups) {
     if (!group_filter.empty() && key != group_filter) continue;
     internal::AssertGroupOf(*job, *group);

@@ -143,6 +143,8 @@ struct Job : std::enable_shared_from_this<Job> {
   std::string run ABSL_GUARDED_BY(mu);                        // once formed
   std::vector<std::string> node_of_rank ABSL_GUARDED_BY(mu);  // once formed
   std::string node ABSL_GUARDED_BY(mu);                       // this daemon's, once formed
+  // Nodes the peer watch declared lost (or left), with why: groups spanning them fail.
+  std::map<std::string, std::string> lost_nodes ABSL_GUARDED_BY(mu);
   std::deque<Parked> parked ABSL_GUARDED_BY(mu);
   // Groups are never removed while the job lives: a Group* stays valid as long as its job.
   absl::flat_hash_map<std::string, std::unique_ptr<Group>> groups ABSL_GUARDED_BY(mu);

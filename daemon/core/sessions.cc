@@ -172,6 +172,7 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
   for (auto& fn : out) fn();
   if (job_ended) {
     Log()->info("job ended job={}", job->id);
+    if (peer_watch_ != nullptr) peer_watch_->Unwatch(job->id);  // its peers see it left
     if (on_job_end_) on_job_end_(job->id);
   }
 }

@@ -5,6 +5,7 @@
 
 #include <exception>
 #include <limits>
+#include <map>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
@@ -130,6 +131,21 @@ std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
     AddScalar(out, "gradsync_jobs", "Jobs with a session on this node", MetricType::Gauge, t.jobs);
     AddScalar(out, "gradsync_mapped_bytes", "Bytes of trainer buffers mapped by the daemon",
               MetricType::Gauge, static_cast<double>(t.mapped_bytes));
+  }
+  if (s.peer_watch != nullptr) {
+    MetricFamily losses = Family("gradsync_peer_losses_total",
+                                 "Peer daemons of jobs spanning nodes found lost, by cause "
+                                 "(silent, closed, reset, unreachable, error)",
+                                 MetricType::Counter);
+    const std::map<std::string, int64_t> counts = s.peer_watch->LossCounts();
+    for (const char* cause : {"silent", "closed", "reset", "unreachable", "error"}) {
+      prometheus::ClientMetric m;
+      m.label.push_back({"cause", cause});
+      auto it = counts.find(cause);
+      m.counter.value = static_cast<double>(it == counts.end() ? 0 : it->second);
+      losses.metric.push_back(std::move(m));
+    }
+    out.push_back(std::move(losses));
   }
   if (s.store != nullptr) {
     AddScalar(out, "gradsync_store_calls_total",

@@ -24,6 +24,7 @@ struct MetricSources {
   const core::OpCounters* counters = nullptr;
   const core::Engine* engine = nullptr;
   const store::MemoryStore* store = nullptr;
+  const core::PeerWatch* peer_watch = nullptr;
 };
 
 /// Every gradsync_* family as of now: the counters' values, and gauges read from the engine.

@@ -173,6 +173,15 @@ v1::ListOpsResponse LocalOpsView(const std::string& job, const core::Engine::Job
                                  absl::Time now) {
   v1::ListOpsResponse resp;
   resp.set_job(job);
+  for (const core::PeerState& peer : view.peers) {
+    v1::PeerLiveness* p = resp.add_peers();
+    p->set_node(peer.node);
+    p->set_state(core::PeerStateName(peer.state));
+    p->set_last_heard_seconds(peer.last_heard == absl::InfiniteDuration()
+                                  ? -1.0
+                                  : absl::ToDoubleSeconds(peer.last_heard));
+    p->set_cause(peer.cause);
+  }
   v1::NodeAnswer* me = resp.add_nodes();
   me->set_node(view.node);
   me->set_answered(true);
@@ -210,6 +219,7 @@ v1::ListOpsResponse MergeOpsViews(const std::vector<std::string>& node_of_rank, 
                                   const std::vector<v1::NodeAnswer>& answers) {
   v1::ListOpsResponse out;
   if (!views.empty()) out.set_job(views[0].job());
+  if (!views.empty()) *out.mutable_peers() = views[0].peers();  // this node's watch
   std::map<std::string, const v1::NodeAnswer*> answer_of;
   for (const v1::NodeAnswer& a : answers) {
     *out.add_nodes() = a;

@@ -5,10 +5,12 @@
 #include "daemon/backend/cpu/record_links.h"
 
 #include <arpa/inet.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -17,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "daemon/backend/cpu/socket.h"
 #include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"
 #include "tests/unit/record_links_testing.h"
@@ -151,8 +154,8 @@ void ExpectPeersConnectDespite(
 
 TEST(RecordLinksTest, AConnectionWithoutTheKeyIsClosedAndTheRealPeerStillConnects) {
   ExpectPeersConnectDespite(absl::Seconds(20), [](store::MemoryStore& store) {
-    // A stranger that read nothing from the store: a hello from "node 1" with a wrong key, then
-    // one that sends garbage.
+    // Strangers that read nothing from the store: a hello of an older protocol carrying a key
+    // (a wrong one), then one that sends garbage.
     struct {
       uint64_t magic = 0x67736c696e6b3031;
       uint32_t from = 1;
@@ -168,7 +171,10 @@ TEST(RecordLinksTest, AConnectionWithoutTheKeyIsClosedAndTheRealPeerStillConnect
       char b;
       timeval tv{10, 0};
       setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-      EXPECT_EQ(::recv(fd, &b, 1, 0), 0) << "node 0 kept a connection without the key";
+      // The end, or a reset where node 0 closed with bytes of ours unread; not a timeout.
+      const ssize_t got = ::recv(fd, &b, 1, 0);
+      EXPECT_TRUE(got == 0 || (got < 0 && errno == ECONNRESET))
+          << "node 0 kept a connection without the key: " << got << " " << std::strerror(errno);
       ::close(fd);
     }
     return std::vector<int>{};
@@ -242,6 +248,104 @@ TEST(RecordLinksTest, AMessageLongerThanTheLimitFailsTheLinkInsteadOfAllocatingI
   auto again = links[0]->Receive(1, absl::Now() + absl::Seconds(1));
   EXPECT_FALSE(again.ok());  // the link stays failed
   sender.join();
+}
+
+}  // namespace
+}  // namespace gradsync::backend::cpu
+
+namespace gradsync::backend::cpu {
+namespace {
+
+TEST(RecordLinksHandshakeTest, AFloodOfSilentConnectionsCannotKeepTheRealPeerOut) {
+  // More silent connections than the listener holds handshakes for, from the peer's own
+  // address: each newcomer takes the oldest one's slot, so the peer's handshake completes.
+  ExpectPeersConnectDespite(absl::Seconds(20), [](store::MemoryStore& store) {
+    std::vector<int> open;
+    for (int i = 0; i < 100; ++i) open.push_back(Stranger(store, 0, nullptr, 0));
+    return open;
+  });
+}
+
+TEST(RecordLinksHandshakeTest, AConnectorWithoutTheKeyIsClosedAfterItsProof) {
+  ExpectPeersConnectDespite(absl::Seconds(20), [](store::MemoryStore& store) {
+    // A well-formed hello from "node 1", then a proof made without the key.
+    struct {
+      uint64_t magic = 0x67736c696e6b3032;  // "gslink02"
+      uint32_t from = 1;
+      uint32_t to = 0;
+      unsigned char nonce[16] = {1, 2, 3};
+    } hello;
+    const int fd = Stranger(store, 0, &hello, sizeof(hello));
+    timeval tv{10, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    unsigned char challenge[56];
+    EXPECT_EQ(::recv(fd, challenge, sizeof(challenge), MSG_WAITALL), 56) << "no challenge came";
+    const unsigned char proof[32] = {};
+    EXPECT_EQ(::send(fd, proof, sizeof(proof), MSG_NOSIGNAL), 32);
+    char b;
+    EXPECT_EQ(::recv(fd, &b, 1, 0), 0) << "node 0 kept a connection whose proof was wrong";
+    ::close(fd);
+    return std::vector<int>{};
+  });
+}
+
+// A listener that publishes an address and key but does not hold the key: it reads the hello
+// (which it keeps in `hello_bytes`) and answers with a challenge whose MAC is garbage.
+TEST(RecordLinksHandshakeTest, TheConnectorRefusesAListenerThatCannotProveTheKeyAndNeverSendsIt) {
+  store::MemoryStore store;
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 8), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string key(32, 'k');
+  ASSERT_TRUE(store.Set("j", "r/0", absl::StrCat("127.0.0.1 ", ntohs(addr.sin_port), " ", key)).ok());
+  std::string hello_bytes;
+  std::thread impostor([&] {
+    for (int attempt = 0; attempt < 100; ++attempt) {  // the connector retries: answer each
+      pollfd p{listener, POLLIN, 0};
+      if (::poll(&p, 1, 3000) <= 0) return;
+      const int fd = ::accept(listener, nullptr, nullptr);
+      char hello[32];
+      if (::recv(fd, hello, sizeof(hello), MSG_WAITALL) == 32) hello_bytes.assign(hello, 32);
+      unsigned char challenge[56] = {};
+      const uint64_t magic = 0x67736368616c3032;  // "gschal02"
+      std::memcpy(challenge, &magic, 8);
+      ::send(fd, challenge, sizeof(challenge), MSG_NOSIGNAL);
+      char rest[64];
+      ::recv(fd, rest, sizeof(rest), MSG_DONTWAIT);  // a proof would land here: none may come
+      ::close(fd);
+    }
+  });
+  auto one = RecordLinks::Connect(SpecOf(&store, 1, 2), absl::Now() + absl::Milliseconds(800));
+  impostor.join();
+  ::close(listener);
+  ASSERT_FALSE(one.ok());
+  EXPECT_EQ(one.status().code(), absl::StatusCode::kUnavailable) << one.status();
+  EXPECT_TRUE(absl::StrContains(one.status().message(), "could not prove")) << one.status();
+  ASSERT_EQ(hello_bytes.size(), 32u);
+  EXPECT_FALSE(absl::StrContains(hello_bytes, key.substr(0, 8))) << "the key went on the wire";
+}
+
+TEST(RecordLinksHandshakeTest, ACancelFdEndsAWaitForAPeerAtOnce) {
+  store::MemoryStore store;
+  const int cancel = sock::NewCancelFd();
+  ASSERT_GE(cancel, 0);
+  RecordLinks::Spec spec = SpecOf(&store, 0, 2);
+  spec.cancel_fd = cancel;
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    sock::Signal(cancel);
+  });
+  auto l = RecordLinks::Connect(spec, absl::Now() + absl::Seconds(30));
+  canceller.join();
+  ::close(cancel);
+  ASSERT_FALSE(l.ok());
+  // Not DEADLINE_EXCEEDED: the wait ended at the cancel, not at its deadline.
+  EXPECT_EQ(l.status().code(), absl::StatusCode::kCancelled) << l.status();
 }
 
 }  // namespace

@@ -3,8 +3,12 @@
 
 #include "daemon/backend/cpu/record_links.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/rand.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -13,6 +17,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <map>
 #include <cstdio>
 #include <cstring>
 #include <new>
@@ -21,16 +26,30 @@
 #include "absl/strings/str_split.h"
 #include "common/random_hex.h"
 #include "common/unique_fd.h"
+#include "daemon/backend/cpu/socket.h"
 
 namespace gradsync::backend::cpu {
 namespace {
 
-constexpr uint64_t kHelloMagic = 0x67736c696e6b3031;  // "gslink01"
+// Handshake (the connector is the later node): Hello, then the listener's Challenge, then the
+// connector's Proof. Each side proves it holds the listener's key (published in the job's store,
+// which only holders of the cluster token can read) by an HMAC-SHA256 over both nonces; the key
+// never travels, and a fresh nonce on each side makes a recorded handshake worthless.
+constexpr uint64_t kHelloMagic = 0x67736c696e6b3032;      // "gslink02"
+constexpr uint64_t kChallengeMagic = 0x67736368616c3032;  // "gschal02"
 constexpr size_t kKeyBytes = 16;
-// A connection to our port that sends no hello gets this long (or up to the deadline).
-constexpr absl::Duration kHelloWait = absl::Seconds(5);
-// Connections whose hello is awaited at once; more are closed at once.
-constexpr size_t kMaxPendingHellos = 64;
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kMacBytes = 32;  // HMAC-SHA256
+// A connection to our port gets this long to complete its handshake (or up to the deadline).
+constexpr absl::Duration kHandshakeWait = absl::Seconds(2);
+// Handshakes in progress at once (the oldest is dropped for a new one), and from one source
+// address: strangers cannot hold the slots a peer needs.
+constexpr size_t kMaxPendingHandshakes = 64;
+constexpr size_t kMaxPendingPerSource = 8;
+// A connector whose handshake failed (dropped, refused) tries again after this, to its deadline.
+constexpr absl::Duration kRetryPause = absl::Milliseconds(50);
+// Store waits for a peer's address are sliced so that a cancel is seen.
+constexpr absl::Duration kStoreSlice = absl::Milliseconds(200);
 // Reads take at least this much room, so a stream of small messages costs one recv each
 // batch of them, not one per message.
 constexpr size_t kReadChunk = 256 << 10;
@@ -46,44 +65,51 @@ struct Hello {
   uint64_t magic;
   uint32_t from;
   uint32_t to;
-  char key[2 * kKeyBytes];
+  unsigned char nonce[kNonceBytes];
 };
-static_assert(sizeof(Hello) == 48);
+static_assert(sizeof(Hello) == 32);
+struct Challenge {
+  uint64_t magic;
+  unsigned char nonce[kNonceBytes];
+  unsigned char mac[kMacBytes];
+};
+static_assert(sizeof(Challenge) == 56);
+struct Proof {
+  unsigned char mac[kMacBytes];
+};
 
-// Compares the key without an early exit on the first differing byte.
-bool SameKey(const char* got, const std::string& key) {
-  unsigned char diff = 0;
-  for (size_t i = 0; i < 2 * kKeyBytes; ++i) {
-    diff |= static_cast<unsigned char>(got[i] ^ key[i]);
+enum class Role : unsigned char { kListener = 'L', kConnector = 'C' };
+
+// HMAC-SHA256 under `key` of (role, from, to, the connector's nonce, the listener's nonce).
+absl::Status Mac(const std::string& key, Role role, const Hello& hello,
+                 const unsigned char* listener_nonce, unsigned char* out) {
+  unsigned char data[1 + 8 + 2 * kNonceBytes];
+  data[0] = static_cast<unsigned char>(role);
+  std::memcpy(data + 1, &hello.from, 4);
+  std::memcpy(data + 5, &hello.to, 4);
+  std::memcpy(data + 9, hello.nonce, kNonceBytes);
+  std::memcpy(data + 9 + kNonceBytes, listener_nonce, kNonceBytes);
+  size_t len = 0;
+  if (::EVP_Q_mac(nullptr, "HMAC", nullptr, "SHA256", nullptr, key.data(), key.size(), data,
+                  sizeof(data), out, kMacBytes, &len) == nullptr ||
+      len != kMacBytes) {
+    return absl::InternalError("HMAC-SHA256 failed (OpenSSL)");
   }
-  return diff == 0;
+  return absl::OkStatus();
 }
 
-std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
-
-// Time left until `deadline`, for ppoll (never negative).
-timespec Left(absl::Time deadline) {
-  const absl::Duration left = std::max(absl::ZeroDuration(), deadline - absl::Now());
-  return absl::ToTimespec(std::min(left, absl::Hours(24)));
-}
-
-// Waits for `events` on fd until `deadline`. Returns false on timeout.
-absl::StatusOr<bool> WaitFor(int fd, short events, absl::Time deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    const timespec t = Left(deadline);
-    const int rv = ::ppoll(&p, 1, &t, nullptr);
-    if (rv > 0) return true;
-    if (rv == 0) return false;
-    if (errno != EINTR) return absl::UnavailableError(Errno("poll"));
+absl::Status Nonce(unsigned char* out) {
+  if (::RAND_bytes(out, kNonceBytes) != 1) {
+    return absl::InternalError("no random bytes (OpenSSL RAND_bytes)");
   }
+  return absl::OkStatus();
 }
 
 // A link's send buffer, where the system allows it (net.core.wmem_max). The kernel's own
 // sizing grows the buffer from 16 KiB as the connection's window grows; two nodes sending each
 // other a stage of records at once then waited on each other's reads, for 30-50 ms in about one
-// batch of ten (README, "Our own collectives over the record links"). Where wmem_max is lower,
-// setting it would cap the buffer below what the kernel's own sizing reaches: left alone.
+// batch of ten (bench/README.md). Where wmem_max is lower, setting it would cap the buffer below
+// what the kernel's own sizing reaches: left alone.
 constexpr int kSendBufferBytes = 4 << 20;
 
 bool MaySetSendBuffer() {
@@ -99,13 +125,12 @@ bool MaySetSendBuffer() {
   return may;
 }
 
-void SetLinkOptions(int fd) {
-  int on = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
-  if (MaySetSendBuffer()) {
-    int bytes = kSendBufferBytes;
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+absl::Status SetLinkOptions(int fd) {
+  if (absl::Status s = sock::SetInt(fd, IPPROTO_TCP, TCP_NODELAY, 1, "TCP_NODELAY"); !s.ok()) {
+    return s;
   }
+  if (MaySetSendBuffer()) return sock::SetInt(fd, SOL_SOCKET, SO_SNDBUF, kSendBufferBytes, "SO_SNDBUF");
+  return absl::OkStatus();
 }
 
 // "host:port" or "[v6]:port" -> host.
@@ -129,23 +154,74 @@ absl::StatusOr<addrinfo*> Resolve(const std::string& host, const std::string& po
   return out;
 }
 
-// Sends all of `bytes` on a fresh connection (a hello: it fits the socket's buffer).
-absl::Status SendAll(int fd, const void* bytes, size_t n, absl::Time deadline) {
-  const char* p = static_cast<const char*>(bytes);
-  while (n > 0) {
-    const ssize_t rv = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (rv > 0) {
-      p += rv;
-      n -= static_cast<size_t>(rv);
-      continue;
-    }
-    if (rv < 0 && errno == EINTR) continue;
-    if (rv < 0 && errno != EAGAIN) return absl::UnavailableError(Errno("send"));
-    absl::StatusOr<bool> ready = WaitFor(fd, POLLOUT, deadline);
-    if (!ready.ok()) return ready.status();
-    if (!*ready) return absl::DeadlineExceededError("send timed out");
+// The address part of a peer's socket address (per-source limits).
+std::string SourceOf(const sockaddr_storage& addr) {
+  char text[INET6_ADDRSTRLEN] = "?";
+  if (addr.ss_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&addr)->sin_addr, text,
+                sizeof(text));
+  } else if (addr.ss_family == AF_INET6) {
+    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&addr)->sin6_addr, text,
+                sizeof(text));
   }
-  return absl::OkStatus();
+  return text;
+}
+
+// One handshake with the listener at `host port` holding `key`, as node `me` to node `to`:
+// the connected socket, or why not.
+absl::StatusOr<UniqueFd> Handshake(const std::string& host, const std::string& port,
+                                   const std::string& key, int me, int to, absl::Time deadline,
+                                   int cancel_fd) {
+  absl::StatusOr<addrinfo*> remote = Resolve(host, port);
+  if (!remote.ok()) return remote.status();
+  UniqueFd fd(::socket((*remote)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  int connect_errno = 0;
+  int rv = -1;
+  if (fd.get() >= 0) {
+    do {
+      rv = ::connect(fd.get(), (*remote)->ai_addr, (*remote)->ai_addrlen);
+    } while (rv != 0 && errno == EINTR);
+    connect_errno = errno;
+  } else {
+    connect_errno = errno;
+  }
+  ::freeaddrinfo(*remote);
+  if (fd.get() < 0) return sock::Error("socket", connect_errno);
+  if (rv != 0 && connect_errno != EINPROGRESS) return sock::Error("connect", connect_errno);
+  if (rv != 0) {
+    absl::StatusOr<bool> ready = sock::WaitFor(fd.get(), POLLOUT, deadline, cancel_fd);
+    if (!ready.ok()) return ready.status();
+    if (!*ready) return absl::DeadlineExceededError("connect timed out");
+    if (absl::Status s = sock::ConnectOutcome(fd.get()); !s.ok()) return s;
+  }
+  if (absl::Status s = SetLinkOptions(fd.get()); !s.ok()) return s;
+  Hello hello{kHelloMagic, static_cast<uint32_t>(me), static_cast<uint32_t>(to), {}};
+  if (absl::Status s = Nonce(hello.nonce); !s.ok()) return s;
+  const absl::Time until = std::min(deadline, absl::Now() + kHandshakeWait);
+  if (absl::Status s = sock::SendAll(fd.get(), &hello, sizeof(hello), until, cancel_fd); !s.ok()) {
+    return s;
+  }
+  Challenge challenge{};
+  if (absl::Status s = sock::RecvAll(fd.get(), &challenge, sizeof(challenge), until, cancel_fd);
+      !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("no challenge: ", s.message()));
+  }
+  unsigned char expected[kMacBytes];
+  if (absl::Status s = Mac(key, Role::kListener, hello, challenge.nonce, expected); !s.ok()) {
+    return s;
+  }
+  if (challenge.magic != kChallengeMagic || ::CRYPTO_memcmp(expected, challenge.mac, kMacBytes) != 0) {
+    return absl::UnauthenticatedError(
+        "the listener could not prove it holds the key published in the job's store");
+  }
+  Proof proof{};
+  if (absl::Status s = Mac(key, Role::kConnector, hello, challenge.nonce, proof.mac); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = sock::SendAll(fd.get(), &proof, sizeof(proof), until, cancel_fd); !s.ok()) {
+    return s;
+  }
+  return fd;
 }
 
 // Receive buffers, 64-byte aligned (see kFrameHeader).
@@ -212,18 +288,18 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
       ::socket((*local)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   absl::Status listened = absl::OkStatus();
   if (listener.get() < 0) {
-    listened = absl::UnavailableError(Errno("socket"));
+    listened = sock::Error("socket", errno);
   } else if (::bind(listener.get(), (*local)->ai_addr, (*local)->ai_addrlen) != 0) {
-    listened = absl::UnavailableError(Errno(absl::StrCat("bind ", host).c_str()));
+    listened = sock::Error(absl::StrCat("bind ", host), errno);
   } else if (::listen(listener.get(), 128) != 0) {
-    listened = absl::UnavailableError(Errno("listen"));
+    listened = sock::Error("listen", errno);
   }
   ::freeaddrinfo(*local);
   if (!listened.ok()) return listened;
   sockaddr_storage addr{};
   socklen_t addr_len = sizeof(addr);
   if (::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &addr_len) != 0) {
-    return absl::UnavailableError(Errno("getsockname"));
+    return sock::Error("getsockname", errno);
   }
   const int port =
       ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
@@ -236,10 +312,21 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
     return st;
   }
 
-  // Connect to every earlier node, presenting its key.
+  // Connect to every earlier node, proving we hold its key and checking that it does.
   for (int i = 0; i < me; ++i) {
-    absl::StatusOr<std::vector<std::string>> values =
-        s.store->WaitBlocking(s.job, {absl::StrCat(s.prefix, i)}, deadline);
+    absl::StatusOr<std::vector<std::string>> values;
+    for (;;) {  // sliced, so that a cancel is seen
+      if (absl::StatusOr<bool> cancelled = sock::WaitFor(s.cancel_fd, POLLIN, absl::Now());
+          !cancelled.ok() || *cancelled) {
+        return absl::CancelledError(absl::StrCat("record link to ", links->Name(i), ": cancelled"));
+      }
+      values = s.store->WaitBlocking(s.job, {absl::StrCat(s.prefix, i)},
+                                     std::min(deadline, absl::Now() + kStoreSlice));
+      if (values.ok() || values.status().code() != absl::StatusCode::kDeadlineExceeded ||
+          absl::Now() >= deadline) {
+        break;
+      }
+    }
     if (!values.ok()) {
       return absl::Status(values.status().code(),
                           absl::StrCat("record link to ", links->Name(i),
@@ -250,48 +337,54 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
       return absl::InternalError(
           absl::StrCat("record link to ", links->Name(i), ": malformed address ", values->front()));
     }
-    absl::StatusOr<addrinfo*> remote = Resolve(parts[0], parts[1]);
-    if (!remote.ok()) return remote.status();
-    links->peers_[i].fd =
-        UniqueFd(::socket((*remote)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    const int fd = links->peers_[i].fd.get();
-    int rv = fd < 0 ? -1 : ::connect(fd, (*remote)->ai_addr, (*remote)->ai_addrlen);
-    const int connect_errno = errno;
-    ::freeaddrinfo(*remote);
-    if (fd < 0 || (rv != 0 && connect_errno != EINPROGRESS)) {
-      errno = connect_errno;
-      return links->Fail(i, absl::UnavailableError(Errno("connect")));
-    }
-    if (rv != 0) {
-      absl::StatusOr<bool> ready = WaitFor(fd, POLLOUT, deadline);
-      if (!ready.ok()) return links->Fail(i, ready.status());
-      if (!*ready) return links->Fail(i, absl::DeadlineExceededError("connect timed out"));
-      int err = 0;
-      socklen_t len = sizeof(err);
-      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-      if (err != 0) {
-        errno = err;
-        return links->Fail(i, absl::UnavailableError(Errno("connect")));
+    // A handshake can fail for reasons that pass (our connection dropped among a stranger's
+    // flood, a stranger on a reused port): tried again until the deadline, the last reason kept.
+    absl::Status last;
+    for (int attempt = 0;; ++attempt) {
+      absl::StatusOr<UniqueFd> fd =
+          Handshake(parts[0], parts[1], parts[2], me, i, deadline, s.cancel_fd);
+      if (fd.ok()) {
+        links->peers_[i].fd = *std::move(fd);
+        break;
       }
-    }
-    SetLinkOptions(fd);
-    Hello hello{kHelloMagic, static_cast<uint32_t>(me), static_cast<uint32_t>(i), {}};
-    std::memcpy(hello.key, parts[2].data(), sizeof(hello.key));
-    if (absl::Status st = SendAll(fd, &hello, sizeof(hello), deadline); !st.ok()) {
-      return links->Fail(i, st);
+      last = fd.status();
+      if (last.code() == absl::StatusCode::kCancelled || last.code() == absl::StatusCode::kInternal ||
+          absl::Now() + kRetryPause >= deadline) {
+        const absl::StatusCode code = last.code() == absl::StatusCode::kUnauthenticated ||
+                                              last.code() == absl::StatusCode::kUnavailable
+                                          ? absl::StatusCode::kUnavailable
+                                          : last.code();
+        return links->Fail(i, absl::Status(code, absl::StrCat("after ", attempt + 1,
+                                                              " attempt(s): ", last.message())));
+      }
+      // A pause (poll ignores a cancel fd of -1), or a cancel.
+      absl::StatusOr<bool> cancelled =
+          sock::WaitFor(s.cancel_fd, POLLIN, absl::Now() + kRetryPause);
+      if (!cancelled.ok() || *cancelled) return links->Fail(i, absl::CancelledError("cancelled"));
     }
   }
 
-  // Accept every later node. Hellos are read side by side, each by its own short deadline, so a
-  // connection that sends nothing (or not the key) delays no one; it is closed and does not
-  // count.
+  // Accept every later node. Handshakes run side by side, each by its own short deadline, so a
+  // connection that sends nothing (or not the proof) delays no one; it is closed and does not
+  // count. Past kMaxPendingPerSource from one address, or kMaxPendingHandshakes in all, the
+  // oldest is dropped for the newcomer.
   struct Pending {
     UniqueFd fd;
     absl::Time until;
-    Hello hello;
-    size_t got;
+    std::string source;
+    bool challenged = false;  // the hello came and the challenge went: awaiting the proof
+    Hello hello{};
+    unsigned char nonce[kNonceBytes] = {};
+    unsigned char buf[sizeof(Hello)] = {};
+    size_t got = 0;
   };
-  std::vector<Pending> pending;  // closed when this returns
+  std::vector<Pending> pending;  // oldest first; closed when this returns
+  std::map<std::string, size_t> per_source;
+  auto drop_source = [&](const std::string& source) {
+    if (auto it = per_source.find(source); it != per_source.end() && --it->second == 0) {
+      per_source.erase(it);
+    }
+  };
   int missing = n - me - 1;
   while (missing > 0) {
     const absl::Time now = absl::Now();
@@ -310,50 +403,105 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
       fds.push_back({c.fd.get(), POLLIN, 0});
       wake = std::min(wake, c.until);
     }
-    const timespec t = Left(wake);
-    if (::ppoll(fds.data(), fds.size(), &t, nullptr) < 0 && errno != EINTR) {
-      return absl::UnavailableError(Errno("poll"));
+    absl::StatusOr<int> polled = sock::Poll(absl::MakeSpan(fds), wake, s.cancel_fd);
+    if (!polled.ok()) {
+      return absl::Status(polled.status().code(),
+                          absl::StrCat("record links: accepting: ", polled.status().message()));
     }
-    // Hellos first (their indices match fds[1...]), then new connections.
+    // Handshakes first (their indices match fds[1...]), then new connections.
     std::vector<Pending> still;
     for (size_t k = 0; k < pending.size(); ++k) {
       Pending& c = pending[k];
       bool drop = absl::Now() >= c.until || (fds[k + 1].revents & (POLLERR | POLLNVAL)) != 0;
+      const size_t want = c.challenged ? sizeof(Proof) : sizeof(Hello);
       if (!drop && (fds[k + 1].revents & (POLLIN | POLLHUP)) != 0) {
-        const ssize_t rv = ::recv(c.fd.get(), reinterpret_cast<char*>(&c.hello) + c.got,
-                                  sizeof(c.hello) - c.got, MSG_DONTWAIT);
-        if (rv > 0) c.got += static_cast<size_t>(rv);
-        drop = rv == 0 || (rv < 0 && errno != EAGAIN && errno != EINTR);
+        absl::StatusOr<sock::Io> io = sock::Recv(c.fd.get(), c.buf + c.got, want - c.got);
+        drop = !io.ok() || io->closed;
+        if (io.ok()) c.got += io->bytes;
       }
-      if (!drop && c.got == sizeof(c.hello)) {
+      if (!drop && c.got == want && !c.challenged) {
+        std::memcpy(&c.hello, c.buf, sizeof(Hello));
         const int from = static_cast<int>(c.hello.from);
-        if (c.hello.magic == kHelloMagic && static_cast<int>(c.hello.to) == me && from > me &&
-            from < n && links->peers_[from].fd.get() < 0 && SameKey(c.hello.key, *key)) {
-          SetLinkOptions(c.fd.get());
+        drop = c.hello.magic != kHelloMagic || static_cast<int>(c.hello.to) != me || from <= me ||
+               from >= n || links->peers_[from].fd.get() >= 0;
+        Challenge challenge{kChallengeMagic, {}, {}};
+        if (!drop) {
+          drop = !Nonce(c.nonce).ok() ||
+                 !Mac(*key, Role::kListener, c.hello, c.nonce, challenge.mac).ok();
+        }
+        if (!drop) {
+          std::memcpy(challenge.nonce, c.nonce, kNonceBytes);
+          // 56 bytes into a fresh connection's empty send buffer: never waits.
+          drop = !sock::SendAll(c.fd.get(), &challenge, sizeof(challenge), absl::Now()).ok();
+        }
+        c.challenged = true;
+        c.got = 0;
+      } else if (!drop && c.got == want && c.challenged) {
+        unsigned char expected[kMacBytes];
+        const int from = static_cast<int>(c.hello.from);
+        if (Mac(*key, Role::kConnector, c.hello, c.nonce, expected).ok() &&
+            ::CRYPTO_memcmp(expected, c.buf, kMacBytes) == 0 && links->peers_[from].fd.get() < 0) {
+          if (absl::Status st = SetLinkOptions(c.fd.get()); !st.ok()) {
+            return links->Fail(from, st);
+          }
           links->peers_[from].fd = std::move(c.fd);
+          drop_source(c.source);
           --missing;
           continue;
         }
         drop = true;  // not our peer
       }
-      if (!drop) still.push_back(std::move(c));  // a dropped one closes here
+      if (drop) {
+        drop_source(c.source);
+      } else {
+        still.push_back(std::move(c));
+      }
     }
     pending = std::move(still);
     if ((fds[0].revents & POLLIN) != 0) {
-      UniqueFd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      sockaddr_storage from{};
+      socklen_t from_len = sizeof(from);
+      UniqueFd fd;
+      for (;;) {
+        fd = UniqueFd(::accept4(listener.get(), reinterpret_cast<sockaddr*>(&from), &from_len,
+                                SOCK_CLOEXEC | SOCK_NONBLOCK));
+        if (fd.get() >= 0 || errno != EINTR) break;
+      }
       if (fd.get() >= 0) {
-        // Past kMaxPendingHellos (a flood) a new connection closes at once: strangers cannot
-        // pile up.
-        if (pending.size() < kMaxPendingHellos) {
-          pending.push_back(
-              {std::move(fd), std::min(deadline, absl::Now() + kHelloWait), Hello{}, 0});
+        std::string source = SourceOf(from);
+        // Room for the newcomer: the oldest handshake of its source past that source's share,
+        // else the oldest of all past the total (a peer's handshake is one round trip, so only
+        // a stranger's slot is taken for long).
+        auto oldest = pending.end();
+        if (per_source[source] >= kMaxPendingPerSource) {
+          oldest = std::find_if(pending.begin(), pending.end(),
+                                [&](const Pending& c) { return c.source == source; });
+        } else if (pending.size() >= kMaxPendingHandshakes) {
+          oldest = pending.begin();
         }
-      } else if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED && errno != EPROTO) {
-        return absl::UnavailableError(Errno("accept"));
+        if (oldest != pending.end()) {
+          drop_source(oldest->source);
+          pending.erase(oldest);
+        }
+        ++per_source[source];
+        Pending c;
+        c.fd = std::move(fd);
+        c.until = std::min(deadline, absl::Now() + kHandshakeWait);
+        c.source = std::move(source);
+        pending.push_back(std::move(c));
+      } else if (errno != EAGAIN && errno != ECONNABORTED && errno != EPROTO && errno != EMFILE &&
+                 errno != ENFILE && errno != ENOBUFS && errno != ENOMEM) {
+        return sock::Error("accept", errno);
       }
     }
   }
   return links;
+}
+
+void RecordLinks::Drop(int node, absl::Status status) {
+  Peer& p = peers_[node];
+  Fail(node, std::move(status)).IgnoreError();
+  if (p.fd.get() >= 0) ::shutdown(p.fd.get(), SHUT_RDWR);  // the peer sees its end at once
 }
 
 size_t RecordLinks::BufferedFrom(int node) const {
@@ -398,19 +546,15 @@ absl::Status RecordLinks::ReadAvailable(int node) {
       p.tail = live;
     }
     const size_t room = p.capacity - p.tail;
-    const ssize_t rv = ::recv(p.fd.get(), p.rx.get() + p.tail, room, MSG_DONTWAIT);
-    if (rv > 0) {
-      p.tail += static_cast<size_t>(rv);
-      if (static_cast<size_t>(rv) < room) return absl::OkStatus();  // drained
-      continue;
-    }
-    if (rv == 0) {
+    absl::StatusOr<sock::Io> io = sock::Recv(p.fd.get(), p.rx.get() + p.tail, room);
+    if (!io.ok()) return Fail(node, io.status());
+    if (io->closed) {
       p.closed = true;
       return absl::OkStatus();
     }
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN) return absl::OkStatus();
-    return Fail(node, absl::UnavailableError(Errno("recv")));
+    if (io->would_block) return absl::OkStatus();
+    p.tail += io->bytes;
+    if (io->bytes < room) return absl::OkStatus();  // drained
   }
   return absl::OkStatus();
 }
@@ -459,17 +603,10 @@ absl::Status RecordLinks::SendTo(int to, absl::Span<const absl::Span<const std::
         iov[used++] = {static_cast<char*>(whole[k].iov_base) + skip, whole[k].iov_len - skip};
         skip = 0;
       }
-      msghdr msg{};
-      msg.msg_iov = iov;
-      msg.msg_iovlen = used;
-      const ssize_t rv = ::sendmsg(peers_[i].fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (rv > 0) {
-        sent[i] += static_cast<size_t>(rv);
-        continue;
-      }
-      if (rv < 0 && errno == EINTR) continue;
-      if (rv < 0 && errno == EAGAIN) return absl::OkStatus();
-      return Fail(i, absl::UnavailableError(Errno("send")));
+      absl::StatusOr<sock::Io> io = sock::Send(peers_[i].fd.get(), iov, used);
+      if (!io.ok()) return Fail(i, io.status());
+      if (io->would_block) return absl::OkStatus();
+      sent[i] += io->bytes;
     }
     return absl::OkStatus();
   };
@@ -505,10 +642,11 @@ absl::Status RecordLinks::SendTo(int to, absl::Span<const absl::Span<const std::
         }
       }
     }
-    const timespec t = Left(deadline);
-    const int rv = ::ppoll(fds.data(), fds.size(), &t, nullptr);
-    if (rv < 0 && errno == EINTR) continue;
-    if (rv < 0) return absl::UnavailableError(Errno("poll"));
+    if (absl::StatusOr<int> polled = sock::Poll(absl::MakeSpan(fds), deadline, spec_.cancel_fd);
+        !polled.ok()) {
+      return absl::Status(polled.status().code(),
+                          absl::StrCat("record links: sending: ", polled.status().message()));
+    }
     for (size_t k = 0; k < fds.size(); ++k) {
       const int i = node_of[k];
       if ((fds[k].revents & POLLNVAL) != 0) {
@@ -557,7 +695,10 @@ absl::StatusOr<absl::Span<const std::byte>> RecordLinks::Receive(int node, absl:
                   absl::UnavailableError(absl::StrCat(
                       "the peer closed its end", have > 0 ? " in the middle of a message" : "")));
     }
-    absl::StatusOr<bool> ready = WaitFor(p.fd.get(), POLLIN, deadline);
+    absl::StatusOr<bool> ready = sock::WaitFor(p.fd.get(), POLLIN, deadline, spec_.cancel_fd);
+    if (!ready.ok() && ready.status().code() == absl::StatusCode::kCancelled) {
+      return absl::CancelledError(absl::StrCat("record link to ", Name(node), ": cancelled"));
+    }
     if (!ready.ok()) return Fail(node, ready.status());
     if (!*ready) {
       return absl::DeadlineExceededError(

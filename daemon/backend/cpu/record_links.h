@@ -27,11 +27,15 @@ namespace gradsync::backend::cpu {
 ///
 /// Connecting: every node listens on an ephemeral port of its address and publishes
 /// "host port key" in the job's store under `prefix` (the key: 128 random bits); the node
-/// later in `nodes` connects to the earlier one and sends its index and the earlier node's key
-/// first. A connection that does not present the key within a few seconds is closed and the
-/// node keeps waiting for its peer (hellos are read side by side: a silent connection delays no
-/// one), so a host that cannot read the job's store (which the cluster token protects) cannot
-/// take a peer's place. (The records themselves are not encrypted.)
+/// later in `nodes` connects to the earlier one. Both prove they hold the earlier node's key
+/// without sending it: the connector sends a nonce, the listener answers with its own nonce and
+/// an HMAC-SHA256 under the key over both, the connector checks it and answers with its own
+/// HMAC (socket.h does the I/O). A passive observer learns nothing that lets it join, and a
+/// host that cannot read the job's store (the cluster token protects it) cannot take a peer's
+/// place. Handshakes run side by side with a short deadline each; past a few per source address
+/// (or the total limit) the oldest is dropped for the newcomer, and a connector whose
+/// handshake failed tries again until its deadline: silent or garbage connections cannot keep
+/// a peer out. (The records themselves are not encrypted.)
 ///
 /// Sending never waits on a peer that is itself sending: while a peer's socket is full, Send
 /// reads whatever any peer sent into that peer's receive buffer, so two nodes sending each
@@ -39,7 +43,8 @@ namespace gradsync::backend::cpu {
 /// at most its stage; it shrinks back once drained).
 ///
 /// Not thread-safe: one thread (the group's) calls it. Failures are statuses naming the peer:
-/// UNAVAILABLE for a closed or broken connection, DEADLINE_EXCEEDED when the deadline passed.
+/// UNAVAILABLE for a closed or broken connection, DEADLINE_EXCEEDED when the deadline passed,
+/// CANCELLED when Spec::cancel_fd fired.
 class RecordLinks {
  public:
   struct Spec {
@@ -49,6 +54,9 @@ class RecordLinks {
     std::vector<std::string> nodes;      // the group's nodes ("host:port"), sorted
     int me = -1;                         // this node's index in `nodes`
     size_t max_message_bytes = 1 << 20;  // a longer incoming message fails the link
+    // An eventfd (or -1): once readable, every wait here (connecting included) returns
+    // CANCELLED at once; the links stay as they were (the owner decides what follows).
+    int cancel_fd = -1;
   };
 
   /// Connects to every other node of the group, by `deadline`.
@@ -81,6 +89,10 @@ class RecordLinks {
   int nodes() const { return static_cast<int>(spec_.nodes.size()); }
   int me() const { return spec_.me; }
   const std::string& node(int i) const { return spec_.nodes[i]; }
+
+  /// Fails the link to `node` with `status` for good and shuts its connection down (the peer
+  /// sees its end at once); what was received from it before stays readable.
+  void Drop(int node, absl::Status status);
 
   /// Bytes received from `node` and not yet returned by Receive (for tests).
   size_t BufferedFrom(int node) const;

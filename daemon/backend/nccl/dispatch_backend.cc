@@ -4,6 +4,8 @@
 
 #include <utility>
 
+#include "absl/synchronization/mutex.h"
+
 namespace gradsync::backend::nccl {
 namespace {
 
@@ -11,6 +13,19 @@ class DispatchCommunicator final : public core::Communicator {
  public:
   DispatchCommunicator(core::CommunicatorSpec spec, core::Backend* cpu, core::Backend* gpu)
       : spec_(std::move(spec)), cpu_backend_(cpu), gpu_backend_(gpu) {}
+
+  // Forwarded to the planes' communicators made so far, and to those made later.
+  void Abort(const absl::Status& status) override {
+    std::shared_ptr<core::Communicator> cpu, gpu;
+    {
+      absl::MutexLock lock(&mu_);
+      if (aborted_.ok()) aborted_ = status;
+      cpu = cpu_;
+      gpu = gpu_;
+    }
+    if (cpu) cpu->Abort(status);
+    if (gpu) gpu->Abort(status);
+  }
 
   absl::Status Run(const core::Collective& op) override {
     absl::StatusOr<core::Communicator*> target = Target(op.plane);
@@ -43,21 +58,34 @@ class DispatchCommunicator final : public core::Communicator {
   // plane (for a failed op: the one the group's other nodes run it on).
   absl::StatusOr<core::Communicator*> Target(core::Plane plane) {
     const bool device = plane == core::Plane::kDevice;
-    std::shared_ptr<core::Communicator>& target = device ? gpu_ : cpu_;
-    if (!target) {
-      absl::StatusOr<std::shared_ptr<core::Communicator>> made =
-          (device ? gpu_backend_ : cpu_backend_)->CreateCommunicator(spec_);
-      if (!made.ok()) return made.status();
-      target = *std::move(made);
+    {
+      absl::MutexLock lock(&mu_);
+      if (const std::shared_ptr<core::Communicator>& made = device ? gpu_ : cpu_) {
+        return made.get();
+      }
     }
-    return target.get();
+    // Made outside the lock (it may take long); only this thread makes them.
+    absl::StatusOr<std::shared_ptr<core::Communicator>> made =
+        (device ? gpu_backend_ : cpu_backend_)->CreateCommunicator(spec_);
+    if (!made.ok()) return made.status();
+    absl::Status aborted;
+    {
+      absl::MutexLock lock(&mu_);
+      (device ? gpu_ : cpu_) = *made;
+      aborted = aborted_;
+    }
+    if (!aborted.ok()) (*made)->Abort(aborted);
+    return made->get();
   }
 
   const core::CommunicatorSpec spec_;
   core::Backend* const cpu_backend_;
   core::Backend* const gpu_backend_;
-  // A group's ops run one at a time (Communicator contract): no lock needed.
-  std::shared_ptr<core::Communicator> cpu_, gpu_;
+  // A group's ops run one at a time (Communicator contract), so only the running op's thread
+  // makes these; the lock is for Abort, which comes from another thread.
+  absl::Mutex mu_;
+  std::shared_ptr<core::Communicator> cpu_ ABSL_GUARDED_BY(mu_), gpu_ ABSL_GUARDED_BY(mu_);
+  absl::Status aborted_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

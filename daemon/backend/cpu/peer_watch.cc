@@ -1,0 +1,282 @@
+// Implementation of peer_watch.h.
+
+#include "daemon/backend/cpu/peer_watch.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "common/unique_fd.h"
+#include "daemon/backend/cpu/record_links.h"
+#include "daemon/backend/cpu/socket.h"
+
+namespace gradsync::backend::cpu {
+namespace {
+
+auto Log() { return logging::Logger("watch"); }
+
+constexpr char kBeat[8] = {'g', 's', 'b', 'e', 'a', 't', '0', '1'};
+constexpr char kBye[8] = {'g', 's', 'b', 'y', 'e', '0', '0', '1'};
+// The longest the thread sleeps between passes (it also wakes for each heartbeat due).
+constexpr absl::Duration kTick = absl::Milliseconds(50);
+// A heartbeat or goodbye that the peer's socket cannot take within this is left (a peer that
+// reads nothing is found silent anyway).
+constexpr absl::Duration kSendWait = absl::Milliseconds(10);
+// Messages read from one peer in one pass, at most.
+constexpr int kMaxReadsPerPass = 64;
+
+using State = core::PeerState::State;
+
+absl::Span<const std::byte> Bytes(const char (&message)[8]) {
+  return absl::MakeConstSpan(reinterpret_cast<const std::byte*>(message), sizeof(message));
+}
+
+// The metrics' cause of a failed link's status.
+std::string CauseOf(const absl::Status& status) {
+  const absl::string_view m = status.message();
+  if (absl::StrContains(m, "closed")) return "closed";
+  if (absl::StrContains(m, "reset")) return "reset";
+  if (absl::StrContains(m, "unreachable") || absl::StrContains(m, "No route") ||
+      absl::StrContains(m, "timed out") || absl::StrContains(m, "refused")) {
+    return "unreachable";
+  }
+  return "error";
+}
+
+}  // namespace
+
+// Fields below `nodes` are guarded by the watch's mu_; `links` is used by the watch's thread
+// only, once `connected` was seen under mu_ (the connecting thread sets it before).
+struct LinkPeerWatch::Entry {
+  std::string job;
+  int me = -1;
+  std::vector<std::string> nodes;
+  LostCallback on_lost;
+  UniqueFd cancel;
+  std::thread connecting;
+
+  std::vector<State> state;
+  std::vector<absl::Time> heard;
+  std::vector<std::string> cause;
+  bool connected = false;
+  bool connect_failed = false;
+  absl::Status connect_error;
+  std::unique_ptr<RecordLinks> links;
+  absl::Time last_sent = absl::InfinitePast();
+};
+
+LinkPeerWatch::LinkPeerWatch(Options options) : options_(options) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+LinkPeerWatch::~LinkPeerWatch() {
+  std::map<std::string, std::shared_ptr<Entry>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    jobs.swap(jobs_);
+  }
+  thread_.join();
+  for (auto& [job, entry] : jobs) {
+    sock::Signal(entry->cancel.get());
+    if (entry->connecting.joinable()) entry->connecting.join();
+  }
+}
+
+void LinkPeerWatch::Watch(const std::string& job, const std::string& run,
+                          std::vector<std::string> nodes, int me, gradsync::Store* store,
+                          LostCallback on_lost) {
+  Unwatch(job);
+  auto entry = std::make_shared<Entry>();
+  entry->job = job;
+  entry->me = me;
+  entry->nodes = std::move(nodes);
+  entry->on_lost = std::move(on_lost);
+  entry->cancel = UniqueFd(sock::NewCancelFd());
+  const size_t n = entry->nodes.size();
+  entry->state.assign(n, State::kConnecting);
+  entry->heard.assign(n, absl::InfinitePast());
+  entry->cause.assign(n, "");
+  RecordLinks::Spec spec;
+  spec.store = store;
+  spec.job = job;
+  spec.prefix = absl::StrCat("watch/", run, "/");
+  spec.nodes = entry->nodes;
+  spec.me = me;
+  spec.max_message_bytes = 4096;
+  spec.cancel_fd = entry->cancel.get();
+  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return;
+    jobs_[job] = entry;
+  }
+  Entry* e = entry.get();
+  entry->connecting = std::thread([this, e, spec = std::move(spec), deadline]() mutable {
+    absl::StatusOr<std::unique_ptr<RecordLinks>> links =
+        RecordLinks::Connect(std::move(spec), deadline);
+    absl::MutexLock lock(&mu_);
+    if (links.ok()) {
+      e->links = *std::move(links);
+      e->connected = true;
+      for (size_t i = 0; i < e->nodes.size(); ++i) {
+        e->state[i] = State::kAlive;
+        e->heard[i] = absl::Now();
+      }
+    } else if (links.status().code() != absl::StatusCode::kCancelled) {
+      e->connect_failed = true;
+      e->connect_error = links.status();
+    }
+  });
+  Log()->debug("watching job={} peers={}", job, n - 1);
+}
+
+void LinkPeerWatch::Unwatch(const std::string& job) {
+  std::shared_ptr<Entry> entry;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job);
+    if (it == jobs_.end()) return;
+    entry = std::move(it->second);
+    jobs_.erase(it);
+  }
+  sock::Signal(entry->cancel.get());
+  if (entry->connecting.joinable()) entry->connecting.join();
+  absl::MutexLock lock(&mu_);
+  if (entry->connected && !stop_) leaving_.push_back(std::move(entry));  // the thread says bye
+}
+
+std::vector<core::PeerState> LinkPeerWatch::Peers(const std::string& job) const {
+  std::vector<core::PeerState> out;
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return out;
+  const Entry& e = *it->second;
+  for (size_t i = 0; i < e.nodes.size(); ++i) {
+    if (static_cast<int>(i) == e.me) continue;
+    core::PeerState p;
+    p.node = e.nodes[i];
+    p.state = e.state[i];
+    p.last_heard = e.heard[i] == absl::InfinitePast() ? absl::InfiniteDuration() : now - e.heard[i];
+    p.cause = e.cause[i];
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+std::map<std::string, int64_t> LinkPeerWatch::LossCounts() const {
+  absl::MutexLock lock(&mu_);
+  return losses_;
+}
+
+void LinkPeerWatch::Run() {
+  for (;;) {
+    std::vector<std::shared_ptr<Entry>> entries, leaving;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), kTick);
+      if (stop_) return;
+      for (auto& [job, entry] : jobs_) entries.push_back(entry);
+      leaving.swap(leaving_);
+    }
+    for (auto& entry : leaving) {  // goodbyes: the peers' ops fail at once, as "left"
+      const absl::Span<const std::byte> bye[] = {Bytes(kBye)};
+      for (int i = 0; i < entry->links->nodes(); ++i) {
+        if (i == entry->me) continue;
+        entry->links->SendTo(i, bye, absl::Now() + kSendWait).IgnoreError();
+      }
+    }
+    leaving.clear();  // closes their links
+    std::vector<std::pair<LostCallback, std::pair<std::string, absl::Status>>> lost;
+    for (auto& entry : entries) Serve(*entry, lost);
+    for (auto& [callback, what] : lost) callback(what.first, what.second);
+  }
+}
+
+void LinkPeerWatch::Serve(
+    Entry& e, std::vector<std::pair<LostCallback, std::pair<std::string, absl::Status>>>& lost) {
+  const absl::Time now = absl::Now();
+  // Marks peer i lost (or left) with `why`; the callback runs after the pass.
+  auto lose = [&](int i, State state, const std::string& metric, const std::string& why)
+                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                    e.state[i] = state;
+                    e.cause[i] = why;
+                    if (state == State::kLost) ++losses_[metric];
+                    lost.push_back({e.on_lost, {e.nodes[i], absl::UnavailableError(why)}});
+                    if (state == State::kLost) {
+                      Log()->warn("peer lost job={} node={} cause={}", e.job, e.nodes[i], why);
+                    } else {
+                      Log()->info("peer left job={} node={}", e.job, e.nodes[i]);
+                    }
+                  };
+  {
+    absl::MutexLock lock(&mu_);
+    if (e.connect_failed) {
+      e.connect_failed = false;  // reported once
+      for (size_t i = 0; i < e.nodes.size(); ++i) {
+        if (static_cast<int>(i) != e.me && e.state[i] == State::kConnecting) {
+          lose(static_cast<int>(i), State::kLost, "unreachable",
+               absl::StrCat("lost: unreachable: ", e.connect_error.message()));
+        }
+      }
+      return;
+    }
+    if (!e.connected) return;
+  }
+  RecordLinks& links = *e.links;
+  const bool send = now - e.last_sent >= options_.interval;
+  if (send) e.last_sent = now;
+  for (int i = 0; i < links.nodes(); ++i) {
+    if (i == e.me) continue;
+    {
+      absl::MutexLock lock(&mu_);
+      if (e.state[i] != State::kAlive) continue;
+    }
+    absl::Status failed;
+    bool bye = false;
+    bool heard = false;
+    for (int k = 0; k < kMaxReadsPerPass; ++k) {
+      absl::StatusOr<absl::Span<const std::byte>> m = links.Receive(i, absl::InfinitePast());
+      if (!m.ok()) {
+        if (m.status().code() != absl::StatusCode::kDeadlineExceeded) failed = m.status();
+        break;
+      }
+      heard = true;
+      if (m->size() == sizeof(kBye) && std::memcmp(m->data(), kBye, sizeof(kBye)) == 0) {
+        bye = true;
+        break;
+      }
+    }
+    if (failed.ok() && !bye && send) {
+      const absl::Span<const std::byte> beat[] = {Bytes(kBeat)};
+      if (absl::Status s = links.SendTo(i, beat, absl::Now() + kSendWait);
+          !s.ok() && s.code() != absl::StatusCode::kDeadlineExceeded) {
+        failed = s;
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    if (heard) e.heard[i] = absl::Now();
+    if (bye) {
+      lose(i, State::kLeft, "", "left the job (its trainers there ended)");
+      links.Drop(i, absl::UnavailableError("left"));
+    } else if (!failed.ok()) {
+      const std::string cause = CauseOf(failed);
+      lose(i, State::kLost, cause,
+           cause == "closed"  ? "lost: the connection was closed (its daemon is gone)"
+           : cause == "reset" ? "lost: the connection was reset (its daemon is gone)"
+                              : absl::StrCat("lost: ", failed.message()));
+      links.Drop(i, failed);
+    } else if (absl::Now() - e.heard[i] > options_.timeout) {
+      lose(i, State::kLost, "silent",
+           absl::StrFormat("lost: no word for %.1f s (frozen, or the network between is cut)",
+                           absl::ToDoubleSeconds(absl::Now() - e.heard[i])));
+      links.Drop(i, absl::UnavailableError("silent"));
+    }
+  }
+}
+
+}  // namespace gradsync::backend::cpu

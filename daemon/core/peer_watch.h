@@ -1,0 +1,72 @@
+#pragma once
+
+// The core's seam to the liveness of the other daemons of a job spanning nodes
+// (docs/architecture.md section 4, Faults): implemented over links of its own
+// (backend/cpu/peer_watch.h), faked in tests.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "common/store.h"
+
+namespace gradsync::core {
+
+/// A peer daemon of a job as this node sees it.
+struct PeerState {
+  enum class State { kConnecting, kAlive, kLost, kLeft };
+  std::string node;  // "host:port"
+  State state = State::kConnecting;
+  absl::Duration last_heard = absl::InfiniteDuration();  // since its last word (never: infinite)
+  std::string cause;                                     // kLost, kLeft: why
+};
+
+/// Watches the other daemons of each job spanning nodes, independently of ops: a peer that is
+/// gone, frozen or unreachable is declared lost within the watch's timeout, whether or not an
+/// op is pending. Thread-safe.
+class PeerWatch {
+ public:
+  /// `node` lost; `cause` is UNAVAILABLE with a message saying why ("no word for 1.5 s",
+  /// "the connection was closed", ...). Runs on the watch's thread with none of its locks held,
+  /// once per peer and job; it may take the engine's locks but must not call back into the
+  /// watch.
+  using LostCallback = std::function<void(const std::string& node, const absl::Status& cause)>;
+
+  virtual ~PeerWatch() = default;
+  /// Starts watching the other members of `nodes` (this node is nodes[me]) for `job`'s run
+  /// `run`, rendezvousing through the job's `store` (which must outlive the watch of the job).
+  /// Returns at once; connecting happens in the background, bounded by the watch's own
+  /// deadline (a peer that never connects is lost as unreachable). A second Watch of a job
+  /// replaces the first.
+  virtual void Watch(const std::string& job, const std::string& run,
+                     std::vector<std::string> nodes, int me, gradsync::Store* store,
+                     LostCallback on_lost) = 0;
+  /// Stops watching `job` (its peers are told it left on purpose). No callback for it runs
+  /// after this returns.
+  virtual void Unwatch(const std::string& job) = 0;
+  /// The job's peers (empty when not watched).
+  virtual std::vector<PeerState> Peers(const std::string& job) const = 0;
+  /// Peers lost since start, by cause: "silent", "closed", "reset", "unreachable", "error".
+  virtual std::map<std::string, int64_t> LossCounts() const = 0;
+};
+
+/// "connecting", "alive", "lost", "left".
+inline const char* PeerStateName(PeerState::State state) {
+  switch (state) {
+    case PeerState::State::kConnecting:
+      return "connecting";
+    case PeerState::State::kAlive:
+      return "alive";
+    case PeerState::State::kLost:
+      return "lost";
+    case PeerState::State::kLeft:
+      return "left";
+  }
+  return "invalid";
+}
+
+}  // namespace gradsync::core
