@@ -686,8 +686,9 @@ void NodeSurvivor(Client& c) {
   EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kUnavailable, s.ToString());
   EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), "all_reduce job="), s.ToString());
   EXPECT_TRUE_OR_REPORT(took < absl::Seconds(20), "took ", absl::FormatDuration(took));
-  std::printf("node survivor ok took_ms=%lld\n",
-              static_cast<long long>(absl::ToInt64Milliseconds(took)));
+  std::printf("node survivor ok took_ms=%lld error=%s\n",
+              static_cast<long long>(absl::ToInt64Milliseconds(took)),
+              std::string(s.message()).c_str());
 }
 
 // Every kind of bad input gets its specific code and changes nothing: afterwards the buffer

@@ -215,6 +215,34 @@ TEST_F(MultiNodeTest, KilledDaemonFailsTheOtherNodesOpsAndTheRestStaysHealthy) {
   ExpectAllPassed(Wait(Start("after", {1, 1}, {"desync", "desync"}, {})), "desync ok");
 }
 
+// The root's daemon is frozen (SIGSTOP: its kernel still ACKs TCP) while the other nodes' ranks
+// wait in an op for its rank: the other daemons' watches find it silent and fail the op at once,
+// UNAVAILABLE naming the node and the cause, long before the op's 60 s deadline. Resumed, the
+// frozen daemon's trainer gets an error too, never a crash, and the survivors serve a new job.
+TEST_F(MultiNodeTest, AFrozenDaemonIsFoundLostByEverySurvivorAndItsTrainerGetsAnError) {
+  StartDaemons(3);
+  const std::vector<pid_t> pids =
+      Start("fz", {0, 1, 1, 2}, {"idle", "nodesurvivor", "nodesurvivor", "nodesurvivor"}, {});
+  absl::SleepFor(absl::Milliseconds(1500));  // everyone passed the barrier; 1-3 wait in the op
+  ASSERT_EQ(::kill(daemons_[0]->pid(), SIGSTOP), 0);
+  // Ranks 1-3 fail (the op cannot complete without rank 0); then the root goes on.
+  std::vector<int> codes = WaitAll({pids[1], pids[2], pids[3]}, absl::Seconds(60));
+  ASSERT_EQ(::kill(daemons_[0]->pid(), SIGCONT), 0);
+  const std::vector<int> root = WaitAll({pids[0]}, absl::Seconds(60));
+  for (int r = 1; r < 4; ++r) {
+    const std::string out = ReadFile(absl::StrCat(dirs_[0]->path(), "/out.", r));
+    std::cout << "rank " << r << ": " << out;
+    EXPECT_EQ(codes[r - 1], 0) << out;
+    EXPECT_TRUE(absl::StrContains(out, "node survivor ok")) << out;
+    EXPECT_TRUE(absl::StrContains(out, daemons_[0]->tcp_target())) << out;
+    EXPECT_TRUE(absl::StrContains(out, "(ranks 0) lost: no word for")) << out;
+  }
+  // The frozen node's trainer was not killed (a signal would show as a negative code).
+  EXPECT_GE(root[0], 0) << ReadFile(absl::StrCat(dirs_[0]->path(), "/out.0"));
+  // The survivors serve a new job across their two nodes.
+  ExpectAllPassed(Run("after", {1, 1, 2}, "matrix", {"counts=7,70001"}), "matrix cases=");
+}
+
 // Two daemons in separate network namespaces joined by a veth pair (created and removed here):
 // the job forms and all-reduces over a real link, not loopback. One daemon binds the wildcard
 // address and advertises its veth address. Skips where namespaces are not permitted.
