@@ -5,6 +5,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 
 namespace gradsync::backend::cpu {
@@ -91,7 +92,7 @@ TEST(ReduceTest, HalfSumIsAccumulatedInFloatAndRoundedOnce) {
   std::vector<uint16_t> a = {FloatToHalf(2048)}, b = {FloatToHalf(1)}, c = {FloatToHalf(1)};
   core::View va = Flat(a.data(), 1), vb = Flat(b.data(), 1), vc = Flat(c.data(), 1);
   std::vector<Slice> all = {{&va, 0}, {&vb, 0}, {&vc, 0}};
-  Reduce(v1::FLOAT16, v1::SUM, 3, all, all, 1);
+  ASSERT_TRUE(Reduce(v1::FLOAT16, v1::SUM, 3, all, all, 1).ok());
   EXPECT_EQ(HalfToFloat(a[0]), 2050.0f);
   EXPECT_EQ(HalfToFloat(b[0]), 2050.0f);
   EXPECT_EQ(HalfToFloat(c[0]), 2050.0f);
@@ -106,7 +107,7 @@ TEST(ReduceTest, BFloat16MeanMinMax) {
     std::vector<uint16_t> x = a, y = b;
     core::View vx = Flat(x.data(), 2), vy = Flat(y.data(), 2);
     std::vector<Slice> s = {{&vx, 0}, {&vy, 0}};
-    Reduce(v1::BFLOAT16, op, 2, s, s, 2);
+    EXPECT_TRUE(Reduce(v1::BFLOAT16, op, 2, s, s, 2).ok());
     EXPECT_EQ(x, y);
     return std::vector<float>{BFloat16ToFloat(x[0]), BFloat16ToFloat(x[1])};
   };
@@ -119,7 +120,7 @@ TEST(ReduceTest, IntegerMeanTruncatesTowardZero) {
   std::vector<int32_t> a = {-3, 3, 7}, b = {0, 0, 0};
   core::View va = Flat(a.data(), 3), vb = Flat(b.data(), 3);
   std::vector<Slice> all = {{&va, 0}, {&vb, 0}};
-  Reduce(v1::INT32, v1::MEAN, 2, all, all, 3);
+  ASSERT_TRUE(Reduce(v1::INT32, v1::MEAN, 2, all, all, 3).ok());
   EXPECT_EQ(a, (std::vector<int32_t>{-1, 1, 3}));
   EXPECT_EQ(b, a);
 }
@@ -142,7 +143,7 @@ TEST(ReduceTest, SegmentBoundariesMayDifferBetweenMembers) {
   }
   std::vector<float> gaps_before = b;
   std::vector<Slice> s = {{&va, 7}, {&vb, 7}};
-  Reduce(v1::FLOAT32, v1::SUM, 2, s, s, kN - 7);
+  ASSERT_TRUE(Reduce(v1::FLOAT32, v1::SUM, 2, s, s, kN - 7).ok());
   for (int64_t i = 0; i < 7; ++i) EXPECT_EQ(a[i], static_cast<float>(i));  // before the offset
   for (int64_t i = 7; i < kN; ++i) ASSERT_EQ(a[i], 1001.0f * i) << i;
   phys = 0;
@@ -160,13 +161,70 @@ TEST(ReduceTest, SegmentBoundariesMayDifferBetweenMembers) {
   }
 }
 
-TEST(ReduceTest, OneSourceCopiesToEveryDestination) {
+TEST(CopyTest, CopiesOneSourceToEveryDestinationAcrossDifferentRuns) {
+  // The source in runs of 2 and 5 from element 1 on; one destination in runs of 3, 1 and 2,
+  // another flat, the third the source itself (left as it is).
+  std::vector<double> src = {-1, 1, 2, 3, 4, 5, 6};
+  std::vector<double> d1(9, -7), d2(6, -7);
+  core::View vs = {{reinterpret_cast<std::byte*>(src.data()), 2},
+                   {reinterpret_cast<std::byte*>(src.data() + 2), 5}};
+  core::View v1_ = {{reinterpret_cast<std::byte*>(d1.data()), 3},
+                    {reinterpret_cast<std::byte*>(d1.data() + 4), 1},
+                    {reinterpret_cast<std::byte*>(d1.data() + 6), 2}};
+  core::View v2 = Flat(d2.data(), 6);
+  const std::vector<Slice> d = {{&v1_, 0}, {&v2, 0}, {&vs, 1}};
+  ASSERT_TRUE(Copy(v1::FLOAT64, Slice{&vs, 1}, d, 6).ok());
+  EXPECT_EQ(d1, (std::vector<double>{1, 2, 3, -7, 4, -7, 5, 6, -7}));
+  EXPECT_EQ(d2, (std::vector<double>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(src, (std::vector<double>{-1, 1, 2, 3, 4, 5, 6}));
+}
+
+TEST(ReduceTest, OneSourceWithAReductionGoesToEveryDestination) {
   std::vector<double> src = {1, 2, 3}, d1(3), d2(3);
   core::View vs = Flat(src.data(), 3), v1_ = Flat(d1.data(), 3), v2 = Flat(d2.data(), 3);
   std::vector<Slice> s = {{&vs, 0}}, d = {{&v1_, 0}, {&v2, 0}};
-  Reduce(v1::FLOAT64, v1::REDUCE_OP_UNSPECIFIED, 1, s, d, 3);
+  ASSERT_TRUE(Reduce(v1::FLOAT64, v1::MAX, 1, s, d, 3).ok());
   EXPECT_EQ(d1, src);
   EXPECT_EQ(d2, src);
+  ASSERT_TRUE(Reduce(v1::FLOAT64, v1::MEAN, 2, s, d, 3).ok());
+  EXPECT_EQ(d1, (std::vector<double>{0.5, 1, 1.5}));
+  EXPECT_EQ(d2, d1);
+}
+
+TEST(ReduceTest, AnOpThatIsNotAReductionFailsInternalNamingItAndWritesNothing) {
+  std::vector<float> a = {1, 2}, b = {3, 4}, out = {-1, -1};
+  core::View va = Flat(a.data(), 2), vb = Flat(b.data(), 2), vo = Flat(out.data(), 2);
+  const std::vector<Slice> srcs = {{&va, 0}, {&vb, 0}}, dsts = {{&vo, 0}};
+  const absl::Status unspecified = Reduce(v1::FLOAT32, v1::REDUCE_OP_UNSPECIFIED, 2, srcs, dsts, 2);
+  EXPECT_EQ(unspecified.code(), absl::StatusCode::kInternal) << unspecified;
+  EXPECT_TRUE(absl::StrContains(unspecified.message(), "reduce op none (0)")) << unspecified;
+  const absl::Status unknown = Reduce(v1::FLOAT32, static_cast<v1::ReduceOp>(77), 2, srcs, dsts, 2);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kInternal) << unknown;
+  EXPECT_TRUE(absl::StrContains(unknown.message(), "(77)")) << unknown;
+  EXPECT_EQ(out, (std::vector<float>{-1, -1}));
+}
+
+TEST(ReduceTest, AnUnknownDTypeFailsInternalNamingItAndWritesNothing) {
+  std::vector<float> a = {1, 2}, out = {-1, -1};
+  core::View va = Flat(a.data(), 2), vo = Flat(out.data(), 2);
+  const Slice src{&va, 0}, dst{&vo, 0};
+  const absl::Status reduced = Reduce(v1::DTYPE_UNSPECIFIED, v1::SUM, 1, {&src, 1}, {&dst, 1}, 2);
+  EXPECT_EQ(reduced.code(), absl::StatusCode::kInternal) << reduced;
+  EXPECT_TRUE(absl::StrContains(reduced.message(), "dtype unspecified (0)")) << reduced;
+  const absl::Status copied = Copy(static_cast<DType>(99), src, {&dst, 1}, 2);
+  EXPECT_EQ(copied.code(), absl::StatusCode::kInternal) << copied;
+  EXPECT_TRUE(absl::StrContains(copied.message(), "(99)")) << copied;
+  EXPECT_EQ(out, (std::vector<float>{-1, -1}));
+}
+
+TEST(ReduceTest, ElementsFromNoSourceFailInternal) {
+  std::vector<float> out = {-1};
+  core::View vo = Flat(out.data(), 1);
+  const Slice dst{&vo, 0};
+  const absl::Status s = Reduce(v1::FLOAT32, v1::SUM, 1, {}, {&dst, 1}, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_EQ(out[0], -1.0f);
+  EXPECT_TRUE(Reduce(v1::FLOAT32, v1::SUM, 1, {}, {&dst, 1}, 0).ok());  // nothing to do
 }
 
 // Every op over 1-4 sources into fresh destinations, in place into the first source, and into
@@ -213,7 +271,7 @@ void ExpectEveryAliasingGivesTheReference(DType dtype) {
           dsts = {{&views[sources - 1], 0}, {&views[0], 0}};
           check = {in[sources - 1].data(), in[0].data()};
         }
-        Reduce(dtype, op, 3, srcs, dsts, n);
+        ASSERT_TRUE(Reduce(dtype, op, 3, srcs, dsts, n).ok());
         for (T* got : check) {
           for (int64_t i = 0; i < n; ++i) {
             ASSERT_EQ(got[i], want[i]) << "op " << op << " sources " << sources << " layout "

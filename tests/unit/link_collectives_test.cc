@@ -39,7 +39,7 @@ struct Case {
 // Runs one ring over `nodes` nodes (members[node] members each) and checks every buffer.
 template <typename T>
 void ExpectRing(std::vector<std::unique_ptr<RecordLinks>>& links, const std::vector<int>& members,
-                Case c, int64_t count, size_t segment_bytes, uint64_t seq) {
+                Case c, int64_t count, size_t segment_bytes, uint64_t seq, int64_t window = 2) {
   const int nodes = static_cast<int>(links.size());
   int total_members = 0;
   for (int node = 0; node < nodes; ++node) total_members += members[node];
@@ -60,7 +60,7 @@ void ExpectRing(std::vector<std::unique_ptr<RecordLinks>>& links, const std::vec
       const core::View in = {{reinterpret_cast<std::byte*>(const_cast<T*>(&sum)), 1}};
       const core::View out = {{reinterpret_cast<std::byte*>(&want[i]), 1}};
       const Slice src{&in, 0}, dst{&out, 0};
-      Reduce(c.dtype, v1::MEAN, total_members, {&src, 1}, {&dst, 1}, 1);
+      EXPECT_TRUE(Reduce(c.dtype, v1::MEAN, total_members, {&src, 1}, {&dst, 1}, 1).ok());
     } else {
       want[i] = FromInt<T>(c.dtype, static_cast<int>(acc));
     }
@@ -78,6 +78,7 @@ void ExpectRing(std::vector<std::unique_ptr<RecordLinks>>& links, const std::vec
     op.seq = seq;
     op.deadline = absl::Now() + absl::Seconds(60);
     op.segment_bytes = segment_bytes;
+    op.window = window;
     RingSpec spec;
     spec.dtype = c.dtype;
     spec.op = c.op;
@@ -133,6 +134,64 @@ TEST(RingAllreduceTest, LargeBuffersFlowThroughBoundedSegments) {
   auto links = ConnectAll(&store, 2, 2 << 20);
   ASSERT_EQ(links.size(), 2u);
   ExpectRing<float>(links, {2, 2}, {v1::FLOAT32, v1::MEAN}, int64_t{6} << 20, 1 << 20, 1);
+}
+
+TEST(RingAllreduceTest, EveryWindowGivesTheExactResult) {
+  // One segment ahead (send, then wait for each) to more than a chunk holds.
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 3, 2 << 20);
+  ASSERT_EQ(links.size(), 3u);
+  uint64_t seq = 0;
+  for (int64_t window : {1, 3, 1000}) {
+    ExpectRing<float>(links, {2, 1, 3}, {v1::FLOAT32, v1::SUM}, 40000, 4096, ++seq, window);
+    ExpectRing<int64_t>(links, {2, 1, 3}, {v1::INT64, v1::MAX}, 4099, 64, ++seq, window);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(RingAllreduceTest, AnOpThatIsNotAReductionFailsInternalOnEveryNode) {
+  // The kernels refuse it before they write (here at the first block a node reduces): every
+  // node fails alike, its buffer unchanged.
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2, 2 << 20);
+  ASSERT_EQ(links.size(), 2u);
+  std::vector<absl::Status> status(2);
+  std::vector<std::vector<float>> data(2, std::vector<float>(1000, 1.0f));
+  RunOnEach(2, [&](int node) {
+    std::byte* buffer = reinterpret_cast<std::byte*>(data[node].data());
+    LinkOp op;
+    op.seq = 1;
+    op.deadline = absl::Now() + absl::Seconds(30);
+    RingSpec spec;
+    spec.op = v1::REDUCE_OP_UNSPECIFIED;
+    spec.count = 1000;
+    status[node] = RingAllreduce(*links[node], op, spec, {&buffer, 1});
+  });
+  for (int node = 0; node < 2; ++node) {
+    EXPECT_EQ(status[node].code(), absl::StatusCode::kInternal) << status[node];
+    EXPECT_TRUE(absl::StrContains(status[node].message(), "reduce op none (0)")) << status[node];
+    for (float v : data[node]) ASSERT_EQ(v, 1.0f);
+  }
+}
+
+TEST(LinkCollectivesTest, AWindowBelowOneIsRefused) {
+  store::MemoryStore store;
+  auto links = ConnectAll(&store, 2, 2 << 20);
+  ASSERT_EQ(links.size(), 2u);
+  std::vector<float> data(16, 1.0f);
+  std::byte* buffer = reinterpret_cast<std::byte*>(data.data());
+  LinkOp op;
+  op.seq = 1;
+  op.deadline = absl::Now() + absl::Seconds(30);
+  op.window = 0;
+  RingSpec spec;
+  spec.count = 16;
+  const absl::Status ring = RingAllreduce(*links[0], op, spec, {&buffer, 1});
+  EXPECT_EQ(ring.code(), absl::StatusCode::kInvalidArgument) << ring;
+  const std::vector<size_t> parts = {32, 32};
+  const absl::Status gather = LinkAllGather(*links[0], op, parts, buffer);
+  EXPECT_EQ(gather.code(), absl::StatusCode::kInvalidArgument) << gather;
+  for (float v : data) EXPECT_EQ(v, 1.0f);
 }
 
 absl::Status RunAlone(RecordLinks& links, uint64_t seq, int64_t count, absl::Duration within,

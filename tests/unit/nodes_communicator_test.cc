@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "daemon/backend/cpu/record_links.h"
 #include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"
@@ -71,7 +72,7 @@ class NodesCommunicatorTest : public ::testing::Test {
       spec.node = kMemberNodes[kLocal[node][0]];
       spec.rendezvous = &store_;
       spec.run = "r1";
-      n.comm = std::make_unique<NodesCommunicator>(spec);
+      n.comm = std::make_unique<NodesCommunicator>(spec, tuning_);
       n.buffers.resize(counts.size());
       for (size_t k = 0; k < counts.size(); ++k) {
         core::Collective op =
@@ -114,6 +115,7 @@ class NodesCommunicatorTest : public ::testing::Test {
   }
 
   store::MemoryStore store_;
+  CpuTuning tuning_;
   std::vector<Node> nodes_;
 };
 
@@ -160,6 +162,48 @@ TEST_F(NodesCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAnd
   }
   for (size_t k = 0; k < counts.size(); ++k) {
     ExpectValues(k, [&](int, int64_t i) { return k % 2 ? Max(i) : Sum(i); });
+  }
+}
+
+TEST_F(NodesCommunicatorTest, SmallTuningStillGivesEveryOpsValuesInlineAndByRing) {
+  // Tiny messages, segments and stages: ops over 1 KiB take the ring in 4 KiB segments one
+  // ahead, a stream message holds a few records, a stage at most three ops.
+  tuning_.inline_max_bytes = 1024;
+  tuning_.segment_bytes = 4096;
+  tuning_.window_segments = 1;
+  tuning_.max_stage_ops = 3;
+  tuning_.stream_message_bytes = 4096;
+  tuning_.stream_flush_bytes = 2048;
+  const std::vector<int64_t> counts = {1, 256, 257, 0, 5000, 7, 100000, 64, 3};
+  RunOnEveryNode(
+      counts, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
+      RunThreeWays);
+  for (int node = 0; node < kNodes; ++node) {
+    for (size_t k = 0; k < counts.size(); ++k) {
+      EXPECT_TRUE(nodes_[node].out[k].ok()) << node << " " << k << nodes_[node].out[k];
+    }
+  }
+  for (size_t k = 0; k < counts.size(); ++k) {
+    ExpectValues(k, [&](int, int64_t i) { return k % 2 ? Max(i) : Sum(i); });
+  }
+}
+
+TEST_F(NodesCommunicatorTest, InvalidTuningFailsEveryOpAsInvalidArgumentAndWritesNothing) {
+  tuning_.segment_bytes = 4000;  // not a multiple of 64
+  RunOnEveryNode(
+      {64, 100000}, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
+      RunThreeWays);
+  for (int node = 0; node < kNodes; ++node) {
+    for (size_t k = 0; k < 2; ++k) {
+      const absl::Status& s = nodes_[node].out[k];
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_TRUE(absl::StartsWith(s.message(), absl::StrCat("all_reduce seq=", k, ": ")) &&
+                  absl::StrContains(s.message(), "--cpu_segment_bytes=4000"))
+          << s;
+    }
+  }
+  for (size_t k = 0; k < 2; ++k) {
+    ExpectValues(k, [](int rank, int64_t i) { return Input(rank, i); });
   }
 }
 
@@ -405,10 +449,146 @@ TEST(NodesCommunicatorPeerTest, ARecordAfterALargeOpsRecordFailsItAsOutOfStepAnd
   }
   ASSERT_TRUE((*peer)->Send(message, absl::Now() + absl::Seconds(20)).ok());
   t.join();
-  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_EQ(status.code(), absl::StatusCode::kInternal) << status;
   EXPECT_TRUE(absl::StrContains(status.message(), "out of step")) << status;
   EXPECT_TRUE(absl::StrContains(status.message(), nodes[1])) << status;
   for (int64_t i = 0; i < kCount; ++i) ASSERT_EQ(data[i], 1.0f) << i;
+}
+
+// Two nodes, one member each (group ranks 0 and 1): node `me`'s communicator.
+std::unique_ptr<NodesCommunicator> TwoNodeCommunicator(store::MemoryStore& store, int me,
+                                                       const CpuTuning& tuning) {
+  core::CommunicatorSpec spec;
+  spec.job = "j";
+  spec.group = "world";
+  spec.members = {0, 1};
+  spec.local_members = {me};
+  spec.member_nodes = {"127.0.0.1:1", "127.0.0.1:2"};
+  spec.node = spec.member_nodes[me];
+  spec.rendezvous = &store;
+  spec.run = "r1";
+  return std::make_unique<NodesCommunicator>(spec, tuning);
+}
+
+// An all-reduce of `data` (node `rank`'s member) in a two-node group.
+core::Collective TwoNodeAllReduce(uint64_t seq, int rank, std::vector<float>& data,
+                                  absl::Duration within) {
+  core::Collective op = AllReduce(seq, static_cast<int64_t>(data.size()), v1::SUM, "w");
+  op.group_size = 2;
+  op.deadline = absl::Now() + within;
+  op.local.push_back(
+      {rank, {{reinterpret_cast<std::byte*>(data.data()), static_cast<int64_t>(data.size())}}, {}});
+  return op;
+}
+
+const absl::Status kLost =
+    absl::UnavailableError("node 127.0.0.1:2 lost: no word from it for 1.5 s");
+
+// The op's label, then the abort's message: what Abort makes every op of the group fail with.
+void ExpectFailsWithTheAbort(const absl::Status& s, uint64_t seq, const absl::Status& abort) {
+  EXPECT_EQ(s.code(), abort.code()) << s;
+  EXPECT_EQ(s.message(), absl::StrCat("all_reduce seq=", seq, ": ", abort.message())) << s;
+}
+
+TEST(NodesCommunicatorAbortTest, AbortWakesAnOpWaitingForASilentPeerAndFailsLaterOpsTheSameWay) {
+  // Both nodes run op 0 (the links connect); then node b goes silent (its thread blocks) while
+  // node a waits in op 1 for b's record, with a deadline far off. Abort from a third thread
+  // ends op 1 with the abort's status, not its deadline's, and writes nothing; ops 2 and 3 fail
+  // the same way (the first abort's status stays), and so do small and large ones alike.
+  ::signal(SIGPIPE, SIG_IGN);
+  store::MemoryStore store;
+  CpuTuning tuning;
+  tuning.peer_grace = absl::Seconds(1);  // unaborted, op 1 would end DEADLINE_EXCEEDED in 21 s
+  std::unique_ptr<NodesCommunicator> a = TwoNodeCommunicator(store, 0, tuning);
+  std::unique_ptr<NodesCommunicator> b = TwoNodeCommunicator(store, 1, tuning);
+  std::vector<std::vector<float>> data(4, std::vector<float>(64, 1.0f));
+  data[3].assign(100000, 1.0f);  // a ring op
+  std::vector<float> b_data(64, 2.0f);
+  absl::Notification a_in_op1, release_b;
+  std::vector<absl::Status> out(4, absl::UnknownError("not run"));
+  absl::Status b_out;
+  std::thread node_b([&] {
+    core::Collective op = TwoNodeAllReduce(0, 1, b_data, absl::Seconds(20));
+    b_out = b->Run(op);
+    release_b.WaitForNotification();  // silent from here on
+  });
+  absl::Time op1_deadline, op1_ended;
+  std::thread node_a([&] {
+    core::Collective op0 = TwoNodeAllReduce(0, 0, data[0], absl::Seconds(20));
+    out[0] = a->Run(op0);
+    a_in_op1.Notify();
+    core::Collective op1 = TwoNodeAllReduce(1, 0, data[1], absl::Seconds(20));
+    op1_deadline = op1.deadline;
+    out[1] = a->Run(op1);
+    op1_ended = absl::Now();
+  });
+  a_in_op1.WaitForNotification();
+  absl::SleepFor(absl::Milliseconds(300));  // op 1 is in its wait (were it not, it still fails)
+  a->Abort(kLost);
+  node_a.join();
+  a->Abort(absl::AbortedError("a later abort"));  // ignored: the first status stays
+  core::Collective op2 = TwoNodeAllReduce(2, 0, data[2], absl::Seconds(20));
+  out[2] = a->Run(op2);
+  core::Collective op3 = TwoNodeAllReduce(3, 0, data[3], absl::Seconds(20));
+  out[3] = a->Run(op3);
+  release_b.Notify();
+  node_b.join();
+
+  EXPECT_TRUE(b_out.ok()) << b_out;
+  // Woken by the abort, not by its deadline (20 s away; its status alone cannot tell: an op
+  // failing at its deadline after the abort reports the abort too).
+  EXPECT_LT(op1_ended, op1_deadline);
+  ASSERT_TRUE(out[0].ok()) << out[0];
+  for (float v : data[0]) ASSERT_EQ(v, 3.0f);
+  for (uint64_t seq = 1; seq < 4; ++seq) {
+    ExpectFailsWithTheAbort(out[seq], seq, kLost);
+    for (float v : data[seq]) ASSERT_EQ(v, 1.0f) << seq;
+  }
+}
+
+TEST(NodesCommunicatorAbortTest, AbortBeforeTheFirstOpFailsEveryOpWithoutConnecting) {
+  // No peer exists: an op that tried to connect would wait out its deadline.
+  store::MemoryStore store;
+  std::unique_ptr<NodesCommunicator> a = TwoNodeCommunicator(store, 0, CpuTuning{});
+  a->Abort(kLost);
+  std::vector<std::vector<float>> data(3, std::vector<float>(64, 1.0f));
+  std::vector<core::Collective> ops;
+  for (uint64_t seq = 0; seq < 3; ++seq) {
+    ops.push_back(TwoNodeAllReduce(seq, 0, data[seq], absl::Minutes(5)));
+  }
+  ExpectFailsWithTheAbort(a->Run(ops[0]), 0, kLost);
+  std::vector<absl::Status> out(2, absl::UnknownError("not run"));
+  const core::Collective* const batch[] = {&ops[1], &ops[2]};
+  a->RunBatch(batch, [&](size_t i, absl::Status s) { out[i] = std::move(s); });
+  ExpectFailsWithTheAbort(out[0], 1, kLost);
+  ExpectFailsWithTheAbort(out[1], 2, kLost);
+  for (const std::vector<float>& d : data) {
+    for (float v : d) ASSERT_EQ(v, 1.0f);
+  }
+  // A status to abort with that is OK would fail nothing: it counts as INTERNAL.
+  std::unique_ptr<NodesCommunicator> c = TwoNodeCommunicator(store, 0, CpuTuning{});
+  c->Abort(absl::OkStatus());
+  const absl::Status s = c->Run(ops[0]);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+}
+
+TEST(NodesCommunicatorAbortTest, AbortWakesAnOpConnectingToAPeerThatNeverComes) {
+  store::MemoryStore store;
+  std::unique_ptr<NodesCommunicator> a = TwoNodeCommunicator(store, 0, CpuTuning{});
+  std::vector<float> data(64, 1.0f);
+  core::Collective op = TwoNodeAllReduce(0, 0, data, absl::Seconds(20));
+  absl::Status out = absl::UnknownError("not run");
+  absl::Time ended;
+  std::thread node_a([&] {
+    out = a->Run(op);
+    ended = absl::Now();
+  });
+  absl::SleepFor(absl::Milliseconds(300));  // connecting: node b never publishes its address
+  a->Abort(kLost);
+  node_a.join();
+  EXPECT_LT(ended, op.deadline);  // woken by the abort, not by its deadline 20 s away
+  ExpectFailsWithTheAbort(out, 0, kLost);
+  for (float v : data) ASSERT_EQ(v, 1.0f);
 }
 
 }  // namespace

@@ -1,12 +1,47 @@
 #pragma once
 
 // The CPU data plane: creates each group's communicator, local for a single-node group and
-// over TCP links between the daemons for a group that spans nodes.
+// over TCP links between the daemons for a group that spans nodes; its tuning.
 
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "common/worker_pool.h"
 #include "daemon/core/backend.h"
 
 namespace gradsync::backend::cpu {
+
+/// The CPU data plane's tuning: gradsyncd's --cpu_* flags (config.cc), logged at start. The
+/// defaults were chosen by measurement; the flags are for benchmarking, not for everyday use.
+/// Every daemon of a job must use the same inline_max_bytes, segment_bytes and
+/// stream_message_bytes (they shape what travels between nodes: a mismatch fails the job's ops
+/// that span nodes); the others are each node's own.
+struct CpuTuning {
+  /// Ops moving at most this many bytes per node travel inside their record: one exchange
+  /// instead of a verdict round and then a link collective.
+  int64_t inline_max_bytes = 256 << 10;
+  /// The link collectives' segment, one message on the links: a multiple of 64, at least 4096.
+  int64_t segment_bytes = 1 << 20;
+  /// Segments a link collective sends ahead of the ones it received; at least 1.
+  int64_t window_segments = 2;
+  /// Most queued ops whose records are in flight at once (a longer batch is split).
+  int64_t max_stage_ops = 256;
+  /// A record stream message: at most this many bytes (it must hold one inline op's record),
+  /// sent once it holds stream_flush_bytes so that the wire and the peer start while later
+  /// records are packed.
+  int64_t stream_message_bytes = 1 << 20;
+  int64_t stream_flush_bytes = 256 << 10;
+  /// How long past an op's deadline a node waits for its peers' verdicts and connections (a
+  /// peer whose op failed at its own deadline comes a moment later).
+  absl::Duration peer_grace = absl::Seconds(10);
+  /// Below this many bytes per part a single-node op is not split across the worker pool.
+  int64_t min_bytes_per_part = 256 << 10;
+};
+
+/// InvalidArgument naming the first bad field by its flag (--cpu_segment_bytes=...), OK when
+/// the data plane can run with `tuning`.
+absl::Status ValidateCpuTuning(const CpuTuning& tuning);
 
 /// The CPU data plane: collectives over the local members' shared-memory buffers, computed by
 /// the daemon (each element read once from every member and written once to every member),
@@ -16,13 +51,15 @@ namespace gradsync::backend::cpu {
 /// that does not span nodes, creating the communicator is FAILED_PRECONDITION.
 class CpuBackend final : public core::Backend {
  public:
-  /// `pool` must outlive the backend and its communicators.
-  explicit CpuBackend(WorkerPool* pool) : pool_(pool) {}
+  /// `pool` must outlive the backend and its communicators. `tuning` must be valid
+  /// (ValidateCpuTuning: DaemonConfig's Validate checks it); logs it once, at info level.
+  explicit CpuBackend(WorkerPool* pool, const CpuTuning& tuning = {});
   absl::StatusOr<std::shared_ptr<core::Communicator>> CreateCommunicator(
       const core::CommunicatorSpec& spec) override;
 
  private:
   WorkerPool* const pool_;
+  const CpuTuning tuning_;
 };
 
 }  // namespace gradsync::backend::cpu

@@ -8,6 +8,10 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 
 namespace gradsync::backend::cpu {
 namespace {
@@ -75,22 +79,43 @@ struct Traits<BF16> {
   static BF16 Store(float v) { return BF16{FloatToBFloat16(v)}; }
 };
 
-// d[i] = a[i] op b[i] (d may be a, element for element).
-template <typename T>
-void Combine(v1::ReduceOp op, T* d, const T* a, const T* b, int64_t n) {
+// How elements combine, decided once per Reduce from the wire's op (MEAN sums, then divides):
+// the loops switch over it with every case named and no default.
+enum class Combiner { kSum, kMin, kMax };
+
+absl::StatusOr<Combiner> CombinerOf(v1::ReduceOp op) {
   switch (op) {
     case v1::SUM:
     case v1::MEAN:
+      return Combiner::kSum;
+    case v1::MIN:
+      return Combiner::kMin;
+    case v1::MAX:
+      return Combiner::kMax;
+    default:
+      return absl::InternalError(absl::StrCat("reduce: reduce op ", ReduceOpName(op), " (",
+                                              static_cast<int>(op), ") is not a reduction"));
+  }
+}
+
+absl::Status UnknownDType(absl::string_view what, DType dtype) {
+  return absl::InternalError(absl::StrCat(what, ": no kernel for dtype ", DTypeName(dtype), " (",
+                                          static_cast<int>(dtype), ")"));
+}
+
+// d[i] = a[i] op b[i] (d may be a, element for element).
+template <typename T>
+void Combine(Combiner c, T* d, const T* a, const T* b, int64_t n) {
+  switch (c) {
+    case Combiner::kSum:
       for (int64_t i = 0; i < n; ++i) d[i] = a[i] + b[i];
       return;
-    case v1::MIN:
+    case Combiner::kMin:
       for (int64_t i = 0; i < n; ++i) d[i] = std::min(a[i], b[i]);
       return;
-    case v1::MAX:
+    case Combiner::kMax:
       for (int64_t i = 0; i < n; ++i) d[i] = std::max(a[i], b[i]);
       return;
-    default:
-      return;  // validated before the op gets here
   }
 }
 
@@ -100,7 +125,7 @@ void Combine(v1::ReduceOp op, T* d, const T* a, const T* b, int64_t n) {
 // for element, so comparing where the step starts is enough; the first is read before each
 // write). False when it does not apply.
 template <typename T>
-bool ReduceDirect(v1::ReduceOp op, int64_t divisor, const std::vector<Cursor>& in,
+bool ReduceDirect(Combiner c, bool mean, int64_t divisor, const std::vector<Cursor>& in,
                   const std::vector<Cursor>& out, int64_t len) {
   if constexpr (!std::is_same_v<typename Traits<T>::Acc, T>) {
     return false;
@@ -113,12 +138,12 @@ bool ReduceDirect(v1::ReduceOp op, int64_t divisor, const std::vector<Cursor>& i
     if (in.size() == 1) {
       if (d != s0) std::memmove(d, s0, len * sizeof(T));
     } else {
-      Combine(op, d, s0, reinterpret_cast<const T*>(in[1].Ptr()), len);
+      Combine(c, d, s0, reinterpret_cast<const T*>(in[1].Ptr()), len);
     }
     for (size_t k = 2; k < in.size(); ++k) {
-      Combine(op, d, d, reinterpret_cast<const T*>(in[k].Ptr()), len);
+      Combine(c, d, d, reinterpret_cast<const T*>(in[k].Ptr()), len);
     }
-    if (op == v1::MEAN && divisor > 1) {
+    if (mean && divisor > 1) {
       const T dv = static_cast<T>(divisor);
       for (int64_t i = 0; i < len; ++i) d[i] /= dv;
     }
@@ -130,7 +155,7 @@ bool ReduceDirect(v1::ReduceOp op, int64_t divisor, const std::vector<Cursor>& i
 }
 
 template <typename T>
-void ReduceTyped(v1::ReduceOp op, int64_t divisor, absl::Span<const Slice> srcs,
+void ReduceTyped(Combiner c, bool mean, int64_t divisor, absl::Span<const Slice> srcs,
                  absl::Span<const Slice> dsts, int64_t n) {
   using Tr = Traits<T>;
   using Acc = typename Tr::Acc;
@@ -142,7 +167,7 @@ void ReduceTyped(v1::ReduceOp op, int64_t divisor, absl::Span<const Slice> srcs,
   for (const Slice& d : dsts) out.emplace_back(d, esize);
   Acc acc[kStep];
   T result[std::is_same_v<Acc, T> ? 1 : kStep];
-  const bool copy_only = srcs.size() == 1 && op != v1::MEAN;
+  const bool copy_only = srcs.size() == 1 && !mean;
   while (n > 0) {
     int64_t len = std::min(n, kStep);
     for (const Cursor& c : in) len = std::min(len, c.Available());
@@ -152,28 +177,25 @@ void ReduceTyped(v1::ReduceOp op, int64_t divisor, absl::Span<const Slice> srcs,
       for (const Cursor& c : out) {
         if (c.Ptr() != first) std::memmove(c.Ptr(), first, len * esize);
       }
-    } else if (ReduceDirect<T>(op, divisor, in, out, len)) {
+    } else if (ReduceDirect<T>(c, mean, divisor, in, out, len)) {
     } else {
       const T* s0 = reinterpret_cast<const T*>(first);
       for (int64_t i = 0; i < len; ++i) acc[i] = Tr::Load(s0[i]);
       for (size_t k = 1; k < in.size(); ++k) {
         const T* s = reinterpret_cast<const T*>(in[k].Ptr());
-        switch (op) {
-          case v1::SUM:
-          case v1::MEAN:
+        switch (c) {
+          case Combiner::kSum:
             for (int64_t i = 0; i < len; ++i) acc[i] += Tr::Load(s[i]);
             break;
-          case v1::MIN:
+          case Combiner::kMin:
             for (int64_t i = 0; i < len; ++i) acc[i] = std::min(acc[i], Tr::Load(s[i]));
             break;
-          case v1::MAX:
+          case Combiner::kMax:
             for (int64_t i = 0; i < len; ++i) acc[i] = std::max(acc[i], Tr::Load(s[i]));
             break;
-          default:
-            break;  // validated before the op gets here
         }
       }
-      if (op == v1::MEAN && divisor > 1) {
+      if (mean && divisor > 1) {
         const Acc d = static_cast<Acc>(divisor);
         for (int64_t i = 0; i < len; ++i) acc[i] /= d;
       }
@@ -244,29 +266,66 @@ uint16_t FloatToBFloat16(float f) {
   return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-void Reduce(DType dtype, v1::ReduceOp op, int64_t divisor, absl::Span<const Slice> srcs,
-            absl::Span<const Slice> dsts, int64_t n) {
-  if (n <= 0 || srcs.empty() || dsts.empty()) return;
+absl::Status Reduce(DType dtype, v1::ReduceOp op, int64_t divisor, absl::Span<const Slice> srcs,
+                    absl::Span<const Slice> dsts, int64_t n) {
+  const absl::StatusOr<Combiner> c = CombinerOf(op);
+  if (!c.ok()) return c.status();
+  if (DTypeSize(dtype) <= 0) return UnknownDType("reduce", dtype);
+  if (n <= 0 || dsts.empty()) return absl::OkStatus();
+  if (srcs.empty()) {
+    return absl::InternalError(absl::StrCat("reduce: ", n, " elements from no source"));
+  }
+  const bool mean = op == v1::MEAN;
   switch (dtype) {
     case v1::FLOAT32:
-      return ReduceTyped<float>(op, divisor, srcs, dsts, n);
+      ReduceTyped<float>(*c, mean, divisor, srcs, dsts, n);
+      break;
     case v1::FLOAT64:
-      return ReduceTyped<double>(op, divisor, srcs, dsts, n);
+      ReduceTyped<double>(*c, mean, divisor, srcs, dsts, n);
+      break;
     case v1::FLOAT16:
-      return ReduceTyped<F16>(op, divisor, srcs, dsts, n);
+      ReduceTyped<F16>(*c, mean, divisor, srcs, dsts, n);
+      break;
     case v1::BFLOAT16:
-      return ReduceTyped<BF16>(op, divisor, srcs, dsts, n);
+      ReduceTyped<BF16>(*c, mean, divisor, srcs, dsts, n);
+      break;
     case v1::INT32:
-      return ReduceTyped<int32_t>(op, divisor, srcs, dsts, n);
+      ReduceTyped<int32_t>(*c, mean, divisor, srcs, dsts, n);
+      break;
     case v1::INT64:
-      return ReduceTyped<int64_t>(op, divisor, srcs, dsts, n);
+      ReduceTyped<int64_t>(*c, mean, divisor, srcs, dsts, n);
+      break;
     case v1::UINT8:
-      return ReduceTyped<uint8_t>(op, divisor, srcs, dsts, n);
+      ReduceTyped<uint8_t>(*c, mean, divisor, srcs, dsts, n);
+      break;
     case v1::INT8:
-      return ReduceTyped<int8_t>(op, divisor, srcs, dsts, n);
-    default:
-      return;  // validated before the op gets here
+      ReduceTyped<int8_t>(*c, mean, divisor, srcs, dsts, n);
+      break;
+    default:  // a dtype with a size (DTypeSize) but no kernel here
+      return UnknownDType("reduce", dtype);
   }
+  return absl::OkStatus();
+}
+
+absl::Status Copy(DType dtype, const Slice& src, absl::Span<const Slice> dsts, int64_t n) {
+  const int64_t esize = DTypeSize(dtype);
+  if (esize <= 0) return UnknownDType("copy", dtype);
+  if (n <= 0 || dsts.empty()) return absl::OkStatus();
+  Cursor in(src, esize);
+  std::vector<Cursor> out;
+  out.reserve(dsts.size());
+  for (const Slice& d : dsts) out.emplace_back(d, esize);
+  while (n > 0) {
+    int64_t len = std::min(n, in.Available());
+    for (const Cursor& c : out) len = std::min(len, c.Available());
+    for (const Cursor& c : out) {
+      if (c.Ptr() != in.Ptr()) std::memmove(c.Ptr(), in.Ptr(), static_cast<size_t>(len * esize));
+    }
+    in.Advance(len);
+    for (Cursor& c : out) c.Advance(len);
+    n -= len;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace gradsync::backend::cpu

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "daemon/backend/cpu/kernels.h"
 #include "daemon/backend/cpu/record_links.h"
 
@@ -15,8 +16,6 @@ namespace gradsync::backend::cpu {
 namespace {
 
 constexpr uint64_t kSegmentMagic = 0x677373656730310a;  // "gsseg01\n"
-// Segments a node sends ahead of the ones it received in the same step.
-constexpr int64_t kWindow = 2;
 // Segments stay aligned in the peer's receive buffer.
 constexpr size_t kAlign = RecordLinks::kAlign;
 
@@ -86,12 +85,9 @@ class Ring {
   absl::Status Run() {
     if (n_ == 1) {  // nothing to exchange: the members' reduction is the result
       const std::vector<Slice> all = Members(0);
-      Reduce(spec_.dtype, spec_.op, spec_.divisor, all, all, spec_.count);
-      return absl::OkStatus();
+      return Reduce(spec_.dtype, spec_.op, spec_.divisor, all, all, spec_.count);
     }
-    for (int t = 0; t < 2 * (n_ - 1); ++t) {
-      if (absl::Status s = Step(t); !s.ok()) return s;
-    }
+    for (int t = 0; t < 2 * (n_ - 1); ++t) GRADSYNC_RETURN_IF_ERROR(Step(t));
     return absl::OkStatus();
   }
 
@@ -122,13 +118,10 @@ class Ring {
     const int64_t receives = Segments(recv_chunk);
     int64_t i = 0, j = 0;
     while (i < sends || j < receives) {
-      if (i < sends && (i < j + kWindow || j == receives)) {
-        if (absl::Status st = Send(t, scatter && s == 0, send_chunk, i++); !st.ok()) return st;
+      if (i < sends && (i < j + op_.window || j == receives)) {
+        GRADSYNC_RETURN_IF_ERROR(Send(t, scatter && s == 0, send_chunk, i++));
       } else {
-        if (absl::Status st = Receive(t, scatter && s == n_ - 2, scatter, recv_chunk, j++);
-            !st.ok()) {
-          return st;
-        }
+        GRADSYNC_RETURN_IF_ERROR(Receive(t, scatter && s == n_ - 2, scatter, recv_chunk, j++));
       }
     }
     return absl::OkStatus();
@@ -139,7 +132,7 @@ class Ring {
     const auto [b, e] = Bounds(chunk, k);
     if (first && views_.size() > 1) {
       const Slice into{&views_[0], b};
-      Reduce(spec_.dtype, partial_, 1, Members(b), {&into, 1}, e - b);
+      GRADSYNC_RETURN_IF_ERROR(Reduce(spec_.dtype, partial_, 1, Members(b), {&into, 1}, e - b));
     }
     return SendSegment(links_, op_, Mod(me_ + 1), kRing, static_cast<uint32_t>(t),
                        static_cast<uint64_t>(k), views_[0][0].data + b * esize_,
@@ -149,28 +142,25 @@ class Ring {
   // `last`: the scatter's last step, which completes the block.
   absl::Status Receive(int t, bool last, bool scatter, int chunk, int64_t k) {
     const auto [b, e] = Bounds(chunk, k);
-    absl::StatusOr<const std::byte*> data =
+    GRADSYNC_ASSIGN_OR_RETURN(
+        const std::byte* const data,
         ReceiveSegment(links_, op_, Mod(me_ - 1), kRing, static_cast<uint32_t>(t),
-                       static_cast<uint64_t>(k), static_cast<size_t>((e - b) * esize_));
-    if (!data.ok()) return data.status();
+                       static_cast<uint64_t>(k), static_cast<size_t>((e - b) * esize_)));
     // Read only: core::View names writable runs.
-    const core::View received = {{const_cast<std::byte*>(*data), e - b}};
+    const core::View received = {{const_cast<std::byte*>(data), e - b}};
     const Slice from_link{&received, 0};
     if (!scatter) {  // a finished block: into every member
-      Reduce(spec_.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&from_link, 1}, Members(b), e - b);
-      return absl::OkStatus();
+      return Copy(spec_.dtype, from_link, Members(b), e - b);
     }
     // Every chunk reaches a node once in the scatter: the peers' sum so far, plus this node's
     // members.
     std::vector<Slice> srcs = Members(b);
     srcs.push_back(from_link);
     if (last) {  // the result, into every member
-      Reduce(spec_.dtype, spec_.op, spec_.divisor, srcs, Members(b), e - b);
-    } else {
-      const Slice into{&views_[0], b};
-      Reduce(spec_.dtype, partial_, 1, srcs, {&into, 1}, e - b);
+      return Reduce(spec_.dtype, spec_.op, spec_.divisor, srcs, Members(b), e - b);
     }
-    return absl::OkStatus();
+    const Slice into{&views_[0], b};
+    return Reduce(spec_.dtype, partial_, 1, srcs, {&into, 1}, e - b);
   }
 
   RecordLinks& links_;
@@ -201,9 +191,9 @@ size_t SegmentMessageBytes(size_t segment_bytes) {
 
 absl::Status RingAllreduce(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
                            absl::Span<std::byte* const> buffers) {
-  if (buffers.empty() || spec.count < 0 || DTypeSize(spec.dtype) <= 0) {
+  if (buffers.empty() || spec.count < 0 || DTypeSize(spec.dtype) <= 0 || op.window < 1) {
     return absl::InvalidArgumentError(
-        "ring all-reduce: no buffers, a negative count or an unknown dtype");
+        "ring all-reduce: no buffers, a negative count, an unknown dtype or a window below 1");
   }
   return Ring(links, op, spec, buffers).Run();
 }
@@ -217,15 +207,13 @@ absl::Status LinkBroadcast(RecordLinks& links, const LinkOp& op, int root,
   for (uint64_t k = 0; k < s.count(); ++k) {
     std::byte* const at = buffer.data() + s.begin(k);
     if (links.me() == root) {
-      absl::Status sent =
-          SendSegment(links, op, RecordLinks::kEveryPeer, kBroadcast, 0, k, at, s.size(k));
-      if (!sent.ok()) return sent;
+      GRADSYNC_RETURN_IF_ERROR(
+          SendSegment(links, op, RecordLinks::kEveryPeer, kBroadcast, 0, k, at, s.size(k)));
       continue;
     }
-    absl::StatusOr<const std::byte*> data =
-        ReceiveSegment(links, op, root, kBroadcast, 0, k, s.size(k));
-    if (!data.ok()) return data.status();
-    std::memcpy(at, *data, s.size(k));
+    GRADSYNC_ASSIGN_OR_RETURN(const std::byte* const data,
+                              ReceiveSegment(links, op, root, kBroadcast, 0, k, s.size(k)));
+    std::memcpy(at, data, s.size(k));
   }
   return absl::OkStatus();
 }
@@ -234,8 +222,8 @@ absl::Status LinkAllGather(RecordLinks& links, const LinkOp& op,
                            absl::Span<const size_t> part_bytes, std::byte* output) {
   const int n = links.nodes();
   const int me = links.me();
-  if (static_cast<int>(part_bytes.size()) != n) {
-    return absl::InvalidArgumentError("all-gather: one part per node");
+  if (static_cast<int>(part_bytes.size()) != n || op.window < 1) {
+    return absl::InvalidArgumentError("all-gather: not one part per node, or a window below 1");
   }
   const size_t segment = std::max<size_t>(1, op.segment_bytes);
   std::vector<size_t> offset(n, 0);
@@ -250,20 +238,20 @@ absl::Status LinkAllGather(RecordLinks& links, const LinkOp& op,
       if (p == me || got[p] == Segmented{part_bytes[p], segment}.count()) continue;
       if (behind < 0 || got[p] < got[behind]) behind = p;
     }
-    if (sent < mine.count() && (behind < 0 || sent < got[behind] + kWindow)) {
-      absl::Status st = SendSegment(links, op, RecordLinks::kEveryPeer, kAllGather, 0, sent,
-                                    output + offset[me] + mine.begin(sent), mine.size(sent));
-      if (!st.ok()) return st;
+    if (sent < mine.count() &&
+        (behind < 0 || sent < got[behind] + static_cast<uint64_t>(op.window))) {
+      GRADSYNC_RETURN_IF_ERROR(SendSegment(links, op, RecordLinks::kEveryPeer, kAllGather, 0, sent,
+                                           output + offset[me] + mine.begin(sent),
+                                           mine.size(sent)));
       ++sent;
       continue;
     }
     if (behind < 0) return absl::OkStatus();  // all sent, all received
     const Segmented part{part_bytes[behind], segment};
     const uint64_t k = got[behind]++;
-    absl::StatusOr<const std::byte*> data =
-        ReceiveSegment(links, op, behind, kAllGather, 0, k, part.size(k));
-    if (!data.ok()) return data.status();
-    std::memcpy(output + offset[behind] + part.begin(k), *data, part.size(k));
+    GRADSYNC_ASSIGN_OR_RETURN(const std::byte* const data,
+                              ReceiveSegment(links, op, behind, kAllGather, 0, k, part.size(k)));
+    std::memcpy(output + offset[behind] + part.begin(k), data, part.size(k));
   }
 }
 

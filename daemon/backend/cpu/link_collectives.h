@@ -18,12 +18,15 @@ namespace gradsync::backend::cpu {
 class RecordLinks;
 
 /// What every collective here is told: which op (every message carries its seq, and a message
-/// of another op, kind, step or segment is refused: the nodes are out of step), by when, and the
-/// pipeline's unit (one message per segment).
+/// of another op, kind, step or segment is refused: the nodes are out of step), by when (every
+/// wait inside ends by that one absolute time, however many peers it waits for), and the
+/// pipeline's shape: its unit (one message per segment; every node of the op must use the same)
+/// and how many segments a node sends ahead of the ones it received (its own choice).
 struct LinkOp {
   uint64_t seq = 0;
   absl::Time deadline = absl::InfiniteFuture();
   size_t segment_bytes = 1 << 20;
+  int64_t window = 2;  // at least 1
 };
 
 /// The longest message a collective sends with segments of `segment_bytes` (the links'
@@ -49,21 +52,24 @@ struct RingSpec {
 /// from the link into every member.
 ///
 /// Each block is reduced on one node and sent to the others, so every node ends with the same
-/// bits. On failure (a link lost, a peer out of step, the deadline passed) the buffers hold
-/// partial results and the links' state is undefined: the caller fails the group.
+/// bits. On failure the buffers hold partial results and the links' state is undefined: the
+/// caller fails the group. The status keeps the links' code (UNAVAILABLE a link lost,
+/// DEADLINE_EXCEEDED the deadline passed, CANCELLED the links' cancel fd); a peer out of step is
+/// INTERNAL, and so is a spec the kernels cannot reduce (an op that is not a reduction).
 /// Every node of the links must call it for the same op with the same spec.
 absl::Status RingAllreduce(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
                            absl::Span<std::byte* const> buffers);
 
 /// `buffer` of node `root` into `buffer` of every other node: the root sends each segment to
-/// every peer (a tree would spare the root's link on many nodes; groups here span few).
+/// every peer (a tree would spare the root's link on many nodes; groups here span few). Failures
+/// as RingAllreduce's.
 absl::Status LinkBroadcast(RecordLinks& links, const LinkOp& op, int root,
                            absl::Span<std::byte> buffer);
 
 /// Every node's part into every node's `output`: the parts lie in node order, part_bytes[i]
 /// bytes for node i, and this node's is in place already. Each node sends its part to every
-/// peer (each byte leaves its node N−1 times, as in a ring), at most two segments ahead of the
-/// ones it received from its slowest peer.
+/// peer (each byte leaves its node N−1 times, as in a ring), at most a window of segments ahead of
+/// the ones it received from its slowest peer (op.window). Failures as RingAllreduce's.
 absl::Status LinkAllGather(RecordLinks& links, const LinkOp& op,
                            absl::Span<const size_t> part_bytes, std::byte* output);
 

@@ -1,57 +1,27 @@
 // Implementation of nodes_communicator.h: the per-op verdict exchange (with small ops' data
-// inline), batching of queued ops, the link collectives for larger ops, and link failure.
+// inline), batching of queued ops, the link collectives for larger ops, link failure and abort.
 
 #include "daemon/backend/cpu/nodes_communicator.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <stdexcept>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "daemon/backend/cpu/kernels.h"
 #include "daemon/backend/cpu/link_collectives.h"
 #include "daemon/backend/cpu/record_links.h"
+#include "daemon/backend/cpu/socket.h"
 
 namespace gradsync::backend::cpu {
 namespace {
 
-// How long past an op's deadline a node waits for its peers' verdicts (and connections).
-constexpr absl::Duration kGrace = absl::Seconds(10);
-// The link collectives' segment: one message on the links.
-constexpr size_t kSegmentBytes = 1 << 20;
-// Ops moving at most this many bytes per node travel inside their record: one exchange instead
-// of a verdict round and then a link collective.
-constexpr int64_t kInlineMaxBytes = 256 << 10;
-// Most ops whose records are in flight at once (RunBatch splits longer runs).
-constexpr size_t kMaxStageOps = 256;
-// A stream message: at most this many bytes, sent once it holds kStreamFlushBytes so that the
-// wire and the peer start while later records are packed.
-constexpr size_t kStreamMessageBytes = 1 << 20;
-constexpr size_t kStreamFlushBytes = 256 << 10;
 // Send buffers a communicator keeps between stages (a 200 x 40 KiB batch takes about 30).
 constexpr size_t kKeptSendMessages = 32;
 constexpr uint64_t kStreamMagic = 0x67737265636f7264;  // "gsrecord"
 
-std::chrono::milliseconds MillisUntil(absl::Time deadline) {
-  return std::chrono::milliseconds(
-      std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
-}
-
-// What one node sends every other for each op, on its stream: its view of the op, then its
-// inline contribution (payload_bytes of it, padded to RecordLinks::kAlign so that payloads stay
-// aligned for the reduction kernels).
-struct RecordHeader {
-  uint64_t seq;
-  int32_t code;
-  uint32_t payload_bytes;
-  uint64_t fingerprint_hash;  // of the whole fingerprint (the text below may be cut)
-  char fingerprint[240];
-  char message[248];
-};
-static_assert(sizeof(RecordHeader) == 512);
 // Opens every stream message; `bytes` counts the whole message, this header included.
 struct MessageHeader {
   uint64_t magic;
@@ -67,24 +37,43 @@ uint64_t HashOf(std::string_view s) {
   return h;
 }
 
+// `status` with the op's label in front ("all_reduce job=j group=world seq=3: ..."); OK stays OK.
+absl::Status Labeled(const core::Collective& op, const absl::Status& status) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat(op.label, ": ", status.message()));
+}
+
 }  // namespace
+
+// What one node sends every other for each op, on its stream: its view of the op, then its
+// inline contribution (payload_bytes of it, padded to RecordLinks::kAlign so that payloads stay
+// aligned for the reduction kernels).
+struct NodesCommunicator::RecordHeader {
+  uint64_t seq;
+  int32_t code;
+  uint32_t payload_bytes;
+  uint64_t fingerprint_hash;  // of the whole fingerprint (the text below may be cut)
+  char fingerprint[240];
+  char message[248];
+};
 
 struct NodesCommunicator::Exchange {
   absl::Status local;  // this node's verdict
   bool inline_data = false;
   const std::byte* mine = nullptr;  // this node's record, in an outbox message
+  absl::Status result;              // the op's outcome, once Finish decided it
 };
 
 // This node's messages of one stage (its records are read again when each op finishes).
 struct NodesCommunicator::Outbox {
   struct Message {
-    std::unique_ptr<std::byte[]> memory;  // kStreamMessageBytes
+    std::unique_ptr<std::byte[]> memory;  // tuning_.stream_message_bytes
     size_t bytes = sizeof(MessageHeader);
     uint64_t records = 0;
     bool sent = false;
   };
   std::vector<Message> messages;  // the last one is open while not sent
-  absl::Time deadline;            // of sending: the stage's latest op deadline, kGrace at least
+  absl::Time deadline;  // of sending: the stage's latest op deadline, peer_grace from now at least
 };
 
 // Where this node is in a peer's current message (from RecordLinks::Receive, valid until the
@@ -94,7 +83,14 @@ struct NodesCommunicator::PeerStream {
   const std::byte* end = nullptr;   // and its end
 };
 
-NodesCommunicator::NodesCommunicator(core::CommunicatorSpec spec) : spec_(std::move(spec)) {
+size_t NodesCommunicator::MinStreamMessageBytes(int64_t inline_bytes) {
+  static_assert(sizeof(RecordHeader) == 512);  // the wire's (and a multiple of RecordLinks::kAlign)
+  return sizeof(MessageHeader) + sizeof(RecordHeader) +
+         RecordLinks::Padded(static_cast<size_t>(std::max<int64_t>(0, inline_bytes)));
+}
+
+NodesCommunicator::NodesCommunicator(core::CommunicatorSpec spec, const CpuTuning& tuning)
+    : spec_(std::move(spec)), tuning_(tuning) {
   nodes_ = spec_.member_nodes;
   std::sort(nodes_.begin(), nodes_.end());
   nodes_.erase(std::unique(nodes_.begin(), nodes_.end()), nodes_.end());
@@ -106,9 +102,42 @@ NodesCommunicator::NodesCommunicator(core::CommunicatorSpec spec) : spec_(std::m
       static_cast<int>(std::lower_bound(nodes_.begin(), nodes_.end(), spec_.node) - nodes_.begin());
   members_on_node_.assign(nodes_.size(), 0);
   for (int node : node_of_group_rank_) ++members_on_node_[node];
+  setup_ = ValidateCpuTuning(tuning_);
+  if (setup_.ok()) {
+    const int fd = sock::NewCancelFd();
+    const int err = errno;
+    cancel_fd_ = UniqueFd(fd);
+    if (fd < 0) {
+      setup_ = absl::ResourceExhaustedError(
+          absl::StrCat("job=", spec_.job, " group=", spec_.group, ": no eventfd to cancel the ",
+                       "group's waits: ", sock::Error("eventfd", err).message()));
+    }
+  }
 }
 
 NodesCommunicator::~NodesCommunicator() = default;
+
+void NodesCommunicator::Abort(const absl::Status& status) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!aborted_.ok()) return;  // the first status stays
+    aborted_ = status.ok() ? absl::InternalError("aborted with an OK status") : status;
+  }
+  // Wakes the wait the running op is in (if any), and every later one at once: never read back.
+  if (cancel_fd_.get() >= 0) sock::Signal(cancel_fd_.get());
+}
+
+absl::Status NodesCommunicator::Aborted() const {
+  absl::MutexLock lock(&mu_);
+  return aborted_;
+}
+
+absl::Status NodesCommunicator::Unrunnable(const core::Collective& op) const {
+  if (absl::Status aborted = Aborted(); !aborted.ok()) return Labeled(op, aborted);
+  if (!setup_.ok()) return Labeled(op, setup_);
+  if (!broken_.ok()) return BrokenStatus(op);
+  return absl::OkStatus();
+}
 
 std::string NodesCommunicator::PeersWithRanks() const {
   std::string out;
@@ -136,7 +165,10 @@ absl::Status NodesCommunicator::Connect(absl::Time deadline) {
       absl::StrCat("records/", spec_.run, spec_.run.empty() ? "" : "/", spec_.group, "/");
   links.nodes = nodes_;
   links.me = my_node_;
-  links.max_message_bytes = std::max(kStreamMessageBytes, SegmentMessageBytes(kSegmentBytes));
+  links.max_message_bytes =
+      std::max(static_cast<size_t>(tuning_.stream_message_bytes),
+               SegmentMessageBytes(static_cast<size_t>(tuning_.segment_bytes)));
+  links.cancel_fd = cancel_fd_.get();
   absl::StatusOr<std::unique_ptr<RecordLinks>> connected =
       RecordLinks::Connect(std::move(links), deadline);
   if (!connected.ok()) {
@@ -154,24 +186,31 @@ absl::Status NodesCommunicator::BrokenStatus(const core::Collective& op) const {
                                                    "nodes failed earlier: ", broken_.message()));
 }
 
-absl::Status NodesCommunicator::FailLink(const core::Collective& op, absl::Status error) {
-  // A peer daemon died, or did not reach the op by its deadline. The nodes may now disagree
-  // on where the group's sequence stands, so the group stays failed (its ranks form the job
-  // again) rather than reconnecting to stale rendezvous keys.
+absl::Status NodesCommunicator::FailLink(const core::Collective& op, const absl::Status& error) {
+  // A peer daemon died, or did not reach the op by its deadline, or sent what it should not
+  // have. The nodes may now disagree on where the group's sequence stands, so the group stays
+  // failed (its ranks form the job again) rather than reconnecting to stale rendezvous keys.
   streams_.clear();
   links_.reset();
-  if (absl::Now() >= op.deadline) {
-    error = absl::DeadlineExceededError(
+  if (absl::Status aborted = Aborted(); !aborted.ok()) {
+    broken_ = aborted;
+    return Labeled(op, aborted);
+  }
+  if (error.code() == absl::StatusCode::kDeadlineExceeded) {
+    broken_ = absl::DeadlineExceededError(
         absl::StrCat(op.label, " did not complete by its deadline: ", "it waited for ",
                      PeersWithRanks(), " (", error.message(), ")"));
+  } else {
+    broken_ = absl::Status(error.code(), absl::StrCat(op.label, " across ", nodes_.size(),
+                                                      " nodes failed (peers: ", PeersWithRanks(),
+                                                      "): ", error.message()));
   }
-  broken_ = error;
-  return error;
+  return broken_;
 }
 
 absl::Status NodesCommunicator::Run(const core::Collective& op) {
   const core::Collective* const ops[] = {&op};
-  absl::Status out;
+  absl::Status out = absl::InternalError(absl::StrCat(op.label, ": no outcome"));
   RunBatch(ops, [&out](size_t, absl::Status s) { out = std::move(s); });
   return out;
 }
@@ -180,16 +219,17 @@ void NodesCommunicator::RunBatch(absl::Span<const core::Collective* const> ops,
                                  absl::FunctionRef<void(size_t, absl::Status)> finished) {
   size_t i = 0;
   while (i < ops.size()) {
-    if (!broken_.ok()) {
-      finished(i, BrokenStatus(*ops[i]));
+    if (absl::Status s = Unrunnable(*ops[i]); !s.ok()) {
+      finished(i, std::move(s));
       ++i;
       continue;
     }
     // Connecting is a rendezvous with every node of the group, which each starts at its first
-    // op of the group: allow the peers kGrace past this op's deadline (the op still fails if
-    // late).
-    if (absl::Status s = Connect(std::max(ops[i]->deadline, absl::Now() + kGrace)); !s.ok()) {
-      finished(i, FailLink(*ops[i], std::move(s)));
+    // op of the group: allow the peers peer_grace past this op's deadline (the op still fails
+    // if late).
+    if (absl::Status s = Connect(std::max(ops[i]->deadline, absl::Now() + tuning_.peer_grace));
+        !s.ok()) {
+      finished(i, FailLink(*ops[i], s));
       ++i;
       continue;
     }
@@ -216,9 +256,10 @@ size_t NodesCommunicator::StageEnd(absl::Span<const core::Collective* const> ops
                                    size_t begin) const {
   // An inline op's contribution is packed when its messages are posted, before the ops ahead
   // of it in the stage complete: it must not read bytes one of them writes.
+  const size_t max_ops = static_cast<size_t>(tuning_.max_stage_ops);
   std::vector<std::pair<uintptr_t, uintptr_t>> written, read;
   size_t end = begin;
-  for (; end < ops.size() && end - begin < kMaxStageOps; ++end) {
+  for (; end < ops.size() && end - begin < max_ops; ++end) {
     const core::Collective& op = *ops[end];
     if (!op.local_failure.ok()) continue;  // names no buffer
     const int64_t esize = DTypeSize(op.dtype);
@@ -245,25 +286,25 @@ size_t NodesCommunicator::StageEnd(absl::Span<const core::Collective* const> ops
 std::unique_ptr<std::byte[]> NodesCommunicator::TakeSendMemory() {
   if (free_send_memory_.empty()) {
     // Not value-initialized: pages a message never reaches are never touched.
-    return std::unique_ptr<std::byte[]>(new std::byte[kStreamMessageBytes]);
+    return std::unique_ptr<std::byte[]>(
+        new std::byte[static_cast<size_t>(tuning_.stream_message_bytes)]);
   }
   std::unique_ptr<std::byte[]> m = std::move(free_send_memory_.back());
   free_send_memory_.pop_back();
   return m;
 }
 
-const std::byte* NodesCommunicator::NextRecord(int node, uint64_t seq,
-                                               std::chrono::milliseconds timeout) {
+absl::StatusOr<const std::byte*> NodesCommunicator::NextRecord(int node, uint64_t seq,
+                                                               absl::Time deadline) {
   PeerStream& stream = streams_[node];
   if (stream.next == stream.end) {
-    absl::StatusOr<absl::Span<const std::byte>> message =
-        links_->Receive(node, absl::Now() + absl::FromChrono(timeout));
-    ThrowIfFailed(message.status());
-    const std::byte* const m = message->data();
+    GRADSYNC_ASSIGN_OR_RETURN(const absl::Span<const std::byte> message,
+                              links_->Receive(node, deadline));
+    const std::byte* const m = message.data();
     MessageHeader header{};  // a message too short to hold one fails the magic check
-    if (message->size() >= sizeof(header)) std::memcpy(&header, m, sizeof(header));
-    if (header.magic != kStreamMagic || header.bytes != message->size() || header.records == 0) {
-      throw std::runtime_error(absl::StrCat("malformed stream message from node ", nodes_[node]));
+    if (message.size() >= sizeof(header)) std::memcpy(&header, m, sizeof(header));
+    if (header.magic != kStreamMagic || header.bytes != message.size() || header.records == 0) {
+      return absl::InternalError(absl::StrCat("malformed stream message from node ", nodes_[node]));
     }
     stream.next = m + sizeof(header);
     stream.end = m + header.bytes;
@@ -271,26 +312,26 @@ const std::byte* NodesCommunicator::NextRecord(int node, uint64_t seq,
   const std::byte* const record = stream.next;
   RecordHeader header;
   if (static_cast<size_t>(stream.end - record) < sizeof(header)) {
-    throw std::runtime_error(absl::StrCat("malformed stream message from node ", nodes_[node]));
+    return absl::InternalError(absl::StrCat("malformed stream message from node ", nodes_[node]));
   }
   std::memcpy(&header, record, sizeof(header));
   const size_t bytes = sizeof(header) + RecordLinks::Padded(header.payload_bytes);
   if (header.seq != seq || static_cast<size_t>(stream.end - record) < bytes) {
-    throw std::runtime_error(absl::StrCat("node ", nodes_[node], " sent the record of seq ",
-                                          header.seq, " where seq ", seq,
-                                          " was due: the nodes are out of step"));
+    return absl::InternalError(absl::StrCat("node ", nodes_[node], " sent the record of seq ",
+                                            header.seq, " where seq ", seq,
+                                            " was due: the nodes are out of step"));
   }
   stream.next = record + bytes;
   return record;
 }
 
-void NodesCommunicator::Flush(Outbox& outbox) {
-  if (outbox.messages.empty() || outbox.messages.back().sent) return;
+absl::Status NodesCommunicator::Flush(Outbox& outbox) {
+  if (outbox.messages.empty() || outbox.messages.back().sent) return absl::OkStatus();
   Outbox::Message& m = outbox.messages.back();
   const MessageHeader header{kStreamMagic, m.bytes, m.records, {}};
   std::memcpy(m.memory.get(), &header, sizeof(header));
   m.sent = true;
-  ThrowIfFailed(links_->Send({m.memory.get(), m.bytes}, outbox.deadline));
+  return links_->Send({m.memory.get(), m.bytes}, outbox.deadline);
 }
 
 void NodesCommunicator::RunStage(absl::Span<const core::Collective* const> ops, size_t first,
@@ -298,29 +339,29 @@ void NodesCommunicator::RunStage(absl::Span<const core::Collective* const> ops, 
   std::vector<Exchange> exchanges(ops.size());
   Outbox outbox;
   // Peers whose op failed at their own deadline come a moment later (as in Finish).
-  outbox.deadline = absl::Now() + kGrace;
+  outbox.deadline = absl::Now() + tuning_.peer_grace;
   for (const core::Collective* op : ops) outbox.deadline = std::max(outbox.deadline, op->deadline);
+  absl::Status link;  // not OK once the group's link failed
+  for (size_t k = 0; k < ops.size() && link.ok(); ++k) link = Post(*ops[k], exchanges[k], outbox);
+  if (link.ok()) link = Flush(outbox);
   size_t done = 0;  // ops told to `finished`
-  try {
-    for (size_t k = 0; k < ops.size(); ++k) Post(*ops[k], exchanges[k], outbox);
-    Flush(outbox);
-    for (; done < ops.size(); ++done) finished(first + done, Finish(*ops[done], exchanges[done]));
+  for (; done < ops.size() && link.ok(); ++done) {
+    link = Finish(*ops[done], exchanges[done]);
+    if (!link.ok()) break;
+    finished(first + done, std::move(exchanges[done].result));
+  }
+  if (link.ok()) {
     // A few kept for the next stage; a large batch's others go back to the allocator.
     for (Outbox::Message& m : outbox.messages) {
       if (free_send_memory_.size() < kKeptSendMessages) {
         free_send_memory_.push_back(std::move(m.memory));
       }
     }
-  } catch (const std::exception& e) {
-    const size_t failed = std::min(done, ops.size() - 1);  // all done: the last sends failed
-    const core::Collective& op = *ops[failed];
-    const absl::Status status =
-        FailLink(op, absl::UnavailableError(absl::StrCat(op.label, " across ", nodes_.size(),
-                                                         " nodes failed (peers: ", PeersWithRanks(),
-                                                         "): ", e.what())));
-    if (done < ops.size()) finished(first + done, status);
-    for (size_t k = done + 1; k < ops.size(); ++k) finished(first + k, BrokenStatus(*ops[k]));
+    return;
   }
+  // Every op is told once: a link fails only while some are left (their records or data).
+  finished(first + done, FailLink(*ops[done], link));
+  for (size_t k = done + 1; k < ops.size(); ++k) finished(first + k, Unrunnable(*ops[k]));
 }
 
 int64_t NodesCommunicator::InlineBytes(const core::Collective& op, int node) const {
@@ -334,7 +375,9 @@ int64_t NodesCommunicator::InlineBytes(const core::Collective& op, int node) con
       return node == node_of_group_rank_[op.root] ? op.count * esize : 0;
     case v1::ALL_GATHER:
       return members_on_node_[node] * op.count * esize;
-    default:
+    case v1::BARRIER:
+      return 0;
+    default:  // an unknown kind travels inline with nothing: Pack fails it (INTERNAL)
       return 0;
   }
 }
@@ -348,80 +391,81 @@ bool NodesCommunicator::TravelsInline(const core::Collective& op) const {
     return false;
   }
   for (size_t node = 0; node < nodes_.size(); ++node) {
-    if (InlineBytes(op, static_cast<int>(node)) > kInlineMaxBytes) return false;
+    if (InlineBytes(op, static_cast<int>(node)) > tuning_.inline_max_bytes) return false;
   }
   return true;
 }
 
-void NodesCommunicator::Pack(const core::Collective& op, std::byte* payload) {
+absl::Status NodesCommunicator::Pack(const core::Collective& op, std::byte* payload) {
   const int64_t n = op.count;
   const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
   std::vector<Slice> inputs;
   for (const core::LocalMember& m : op.local) inputs.push_back({&m.input, 0});
   switch (op.kind) {
+    case v1::BARRIER:
+      return absl::OkStatus();
     case v1::ALL_REDUCE:
     case v1::REDUCE_SCATTER: {
       const int64_t total = op.kind == v1::ALL_REDUCE ? n : n * op.group_size;
       const core::View out_view = {{payload, total}};
       const Slice out{&out_view, 0};
-      Reduce(op.dtype, partial, 1, inputs, {&out, 1}, total);
-      return;
+      return Reduce(op.dtype, partial, 1, inputs, {&out, 1}, total);
     }
-    case v1::BROADCAST:
+    case v1::BROADCAST: {
+      const core::View out_view = {{payload, n}};
+      const Slice out{&out_view, 0};
       for (const core::LocalMember& m : op.local) {
-        if (m.group_rank != op.root) continue;
-        const core::View out_view = {{payload, n}};
-        const Slice out{&out_view, 0};
-        const Slice src{&m.input, 0};
-        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&src, 1}, {&out, 1}, n);
+        if (m.group_rank == op.root) return Copy(op.dtype, {&m.input, 0}, {&out, 1}, n);
       }
-      return;
+      return absl::OkStatus();  // the root is on another node
+    }
     case v1::ALL_GATHER: {
       const core::View out_view = {{payload, n * static_cast<int64_t>(op.local.size())}};
       int64_t at = 0;
       for (const Slice& src : inputs) {  // ascending group rank
         const Slice out{&out_view, at};
-        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&src, 1}, {&out, 1}, n);
+        GRADSYNC_RETURN_IF_ERROR(Copy(op.dtype, src, {&out, 1}, n));
         at += n;
       }
-      return;
+      return absl::OkStatus();
     }
     default:
-      return;
+      return absl::InternalError(absl::StrCat("op kind ", OpKindName(op.kind), " (",
+                                              static_cast<int>(op.kind), ") has no inline form"));
   }
 }
 
-void NodesCommunicator::Unpack(const core::Collective& op,
-                               absl::Span<const std::byte* const> payloads) {
+absl::Status NodesCommunicator::Unpack(const core::Collective& op,
+                                       absl::Span<const std::byte* const> payloads) {
   const int64_t n = op.count;
   const int64_t total = op.kind == v1::REDUCE_SCATTER ? n * op.group_size : n;
   // Read only: core::View names writable runs.
   std::vector<core::View> views;
   for (const std::byte* p : payloads) views.push_back({{const_cast<std::byte*>(p), total}});
   switch (op.kind) {
+    case v1::BARRIER:
+      return absl::OkStatus();
     case v1::ALL_REDUCE: {
       std::vector<Slice> srcs, dsts;
       for (const core::View& v : views) srcs.push_back({&v, 0});
       for (const core::LocalMember& m : op.local) dsts.push_back({&m.input, 0});
-      Reduce(op.dtype, op.reduce_op, op.group_size, srcs, dsts, n);
-      return;
+      return Reduce(op.dtype, op.reduce_op, op.group_size, srcs, dsts, n);
     }
     case v1::REDUCE_SCATTER:
       for (const core::LocalMember& m : op.local) {
         std::vector<Slice> srcs;
         for (const core::View& v : views) srcs.push_back({&v, m.group_rank * n});
         const Slice dst{&m.output, 0};
-        Reduce(op.dtype, op.reduce_op, op.group_size, srcs, {&dst, 1}, n);
+        GRADSYNC_RETURN_IF_ERROR(Reduce(op.dtype, op.reduce_op, op.group_size, srcs, {&dst, 1}, n));
       }
-      return;
+      return absl::OkStatus();
     case v1::BROADCAST: {
       const Slice src{&views[node_of_group_rank_[op.root]], 0};
       std::vector<Slice> dsts;
       for (const core::LocalMember& m : op.local) {
         if (m.group_rank != op.root) dsts.push_back({&m.input, 0});
       }
-      Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&src, 1}, dsts, n);
-      return;
+      return Copy(op.dtype, src, dsts, n);
     }
     case v1::ALL_GATHER: {
       std::vector<int64_t> next(nodes_.size(), 0);  // next block of each node's part
@@ -432,33 +476,42 @@ void NodesCommunicator::Unpack(const core::Collective& op,
         next[node] += n;
         std::vector<Slice> dsts;
         for (const core::LocalMember& m : op.local) dsts.push_back({&m.output, q * n});
-        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&from, 1}, dsts, n);
+        GRADSYNC_RETURN_IF_ERROR(Copy(op.dtype, from, dsts, n));
       }
-      return;
+      return absl::OkStatus();
     }
-    default:
-      return;
+    default:  // Pack refused it on every node that agreed on the op
+      return absl::InternalError(absl::StrCat("op kind ", OpKindName(op.kind), " (",
+                                              static_cast<int>(op.kind), ") has no inline form"));
   }
 }
 
-void NodesCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& outbox) {
+absl::Status NodesCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& outbox) {
   ex.local = op.local_failure;
   if (ex.local.ok() && absl::Now() > op.deadline) {
     ex.local = absl::DeadlineExceededError(absl::StrCat(
         op.label, " did not complete by its deadline: it waited for ", PeersWithRanks()));
   }
   ex.inline_data = ex.local.ok() && TravelsInline(op);
-  const int64_t payload = ex.inline_data ? InlineBytes(op, my_node_) : 0;
-  const size_t bytes = sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(payload));
+  int64_t payload = ex.inline_data ? InlineBytes(op, my_node_) : 0;
+  const size_t most = sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(payload));
   if (!outbox.messages.empty() && !outbox.messages.back().sent &&
-      outbox.messages.back().bytes + bytes > kStreamMessageBytes) {
-    Flush(outbox);
+      outbox.messages.back().bytes + most > static_cast<size_t>(tuning_.stream_message_bytes)) {
+    GRADSYNC_RETURN_IF_ERROR(Flush(outbox));
   }
   if (outbox.messages.empty() || outbox.messages.back().sent) {
     outbox.messages.emplace_back().memory = TakeSendMemory();
   }
   Outbox::Message& m = outbox.messages.back();
   std::byte* const record = m.memory.get() + m.bytes;
+  if (ex.inline_data) {
+    // A contribution this node cannot pack fails the op by its verdict, on every node.
+    if (absl::Status packed = Pack(op, record + sizeof(RecordHeader)); !packed.ok()) {
+      ex.local = Labeled(op, packed);
+      ex.inline_data = false;
+      payload = 0;
+    }
+  }
   RecordHeader header{};
   header.seq = op.seq;
   header.code = static_cast<int32_t>(ex.local.code());
@@ -468,24 +521,15 @@ void NodesCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& o
   std::snprintf(header.message, sizeof(header.message), "%s",
                 std::string(ex.local.message()).c_str());
   std::memcpy(record, &header, sizeof(header));
-  if (ex.inline_data) Pack(op, record + sizeof(RecordHeader));
   ex.mine = record;
-  m.bytes += bytes;
+  m.bytes += sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(payload));
   ++m.records;
-  if (m.bytes >= kStreamFlushBytes) Flush(outbox);
+  if (m.bytes >= static_cast<size_t>(tuning_.stream_flush_bytes)) return Flush(outbox);
+  return absl::OkStatus();
 }
 
-absl::Status NodesCommunicator::Finish(const core::Collective& op, Exchange& ex) {
-  // Peers whose op failed at their own deadline (a rank missing there) come a moment later.
-  const auto timeout = std::max(MillisUntil(op.deadline), absl::ToChronoMilliseconds(kGrace));
-  std::vector<const std::byte*> records(nodes_.size());
-  std::vector<RecordHeader> headers(nodes_.size());
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    records[node] = static_cast<int>(node) == my_node_
-                        ? ex.mine
-                        : NextRecord(static_cast<int>(node), op.seq, timeout);
-    std::memcpy(&headers[node], records[node], sizeof(RecordHeader));
-  }
+absl::Status NodesCommunicator::Verdict(const core::Collective& op, const Exchange& ex,
+                                        absl::Span<const RecordHeader> headers) const {
   if (!op.local_failure.ok()) return op.local_failure;
   // A peer's own failure says more than our "we waited for the peers".
   for (size_t node = 0; node < nodes_.size(); ++node) {
@@ -509,28 +553,57 @@ absl::Status NodesCommunicator::Finish(const core::Collective& op, Exchange& ex)
                        std::string(h.fingerprint, strnlen(h.fingerprint, sizeof(h.fingerprint)))));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status NodesCommunicator::Finish(const core::Collective& op, Exchange& ex) {
+  GRADSYNC_RETURN_IF_ERROR(Aborted());
+  // Peers whose op failed at their own deadline (a rank missing there) come a moment later.
+  // One absolute time for every peer: waiting for N of them cannot stretch it N times.
+  const absl::Time wait_until = std::max(op.deadline, absl::Now() + tuning_.peer_grace);
+  std::vector<const std::byte*> records(nodes_.size());
+  std::vector<RecordHeader> headers(nodes_.size());
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    if (static_cast<int>(node) == my_node_) {
+      records[node] = ex.mine;
+    } else {
+      GRADSYNC_ASSIGN_OR_RETURN(records[node],
+                                NextRecord(static_cast<int>(node), op.seq, wait_until));
+    }
+    std::memcpy(&headers[node], records[node], sizeof(RecordHeader));
+  }
+  ex.result = Verdict(op, ex, headers);
+  if (!ex.result.ok()) return absl::OkStatus();
   if (!ex.inline_data) {
     // The collective's segments follow the op's record on every stream: a record left after it
     // in a peer's message means the peer is out of step (an honest one ends its stage here). Its
     // messages are about to be read past, so this is checked before, never after.
     for (size_t node = 0; node < nodes_.size(); ++node) {
       if (static_cast<int>(node) != my_node_ && streams_[node].next != streams_[node].end) {
-        throw std::runtime_error(absl::StrCat("node ", nodes_[node], " sent records after ",
-                                              op.label, "'s: the nodes are out of step"));
+        return absl::InternalError(absl::StrCat("node ", nodes_[node], " sent records after ",
+                                                op.label, "'s: the nodes are out of step"));
       }
     }
-    return RunLarge(op);
+    if (op.kind == v1::BROADCAST &&
+        (op.root < 0 || op.root >= static_cast<int>(node_of_group_rank_.size()))) {
+      // Every node that agreed on the op ends here, before the links carry anything of it.
+      ex.result = absl::InvalidArgumentError(absl::StrCat(op.label, ": no rank ", op.root));
+      return absl::OkStatus();
+    }
+    return RunLarge(op);  // ex.result stays OK: a failure there fails the link
   }
   std::vector<const std::byte*> payloads(nodes_.size());
   for (size_t node = 0; node < nodes_.size(); ++node) {
     const int64_t want = InlineBytes(op, static_cast<int>(node));
     if (headers[node].payload_bytes != static_cast<uint64_t>(want)) {
-      return absl::InternalError(absl::StrCat(op.label, ": node ", nodes_[node], " sent ",
-                                              headers[node].payload_bytes, " bytes, not ", want));
+      ex.result =
+          absl::InternalError(absl::StrCat(op.label, ": node ", nodes_[node], " sent ",
+                                           headers[node].payload_bytes, " bytes, not ", want));
+      return absl::OkStatus();
     }
     payloads[node] = records[node] + sizeof(RecordHeader);
   }
-  Unpack(op, payloads);
+  ex.result = Labeled(op, Unpack(op, payloads));
   return absl::OkStatus();
 }
 
@@ -538,26 +611,24 @@ LinkOp NodesCommunicator::LinkOpOf(const core::Collective& op) const {
   LinkOp out;
   out.seq = op.seq;
   out.deadline = op.deadline;
-  out.segment_bytes = kSegmentBytes;
+  out.segment_bytes = static_cast<size_t>(tuning_.segment_bytes);
+  out.window = tuning_.window_segments;
   return out;
 }
 
-void NodesCommunicator::AllreduceAcrossNodes(const core::Collective& op, int64_t n,
-                                             absl::Span<std::byte* const> buffers, bool finish) {
+absl::Status NodesCommunicator::AllreduceAcrossNodes(const core::Collective& op, int64_t n,
+                                                     absl::Span<std::byte* const> buffers,
+                                                     bool finish) {
   RingSpec ring;
   ring.dtype = op.dtype;
   // Unfinished, MEAN sums: the caller divides once at the end, by the group size.
   ring.op = finish || op.reduce_op != v1::MEAN ? op.reduce_op : v1::SUM;
   ring.divisor = op.group_size;
   ring.count = n;
-  ThrowIfFailed(RingAllreduce(*links_, LinkOpOf(op), ring, buffers));
+  return RingAllreduce(*links_, LinkOpOf(op), ring, buffers);
 }
 
-void NodesCommunicator::ThrowIfFailed(const absl::Status& status) {
-  if (!status.ok()) throw std::runtime_error(std::string(status.message()));
-}
-
-void NodesCommunicator::ReduceIntoScratch(const core::Collective& op, int64_t n) {
+absl::Status NodesCommunicator::ReduceIntoScratch(const core::Collective& op, int64_t n) {
   const int64_t esize = DTypeSize(op.dtype);
   const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
   scratch_.resize(static_cast<size_t>(n * esize));
@@ -565,9 +636,9 @@ void NodesCommunicator::ReduceIntoScratch(const core::Collective& op, int64_t n)
   const Slice out{&scratch, 0};
   std::vector<Slice> locals;
   for (const core::LocalMember& m : op.local) locals.push_back({&m.input, 0});
-  Reduce(op.dtype, partial, 1, locals, {&out, 1}, n);
+  GRADSYNC_RETURN_IF_ERROR(Reduce(op.dtype, partial, 1, locals, {&out, 1}, n));
   std::byte* const buffer = scratch_.data();
-  AllreduceAcrossNodes(op, n, {&buffer, 1}, /*finish=*/false);
+  return AllreduceAcrossNodes(op, n, {&buffer, 1}, /*finish=*/false);
 }
 
 absl::Status NodesCommunicator::RunLarge(const core::Collective& op) {
@@ -582,22 +653,17 @@ absl::Status NodesCommunicator::RunLarge(const core::Collective& op) {
         if (m.input.size() == 1 && m.input[0].count == n) contiguous.push_back(m.input[0].data);
       }
       if (contiguous.size() == op.local.size()) {
-        AllreduceAcrossNodes(op, n, contiguous, /*finish=*/true);
-        return absl::OkStatus();
+        return AllreduceAcrossNodes(op, n, contiguous, /*finish=*/true);
       }
       // Fused ops (members' segments): through one contiguous scratch buffer.
-      ReduceIntoScratch(op, n);
+      GRADSYNC_RETURN_IF_ERROR(ReduceIntoScratch(op, n));
       const core::View scratch = {{scratch_.data(), n}};
       const Slice from{&scratch, 0};
       std::vector<Slice> locals;
       for (const core::LocalMember& m : op.local) locals.push_back({&m.input, 0});
-      Reduce(op.dtype, op.reduce_op, op.group_size, {&from, 1}, locals, n);
-      return absl::OkStatus();
+      return Reduce(op.dtype, op.reduce_op, op.group_size, {&from, 1}, locals, n);
     }
     case v1::BROADCAST: {
-      if (op.root < 0 || op.root >= static_cast<int>(node_of_group_rank_.size())) {
-        return absl::InvalidArgumentError(absl::StrCat(op.label, ": no rank ", op.root));
-      }
       scratch_.resize(static_cast<size_t>(n * esize));
       const core::View scratch = {{scratch_.data(), n}};
       const Slice buf{&scratch, 0};
@@ -605,24 +671,23 @@ absl::Status NodesCommunicator::RunLarge(const core::Collective& op) {
       for (const core::LocalMember& m : op.local) {
         locals.push_back({&m.input, 0});
         if (m.group_rank == op.root) {
-          const Slice src{&m.input, 0};
-          Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&src, 1}, {&buf, 1}, n);
+          GRADSYNC_RETURN_IF_ERROR(Copy(op.dtype, {&m.input, 0}, {&buf, 1}, n));
         }
       }
-      ThrowIfFailed(LinkBroadcast(*links_, LinkOpOf(op), node_of_group_rank_[op.root],
-                                  absl::MakeSpan(scratch_.data(), scratch_.size())));
-      Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&buf, 1}, locals, n);
-      return absl::OkStatus();
+      GRADSYNC_RETURN_IF_ERROR(LinkBroadcast(*links_, LinkOpOf(op), node_of_group_rank_[op.root],
+                                             absl::MakeSpan(scratch_.data(), scratch_.size())));
+      return Copy(op.dtype, buf, locals, n);
     }
     case v1::REDUCE_SCATTER: {
       // The whole input reduced across nodes, then each local member takes its block.
       const int64_t total = n * op.group_size;
-      ReduceIntoScratch(op, total);
+      GRADSYNC_RETURN_IF_ERROR(ReduceIntoScratch(op, total));
       const core::View scratch = {{scratch_.data(), total}};
       for (const core::LocalMember& m : op.local) {
         const Slice from{&scratch, m.group_rank * n};
         const Slice to{&m.output, 0};
-        Reduce(op.dtype, op.reduce_op, op.group_size, {&from, 1}, {&to, 1}, n);
+        GRADSYNC_RETURN_IF_ERROR(
+            Reduce(op.dtype, op.reduce_op, op.group_size, {&from, 1}, {&to, 1}, n));
       }
       return absl::OkStatus();
     }
@@ -644,21 +709,22 @@ absl::Status NodesCommunicator::RunLarge(const core::Collective& op) {
       scratch_.resize(static_cast<size_t>(total * esize));
       const core::View gathered = {{scratch_.data(), total}};
       for (const core::LocalMember& m : op.local) {
-        const Slice from{&m.input, 0};
         const Slice to{&gathered, block_start[m.group_rank]};
-        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&from, 1}, {&to, 1}, n);
+        GRADSYNC_RETURN_IF_ERROR(Copy(op.dtype, {&m.input, 0}, {&to, 1}, n));
       }
-      ThrowIfFailed(LinkAllGather(*links_, LinkOpOf(op), part_bytes, scratch_.data()));
+      GRADSYNC_RETURN_IF_ERROR(LinkAllGather(*links_, LinkOpOf(op), part_bytes, scratch_.data()));
       for (int q = 0; q < op.group_size; ++q) {
         const Slice from{&gathered, block_start[q]};
         std::vector<Slice> dsts;
         for (const core::LocalMember& m : op.local) dsts.push_back({&m.output, q * n});
-        Reduce(op.dtype, v1::REDUCE_OP_UNSPECIFIED, 1, {&from, 1}, dsts, n);
+        GRADSYNC_RETURN_IF_ERROR(Copy(op.dtype, from, dsts, n));
       }
       return absl::OkStatus();
     }
-    default:  // a barrier is its records alone (TravelsInline)
-      return absl::InternalError(absl::StrCat(op.label, ": not an op that moves data"));
+    default:  // a barrier, like an unknown kind, is its records alone (TravelsInline)
+      return absl::InternalError(absl::StrCat("op kind ", OpKindName(op.kind), " (",
+                                              static_cast<int>(op.kind),
+                                              ") is not an op that moves data"));
   }
 }
 

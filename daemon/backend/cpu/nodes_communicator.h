@@ -3,12 +3,19 @@
 // Collectives of a group that spans nodes: reduced inside each daemon, exchanged between nodes
 // over the group's own authenticated TCP links (record_links.h), one link per pair of nodes.
 
-#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/unique_fd.h"
+#include "daemon/backend/cpu/cpu_backend.h"
 #include "daemon/backend/cpu/link_collectives.h"
 #include "daemon/core/backend.h"
 
@@ -22,7 +29,7 @@ class RecordLinks;
 /// MEAN divides by the group size, not the node count.
 ///
 /// Every op starts with one record from each node to every other: the node's verdict (its
-/// status and the op's fingerprint) and, for ops that move at most kInlineMaxBytes, the node's
+/// status and the op's fingerprint) and, for ops that move at most inline_max_bytes, the node's
 /// whole contribution. Such an op is done in that one exchange (each node combines the
 /// contributions in node order, so all get the same bits); a larger one then runs a link
 /// collective on the same streams (link_collectives.h: a ring all-reduce for all-reduce and
@@ -32,7 +39,7 @@ class RecordLinks;
 /// Records travel on one stream per ordered pair of nodes, in sequence order, over the group's
 /// own TCP connections (record_links.h: written and read by this thread, no transport thread
 /// in between): RunBatch packs the records of a run of queued ops into few messages (each up
-/// to kStreamMessageBytes), so a batch costs a few messages per peer, not one per op.
+/// to stream_message_bytes), so a batch costs a few messages per peer, not one per op.
 /// A stage's records are all packed before its first op waits for its peers' (packing ahead
 /// by a bounded window measured slower here), and each op is reported as soon as it finishes,
 /// keeping its own outcome, deadline and desync check. Nodes
@@ -40,85 +47,121 @@ class RecordLinks;
 /// in; a record of another seq than the one due means the nodes are out of step, and fails the
 /// link.
 ///
-/// Not thread-safe: the engine never overlaps a group's calls (core::Communicator), and all
-/// state here is the group's. The links are connected at the first op (rendezvous through the
-/// job's store), bounded by that op's deadline. A lost peer is UNAVAILABLE naming the op, and
-/// the group's later ops fail the same way (the job must be formed again). ReduceScatter reduces
-/// the whole input across nodes and hands each member its block; AllGather gathers the nodes'
-/// parts.
+/// Errors keep their code end to end: a link lost is UNAVAILABLE, a peer that did not reach the
+/// op by its deadline (plus tuning.peer_grace) DEADLINE_EXCEEDED naming it, a peer out of step
+/// or a malformed stream INTERNAL; each names the op, and the group's later ops fail with it
+/// (the job must be formed again). Every wait of an op, for however many peers, ends by one
+/// absolute time. ReduceScatter reduces the whole input across nodes and hands each member its
+/// block; AllGather gathers the nodes' parts.
+///
+/// Run and RunBatch are not thread-safe: the engine never overlaps a group's calls
+/// (core::Communicator), and all state but `aborted_` is the group's thread's. The links are
+/// connected at the first op (rendezvous through the job's store), bounded by that op's
+/// deadline. Abort may come from any thread.
 class NodesCommunicator final : public core::Communicator {
  public:
-  explicit NodesCommunicator(core::CommunicatorSpec spec);
+  /// `tuning` must be valid (ValidateCpuTuning); if not, every op fails INVALID_ARGUMENT.
+  explicit NodesCommunicator(core::CommunicatorSpec spec, const CpuTuning& tuning = {});
   ~NodesCommunicator() override;
   absl::Status Run(const core::Collective& op) override;
   void RunBatch(absl::Span<const core::Collective* const> ops,
                 absl::FunctionRef<void(size_t, absl::Status)> finished) override;
+  /// Thread-safe; returns at once. The first status stays (an OK one counts as INTERNAL). The
+  /// op running fails with it (its code, its message after the op's label) as soon as the wait
+  /// it is in wakes (the record links' cancel fd), and so does every later op, before it writes
+  /// anything. The links are closed (the peers see this node gone). A ring all-reduce cut off
+  /// mid-way leaves partial sums in its members' buffers, as a link lost there does.
+  void Abort(const absl::Status& status) override;
+
+  /// The smallest stream message that holds an op travelling inline with `inline_bytes` of
+  /// this node's data (its record and the message's header).
+  static size_t MinStreamMessageBytes(int64_t inline_bytes);
 
  private:
   struct Exchange;
   struct Outbox;
   struct PeerStream;
+  struct RecordHeader;
 
+  // Why `op` cannot start: this communicator was aborted, could not be made, or its link failed
+  // earlier. OK when it can.
+  absl::Status Unrunnable(const core::Collective& op) const;
+  absl::Status Aborted() const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Connect(absl::Time deadline);
   // The status of an op reached after the group's link failed.
   absl::Status BrokenStatus(const core::Collective& op) const;
-  // Records that `op` failed on the link (`error`): the group stays failed. Returns the op's
-  // status (DEADLINE_EXCEEDED naming the peers once its deadline passed).
-  absl::Status FailLink(const core::Collective& op, absl::Status error);
+  // Records that `op` failed on the link (`error`, as the links or a collective returned it):
+  // the group stays failed. Returns the op's status: the abort's once aborted (the links'
+  // CANCELLED is what woke it), else `error`'s code after the op's label, naming the peers
+  // (DEADLINE_EXCEEDED: the op did not complete by its deadline, waiting for them).
+  absl::Status FailLink(const core::Collective& op, const absl::Status& error);
   // One past the last of ops[begin...] that may have their records in flight together: an op
   // that reads what an earlier one of the run writes waits for it, and an op that runs a link
   // collective is the last of its stage.
   size_t StageEnd(absl::Span<const core::Collective* const> ops, size_t begin) const;
-  // Runs ops whose records may all be in flight at once, ops[i] being the batch's op first + i.
-  // Never throws: a failed link fails its ops through `finished`.
+  // Runs ops whose records may all be in flight at once, ops[i] being the batch's op first + i;
+  // a failed link fails its ops through `finished`.
   void RunStage(absl::Span<const core::Collective* const> ops, size_t first,
                 absl::FunctionRef<void(size_t, absl::Status)> finished);
   // Appends this node's record of `op` (verdict and inline contribution) to `outbox`, sending
-  // its message to every peer when full. Throws (a failed link).
-  void Post(const core::Collective& op, Exchange& ex, Outbox& outbox);
+  // its message to every peer when full. An op this node cannot pack fails by its verdict
+  // (ex.local). Not OK: the link failed.
+  absl::Status Post(const core::Collective& op, Exchange& ex, Outbox& outbox);
   // Sends the outbox's open message (if any) to every peer; returns once the kernel holds it.
-  // Throws (a failed link).
-  void Flush(Outbox& outbox);
-  // The next record on `node`'s stream, which must be op `seq`'s: waits for its message up to
-  // `timeout`. The record stays valid until the next call for that node. Throws (a failed
-  // link, or a stream out of step).
-  const std::byte* NextRecord(int node, uint64_t seq, std::chrono::milliseconds timeout);
-  // Waits for the peers' records of the op, decides its verdict and completes it. Throws (a failed
-  // link).
+  // Not OK: the link failed.
+  absl::Status Flush(Outbox& outbox);
+  // The next record on `node`'s stream, which must be op `seq`'s: waits for its message until
+  // `deadline`. The record stays valid until the next call for that node. Not OK: the link
+  // failed, or the stream is malformed or out of step (INTERNAL).
+  absl::StatusOr<const std::byte*> NextRecord(int node, uint64_t seq, absl::Time deadline);
+  // Waits for the peers' records of the op, decides its verdict and completes it, leaving the
+  // op's own outcome in ex.result. Not OK: the link failed (the stage ends there).
   absl::Status Finish(const core::Collective& op, Exchange& ex);
+  // The op's outcome from every node's record (this node's own failure, a peer's, a desync),
+  // before any data moves.
+  absl::Status Verdict(const core::Collective& op, const Exchange& ex,
+                       absl::Span<const RecordHeader> headers) const;
   // Bytes node `node` contributes to `op` when it travels inline.
   int64_t InlineBytes(const core::Collective& op, int node) const;
   bool TravelsInline(const core::Collective& op) const;
   // This node's contribution to an inline op, into `payload`.
-  void Pack(const core::Collective& op, std::byte* payload);
+  absl::Status Pack(const core::Collective& op, std::byte* payload);
   // Every node's contribution (node order) into the local members' buffers.
-  void Unpack(const core::Collective& op, absl::Span<const std::byte* const> payloads);
-  // An op past its verdict that runs a link collective (not inline). Throws (a failed link).
+  absl::Status Unpack(const core::Collective& op, absl::Span<const std::byte* const> payloads);
+  // An op past its verdict that runs a link collective (not inline). Not OK: the group's link
+  // failed (the peers are in the collective: any failure here leaves the streams out of step).
   absl::Status RunLarge(const core::Collective& op);
   LinkOp LinkOpOf(const core::Collective& op) const;
-  // Throws a failed link's status (RunStage fails the group with it).
-  static void ThrowIfFailed(const absl::Status& status);
   // All-reduces n elements of `buffers` (the local members') across the nodes, over the record
-  // links (ring_allreduce.h), leaving the result in every one of them: the op's reduction when
-  // `finish`, else MEAN as SUM (the caller divides). Throws (a failed link).
-  void AllreduceAcrossNodes(const core::Collective& op, int64_t n,
-                            absl::Span<std::byte* const> buffers, bool finish);
+  // links (link_collectives.h), leaving the result in every one of them: the op's reduction
+  // when `finish`, else MEAN as SUM (the caller divides).
+  absl::Status AllreduceAcrossNodes(const core::Collective& op, int64_t n,
+                                    absl::Span<std::byte* const> buffers, bool finish);
   // Reduces the local members' inputs [0, n) into scratch_, then all-reduces it.
-  void ReduceIntoScratch(const core::Collective& op, int64_t n);
+  absl::Status ReduceIntoScratch(const core::Collective& op, int64_t n);
   std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..."
-  // A message buffer (kStreamMessageBytes) for sending, reused across stages.
+  // A message buffer (tuning_.stream_message_bytes) for sending, reused across stages.
   std::unique_ptr<std::byte[]> TakeSendMemory();
 
   const core::CommunicatorSpec spec_;
+  const CpuTuning tuning_;
   std::vector<std::string> nodes_;  // the group's nodes, sorted (link index)
   std::vector<int> node_of_group_rank_;
   std::vector<int> members_on_node_;  // by node index
   int my_node_ = -1;
+  // Not OK: the communicator could not be made (invalid tuning, no eventfd); every op fails.
+  absl::Status setup_;
+  // An eventfd, the record links' cancel fd: Abort makes it readable for good.
+  UniqueFd cancel_fd_;
   std::unique_ptr<RecordLinks> links_;  // the record streams, connected at the first op
   std::vector<PeerStream> streams_;     // by node (unused at my_node_): into links_' messages
   std::vector<std::unique_ptr<std::byte[]>> free_send_memory_;
   std::vector<std::byte> scratch_;
   absl::Status broken_;  // once a cross-node op failed, every later op fails with it
+
+  mutable absl::Mutex mu_;
+  // Set once by Abort; every op from then fails. mu_ is a leaf: nothing is called under it.
+  absl::Status aborted_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace gradsync::backend::cpu
