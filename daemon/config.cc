@@ -38,6 +38,31 @@ ABSL_FLAG(absl::Duration, op_timeout, absl::Minutes(5),
           "Deadline of a collective that names none: how long its ranks may take to all arrive");
 ABSL_FLAG(absl::Duration, max_op_timeout, absl::Hours(1), "Longest deadline an op may ask for");
 ABSL_FLAG(int, workers, 0, "Threads that run large collectives; 0: one per CPU");
+ABSL_FLAG(int64_t, cpu_inline_max_bytes, gradsync::backend::cpu::CpuTuning{}.inline_max_bytes,
+          "Ops across nodes moving at most this many bytes per node travel inside their verdict "
+          "record (one exchange); larger ones run a ring, broadcast or all-gather after it. The "
+          "same on every daemon of a job");
+ABSL_FLAG(int64_t, cpu_segment_bytes, gradsync::backend::cpu::CpuTuning{}.segment_bytes,
+          "The pipeline unit of the ring, broadcast and all-gather between nodes: one message "
+          "each (a multiple of 64, at least 4096). The same on every daemon of a job");
+ABSL_FLAG(int64_t, cpu_window_segments, gradsync::backend::cpu::CpuTuning{}.window_segments,
+          "Segments a node sends ahead of the ones it received in a ring or all-gather (at "
+          "least 1)");
+ABSL_FLAG(int64_t, cpu_max_stage_ops, gradsync::backend::cpu::CpuTuning{}.max_stage_ops,
+          "Most queued ops of a group whose records are in flight between nodes at once");
+ABSL_FLAG(int64_t, cpu_stream_message_bytes,
+          gradsync::backend::cpu::CpuTuning{}.stream_message_bytes,
+          "Largest message of the record streams between nodes; it must hold the record of an "
+          "op of --cpu_inline_max_bytes. The same on every daemon of a job");
+ABSL_FLAG(int64_t, cpu_stream_flush_bytes, gradsync::backend::cpu::CpuTuning{}.stream_flush_bytes,
+          "A record stream message is sent once it holds this many bytes, so that the wire and "
+          "the peer start while later records are packed (at most --cpu_stream_message_bytes)");
+ABSL_FLAG(absl::Duration, cpu_peer_grace, gradsync::backend::cpu::CpuTuning{}.peer_grace,
+          "How long past an op's deadline a node still waits for the other nodes' verdicts and "
+          "connections (a node whose op failed at its own deadline answers a moment later)");
+ABSL_FLAG(int64_t, cpu_min_bytes_per_part, gradsync::backend::cpu::CpuTuning{}.min_bytes_per_part,
+          "A single-node op is split across the worker threads in parts of at least this many "
+          "bytes per member");
 ABSL_FLAG(absl::Duration, nccl_keep, absl::Minutes(5),
           "How long a finished job's NCCL communicators that lie on this node alone are kept for "
           "a restart of the job (same id and rank layout); another job needing their GPUs "
@@ -118,6 +143,14 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.mappings.max_mappings = absl::GetFlag(FLAGS_max_mappings);
   c.mappings.max_mapped_bytes = absl::GetFlag(FLAGS_max_mapped_bytes);
   c.workers = absl::GetFlag(FLAGS_workers);
+  c.cpu.inline_max_bytes = absl::GetFlag(FLAGS_cpu_inline_max_bytes);
+  c.cpu.segment_bytes = absl::GetFlag(FLAGS_cpu_segment_bytes);
+  c.cpu.window_segments = absl::GetFlag(FLAGS_cpu_window_segments);
+  c.cpu.max_stage_ops = absl::GetFlag(FLAGS_cpu_max_stage_ops);
+  c.cpu.stream_message_bytes = absl::GetFlag(FLAGS_cpu_stream_message_bytes);
+  c.cpu.stream_flush_bytes = absl::GetFlag(FLAGS_cpu_stream_flush_bytes);
+  c.cpu.peer_grace = absl::GetFlag(FLAGS_cpu_peer_grace);
+  c.cpu.min_bytes_per_part = absl::GetFlag(FLAGS_cpu_min_bytes_per_part);
   c.nccl_keep = absl::GetFlag(FLAGS_nccl_keep);
   c.engine.history_size = absl::GetFlag(FLAGS_history_size);
   c.engine.stall_warn = absl::GetFlag(FLAGS_stall_warn);
@@ -221,6 +254,7 @@ absl::Status Validate(const DaemonConfig& c) {
     return absl::InvalidArgumentError(
         "--history_size must be in [0, 1000000] and --stall_warn not negative");
   }
+  if (absl::Status s = backend::cpu::ValidateCpuTuning(c.cpu); !s.ok()) return s;
   if (c.metrics_port < -1 || c.metrics_port > 65535 ||
       (c.metrics_port >= 0 && c.metrics_address.empty())) {
     return absl::InvalidArgumentError(

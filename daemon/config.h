@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/tls.h"
+#include "daemon/backend/cpu/cpu_backend.h"
 #include "daemon/core/engine.h"
 #include "daemon/ipc/shm_importer.h"
 #include "daemon/store/memory_store.h"
@@ -31,6 +32,8 @@ struct DaemonConfig {
   core::EngineOptions engine;
   ipc::MappingLimits mappings;
   int workers = 0;  // threads for large collectives; 0: one per CPU
+  // The CPU data plane's tuning (--cpu_*): for benchmarking.
+  backend::cpu::CpuTuning cpu;
   // A finished job's NCCL communicators on one node, kept for its restart (0: dropped at once).
   absl::Duration nccl_keep = absl::Minutes(5);
   std::string cluster_token;  // TCP calls must carry it (required with TCP); from --token_file

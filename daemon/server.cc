@@ -80,7 +80,7 @@ DaemonServer::DaemonServer(DaemonConfig config)
       gpu_(gpu::NewGpuApi([this](const absl::Status& why) { OnGpuBroken(why); })),
       cuda_importer_(gpu_.get()),
       importer_(&shm_importer_, &cuda_importer_),
-      backend_(&pool_),
+      backend_(&pool_, config_.cpu),
       nccl_backend_(gpu_.get(), NcclOptionsFor(config_, &counters_)),
       dispatch_backend_(&backend_, &nccl_backend_),
       engine_(
