@@ -907,6 +907,21 @@ TEST_F(TwoNodesTest, AFailureOnTheFirstOpReachesANodeWaitingForTheId) {
   EXPECT_TRUE(absl::StrContains(sb.message(), "rank 0 never submitted")) << sb;
 }
 
+TEST_F(TwoNodesTest, ALostNodeAbortsTheJobsCommunicatorsThroughTheGroupsAbort) {
+  auto b_pair = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "pair"));
+  auto a_pair = Make(NodeSpec({0}, "a:7451", "pair"));
+  absl::Status pair_b;
+  std::thread t([&] { pair_b = b_pair->Run(AllReduce({{1, 0}}, 2, 0)); });
+  ASSERT_TRUE(a_pair->Run(AllReduce({{0, 0}}, 2, 0)).ok());
+  t.join();
+  ASSERT_TRUE(pair_b.ok()) << pair_b;
+  const int before = gpu_.aborts;
+  // The peer watch found node B lost: the engine aborts the group's communicator.
+  a_pair->Abort(absl::UnavailableError("node b:7451 (ranks 1) lost: no word for 1.5 s"));
+  EXPECT_GT(gpu_.aborts, before) << "the job's idle communicators on A were not aborted";
+  a_pair->Abort(absl::UnavailableError("again"));  // idempotent: nothing left to abort
+}
+
 TEST_F(TwoNodesTest, CommunicatorsAbandonedOnOneNodeFailTheOthersNextOpAtOnce) {
   auto b_pair = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "pair"));
   auto a_pair = Make(NodeSpec({0}, "a:7451", "pair"));

@@ -510,4 +510,9 @@ absl::Status NcclCommunicator::FailLocked(GroupComms& c, const core::Collective&
   return WithDrain(status, drained);
 }
 
+void NcclCommunicator::Abort(const absl::Status& status) {
+  DeferredWrites later;  // declared before any group's lock: written once none is held
+  table_->AbortJob(spec_->job, status, later);
+}
+
 }  // namespace gradsync::backend::nccl

@@ -39,6 +39,11 @@ class NcclCommunicator final : public core::Communicator {
   /// one failed, this op fails (ABORTED, naming it) without running; with kMaxLaunchedPerGroup
   /// of them unfinished, waits (under op.deadline) for the oldest.
   absl::Status Run(const core::Collective& op) override;
+  /// A node of the job was lost (the peer watch): every communicator of the job on this node is
+  /// aborted (CommsTable::AbortJob: at once when idle; a running op aborts when it next looks,
+  /// a launched one through the launch watcher), so no device op waits for the lost node until
+  /// its deadline. Later ops never reach it (the engine fails them).
+  void Abort(const absl::Status& status) override;
 
  private:
   // A local member's buffers for one op, checked: runs on one device, each with elements.
