@@ -38,6 +38,14 @@ ABSL_FLAG(absl::Duration, op_timeout, absl::Minutes(5),
           "Deadline of a collective that names none: how long its ranks may take to all arrive");
 ABSL_FLAG(absl::Duration, max_op_timeout, absl::Hours(1), "Longest deadline an op may ask for");
 ABSL_FLAG(int, workers, 0, "Threads that run large collectives; 0: one per CPU");
+ABSL_FLAG(absl::Duration, peer_timeout, absl::Milliseconds(1500),
+          "A daemon of a job spanning nodes that sends nothing for this long (frozen, or the "
+          "network between is cut) is lost: every op of the job's groups spanning it fails at "
+          "once with UNAVAILABLE naming it. Raise it only on networks that drop all traffic for "
+          "seconds at a time");
+ABSL_FLAG(absl::Duration, peer_heartbeat, absl::Milliseconds(250),
+          "How often each daemon of a job spanning nodes tells the others it is alive (at most "
+          "--peer_timeout / 2)");
 ABSL_FLAG(int64_t, cpu_inline_max_bytes, gradsync::backend::cpu::CpuTuning{}.inline_max_bytes,
           "Ops across nodes moving at most this many bytes per node travel inside their verdict "
           "record (one exchange); larger ones run a ring, broadcast or all-gather after it. The "
@@ -101,6 +109,9 @@ ABSL_FLAG(std::string, tls_ca, "",
 ABSL_FLAG(std::string, log_level, "info", "trace|debug|info|warn|error|off");
 ABSL_FLAG(std::string, log_sink, "auto",
           "stderr|journal|auto (the journal when started by systemd)");
+ABSL_FLAG(std::string, print_config, "",
+          "flagfile|markdown: print the example flagfile or the configuration page, generated "
+          "from these flag definitions, and exit");
 
 namespace gradsync::daemon {
 namespace {
@@ -151,6 +162,8 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.cpu.stream_flush_bytes = absl::GetFlag(FLAGS_cpu_stream_flush_bytes);
   c.cpu.peer_grace = absl::GetFlag(FLAGS_cpu_peer_grace);
   c.cpu.min_bytes_per_part = absl::GetFlag(FLAGS_cpu_min_bytes_per_part);
+  c.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
+  c.peer_heartbeat = absl::GetFlag(FLAGS_peer_heartbeat);
   c.nccl_keep = absl::GetFlag(FLAGS_nccl_keep);
   c.engine.history_size = absl::GetFlag(FLAGS_history_size);
   c.engine.stall_warn = absl::GetFlag(FLAGS_stall_warn);
@@ -220,6 +233,10 @@ absl::Status Validate(const DaemonConfig& c) {
   }
   if (c.max_wait <= absl::ZeroDuration() || c.drain_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--max_wait must be positive and --drain_grace not negative");
+  }
+  if (c.peer_heartbeat < absl::Milliseconds(10) || c.peer_timeout < 2 * c.peer_heartbeat) {
+    return absl::InvalidArgumentError(
+        "--peer_heartbeat must be at least 10ms and --peer_timeout at least twice it");
   }
   if (c.nccl_keep < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--nccl_keep must not be negative");

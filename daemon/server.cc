@@ -91,6 +91,7 @@ DaemonServer::DaemonServer(DaemonConfig config)
             store_.DeleteJob(job);
           },
           [this](const std::string& address) { return PeerStore(address); }),
+      peer_watch_({config_.peer_timeout, config_.peer_heartbeat}),
       pool_(config_.workers > 0
                 ? config_.workers
                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
@@ -99,7 +100,9 @@ DaemonServer::DaemonServer(DaemonConfig config)
       inspect_service_(
           &store_, &engine_, ReplyBytes(config_), &auth_,
           rpc::PeerLink{[this](const std::string& a) { return PeerChannel(a); }, PeerOptions()}),
-      health_service_(ServiceNames()) {}
+      health_service_(ServiceNames()) {
+  engine_.SetPeerWatch(&peer_watch_);  // before any session can form a job
+}
 
 void DaemonServer::OnGpuBroken(const absl::Status& why) {
   Log()->critical(
@@ -198,7 +201,7 @@ absl::Status DaemonServer::Start() {
   }
   if (config_.metrics_port >= 0) {
     auto metrics = metrics::MetricsServer::Start(config_.metrics_address, config_.metrics_port,
-                                                 {&counters_, &engine_, &store_});
+                                                 {&counters_, &engine_, &store_, &peer_watch_});
     if (!metrics.ok()) return metrics.status();
     metrics_ = *std::move(metrics);
     Log()->info("metrics serving http://{}:{}/metrics", config_.metrics_address, metrics_->port());
