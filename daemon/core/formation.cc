@@ -153,8 +153,9 @@ void Engine::OnPeerLost(const std::weak_ptr<Job>& weak, const std::string& node,
     job->lost_nodes.emplace(node, why);
     for (auto& [key, group] : job->groups) {
       internal::AssertGroupOf(*job, *group);
-      const bool spans = std::any_of(ranks.begin(), ranks.end(), [&](int r) {
-        return std::binary_search(group->members.begin(), group->members.end(), r);
+      const std::vector<int>& members = group->members;
+      const bool spans = std::any_of(ranks.begin(), ranks.end(), [&members](int r) {
+        return std::binary_search(members.begin(), members.end(), r);
       });
       if (!spans) continue;
       if (group->broken.empty()) group->broken = why;
