@@ -292,7 +292,7 @@ void Engine::Drain(std::shared_ptr<Job> job, Group* group, bool on_pool) {
     }
     // Each op goes to the history (and leaves ListOps) as soon as it finishes; its members are
     // answered when the batch has finished (answering each op at once woke the trainers 200
-    // times during a 200-op batch and made it 10-15 % slower on two cores: README).
+    // times during a 200-op batch and made it 10-15 % slower on two cores).
     // An op the communicator never reports is failed, never answered OK with its buffers as
     // they were.
     std::vector<absl::Status> statuses(

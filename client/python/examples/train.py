@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Example trainer: a small MLP on synthetic regression data, data-parallel through gradsync.
 
-Run it with torchrun next to a running gradsyncd (README, "The main job"):
+Run it with torchrun next to a running gradsyncd (`./setup.sh demo` does; README, "Quick start"):
 
     GRADSYNC_SOCKET=/run/gradsync/gradsyncd.sock PYTHONPATH=build/python \
       /usr/bin/python3 -m torch.distributed.run --standalone --nproc_per_node=4 \

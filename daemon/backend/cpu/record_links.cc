@@ -108,7 +108,7 @@ absl::Status Nonce(unsigned char* out) {
 // A link's send buffer, where the system allows it (net.core.wmem_max). The kernel's own
 // sizing grows the buffer from 16 KiB as the connection's window grows; two nodes sending each
 // other a stage of records at once then waited on each other's reads, for 30-50 ms in about one
-// batch of ten (bench/README.md). Where wmem_max is lower, setting it would cap the buffer below
+// batch of ten (bench/results/2026-12-04-send-buffer.md). Where wmem_max is lower, setting it would cap the buffer below
 // what the kernel's own sizing reaches: left alone.
 constexpr int kSendBufferBytes = 4 << 20;
 
