@@ -9,6 +9,9 @@
 #   ./setup.sh demo      ... then run the main job on this machine: a real gradsyncd hosting the
 #                        job's store, and the example PyTorch trainer under torchrun, 4 ranks
 #   ./setup.sh bench     ... then run the benchmarks against their peers (minutes)
+#   ./setup.sh package   ... then build the Debian packages gradsyncd, libgradsync-dev and
+#                        python3-gradsync into ./build/packages (cmake/Packaging.cmake);
+#                        install them with `apt install ./build/packages/*.deb`
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")"
 
@@ -21,6 +24,7 @@ packages=(
   python3-torch python3-grpcio python3-pytest python3-numpy
   openmpi-bin libopenmpi-dev
   iproute2 systemd procps
+  dpkg-dev lintian
 )
 PY=/usr/bin/python3  # Debian's torch imports only here
 case ${GRADSYNC_SANITIZE:-0} in
@@ -58,8 +62,10 @@ build() {
     BUILD_DIR=$build_dir tests/sanitizers/run.sh "$sanitize" build
     return
   fi
+  # /usr: the systemd unit names /usr/sbin/gradsyncd and /etc/gradsync/gradsyncd.flags, where
+  # `cmake --install` and the packages put them.
   cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADSYNC_SANITIZE=OFF \
-    -DPython3_EXECUTABLE=$PY >/dev/null
+    -DCMAKE_INSTALL_PREFIX=/usr -DPython3_EXECUTABLE=$PY >/dev/null
   cmake --build "$build_dir" -j"$(nproc)"
 }
 
@@ -75,6 +81,18 @@ run_tests() {
     GRADSYNC_BUILD_DIR=$PWD/$build_dir $PY -m pytest -q tests/python || rc=$?
   fi
   return $rc
+}
+
+# The Debian packages (CPack, cmake/Packaging.cmake): dpkg-shlibdeps fills in Depends:.
+package() {
+  if [[ -n $sanitize ]]; then
+    echo "setup: no packages from a sanitizer build (GRADSYNC_SANITIZE=$GRADSYNC_SANITIZE)" >&2
+    return 2
+  fi
+  rm -f "$build_dir"/packages/*.deb
+  (cd "$build_dir" && cpack --config CPackConfig.cmake >/dev/null)
+  echo "setup: packages in $build_dir/packages:"
+  ls -1 "$build_dir"/packages/*.deb
 }
 
 demo() {
@@ -128,7 +146,8 @@ case ${1:-install} in
   build) install_packages && build ;;
   test) install_packages && build && run_tests ;;
   demo) install_packages && build && demo ;;
+  package) install_packages && build && package ;;
   bench) install_packages && build && $PY bench/collective_bench.py --build "$build_dir" &&
     $PY bench/store_bench.py --build "$build_dir" && $PY bench/train_bench.py --build "$build_dir" ;;
-  *) sed -n '2,12p' "$0"; exit 2 ;;
+  *) sed -n '2,15p' "$0"; exit 2 ;;
 esac

@@ -1,20 +1,55 @@
 #!/usr/bin/env bash
-# systemd-analyze verify on the generated unit, pointed at the build's binary and the repo's
-# flagfile (verify checks that ExecStart exists). Exit 77 (skip) where systemd-analyze is absent.
+# The systemd unit as `cmake --install` lays it out: installs the daemon's component of a build
+# into a scratch DESTDIR, checks that every absolute path the unit names (the daemon, its
+# flagfile) is installed exactly there, then runs systemd-analyze verify on the installed unit,
+# its ExecStart pointed into the DESTDIR (verify checks that the program exists; nothing else is
+# changed). tests/deploy/package_test.sh verifies the unit the package installs, unmodified.
+#   verify_unit.sh <build dir>
+# Exit 77 (skip) where systemd-analyze is absent.
 set -euo pipefail
-unit=$1 daemon=$2 deploy_dir=$3
+build=$1
 command -v systemd-analyze >/dev/null || { echo "SKIP: systemd-analyze not installed"; exit 77; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-sed -e "s|^ExecStart=[^ ]*|ExecStart=$daemon|" \
-    -e "s|--flagfile=[^ ]*|--flagfile=$deploy_dir/gradsyncd.flags|" "$unit" > "$work/gradsyncd.service"
-grep -q '^Type=notify$' "$work/gradsyncd.service"
-grep -q '^WatchdogSec=' "$work/gradsyncd.service"
-grep -q '^RuntimeDirectory=gradsync$' "$work/gradsyncd.service"
+dest=$work/root
+DESTDIR=$dest cmake --install "$build" --component daemon >"$work/install.log" 2>&1 || {
+  cat "$work/install.log"; echo "FAIL: cmake --install --component daemon"; exit 1; }
+units=("$dest"/{lib,usr/lib,usr/local/lib}/systemd/system/gradsyncd.service)
+unit=
+for u in "${units[@]}"; do [[ -f $u ]] && unit=$u; done
+[[ -n $unit ]] || { echo "FAIL: no gradsyncd.service installed under $dest"; find "$dest"; exit 1; }
+echo "installed unit: ${unit#"$dest"}"
+
+grep -q '^Type=notify$' "$unit"
+grep -q '^WatchdogSec=' "$unit"
+grep -q '^RuntimeDirectory=gradsync$' "$unit"
+exec_start=$(sed -n 's/^ExecStart=//p' "$unit")
+read -ra argv <<<"$exec_start"
+# Every absolute path of the command line, alone or as a flag's value.
+paths=()
+for a in "${argv[@]}"; do
+  v=${a#*=}
+  [[ $a == /* ]] && paths+=("$a")
+  [[ $a == --*=/* ]] && paths+=("$v")
+done
+((${#paths[@]} >= 2)) || { echo "FAIL: ExecStart=$exec_start: no daemon and flagfile"; exit 1; }
+rc=0
+for p in "${paths[@]}"; do
+  if [[ -e $dest$p ]]; then
+    echo "ok: the unit names $p, installed there"
+  else
+    echo "FAIL: the unit names $p, which cmake --install does not install (installed:" \
+      "$(cd "$dest" && find . -name "$(basename "$p")" | sed 's|^\.||' | tr '\n' ' '))"
+    rc=1
+  fi
+done
+((rc == 0)) || exit 1
+
+sed -e "s|^ExecStart=${argv[0]}|ExecStart=$dest${argv[0]}|" "$unit" >"$work/gradsyncd.service"
 out=$(SYSTEMD_LOG_LEVEL=notice systemd-analyze verify --man=no "$work/gradsyncd.service" 2>&1) || {
   echo "$out"; exit 1; }
 # verify reports unit-file problems as log lines while still exiting 0 for some of them.
-if grep -E "gradsyncd.service" <<<"$out" | grep -Eiv "^$" ; then
+if grep -E "gradsyncd.service" <<<"$out" | grep -Eiv "^$"; then
   echo "systemd-analyze verify reported the lines above"; exit 1
 fi
-echo "systemd-analyze verify: clean ($work/gradsyncd.service -> $daemon)"
+echo "systemd-analyze verify: clean (${unit#"$dest"})"
