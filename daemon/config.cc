@@ -3,12 +3,20 @@
 
 #include "daemon/config.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <tuple>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/doorbell.h"
 #include "common/token.h"
 
@@ -29,6 +37,33 @@ ABSL_FLAG(absl::Duration, max_wait, absl::Hours(1),
           "Longest any call may wait (store Get/Wait/GetPackList); longer deadlines are capped");
 ABSL_FLAG(absl::Duration, drain_grace, absl::Seconds(10),
           "On SIGTERM/SIGINT, how long in-flight calls may finish before they are cancelled");
+ABSL_FLAG(std::string, store, "embedded",
+          "Where jobs' rendezvous stores live: embedded (the daemon of each job's root node holds "
+          "the job's keys; nothing else to run) or etcd (every daemon of a job uses the etcd "
+          "cluster of --etcd_endpoints directly: no root daemon, and the store outlives any node)");
+ABSL_FLAG(std::string, etcd_endpoints, "",
+          "With --store=etcd: the cluster's client endpoints, host:port,... (any members; calls "
+          "move to the next one when a member cannot be reached)");
+ABSL_FLAG(std::string, etcd_prefix, "/gradsync/",
+          "With --store=etcd: every key gradsync writes lives under it; the same on every daemon "
+          "of a job");
+ABSL_FLAG(std::string, etcd_ca, "",
+          "PEM CA certificate(s) etcd's members' certificates must chain to: TLS to etcd (empty: "
+          "plaintext, unless --etcd_cert is set, then the system's CAs)");
+ABSL_FLAG(std::string, etcd_cert, "",
+          "PEM certificate this daemon presents to etcd (etcd's --client-cert-auth); with "
+          "--etcd_key");
+ABSL_FLAG(std::string, etcd_key, "", "PEM private key of --etcd_cert (mode 600/640)");
+ABSL_FLAG(std::string, etcd_user, "",
+          "etcd user to authenticate as (etcd's own authentication); with --etcd_password_file");
+ABSL_FLAG(std::string, etcd_password_file, "",
+          "File holding the password of --etcd_user on its first line (mode 600/640)");
+ABSL_FLAG(absl::Duration, etcd_lease_ttl, absl::Seconds(10),
+          "A job's keys in etcd outlive the last of its daemons (killed, or cut off from etcd) by "
+          "at most this; the daemons renew the job's lease every third of it");
+ABSL_FLAG(absl::Duration, etcd_timeout, absl::Seconds(5),
+          "Longest one store call to etcd may take, retries on other members included; a pending "
+          "store wait fails UNAVAILABLE once no member has answered for this long");
 ABSL_FLAG(int64_t, store_max_key_bytes, 512, "Longest store key");
 ABSL_FLAG(int64_t, store_max_value_bytes, int64_t{1} << 20, "Largest store value");
 ABSL_FLAG(int64_t, store_max_keys_per_job, 65536, "Most keys one job may hold");
@@ -120,6 +155,34 @@ bool IsWildcard(const std::string& address) {
   return address == "0.0.0.0" || address == "::" || address == "[::]";
 }
 
+// The whole of a PEM file named by `flag` ("" when no path is set). `secret`: refused when
+// "others" may access it, like the token file.
+absl::StatusOr<std::string> ReadPemFlag(const std::string& flag, const std::string& path,
+                                        bool secret) {
+  if (path.empty()) return std::string();
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, "=", path, ": ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, "=", path, " is not a regular file"));
+  }
+  if (secret && (st.st_mode & S_IRWXO) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, "=", path, " is accessible to others; chmod o-rwx it"));
+  }
+  if (st.st_size > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, "=", path, " is larger than 1 MiB"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in || text.str().find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, "=", path, " holds no PEM block"));
+  }
+  return text.str();
+}
+
 }  // namespace
 
 absl::StatusOr<DaemonConfig> ConfigFromFlags() {
@@ -140,6 +203,29 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   c.max_wait = absl::GetFlag(FLAGS_max_wait);
   c.drain_grace = absl::GetFlag(FLAGS_drain_grace);
+  c.store_backend = absl::GetFlag(FLAGS_store);
+  c.etcd.endpoints =
+      absl::StrSplit(absl::GetFlag(FLAGS_etcd_endpoints), ',', absl::SkipWhitespace());
+  c.etcd.prefix = absl::GetFlag(FLAGS_etcd_prefix);
+  c.etcd.lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
+  c.etcd.rpc_timeout = absl::GetFlag(FLAGS_etcd_timeout);
+  for (auto [flag, path, out, secret] :
+       {std::make_tuple("--etcd_ca", absl::GetFlag(FLAGS_etcd_ca), &c.etcd.ca_pem, false),
+        std::make_tuple("--etcd_cert", absl::GetFlag(FLAGS_etcd_cert), &c.etcd.cert_pem, false),
+        std::make_tuple("--etcd_key", absl::GetFlag(FLAGS_etcd_key), &c.etcd.key_pem, true)}) {
+    auto pem = ReadPemFlag(flag, path, secret);
+    if (!pem.ok()) return pem.status();
+    *out = *std::move(pem);
+  }
+  c.etcd.user = absl::GetFlag(FLAGS_etcd_user);
+  if (const std::string path = absl::GetFlag(FLAGS_etcd_password_file); !path.empty()) {
+    auto password = ReadTokenFile(path);
+    if (!password.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--etcd_password_file: ", password.status().message()));
+    }
+    c.etcd.password = *std::move(password);
+  }
   c.store.max_key_bytes = absl::GetFlag(FLAGS_store_max_key_bytes);
   c.store.max_value_bytes = absl::GetFlag(FLAGS_store_max_value_bytes);
   c.store.max_keys_per_job = absl::GetFlag(FLAGS_store_max_keys_per_job);
@@ -164,6 +250,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.cpu.min_bytes_per_part = absl::GetFlag(FLAGS_cpu_min_bytes_per_part);
   c.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
   c.peer_heartbeat = absl::GetFlag(FLAGS_peer_heartbeat);
+  c.cpu.await_peer_watch = c.peer_timeout + absl::Milliseconds(500);
   c.nccl_keep = absl::GetFlag(FLAGS_nccl_keep);
   c.engine.history_size = absl::GetFlag(FLAGS_history_size);
   c.engine.stall_warn = absl::GetFlag(FLAGS_stall_warn);
@@ -240,6 +327,29 @@ absl::Status Validate(const DaemonConfig& c) {
   }
   if (c.nccl_keep < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--nccl_keep must not be negative");
+  }
+  if (c.store_backend != "embedded" && c.store_backend != "etcd") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--store=", c.store_backend, ": want embedded or etcd"));
+  }
+  if (c.store_backend == "etcd") {
+    if (c.etcd.endpoints.empty()) {
+      return absl::InvalidArgumentError("--store=etcd needs --etcd_endpoints (host:port,...)");
+    }
+    if (c.etcd.prefix.empty()) {
+      return absl::InvalidArgumentError("--etcd_prefix must not be empty");
+    }
+    if (c.etcd.lease_ttl < absl::Seconds(2) || c.etcd.rpc_timeout < absl::Milliseconds(100)) {
+      return absl::InvalidArgumentError(
+          "--etcd_lease_ttl must be at least 2s and --etcd_timeout at least 100ms");
+    }
+    if (c.etcd.cert_pem.empty() != c.etcd.key_pem.empty()) {
+      return absl::InvalidArgumentError("--etcd_cert and --etcd_key go together: both or none");
+    }
+    if (c.etcd.user.empty() != c.etcd.password.empty()) {
+      return absl::InvalidArgumentError(
+          "--etcd_user and --etcd_password_file go together: both or none");
+    }
   }
   if (c.store.max_key_bytes < 1 || c.store.max_value_bytes < 0 || c.store.max_keys_per_job < 1 ||
       c.store.max_jobs < 1 || c.store.max_waiters < 1) {

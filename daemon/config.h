@@ -11,6 +11,7 @@
 #include "daemon/backend/cpu/cpu_backend.h"
 #include "daemon/core/engine.h"
 #include "daemon/ipc/shm_importer.h"
+#include "daemon/store/etcd_store.h"
 #include "daemon/store/memory_store.h"
 
 namespace gradsync::daemon {
@@ -28,7 +29,11 @@ struct DaemonConfig {
   int max_concurrent_streams = 256;
   absl::Duration max_wait = absl::Hours(1);
   absl::Duration drain_grace = absl::Seconds(10);
-  store::MemoryStoreOptions store;
+  store::MemoryStoreOptions store;  // the limits of either backend
+  // Where jobs' stores live: "embedded" (the job's root daemon holds its keys) or "etcd" (every
+  // daemon of a job reads and writes them in the etcd cluster of `etcd`; no root daemon).
+  std::string store_backend = "embedded";
+  store::EtcdOptions etcd;  // with store_backend "etcd" (its limits are `store`)
   core::EngineOptions engine;
   ipc::MappingLimits mappings;
   int workers = 0;  // threads for large collectives; 0: one per CPU

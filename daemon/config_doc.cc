@@ -60,9 +60,26 @@ const std::vector<Section>& Sections() {
        "The longest a store wait may last whatever deadline the caller sets, and how long "
        "SIGTERM lets calls in flight finish.",
        {"max_wait", "drain_grace"}},
+      {"Rendezvous store backend",
+       "Where jobs' rendezvous stores live. embedded (the default) needs nothing else: the "
+       "daemon of each job's root node holds the job's keys and the job's other daemons reach "
+       "it over TCP, so a job depends on that node. etcd: every daemon of a job reads and "
+       "writes the job's keys in an etcd cluster (v3 API; Debian's etcd-server) itself; no "
+       "daemon is the job's root (trainers need no root address), and the store outlives any "
+       "node, and any one etcd member of three or more. Every daemon of a job must use the "
+       "same cluster and --etcd_prefix. A job's keys are tied to an etcd lease its daemons "
+       "renew: the last daemon to end the job revokes it, and when all of them die the keys "
+       "expire after --etcd_lease_ttl. With etcd unreachable, store calls fail UNAVAILABLE "
+       "naming it within --etcd_timeout and the daemon keeps serving its other jobs. TLS to "
+       "etcd: --etcd_ca, with --etcd_cert and --etcd_key where etcd checks client "
+       "certificates; etcd's users: --etcd_user with --etcd_password_file.",
+       {"store", "etcd_endpoints", "etcd_prefix", "etcd_ca", "etcd_cert", "etcd_key", "etcd_user",
+        "etcd_password_file", "etcd_lease_ttl", "etcd_timeout"}},
       {"Rendezvous store limits",
-       "The job's store (hosted by the daemon of the job's root node). Raise them only for jobs "
-       "that keep many or large keys of their own.",
+       "The job's store (hosted by the daemon of the job's root node, or in etcd). Raise them "
+       "only for jobs that keep many or large keys of their own. On etcd, --store_max_jobs and "
+       "--store_max_waiters count this daemon's jobs and waits, --store_max_keys_per_job a "
+       "job's keys across all its daemons.",
        {"store_max_key_bytes", "store_max_value_bytes", "store_max_keys_per_job",
         "store_max_jobs", "store_max_waiters"}},
       {"Collectives",

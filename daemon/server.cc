@@ -16,6 +16,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "daemon/store/etcd_store.h"
+#include "daemon/store/memory_store.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 
 namespace gradsync::daemon {
@@ -47,6 +49,16 @@ store::MemoryStoreOptions StoreOptionsFor(const DaemonConfig& config) {
   return options;
 }
 
+// The jobs' store of --store: embedded, or on etcd.
+std::unique_ptr<store::JobStore> MakeStore(const DaemonConfig& config) {
+  if (config.store_backend == "etcd") {
+    store::EtcdOptions options = config.etcd;
+    options.limits = StoreOptionsFor(config);
+    return std::make_unique<store::EtcdStore>(std::move(options));
+  }
+  return std::make_unique<store::MemoryStore>(StoreOptionsFor(config));
+}
+
 // The TCP listener's credentials: mutual TLS when configured (a client must present a
 // certificate that chains to the CA, or the handshake fails before any call), else plaintext.
 // Either way every call but health and reflection still needs the cluster token (PeerAuth).
@@ -74,7 +86,7 @@ bool SocketIsLive(const std::string& path) {
 
 DaemonServer::DaemonServer(DaemonConfig config)
     : config_(std::move(config)),
-      store_(StoreOptionsFor(config_)),
+      store_(MakeStore(config_)),
       auth_(config_.cluster_token),
       shm_importer_(config_.mappings),
       gpu_(gpu::NewGpuApi([this](const absl::Status& why) { OnGpuBroken(why); })),
@@ -88,7 +100,7 @@ DaemonServer::DaemonServer(DaemonConfig config)
           [this](const std::string& job) {
             // First: a data plane may tell the job's other nodes through its store.
             static_cast<core::Backend&>(dispatch_backend_).JobEnded(job);
-            store_.DeleteJob(job);
+            store_->DeleteJob(job);
           },
           [this](const std::string& address) { return PeerStore(address); }),
       peer_watch_({config_.peer_timeout, config_.peer_heartbeat}),
@@ -96,9 +108,9 @@ DaemonServer::DaemonServer(DaemonConfig config)
                 ? config_.workers
                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
       gradsync_service_(&engine_, &importer_, &auth_),
-      store_service_(&store_, config_.max_wait, ReplyBytes(config_), &auth_),
+      store_service_(store_.get(), config_.max_wait, ReplyBytes(config_), &auth_),
       inspect_service_(
-          &store_, &engine_, ReplyBytes(config_), &auth_,
+          store_.get(), &engine_, ReplyBytes(config_), &auth_,
           rpc::PeerLink{[this](const std::string& a) { return PeerChannel(a); }, PeerOptions()}),
       health_service_(ServiceNames()) {
   engine_.SetPeerWatch(&peer_watch_);  // before any session can form a job
@@ -200,11 +212,22 @@ absl::Status DaemonServer::Start() {
     engine_.SetNodeAddress(node);
   }
   if (config_.metrics_port >= 0) {
-    auto metrics = metrics::MetricsServer::Start(config_.metrics_address, config_.metrics_port,
-                                                 {&counters_, &engine_, &store_, &peer_watch_});
+    auto metrics =
+        metrics::MetricsServer::Start(config_.metrics_address, config_.metrics_port,
+                                      {&counters_, &engine_, store_.get(), &peer_watch_});
     if (!metrics.ok()) return metrics.status();
     metrics_ = *std::move(metrics);
     Log()->info("metrics serving http://{}:{}/metrics", config_.metrics_address, metrics_->port());
+  }
+  if (auto* etcd = dynamic_cast<store::EtcdStore*>(store_.get())) {
+    // Not fatal: the daemon serves jobs that need no store while etcd is away, and store calls
+    // say what is wrong.
+    if (absl::Status s = etcd->Probe(absl::Seconds(2)); s.ok()) {
+      Log()->info("store on {} prefix={}", etcd->name(), config_.etcd.prefix);
+    } else {
+      Log()->warn("store on {} prefix={}: not reachable yet: {}", etcd->name(), config_.etcd.prefix,
+                  s.ToString());
+    }
   }
   health_service_.SetServing(true);
   Log()->info("serving {} tcp_tls={} max_message_bytes={} max_concurrent_streams={}", Endpoints(),
@@ -220,7 +243,7 @@ void DaemonServer::BeginDrain() {
   health_service_.Shutdown();  // NOT_SERVING everywhere; Watch streams are told and end
   engine_.Shutdown();
   gradsync_service_.EndSessions();
-  store_.Shutdown();
+  store_->Shutdown();
   store_service_.EndSessions();
 }
 
@@ -245,8 +268,14 @@ void DaemonServer::Shutdown(absl::Duration grace) {
 }
 
 absl::StatusOr<gradsync::Store*> DaemonServer::PeerStore(const std::string& address) {
+  // On etcd every daemon of a job reaches the job's keys itself: there is no root to ask.
+  if (config_.store_backend == "etcd") return store_.get();
+  if (address.empty()) {
+    return absl::FailedPreconditionError(
+        "the embedded store of a job spanning nodes is its root daemon's: name it");
+  }
   absl::MutexLock lock(&peers_mu_);
-  if (address == node_address_) return &store_;
+  if (address == node_address_) return store_.get();
   auto& peer = peer_stores_[address];
   if (!peer) {
     const net::ClientOptions options = PeerOptions();

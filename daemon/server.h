@@ -24,7 +24,7 @@
 #include "daemon/rpc/health_service.h"
 #include "daemon/rpc/inspect_service.h"
 #include "daemon/rpc/store_service.h"
-#include "daemon/store/memory_store.h"
+#include "daemon/store/job_store.h"
 #include "grpcpp/grpcpp.h"
 #include "net/store_client.h"
 
@@ -64,7 +64,8 @@ class DaemonServer {
   absl::Status PrepareSocketPath();
   // A sticky CUDA error: GPU work is over for this process; health says so.
   void OnGpuBroken(const absl::Status& why);
-  // The job store at a root daemon's address: ours, or a (cached) client of the peer's.
+  // The job store at a root daemon's address: ours, or a (cached) client of the peer's; on etcd
+  // ours whatever the address ("" included: such jobs have no root).
   absl::StatusOr<gradsync::Store*> PeerStore(const std::string& address);
   // A (cached) channel to the peer daemon at `address`, for Inspect/ListOps.
   std::shared_ptr<grpc::Channel> PeerChannel(const std::string& address);
@@ -74,7 +75,8 @@ class DaemonServer {
 
   const DaemonConfig config_;
   core::OpCounters counters_;  // bumped by the engine and NCCL: before (outlives) them
-  store::MemoryStore store_;
+  // The jobs' store this daemon serves: MemoryStore, or EtcdStore with --store=etcd.
+  const std::unique_ptr<store::JobStore> store_;
   rpc::PeerAuth auth_;
   // Trainers hand their memory over it (beside the unix socket); after the importer that
   // redeems its tokens in destruction order, and stopped in Shutdown.

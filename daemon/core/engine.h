@@ -80,7 +80,9 @@ class Engine {
  public:
   using JobEndCallback = std::function<void(const std::string& job)>;
   /// The job store at a root daemon's address (this daemon's own store when the address is its
-  /// own). The pointer must stay valid for the engine's life.
+  /// own). "" asks for the store of a job that has no root daemon: one every daemon reaches
+  /// itself (etcd), or an error when jobs need their root's (the embedded store). The pointer
+  /// must stay valid for the engine's life.
   using StoreResolver = std::function<absl::StatusOr<gradsync::Store*>(const std::string&)>;
 
   /// Everything passed must outlive the engine. `on_job_end` runs when a job's last session ends.

@@ -34,11 +34,14 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
                      " local_world_size=", req.local_world_size()));
   }
   const bool spans = req.local_world_size() != req.world_size();
-  if (spans && req.root_address().empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job ", req.job(), " spans nodes (world_size=", req.world_size(),
-                     " local_world_size=", req.local_world_size(),
-                     ") but names no root_address (host:port of the daemon holding rank 0)"));
+  // A job spanning nodes names its root daemon, whose store it uses, unless every daemon
+  // reaches the job's store itself (etcd).
+  if (spans && req.root_address().empty() && !(resolve_store_ && resolve_store_("").ok())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", req.job(), " spans nodes (world_size=", req.world_size(),
+        " local_world_size=", req.local_world_size(),
+        ") but names no root_address (host:port of the daemon holding rank 0); the daemons' "
+        "store is embedded (--store=etcd needs none)"));
   }
   bool start_formation = false;
   std::shared_ptr<Job> started;

@@ -10,7 +10,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/core/engine.h"
 #include "daemon/core/op_counters.h"
-#include "daemon/store/memory_store.h"
+#include "daemon/store/job_store.h"
 #include "prometheus/metric_family.h"
 
 namespace prometheus {
@@ -23,7 +23,7 @@ namespace gradsync::metrics {
 struct MetricSources {
   const core::OpCounters* counters = nullptr;
   const core::Engine* engine = nullptr;
-  const store::MemoryStore* store = nullptr;
+  const store::JobStore* store = nullptr;
   const core::PeerWatch* peer_watch = nullptr;
 };
 

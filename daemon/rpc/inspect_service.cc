@@ -21,7 +21,9 @@ grpc::ServerUnaryReactor* InspectService::ListJobs(grpc::CallbackServerContext* 
                                                    const v1::ListJobsRequest*,
                                                    v1::ListJobsResponse* resp) {
   if (auto* refused = auth_->Refuse(ctx)) return refused;
-  for (const store::JobStats& stats : store_->ListJobs()) {
+  absl::StatusOr<std::vector<store::JobStats>> jobs = store_->ListJobs();
+  if (!jobs.ok()) return Reply(ctx, jobs.status());
+  for (const store::JobStats& stats : *jobs) {
     v1::JobSummary* job = resp->add_jobs();
     job->set_job(stats.job);
     job->set_keys(stats.keys);
@@ -70,6 +72,9 @@ grpc::ServerUnaryReactor* InspectService::GetPackList(grpc::CallbackServerContex
   if (auto* refused = auth_->Refuse(ctx)) return refused;
   if (auto ranks = ParseGroupKey(req->group()); !ranks.ok()) return Reply(ctx, ranks.status());
   auto bytes = store_->Peek(req->job(), PackListKey(req->group()));
+  if (!bytes.ok() && bytes.status().code() != absl::StatusCode::kNotFound) {
+    return Reply(ctx, bytes.status());  // the store cannot be read (etcd unreachable)
+  }
   if (!bytes.ok()) {
     return Reply(ctx, absl::NotFoundError(absl::StrCat("no pack list for job=", req->job(),
                                                        " group=", req->group(), " (",

@@ -10,7 +10,7 @@
 
 #include "daemon/core/engine.h"
 #include "daemon/rpc/peer_auth.h"
-#include "daemon/store/memory_store.h"
+#include "daemon/store/job_store.h"
 #include "gradsync/v1/inspect.grpc.pb.h"
 #include "net/store_client.h"
 
@@ -45,7 +45,7 @@ class InspectService final : public v1::Inspect::CallbackService {
  public:
   /// `store`, `engine` and `auth` must outlive the service. A ListKeys reply past
   /// `max_reply_bytes` is RESOURCE_EXHAUSTED (naming --max_message_bytes).
-  InspectService(store::MemoryStore* store, const core::Engine* engine, int64_t max_reply_bytes,
+  InspectService(store::JobStore* store, const core::Engine* engine, int64_t max_reply_bytes,
                  const PeerAuth* auth, PeerLink peers = {})
       : store_(store),
         engine_(engine),
@@ -75,7 +75,7 @@ class InspectService final : public v1::Inspect::CallbackService {
                                        v1::GetHistoryResponse* resp) override;
 
  private:
-  store::MemoryStore* const store_;
+  store::JobStore* const store_;
   const core::Engine* const engine_;
   const int64_t max_reply_bytes_;
   const PeerAuth* const auth_;

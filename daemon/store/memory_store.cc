@@ -352,7 +352,7 @@ absl::StatusOr<std::string> MemoryStore::Peek(absl::string_view job, absl::strin
   return it->second;
 }
 
-std::vector<JobStats> MemoryStore::ListJobs() {
+absl::StatusOr<std::vector<JobStats>> MemoryStore::ListJobs() {
   absl::MutexLock lock(&mu_);
   std::vector<JobStats> out;
   for (const auto& [name, job] : jobs_) {

@@ -11,7 +11,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
-#include "common/store.h"
+#include "daemon/store/job_store.h"
 
 namespace gradsync::store {
 
@@ -26,13 +26,6 @@ struct MemoryStoreOptions {
   int64_t max_reply_bytes = (16 << 20) - 4096;
 };
 
-/// Size of one job's namespace, for inspection.
-struct JobStats {
-  std::string job;
-  int64_t keys = 0;
-  int64_t value_bytes = 0;
-};
-
 /// The in-memory Store held by a job's root daemon.
 ///
 /// Jobs come into being with their first key and are checked against the limits on every write
@@ -42,14 +35,12 @@ struct JobStats {
 /// allowed: a rendezvous may start before the first writer. One thread fires wait deadlines.
 ///
 /// Lock order: mu_ only; callbacks run after it is released.
-class MemoryStore final : public Store {
+class MemoryStore final : public JobStore {
  public:
   explicit MemoryStore(MemoryStoreOptions options = {});
   ~MemoryStore() override;  // Shutdown()
 
-  /// Calls of the Store methods so far (Set, WaitAsync, Add, CompareSet, Delete, List), for
-  /// metrics. Thread-safe.
-  uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
+  uint64_t calls() const override { return calls_.load(std::memory_order_relaxed); }
 
   absl::Status Set(absl::string_view job, absl::string_view key, std::string value) override;
   WaitId WaitAsync(absl::string_view job, std::vector<std::string> keys, absl::Time deadline,
@@ -63,18 +54,13 @@ class MemoryStore final : public Store {
   absl::StatusOr<std::vector<std::string>> List(absl::string_view job,
                                                 absl::string_view prefix) override;
 
-  /// The value of `key` now, without waiting: NotFound for a missing job or key.
-  absl::StatusOr<std::string> Peek(absl::string_view job, absl::string_view key);
-  /// Every job, sorted by name.
-  std::vector<JobStats> ListJobs();
-  /// (key, value size) for keys of `job` under `prefix`; NotFound for an unknown job.
-  absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> ListSizes(absl::string_view job,
-                                                                         absl::string_view prefix);
-  /// Removes a job's keys; its pending waits keep waiting.
-  void DeleteJob(absl::string_view job);
-
-  /// Fails every pending wait with Unavailable and refuses new ones. Idempotent.
-  void Shutdown();
+  absl::StatusOr<std::string> Peek(absl::string_view job, absl::string_view key) override;
+  absl::StatusOr<std::vector<JobStats>> ListJobs() override;  // never fails
+  absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> ListSizes(
+      absl::string_view job, absl::string_view prefix) override;
+  /// Removes a job's keys at once; its pending waits keep waiting.
+  void DeleteJob(absl::string_view job) override;
+  void Shutdown() override;
 
  private:
   struct Job {

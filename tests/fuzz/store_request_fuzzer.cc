@@ -106,8 +106,8 @@ class Script {
       GRADSYNC_FUZZ_CHECK(w->answers == 1);
       if (w->result.ok()) CheckWaitReply(*w);
     }
-    for (const JobStats& job : store_.ListJobs()) store_.DeleteJob(job.job);
-    GRADSYNC_FUZZ_CHECK(store_.ListJobs().empty());
+    for (const JobStats& job : *store_.ListJobs()) store_.DeleteJob(job.job);
+    GRADSYNC_FUZZ_CHECK(store_.ListJobs()->empty());
     waits_.clear();
     ids_.clear();
   }
@@ -276,7 +276,7 @@ class Script {
 
   void CheckLimits() {
     const MemoryStoreOptions limits = SmallLimits();
-    const std::vector<JobStats> jobs = store_.ListJobs();
+    const std::vector<JobStats> jobs = *store_.ListJobs();
     GRADSYNC_FUZZ_CHECK(static_cast<int64_t>(jobs.size()) <= limits.max_jobs);
     for (const JobStats& job : jobs) {
       GRADSYNC_FUZZ_CHECK(job.keys <= limits.max_keys_per_job);
