@@ -34,8 +34,9 @@ const std::vector<Section>& Sections() {
        "gradsync group may connect: add trainer users to it.",
        {"socket", "socket_mode"}},
       {"Other daemons (jobs spanning nodes)",
-       "Other daemons of a job reach this node's store and inspection over TCP; trainers never "
-       "do (trainer sessions are served on the unix socket only). TCP is off by default. To turn "
+       "Other daemons of a job reach this node's store and inspection over TCP, and so do the "
+       "trainers of a job spanning nodes for its root's store (with the token); trainer "
+       "sessions are served on the unix socket only. TCP is off by default. To turn "
        "it on set --port (7451 is customary) and --token_file, without which the daemon refuses "
        "to start. Set --bind_address to the cluster network's interface (never 0.0.0.0 by "
        "accident); with a wildcard bind, --advertise_address names the address other daemons "

@@ -223,6 +223,9 @@ class Engine {
   // Jobs spanning nodes: publish this node's ranks in the root store, wait for everyone's.
   void StartFormation(std::shared_ptr<Job> job, std::string node);
   void OnFormed(const std::weak_ptr<Job>& job, absl::StatusOr<std::vector<std::string>> nodes);
+  // The first parked op's deadline passed and the job has not formed: formation fails (every
+  // parked op with it), DEADLINE_EXCEEDED; an op never waits past its deadline for formation.
+  void OnFormationDeadline(const std::weak_ptr<Job>& job, absl::Duration timeout);
   // The peer watch lost `node` of the job: its groups spanning it fail their pending, running
   // and later ops with UNAVAILABLE naming the node, its ranks and `cause`.
   void OnPeerLost(const std::weak_ptr<Job>& job, const std::string& node,

@@ -17,6 +17,16 @@ auto Log() { return logging::Logger("core"); }
 }  // namespace
 
 namespace {
+// How long formation's store calls are tried again on a transient failure.
+constexpr absl::Duration kStoreRetry = absl::Seconds(10);
+
+bool IsTransient(const absl::Status& s) { return s.code() == absl::StatusCode::kUnavailable; }
+const absl::Status& StatusOf(const absl::Status& s) { return s; }
+template <typename T>
+const absl::Status& StatusOf(const absl::StatusOr<T>& s) {
+  return s.status();
+}
+
 // 16 random hex digits.
 std::string RunToken() {
   std::random_device device;
@@ -34,10 +44,24 @@ void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
       if (job->ranks[r] != nullptr) mine.push_back(r);
     }
   }
+  // A channel to a root daemon that restarted fails its first call (UNAVAILABLE) and then
+  // connects again: such calls are tried again for a few seconds.
+  const absl::Time retry_until = absl::Now() + std::min(options_.default_op_timeout, kStoreRetry);
+  auto retry = [&](auto call) {
+    absl::Duration pause = absl::Milliseconds(50);
+    for (;;) {
+      auto result = call();
+      if (result.ok() || !IsTransient(StatusOf(result)) || absl::Now() + pause > retry_until) {
+        return result;
+      }
+      absl::SleepFor(pause);
+      pause = std::min(2 * pause, absl::Seconds(1));
+    }
+  };
   // The run's token: the first node to come sets it, every node reads the same one. The job's
   // keys are deleted when it ends at the root, so a later run of the same id makes a new one.
-  absl::StatusOr<CompareSetResult> run =
-      job->root_store->CompareSet(job->id, kRunKey, std::nullopt, RunToken());
+  absl::StatusOr<CompareSetResult> run = retry(
+      [&] { return job->root_store->CompareSet(job->id, kRunKey, std::nullopt, RunToken()); });
   if (!run.ok()) {
     OnFormed(job, absl::Status(run.status().code(),
                                absl::StrCat("agreeing on the run: ", run.status().message())));
@@ -48,7 +72,8 @@ void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
     job->run = run->value;
   }
   for (int r : mine) {
-    absl::Status s = job->root_store->Set(job->id, absl::StrCat("daemon/rank/", r), node);
+    absl::Status s =
+        retry([&] { return job->root_store->Set(job->id, absl::StrCat("daemon/rank/", r), node); });
     if (!s.ok()) {
       OnFormed(job, absl::Status(s.code(), absl::StrCat("publishing rank ", r, ": ", s.message())));
       return;
@@ -72,10 +97,48 @@ void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
       });
 }
 
+void Engine::OnFormationDeadline(const std::weak_ptr<Job>& weak, absl::Duration timeout) {
+  std::shared_ptr<Job> job = weak.lock();
+  if (!job) return;
+  {
+    absl::MutexLock lock(&job->mu);
+    if (job->formation != Job::Formation::kLocal && job->formation != Job::Formation::kForming) {
+      return;  // formed (or failed) in time
+    }
+  }
+  // Who is missing: a wait that ends at once names the keys not there.
+  std::vector<std::string> keys;
+  for (int r = 0; r < job->world_size; ++r) keys.push_back(absl::StrCat("daemon/rank/", r));
+  absl::StatusOr<std::vector<std::string>> missing =
+      job->root_store->WaitBlocking(job->id, keys, absl::Now() + absl::Milliseconds(100));
+  std::deque<Job::Parked> failed;
+  absl::Status error;
+  {
+    absl::MutexLock lock(&job->mu);
+    if (job->formation != Job::Formation::kLocal && job->formation != Job::Formation::kForming) {
+      return;  // formed (or failed) meanwhile
+    }
+    job->formation = Job::Formation::kFailed;
+    job->formation_error = absl::DeadlineExceededError(absl::StrCat(
+        "job ", job->id, " did not form across nodes (root ", job->root_address,
+        ") within its first op's deadline (", absl::FormatDuration(timeout), "): ",
+        missing.ok() ? "its ranks' daemons published only now"
+                     : std::string(missing.status().message())));
+    error = job->formation_error;
+    failed.swap(job->parked);
+  }
+  Log()->warn("{}", std::string(error.message()));
+  for (Job::Parked& p : failed) p.sink->OpDone(p.tag, 0, error);
+}
+
 void Engine::OnFormed(const std::weak_ptr<Job>& weak,
                       absl::StatusOr<std::vector<std::string>> nodes) {
   std::shared_ptr<Job> job = weak.lock();
   if (!job) return;
+  {
+    absl::MutexLock lock(&job->mu);
+    if (job->formation == Job::Formation::kFailed) return;  // its deadline came first
+  }
   std::deque<Job::Parked> failed;
   absl::Status error;
   std::string nodes_listed;

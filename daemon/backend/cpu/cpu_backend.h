@@ -37,6 +37,11 @@ struct CpuTuning {
   absl::Duration peer_grace = absl::Seconds(10);
   /// Below this many bytes per part a single-node op is not split across the worker pool.
   int64_t min_bytes_per_part = 256 << 10;
+  /// Not a flag: --peer_timeout and a margin. A link to a peer that breaks (UNAVAILABLE) is most
+  /// often a node lost, which the job's peer watch names with its cause within its timeout; the
+  /// failing op waits up to this long for that word (Communicator::Abort), so that every
+  /// survivor reports the loss the same way, whichever link saw it first. 0: no wait.
+  absl::Duration await_peer_watch = absl::ZeroDuration();
 };
 
 /// InvalidArgument naming the first bad field by its flag (--cpu_segment_bytes=...), OK when

@@ -3,6 +3,8 @@
 
 #include "daemon/backend/cpu/nodes_communicator.h"
 
+#include <poll.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -190,6 +192,12 @@ absl::Status NodesCommunicator::FailLink(const core::Collective& op, const absl:
   // A peer daemon died, or did not reach the op by its deadline, or sent what it should not
   // have. The nodes may now disagree on where the group's sequence stands, so the group stays
   // failed (its ranks form the job again) rather than reconnecting to stale rendezvous keys.
+  if (error.code() == absl::StatusCode::kUnavailable && Aborted().ok() &&
+      tuning_.await_peer_watch > absl::ZeroDuration() && cancel_fd_.get() >= 0) {
+    // Most likely a node lost: its cause comes from the peer watch (CpuTuning), with the links
+    // still open so that no peer takes our closing them for a loss of ours.
+    (void)sock::WaitFor(cancel_fd_.get(), POLLIN, absl::Now() + tuning_.await_peer_watch);
+  }
   streams_.clear();
   links_.reset();
   if (absl::Status aborted = Aborted(); !aborted.ok()) {
