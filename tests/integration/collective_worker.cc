@@ -629,6 +629,19 @@ void NoForm(Client& c) {
   std::printf("noform ok\n");
 }
 
+// Jobs spanning daemons whose store cannot be reached (--store=etcd with etcd down): the first
+// op fails UNAVAILABLE naming the store (needle=TEXT) once the daemon's store call gives up,
+// long before the op's own 60 s deadline.
+void StoreDown(Client& c) {
+  const absl::Time start = absl::Now();
+  absl::Status s = c.Barrier(Opt("world", "", absl::Seconds(60)));
+  EXPECT_TRUE_OR_REPORT(s.code() == absl::StatusCode::kUnavailable, s.ToString());
+  EXPECT_TRUE_OR_REPORT(absl::StrContains(s.message(), Arg("needle", "etcd")), s.ToString());
+  EXPECT_TRUE_OR_REPORT(absl::Now() - start < absl::Seconds(30), "took ",
+                        absl::FormatDuration(absl::Now() - start));
+  std::printf("storedown ok\n");
+}
+
 // Waits at a barrier with everyone, then idles (bounded) while the test kills its daemon.
 void Idle(Client& c) {
   absl::Status s = c.Barrier(Opt("world", "", absl::Seconds(30)));
@@ -935,6 +948,8 @@ int main(int argc, char** argv) {
     DeadlineAcross(**c);
   else if (scenario == "noform")
     NoForm(**c);
+  else if (scenario == "storedown")
+    StoreDown(**c);
   else if (scenario == "idle")
     Idle(**c);
   else if (scenario == "steps")
