@@ -24,6 +24,7 @@ packages=(
   python3-torch python3-grpcio python3-pytest python3-numpy
   openmpi-bin libopenmpi-dev
   iproute2 systemd procps
+  etcd-server etcd-client
   dpkg-dev lintian
 )
 PY=/usr/bin/python3  # Debian's torch imports only here
