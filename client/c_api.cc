@@ -13,6 +13,31 @@
 #include "common/pack_list.h"
 #include "common/tls.h"
 #include "google/protobuf/util/json_util.h"
+#include "gradsync/v1/gradsync.pb.h"
+#include "gradsync/v1/types.pb.h"
+
+// gradsync.h restates the wire's enums for C (and _native.py for Python, checked by
+// tests/python/test_api_surface.py): each constant must be the proto's value, and the proto
+// must have no value the header lacks (its largest is the header's last). The op kind is not
+// restated: each op has its own function.
+#define GRADSYNC_CHECK_ENUM(c_value, proto_value)                           \
+  static_assert(static_cast<int>(c_value) == static_cast<int>(proto_value), \
+                "gradsync.h: " #c_value " is not " #proto_value " of the wire")
+GRADSYNC_CHECK_ENUM(GS_FLOAT32, gradsync::v1::FLOAT32);
+GRADSYNC_CHECK_ENUM(GS_FLOAT64, gradsync::v1::FLOAT64);
+GRADSYNC_CHECK_ENUM(GS_FLOAT16, gradsync::v1::FLOAT16);
+GRADSYNC_CHECK_ENUM(GS_BFLOAT16, gradsync::v1::BFLOAT16);
+GRADSYNC_CHECK_ENUM(GS_INT32, gradsync::v1::INT32);
+GRADSYNC_CHECK_ENUM(GS_INT64, gradsync::v1::INT64);
+GRADSYNC_CHECK_ENUM(GS_UINT8, gradsync::v1::UINT8);
+GRADSYNC_CHECK_ENUM(GS_INT8, gradsync::v1::INT8);
+GRADSYNC_CHECK_ENUM(GS_INT8, gradsync::v1::DType_MAX);
+GRADSYNC_CHECK_ENUM(GS_SUM, gradsync::v1::SUM);
+GRADSYNC_CHECK_ENUM(GS_MEAN, gradsync::v1::MEAN);
+GRADSYNC_CHECK_ENUM(GS_MIN, gradsync::v1::MIN);
+GRADSYNC_CHECK_ENUM(GS_MAX, gradsync::v1::MAX);
+GRADSYNC_CHECK_ENUM(GS_MAX, gradsync::v1::ReduceOp_MAX);
+#undef GRADSYNC_CHECK_ENUM
 
 struct gs_client {
   std::unique_ptr<gradsync::client::Client> impl;

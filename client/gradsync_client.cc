@@ -76,6 +76,7 @@ v1::OpRequest MakeOp(v1::OpKind kind, DType dtype, const OpOptions& options) {
 
 struct Op::State {
   // Guarded by the client's mu_ (not annotated: a State does not know its client).
+  uint64_t tag = 0;  // its key in the client's pending_ while not done
   bool via_doorbell = false;
   bool done = false;
   absl::Status status;
@@ -158,19 +159,15 @@ absl::Status Client::Open(absl::string_view target) {
   stub_ = v1::GradSync::NewStub(channel_);
   Authorize(ctx_, options_);
   stream_ = stub_->PrepareAsyncSession(&ctx_, &cq_);
-  stream_->StartCall(TagOf(kStart));
-  void* tag = nullptr;
-  bool ok = false;
-  const auto r = cq_.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-  if (r != grpc::CompletionQueue::GOT_EVENT || !ok) {
-    ctx_.TryCancel();
-    absl::MutexLock lock(&mu_);
-    broken_ = absl::UnavailableError("never connected");
+  absl::MutexLock lock(&mu_);
+  StartLocked(kStart);
+  DriveUntilLocked([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !InFlightLocked(kStart); },
+                   absl::Now() + options_.rpc_timeout);
+  if (!started_) {
+    BreakLocked(absl::UnavailableError("never connected"));
     return absl::UnavailableError(absl::StrCat("cannot reach gradsyncd at ", target));
   }
-  absl::MutexLock lock(&mu_);
-  stream_->Read(&event_, TagOf(kRead));
-  read_pending_ = true;
+  StartLocked(kRead);
   return absl::OkStatus();
 }
 
@@ -280,17 +277,25 @@ Client::~Client() {
   {
     absl::MutexLock lock(&mu_);
     // Let queued requests go out, then close our side; the daemon ends the session and the
-    // stream finishes. If it does not in time, cancel.
+    // stream finishes. If it does not in time (a stuck or stopped daemon), cancel.
     auto flushed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return !broken_.ok() || (!writing_ && writes_.empty());
+      return !broken_.ok() || (!InFlightLocked(kWrite) && writes_.empty());
     };
     DriveUntilLocked(flushed, deadline);
-    if (broken_.ok()) {
-      stream_->WritesDone(TagOf(kWritesDone));
+    if (broken_.ok() && StartLocked(kWritesDone)) {
       DriveUntilLocked([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !broken_.ok(); },
                        deadline);
     }
-    if (read_pending_ || finish_pending_ || writing_) ctx_.TryCancel();
+    // Once the call is cancelled gRPC completes every operation in flight promptly (a failed
+    // read starts Finish, which completes too). The queue is shut down only after that, and
+    // nothing starts on it afterwards; whatever still arrives is taken off below.
+    if (in_flight_ != 0) {
+      ctx_.TryCancel();
+      DriveUntilLocked([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; },
+                       absl::Now() + options_.rpc_timeout);
+    }
+    queue_shut_down_ = true;
+    BreakLocked(absl::UnavailableError("client closed"));
   }
   cq_.Shutdown();
   void* tag = nullptr;
@@ -301,10 +306,38 @@ Client::~Client() {
   }
 }
 
+bool Client::StartLocked(Tag tag) {
+  const uint32_t bit = TagBit(tag);
+  if (queue_shut_down_ || (in_flight_ & bit) != 0) return false;
+  switch (tag) {
+    case kStart:
+      stream_->StartCall(TagOf(kStart));
+      break;
+    case kWrite:  // gRPC allows one write at a time, WritesDone included, none after it
+      if (writes_.empty() || writes_done_ || InFlightLocked(kWritesDone)) return false;
+      stream_->Write(writes_.front(), TagOf(kWrite));
+      break;
+    case kWritesDone:
+      if (writes_done_ || InFlightLocked(kWrite)) return false;
+      writes_done_ = true;
+      stream_->WritesDone(TagOf(kWritesDone));
+      break;
+    case kRead:
+      event_.Clear();
+      stream_->Read(&event_, TagOf(kRead));
+      break;
+    case kFinish:  // once, after a read failed (the server has nothing more to send)
+      if (finish_started_) return false;
+      finish_started_ = true;
+      stream_->Finish(&finish_status_, TagOf(kFinish));
+      break;
+  }
+  in_flight_ |= bit;
+  return true;
+}
+
 void Client::StartWriteLocked() {
-  if (writing_ || writes_.empty() || !broken_.ok()) return;
-  writing_ = true;
-  stream_->Write(writes_.front(), TagOf(kWrite));
+  if (broken_.ok()) StartLocked(kWrite);
 }
 
 void Client::BreakLocked(const absl::Status& status) {
@@ -315,18 +348,20 @@ void Client::BreakLocked(const absl::Status& status) {
   }
   pending_.clear();
   ring_in_flight_ = 0;
-  while (writes_.size() > (writing_ ? 1u : 0u)) writes_.pop_back();
+  while (writes_.size() > (InFlightLocked(kWrite) ? 1u : 0u)) writes_.pop_back();
 }
 
 void Client::HandleLocked(intptr_t tag, bool ok) {
+  in_flight_ &= ~TagBit(tag);
   switch (tag) {
+    case kStart:
+      started_ = ok;
+      break;
     case kWrite:
-      writing_ = false;
       if (!writes_.empty()) writes_.pop_front();
       if (ok) StartWriteLocked();  // a failed write: the read side reports why
       break;
     case kRead:
-      read_pending_ = false;
       if (ok) {
         auto it = pending_.find(event_.tag());
         if (it != pending_.end()) {
@@ -339,20 +374,21 @@ void Client::HandleLocked(intptr_t tag, bool ok) {
           state.event = std::move(event_);
           pending_.erase(it);
         }
-        event_.Clear();
-        stream_->Read(&event_, TagOf(kRead));
-        read_pending_ = true;
-      } else if (!finish_pending_) {
-        stream_->Finish(&finish_status_, TagOf(kFinish));
-        finish_pending_ = true;
+        StartLocked(kRead);
+      } else {
+        StartLocked(kFinish);
       }
       break;
     case kFinish:
-      finish_pending_ = false;
       BreakLocked(finish_status_.ok() ? absl::UnavailableError("gradsyncd ended the session")
                                       : FromGrpcStatus(finish_status_));
       break;
-    default:  // kStart, kWritesDone
+    case kWritesDone:
+      break;
+    default:
+      // Only this file's tags are on the queue: anything else is a bug, and no op may be left
+      // waiting on a stream whose state is now unknown.
+      BreakLocked(absl::InternalError(absl::StrCat("unknown completion-queue tag ", tag)));
       break;
   }
 }
@@ -369,6 +405,7 @@ std::shared_ptr<Op::State> Client::Send(v1::TrainerRequest request, absl::Durati
     }
     const uint64_t tag = next_tag_++;
     request.set_tag(tag);
+    state->tag = tag;
     pending_.emplace(tag, state);
     writes_.push_back(std::move(request));
     StartWriteLocked();
@@ -470,6 +507,7 @@ std::shared_ptr<Op::State> Client::Ring(v1::TrainerRequest request, absl::Durati
     mu_.Lock();
   }
   ++ring_in_flight_;
+  state->tag = tag;
   pending_.emplace(tag, state);
   return state;
 }
@@ -489,18 +527,26 @@ absl::Status Client::Await(Op::State& state, absl::Time deadline) {
         if (state.done) return state.status;
         next_check = now + absl::Milliseconds(20);
       }
-      if (now >= deadline) {
-        return absl::DeadlineExceededError(
-            "no answer from gradsyncd by the op's deadline (plus margin); is the daemon stuck?");
-      }
+      if (now >= deadline) return GiveUpLocked(state);
       mu_.Unlock();
       doorbell_->TrainerWait(std::min(absl::Milliseconds(2), deadline - now));
       mu_.Lock();
     }
   }
-  if (!DriveUntilLocked([&] { return state.done; }, deadline)) {
-    return absl::DeadlineExceededError(
-        "no answer from gradsyncd by the op's deadline (plus margin); is the daemon stuck?");
+  if (!DriveUntilLocked([&] { return state.done; }, deadline)) return GiveUpLocked(state);
+  return state.status;
+}
+
+absl::Status Client::GiveUpLocked(Op::State& state) {
+  const absl::Status timed_out = absl::DeadlineExceededError(
+      "no answer from gradsyncd by the op's deadline (plus margin); is the daemon stuck?");
+  if (absl::Now() < state.deadline) return timed_out;  // a caller's slice, not the op's end
+  // The op's outcome from now on, whatever the daemon answers later (the answer to its tag is
+  // dropped; a ring slot it holds is freed when the daemon completes it).
+  state.done = true;
+  state.status = timed_out;
+  if (auto it = pending_.find(state.tag); it != pending_.end() && it->second.get() == &state) {
+    pending_.erase(it);
   }
   return state.status;
 }

@@ -34,7 +34,8 @@ struct Placement {
   std::string root_address;
 };
 
-/// `count` elements starting `byte_offset` bytes into a registered buffer.
+/// `count` elements starting `byte_offset` bytes into a registered buffer. An op may name
+/// segments of count 0, or none: it then runs on every rank in order, and writes nothing.
 struct Segment {
   uint64_t buffer_id = 0;
   int64_t byte_offset = 0;
@@ -169,7 +170,9 @@ class Client {
   static absl::StatusOr<std::unique_ptr<Client>> Connect(absl::string_view target,
                                                          const Placement& placement,
                                                          ClientOptions options = {});
-  /// Ends the session (waiting at most rpc_timeout for the daemon to acknowledge).
+  /// Ends the session: waits at most rpc_timeout for the daemon to acknowledge, then cancels
+  /// the stream (a stopped or stuck daemon cannot hold it longer). Every call and Op::Wait on
+  /// the client must have returned; ops still unanswered end UNAVAILABLE "client closed".
   ~Client();
 
   /// Creates `bytes` of shared memory, maps it and registers it. `dtype` UNSPECIFIED: any op
@@ -219,8 +222,9 @@ class Client {
 
  private:
   friend class Op;
-  // Completion-queue tags.
+  // Completion-queue tags: the stream's operations, at most one of each in flight.
   enum Tag : intptr_t { kStart = 1, kWrite, kRead, kWritesDone, kFinish };
+  static constexpr uint32_t TagBit(intptr_t tag) { return 1u << static_cast<uint32_t>(tag); }
 
   Client(Placement placement, ClientOptions options);
   absl::Status Open(absl::string_view target);
@@ -237,6 +241,9 @@ class Client {
   void CheckStreamLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drives the stream until `state` completes or `deadline` passes.
   absl::Status Await(Op::State& state, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // DEADLINE_EXCEEDED for an op not answered by `deadline`; once the op's own deadline (plus
+  // margin) has passed, that is its outcome for good.
+  absl::Status GiveUpLocked(Op::State& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Poll(Op::State& state) ABSL_LOCKS_EXCLUDED(mu_);
   // One completion-queue event, waited for until `deadline` (in the past: only those already
   // there). mu_ is released while waiting; the caller checked !driving_.
@@ -248,6 +255,13 @@ class Client {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One completion-queue event. Issues the next read/write.
   void HandleLocked(intptr_t tag, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The one place a stream operation starts. False, and nothing started, once the queue is shut
+  // down, while the same operation is in flight, or where gRPC forbids it (a write beside
+  // another or after WritesDone, Finish twice).
+  bool StartLocked(Tag tag) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool InFlightLocked(Tag tag) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return (in_flight_ & TagBit(tag)) != 0;
+  }
   void StartWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void BreakLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::TrainerEvent> Call(v1::TrainerRequest request);
@@ -266,10 +280,12 @@ class Client {
   absl::CondVar cv_;                           // a driver handled an event, or stopped driving
   bool driving_ ABSL_GUARDED_BY(mu_) = false;  // a thread is inside cq_.AsyncNext
   std::deque<v1::TrainerRequest> writes_ ABSL_GUARDED_BY(mu_);  // front is being written
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool read_pending_ ABSL_GUARDED_BY(mu_) = false;
-  bool finish_pending_ ABSL_GUARDED_BY(mu_) = false;
-  v1::TrainerEvent event_ ABSL_GUARDED_BY(mu_);  // the read in flight
+  uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;        // TagBit of each operation in flight
+  bool queue_shut_down_ ABSL_GUARDED_BY(mu_) = false;  // cq_.Shutdown() is next: start nothing
+  bool started_ ABSL_GUARDED_BY(mu_) = false;          // the call reached the daemon
+  bool writes_done_ ABSL_GUARDED_BY(mu_) = false;      // WritesDone started: no more writes
+  bool finish_started_ ABSL_GUARDED_BY(mu_) = false;   // Finish is called once
+  v1::TrainerEvent event_ ABSL_GUARDED_BY(mu_);        // the read in flight
   grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
   absl::Status broken_ ABSL_GUARDED_BY(mu_);  // once not OK, every op fails with it
   uint64_t next_tag_ ABSL_GUARDED_BY(mu_) = 1;
