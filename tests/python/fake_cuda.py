@@ -60,8 +60,10 @@ class FakeAllocation:
     def take(self, nbytes):
         at = self.used
         self.used += -(-max(nbytes, 1) // ALIGN) * ALIGN
-        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=at) \
-            if nbytes else torch.empty(0, dtype=torch.uint8)
+        # No byte: an empty view at the block's address (torch's allocator gives empty CUDA
+        # tensors a device too; device_of must see it there).
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=max(nbytes, 1),
+                                offset=at)[:nbytes]
 
 
 class FakeRegistration:
@@ -183,11 +185,13 @@ class FakeCuda:
 
     # ---- the seam (gradsync/_cuda.py's calls) ----
     def device_of(self, tensor):
-        if tensor.device.type != "cpu" or tensor.numel() == 0:
+        if tensor.device.type != "cpu":
             return None
+        # torch gives a tensor without elements the address 0: its storage's says where it is.
+        address = tensor.data_ptr() if tensor.numel() else _storage_address(tensor)
         with self._lock:
             for a in self._allocs:
-                if a.base <= tensor.data_ptr() < a.base + a.size:
+                if a.base <= address < a.base + a.size:
                     return 0
         return None
 
@@ -293,6 +297,12 @@ class FakeCuda:
             for b in written:
                 if b in self._registered:
                     self._unsettled[b] = set()
+
+
+def _storage_address(tensor):
+    storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else \
+        tensor.storage()
+    return storage.data_ptr()
 
 
 def registry():

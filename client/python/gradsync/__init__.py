@@ -6,7 +6,8 @@
     work = gradsync.all_reduce(t, async_op=True); ...; work.wait()
 
 Collectives take torch tensors (CPU or CUDA) or any writable buffer-protocol object
-(bytearray, array.array, memoryview, numpy arrays; the dtype comes from the buffer's format).
+(bytearray, array.array, memoryview, numpy arrays; the dtype comes from the buffer's format),
+with or without elements (all_reduce's doc lists the dtypes).
 torch is needed only for tensors and gradsync.torch: the package is pure Python over the C ABI
 (libgradsync_c.so, with ctypes), so it loads in any CPython 3.9+ from one build.
 
@@ -16,8 +17,8 @@ on the current stream, and the current stream continues after the daemon's write
 returns (async_op: once Work.wait() returns). Each CUDA allocation is registered once, on first
 use (see _device.py).
 
-Tensors that live in gradsync's shared memory (gradsync.empty, and the gradients of
-gradsync.torch.DistributedOptimizer) go to the daemon as they are; anything else is copied into
+Tensors that live in gradsync's shared memory (gradsync.empty, views of
+gradsync.shared_buffer, and the gradients of gradsync.torch.DistributedOptimizer) go to the daemon as they are; anything else is copied into
 a staging buffer and back. Every wait releases the GIL and wakes up every few tens of
 milliseconds, so Ctrl-C raises KeyboardInterrupt at once; an op interrupted that way ends the
 session (the daemon fails the op on the other ranks, naming this one). Failures raise
@@ -35,8 +36,9 @@ from ._native import Error, plan_packs
 
 __all__ = [
     "Error", "Group", "WORLD", "Work", "init", "is_initialized", "shutdown", "get_rank",
-    "get_world_size", "new_group", "empty", "all_reduce", "broadcast", "barrier", "all_gather",
-    "reduce_scatter", "plan_packs", "set_pack_list", "get_pack_list", "client",
+    "get_world_size", "new_group", "empty", "shared_buffer", "dtype_name", "all_reduce",
+    "broadcast", "barrier", "all_gather", "reduce_scatter", "plan_packs", "set_pack_list",
+    "get_pack_list", "client",
 ]
 
 DEFAULT_SOCKET = "/run/gradsync/gradsyncd.sock"
@@ -57,7 +59,9 @@ _TORCH_DTYPES = {}
 
 
 def dtype_name(dtype):
-    """gradsync's name of a torch dtype (or of a name already: "float32")."""
+    """gradsync's name of a torch dtype ("float32"), or a name already (checked). TypeError for
+    a torch dtype gradsync has no collective for, gradsync.Error (INVALID_ARGUMENT) for an
+    unknown name."""
     if isinstance(dtype, str):
         _native.dtype_code(dtype)
         return dtype
@@ -100,6 +104,7 @@ class Group:
 
     @property
     def ranks(self):
+        """The members' global ranks, ascending."""
         return self._ranks if self._ranks is not None else tuple(range(_ctx().world_size))
 
     @property
@@ -109,6 +114,7 @@ class Group:
 
     @property
     def size(self):
+        """The number of members."""
         return len(self.ranks)
 
     @property
@@ -209,6 +215,7 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
 
 
 def is_initialized():
+    """True while this process has a session (after init(), before shutdown())."""
     return _context is not None and not _context.client.closed
 
 
@@ -245,10 +252,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def get_rank():
+    """This process's rank in the job (RuntimeError before init())."""
     return _ctx().rank
 
 
 def get_world_size():
+    """The number of ranks in the job (RuntimeError before init())."""
     return _ctx().world_size
 
 
@@ -296,15 +305,22 @@ def _release_buffer(buf):
 
 
 def _view(buf, dtype, count, byte_offset=0):
+    """`count` elements of `dtype` at `byte_offset` in `buf`, sharing its memory. No element:
+    an empty tensor (torch.frombuffer refuses a count of 0; there is nothing to share)."""
+    if count == 0:
+        return _torch().empty(0, dtype=dtype)
     return _torch().frombuffer(buf, dtype=dtype, count=count, offset=byte_offset)
 
 
 def empty(shape, dtype=None):
-    """A tensor in gradsync shared memory (float32 by default): collectives on it copy nothing."""
+    """A tensor in gradsync shared memory (float32 by default): collectives on it copy nothing.
+    A shape without elements gives a plain empty tensor (there is nothing to share)."""
     torch = _torch()
     dtype = torch.float32 if dtype is None else dtype
     shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
     count = shape.numel()
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
     buf = _new_buffer(count * torch.empty((), dtype=dtype).element_size())
     return _view(buf, dtype, count).view(shape)
 
@@ -361,6 +377,8 @@ class _Bytes:
                             f"not {type(obj).__name__}") from None
         if not view.c_contiguous:
             raise ValueError("gradsync collectives take C-contiguous buffers")
+        if view.readonly:  # also without elements: the same call must not depend on the size
+            raise ValueError("gradsync writes into the buffer: it must be writable")
         self.obj = obj
         self.view = view
         self.dtype = _format_dtype(view.format, view.itemsize)
@@ -368,8 +386,6 @@ class _Bytes:
         self.count = view.nbytes // view.itemsize
 
     def _address(self):
-        if self.view.readonly:
-            raise ValueError("gradsync writes into the buffer: it must be writable")
         if self.nbytes == 0:
             return None
         return ctypes.addressof((ctypes.c_char * self.nbytes).from_buffer(self.view))
@@ -431,7 +447,9 @@ def _unstage(buf):
 
 class Work:
     """An op in flight. wait() blocks (GIL released; Ctrl-C raises KeyboardInterrupt and ends
-    the session), copies staged results back, and returns. On CUDA tensors, wait() returns once
+    the session), copies staged results back, and returns what the synchronous call would (the
+    tensor, or the output list); a failed op raises its gradsync.Error on every wait. On CUDA
+    tensors, wait() returns once
     the daemon has queued its write: the current stream then waits for it (as with NCCL's
     Work.wait()), and the host never waits for the device."""
 
@@ -444,6 +462,7 @@ class Work:
         self._lock = threading.Lock()
 
     def wait(self):
+        """Blocks until the op completes; returns its result or raises its gradsync.Error."""
         with self._lock:
             try:
                 self._handle.wait()  # a failed op raises the same error on every wait
@@ -459,13 +478,18 @@ class Work:
         return self._result
 
     def is_completed(self):
+        """True once the op has an outcome (never blocks; wait() still copies results out)."""
         return self._handle.done()
 
 
 def _in_place(objs, submit, result, async_op):
-    """Runs `submit(segments)` on `objs` in place, staging those not in shared memory."""
+    """Runs `submit(segments)` on `objs` in place, staging those not in shared memory. An
+    operand without elements names no segment (the op then counts 0 elements: the daemon still
+    matches it on every rank, and writes nothing)."""
     segments, copies, staged = [], [], []
     for x in objs:
+        if x.count == 0:
+            continue
         seg = x.segment()
         if seg is None:
             buf = _staging(x.nbytes)
@@ -487,6 +511,10 @@ def _in_place(objs, submit, result, async_op):
                   async_op)
 
 
+def _nothing():
+    """A release with nothing to give back (an op on operands without elements)."""
+
+
 def _start(submit, finish, result, release, async_op):
     """Submits an op. Its Work copies staged results out (`finish`) and hands the staging back
     (`release`), which also happens at once if the submission itself fails."""
@@ -504,38 +532,60 @@ def _timeout(timeout):
 
 
 def all_reduce(tensor, op="sum", group=WORLD, async_op=False, name="", timeout=None):
-    """In-place all-reduce of a CPU tensor or a writable buffer: op is sum, mean (divides by the
-    group size), min, max."""
+    """In-place all-reduce over `group`: afterwards every member's `tensor` holds the reduction
+    of all members' values. op is "sum", "mean" (the sum divided by the group size; integers
+    truncated toward zero), "min" or "max".
+
+    `tensor` is a torch tensor on the CPU or on a CUDA device (contiguous or not; float32,
+    float64, float16, bfloat16, int32, int64, uint8 or int8), or a writable C-contiguous
+    buffer-protocol object (bytearray, array.array, memoryview, numpy array) whose format is
+    float32/64, float16, int8/32/64 or uint8. It may have no elements (the op still runs, in
+    order with the others, and changes nothing). CUDA tensors are reduced where they are (see
+    the module's doc); tensors in gradsync's shared memory are reduced in place; anything else
+    goes through a staging copy. `name` is part of the op's fingerprint (every member must pass
+    the same); `timeout` is in seconds (or a timedelta; None: the daemon's default).
+
+    Returns `tensor`, or with async_op a Work whose wait() returns it. Raises gradsync.Error
+    (INVALID_ARGUMENT for a bad op name or group, FAILED_PRECONDITION when the members' ops
+    differ, DEADLINE_EXCEEDED naming the ranks that did not come, ...), and TypeError or
+    ValueError for an object it cannot take (another dtype, a read-only or non-contiguous
+    buffer, a tensor on another kind of device)."""
     c = _ctx().client
     x = _operand(tensor)
-    if isinstance(x, _device.Operand):
+
+    def submit(segs):
+        return c.all_reduce(x.dtype, op, segs, group.key, name, _timeout(timeout))
+
+    if isinstance(x, _device.Operand) and x.count:
         run = _device.Run(_ctx().device, x.device)
         segs = [run.contiguous(x, written=True)]
-        return run.start(lambda: c.all_reduce(x.dtype, op, segs, group.key, name,
-                                              _timeout(timeout)), tensor, async_op)
-    return _in_place(
-        [x], lambda segs: c.all_reduce(x.dtype, op, segs, group.key, name, _timeout(timeout)),
-        tensor, async_op)
+        return run.start(lambda: submit(segs), tensor, async_op)
+    return _in_place([x], submit, tensor, async_op)
 
 
 def broadcast(tensor, src=0, group=WORLD, async_op=False, name="", timeout=None):
-    """In-place broadcast from global rank `src` to every member of `group`."""
+    """In-place broadcast: every member of `group` gets global rank `src`'s `tensor` (src must
+    be a member: ValueError otherwise). Takes what all_reduce takes, returns and raises as it
+    does."""
     ranks = group.ranks
     if src not in ranks:
         raise ValueError(f"broadcast source rank {src} is not in {group}")
     c = _ctx().client
     x = _operand(tensor)
-    if isinstance(x, _device.Operand):
+
+    def submit(segs):
+        return c.broadcast(x.dtype, ranks.index(src), segs, group.key, name, _timeout(timeout))
+
+    if isinstance(x, _device.Operand) and x.count:
         run = _device.Run(_ctx().device, x.device)
         segs = [run.contiguous(x, written=True)]
-        return run.start(lambda: c.broadcast(x.dtype, ranks.index(src), segs, group.key, name,
-                                             _timeout(timeout)), tensor, async_op)
-    return _in_place(
-        [x], lambda segs: c.broadcast(x.dtype, ranks.index(src), segs, group.key, name,
-                                      _timeout(timeout)), tensor, async_op)
+        return run.start(lambda: submit(segs), tensor, async_op)
+    return _in_place([x], submit, tensor, async_op)
 
 
 def barrier(group=WORLD, async_op=False, name="", timeout=None):
+    """Returns once every member of `group` has called barrier() (with async_op: a Work whose
+    wait() does). gradsync.Error as all_reduce raises them."""
     work = Work(_ctx().client.barrier(group.key, name, _timeout(timeout)))
     return work if async_op else work.wait()
 
@@ -557,7 +607,10 @@ def _same_dtype(objs):
 
 
 def all_gather(tensor_list, tensor, group=WORLD, async_op=False, name="", timeout=None):
-    """tensor_list[i] receives group member i's `tensor` (torch.distributed's argument order)."""
+    """tensor_list[i] receives group member i's `tensor` (torch.distributed's argument order).
+    One output per member, each with the input's element count and dtype, all of them on the
+    host or all on one CUDA device; operands as all_reduce takes them. Returns tensor_list (with
+    async_op: a Work whose wait() does); raises as all_reduce does."""
     if len(tensor_list) != group.size:
         raise ValueError(f"all_gather needs {group.size} output tensors, got {len(tensor_list)}")
     c = _ctx().client
@@ -566,7 +619,11 @@ def all_gather(tensor_list, tensor, group=WORLD, async_op=False, name="", timeou
     dtype = _same_dtype([x] + outs)
     if any(o.count != x.count for o in outs):
         raise ValueError("all_gather outputs must each have the input's element count")
-    if _on_device([x] + outs) is not None:
+    on_device = _on_device([x] + outs)
+    if x.count == 0:
+        return _start(lambda: c.all_gather(dtype, [], [], group.key, name, _timeout(timeout)),
+                      None, tensor_list, _nothing, async_op)
+    if on_device is not None:
         return _all_gather_device(c, x, outs, tensor_list, group, async_op, name, timeout)
     buf, offsets = _flat_staging([x] + outs)
     x.copy_to(buf, 0)
@@ -584,7 +641,11 @@ def all_gather(tensor_list, tensor, group=WORLD, async_op=False, name="", timeou
 
 def reduce_scatter(output, input_list, op="sum", group=WORLD, async_op=False, name="",
                    timeout=None):
-    """output receives the reduction of every member's input_list[this member's group rank]."""
+    """output receives the reduction (op as all_reduce's) of every member's
+    input_list[this member's group rank]. One input per member, each with the output's element
+    count and dtype, all of them on the host or all on one CUDA device; operands as all_reduce
+    takes them. Returns output (with async_op: a Work whose wait() does); raises as all_reduce
+    does."""
     if len(input_list) != group.size:
         raise ValueError(f"reduce_scatter needs {group.size} input tensors, got {len(input_list)}")
     c = _ctx().client
@@ -593,7 +654,12 @@ def reduce_scatter(output, input_list, op="sum", group=WORLD, async_op=False, na
     dtype = _same_dtype(ins + [out])
     if any(i.count != out.count for i in ins):
         raise ValueError("reduce_scatter inputs must each have the output's element count")
-    if _on_device(ins + [out]) is not None:
+    on_device = _on_device(ins + [out])
+    if out.count == 0:
+        return _start(lambda: c.reduce_scatter(dtype, op, [], [], group.key, name,
+                                               _timeout(timeout)),
+                      None, output, _nothing, async_op)
+    if on_device is not None:
         return _reduce_scatter_device(c, op, out, ins, output, group, async_op, name, timeout)
     buf, offsets = _flat_staging(ins + [out])
     for i, at in zip(ins, offsets):

@@ -35,6 +35,10 @@ class Error(RuntimeError):
         self.code = code
         self.detail = detail
 
+    def __reduce__(self):
+        # Pickled and copied (multiprocessing, copy.copy) as it was built: from code and detail.
+        return type(self), (self.code, self.detail)
+
 
 class _Segment(ctypes.Structure):
     _fields_ = [("buffer_id", ctypes.c_uint64), ("byte_offset", ctypes.c_int64),
@@ -138,6 +142,7 @@ def _take_string(ptr):
 
 
 def dtype_code(name):
+    """The wire value of a dtype name ("float32" -> 1); Error INVALID_ARGUMENT if unknown."""
     try:
         return DTYPES[name]
     except KeyError:
@@ -153,6 +158,7 @@ def _reduce_code(name):
 
 
 def dtype_size(name):
+    """Bytes per element of a dtype name."""
     return _lib.gs_dtype_size(dtype_code(name))
 
 
@@ -183,7 +189,9 @@ def _plan_to_json(plan):
 
 
 def plan_packs(grads, threshold_bytes, first_alone=0):
-    """The pack planner of common/: grads are (index, dtype, shape) in backward order."""
+    """The pack planner of common/: grads are (index, dtype name, shape) in backward order.
+    Returns the plan as a dict: {"packs": [{"dtype", "indices", "shapes", "bytes"}, ...],
+    "threshold_bytes", "first_alone"}."""
     for _, d, _ in grads:
         dtype_code(str(d))  # a clear error for an unknown dtype
     spec = {"indices": [int(i) for i, _, _ in grads],
@@ -379,6 +387,7 @@ class Client:
         return out.value
 
     def deregister(self, buffer_id):
+        """Deregisters any buffer by id (ops already submitted keep it until they finish)."""
         _check(self._call(_lib.gs_buffer_deregister_id, int(buffer_id)))
 
     def register_cuda(self, address, nbytes):
@@ -390,6 +399,7 @@ class Client:
         return CudaBuffer(out.value, int(address), int(nbytes))
 
     def deregister_cuda(self, buf):
+        """Deregisters a CudaBuffer; its events live on with the object."""
         _check(self._call(_lib.gs_cuda_buffer_deregister, buf._ptr))
 
     # ---- ops ----
@@ -404,26 +414,34 @@ class Client:
                                        int(timeout_s * 1000) if timeout_s and timeout_s > 0
                                        else 0))
 
+    # The ops: `data`, `input` and `output` are lists of (buffer id, byte offset, element
+    # count) segments in registered buffers (an empty list: no element); dtype and op by name.
+    # Each returns a Handle; a refused submission raises Error.
     def all_reduce(self, dtype, op, data, group="world", name="", timeout_s=0.0):
+        """All-reduce of the segments `data`, in place."""
         segs, n = _segments(data)
         return self._submit(_lib.gs_all_reduce_async, dtype_code(dtype), _reduce_code(op), segs,
                             n, self._options(group, name, timeout_s))
 
     def broadcast(self, dtype, root, data, group="world", name="", timeout_s=0.0):
+        """Broadcast from group rank `root` into the segments `data`."""
         segs, n = _segments(data)
         return self._submit(_lib.gs_broadcast_async, dtype_code(dtype), int(root), segs, n,
                             self._options(group, name, timeout_s))
 
     def barrier(self, group="world", name="", timeout_s=0.0):
+        """A barrier of the group's members."""
         return self._submit(_lib.gs_barrier_async, self._options(group, name, timeout_s))
 
     def all_gather(self, dtype, input, output, group="world", name="", timeout_s=0.0):
+        """`input` (n elements) of every member into `output` (n x group size, by group rank)."""
         si, ni = _segments(input)
         so, no = _segments(output)
         return self._submit(_lib.gs_all_gather_async, dtype_code(dtype), si, ni, so, no,
                             self._options(group, name, timeout_s))
 
     def reduce_scatter(self, dtype, op, input, output, group="world", name="", timeout_s=0.0):
+        """`input` (n x group size elements) reduced; `output` (n) gets this rank's block."""
         si, ni = _segments(input)
         so, no = _segments(output)
         return self._submit(_lib.gs_reduce_scatter_async, dtype_code(dtype), _reduce_code(op),
@@ -441,15 +459,18 @@ class Client:
                     raise
 
     def store_set(self, key, value):
+        """Sets `key` of the job's store to the bytes `value`."""
         value = bytes(value)
         _check(self._call(_lib.gs_store_set, key.encode(), value, len(value)))
 
     def store_add(self, key, delta):
+        """Adds `delta` to the integer at `key` (0 if absent); returns the new value."""
         out = ctypes.c_int64()
         _check(self._call(_lib.gs_store_add, key.encode(), int(delta), ctypes.byref(out)))
         return out.value
 
     def store_get(self, key, timeout_s):
+        """The bytes at `key`, waiting for it at most timeout_s (then Error DEADLINE_EXCEEDED)."""
         def attempt(ms):
             out, n = ctypes.c_void_p(), ctypes.c_size_t()
             _check(self._call(_lib.gs_store_get, key.encode(), ms, ctypes.byref(out),
@@ -461,9 +482,11 @@ class Client:
         return self._sliced(timeout_s, attempt)
 
     def set_pack_list(self, group, plan):
+        """Stores the pack plan (plan_packs' dict) of the group named `group`."""
         _check(self._call(_lib.gs_set_pack_list, group.encode(), _plan_to_json(plan).encode()))
 
     def get_pack_list(self, group, timeout_s):
+        """The group's pack plan, waiting for it at most timeout_s."""
         def attempt(ms):
             out = ctypes.c_void_p()
             _check(self._call(_lib.gs_get_pack_list, group.encode(), ms, ctypes.byref(out)))
@@ -518,6 +541,7 @@ class Handle:
 
     @property
     def seq(self):
+        """This rank's sequence number of the op on its group (0 until it completed)."""
         return self._seq
 
     def __del__(self):

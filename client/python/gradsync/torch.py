@@ -236,18 +236,22 @@ class DistributedOptimizer:
     # ---- the wrapped optimizer ----
     @property
     def optimizer(self):
+        """The wrapped torch.optim.Optimizer."""
         return self._opt
 
     @property
     def param_groups(self):
+        """The wrapped optimizer's param_groups (the same list: changes reach it)."""
         return self._opt.param_groups
 
     @property
     def state(self):
+        """The wrapped optimizer's state."""
         return self._opt.state
 
     @property
     def defaults(self):
+        """The wrapped optimizer's defaults."""
         return self._opt.defaults
 
     @property
@@ -260,6 +264,7 @@ class DistributedOptimizer:
         return self._opt.state_dict()
 
     def load_state_dict(self, state_dict):
+        """Loads a state_dict() into the wrapped optimizer."""
         self._opt.load_state_dict(state_dict)
 
     @contextlib.contextmanager
@@ -281,7 +286,7 @@ class DistributedOptimizer:
             self._no_sync = previous
 
     def zero_grad(self, set_to_none=None):
-        """Zeroes the gradients in place (they live in shared memory). With set_to_none
+        """Zeroes the gradients in place (they live in memory the daemon maps). With set_to_none
         (torch's default for its version when None), a parameter the next backward does not
         produce on any rank ends it with grad None, as it would in one process."""
         if set_to_none is None:
@@ -522,8 +527,9 @@ class DistributedOptimizer:
             plan = gradsync.get_pack_list(group, self._timeout or 300.0)
         planned = sorted(i for p in plan["packs"] for i in p["indices"])
         if planned != list(range(len(self._params))):
-            raise Error(f"FAILED_PRECONDITION: the pack plan of {group} covers parameters "
-                        f"{planned}, this rank has {len(self._params)}")
+            raise Error("FAILED_PRECONDITION",
+                        f"the pack plan of {group} covers parameters {planned}; this rank "
+                        f"has {len(self._params)} (every rank must have the same parameters)")
         order = [i for p in plan["packs"] for i in p["indices"]]
         old = self._layout
         self._layout = _Layout(self._params, order, self._device)
