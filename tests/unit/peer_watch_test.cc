@@ -102,10 +102,12 @@ TEST(PeerWatchTest, APeerThatConnectedAndThenSaysNothingIsLostAsSilentWithinTheT
   LinkPeerWatch watch(Fast());
   Losses losses;
   watch.Watch("j", "run1", {kNodes[0], kNodes[1]}, 0, &store, losses.Callback());
-  // Node 1 is links of the watch's kind that never send: a frozen daemon.
+  // Node 1 is links of the watch's kind that say one word and then nothing: a daemon frozen.
   auto silent = RecordLinks::Connect(SpecOf(&store, 1, 2, "watch/run1/", 4096),
                                      absl::Now() + absl::Seconds(20));
   ASSERT_TRUE(silent.ok()) << silent.status();
+  const std::byte word[8] = {};
+  ASSERT_TRUE((*silent)->Send(word, absl::Now() + absl::Seconds(20)).ok());
   auto seen = losses.Await(1, absl::Seconds(20));
   ASSERT_EQ(seen.size(), 1u);
   EXPECT_EQ(seen[0].first, kNodes[1]);
@@ -115,6 +117,29 @@ TEST(PeerWatchTest, APeerThatConnectedAndThenSaysNothingIsLostAsSilentWithinTheT
   ASSERT_EQ(peers.size(), 1u);
   EXPECT_EQ(peers[0].state, State::kLost);
   EXPECT_GE(peers[0].last_heard, absl::Milliseconds(600));
+}
+
+TEST(PeerWatchTest, APeerWhoseLinkFormedButThatNeverSpeaksIsConnectingThenUnreachable) {
+  // A peer whose own links are still forming (it waits for a later node) sends nothing yet: it
+  // is not silent for that, but one that never speaks is lost by the connect timeout.
+  store::MemoryStore store;
+  LinkPeerWatch::Options o = Fast();
+  o.connect_timeout = absl::Seconds(4);
+  LinkPeerWatch watch(o);
+  Losses losses;
+  watch.Watch("j", "run1", {kNodes[0], kNodes[1]}, 0, &store, losses.Callback());
+  auto mute = RecordLinks::Connect(SpecOf(&store, 1, 2, "watch/run1/", 4096),
+                                   absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(mute.ok()) << mute.status();
+  absl::SleepFor(absl::Milliseconds(1000));  // past the 600 ms timeout: still not lost
+  ASSERT_EQ(watch.Peers("j").size(), 1u);
+  EXPECT_EQ(watch.Peers("j")[0].state, State::kConnecting);
+  EXPECT_TRUE(losses.Await(0, absl::ZeroDuration()).empty());
+  auto seen = losses.Await(1, absl::Seconds(20));
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(seen[0].second.message(), "lost: unreachable: no word in"))
+      << seen[0].second;
+  EXPECT_EQ(watch.LossCounts().at("unreachable"), 1);
 }
 
 TEST(PeerWatchTest, APeerThatEndsItsJobIsLeftNotLostAndUnwatchStopsTheCallbacks) {

@@ -62,6 +62,7 @@ struct LinkPeerWatch::Entry {
   std::vector<absl::Time> heard;
   std::vector<std::string> cause;
   bool connected = false;
+  absl::Time connected_at;
   bool connect_failed = false;
   absl::Status connect_error;
   std::unique_ptr<RecordLinks> links;
@@ -120,12 +121,11 @@ void LinkPeerWatch::Watch(const std::string& job, const std::string& run,
         RecordLinks::Connect(std::move(spec), deadline);
     absl::MutexLock lock(&mu_);
     if (links.ok()) {
+      // Peers stay "connecting" until their first word: one whose own links are still forming
+      // (waiting for a later node) sends nothing yet, and is not silent for it.
       e->links = *std::move(links);
       e->connected = true;
-      for (size_t i = 0; i < e->nodes.size(); ++i) {
-        e->state[i] = State::kAlive;
-        e->heard[i] = absl::Now();
-      }
+      e->connected_at = absl::Now();
     } else if (links.status().code() != absl::StatusCode::kCancelled) {
       e->connect_failed = true;
       e->connect_error = links.status();
@@ -234,7 +234,7 @@ void LinkPeerWatch::Serve(
     if (i == e.me) continue;
     {
       absl::MutexLock lock(&mu_);
-      if (e.state[i] != State::kAlive) continue;
+      if (e.state[i] != State::kAlive && e.state[i] != State::kConnecting) continue;
     }
     absl::Status failed;
     bool bye = false;
@@ -259,7 +259,10 @@ void LinkPeerWatch::Serve(
       }
     }
     absl::MutexLock lock(&mu_);
-    if (heard) e.heard[i] = absl::Now();
+    if (heard) {
+      e.heard[i] = absl::Now();
+      e.state[i] = State::kAlive;
+    }
     if (bye) {
       lose(i, State::kLeft, "", "left the job (its trainers there ended)");
       links.Drop(i, absl::UnavailableError("left"));
@@ -270,6 +273,13 @@ void LinkPeerWatch::Serve(
            : cause == "reset" ? "lost: the connection was reset (its daemon is gone)"
                               : absl::StrCat("lost: ", failed.message()));
       links.Drop(i, failed);
+    } else if (e.state[i] == State::kConnecting) {
+      if (absl::Now() - e.connected_at > options_.connect_timeout) {
+        lose(i, State::kLost, "unreachable",
+             absl::StrFormat("lost: unreachable: no word in %.0f s since its link formed",
+                             absl::ToDoubleSeconds(absl::Now() - e.connected_at)));
+        links.Drop(i, absl::UnavailableError("never heard"));
+      }
     } else if (absl::Now() - e.heard[i] > options_.timeout) {
       lose(i, State::kLost, "silent",
            absl::StrFormat("lost: no word for %.1f s (frozen, or the network between is cut)",

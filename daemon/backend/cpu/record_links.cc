@@ -32,11 +32,14 @@ namespace gradsync::backend::cpu {
 namespace {
 
 // Handshake (the connector is the later node): Hello, then the listener's Challenge, then the
-// connector's Proof. Each side proves it holds the listener's key (published in the job's store,
+// connector's Proof, then the listener's Accept (without it the connector tries again). Each side proves it holds the listener's key (published in the job's store,
 // which only holders of the cluster token can read) by an HMAC-SHA256 over both nonces; the key
 // never travels, and a fresh nonce on each side makes a recorded handshake worthless.
 constexpr uint64_t kHelloMagic = 0x67736c696e6b3032;      // "gslink02"
 constexpr uint64_t kChallengeMagic = 0x67736368616c3032;  // "gschal02"
+// The listener's last word: the proof checked, the link is its peer's (a connector that does
+// not get it, because the listener dropped the handshake first, tries again).
+constexpr uint64_t kAcceptMagic = 0x6773616370743032;  // "gsacpt02"
 constexpr size_t kKeyBytes = 16;
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kMacBytes = 32;  // HMAC-SHA256
@@ -221,6 +224,12 @@ absl::StatusOr<UniqueFd> Handshake(const std::string& host, const std::string& p
   if (absl::Status s = sock::SendAll(fd.get(), &proof, sizeof(proof), until, cancel_fd); !s.ok()) {
     return s;
   }
+  uint64_t accepted = 0;
+  if (absl::Status s = sock::RecvAll(fd.get(), &accepted, sizeof(accepted), until, cancel_fd);
+      !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("not accepted: ", s.message()));
+  }
+  if (accepted != kAcceptMagic) return absl::UnavailableError("not accepted: a malformed answer");
   return fd;
 }
 
@@ -312,30 +321,43 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
     return st;
   }
 
-  // Connect to every earlier node, proving we hold its key and checking that it does.
-  for (int i = 0; i < me; ++i) {
+  // The addresses of every earlier node, in one wait: a node's store calls do not grow with
+  // the number of nodes (one wait on etcd is one read and one watch, however many keys).
+  std::vector<std::string> addresses;
+  if (me > 0) {
+    std::vector<std::string> keys;
+    for (int i = 0; i < me; ++i) keys.push_back(absl::StrCat(s.prefix, i));
     absl::StatusOr<std::vector<std::string>> values;
     for (;;) {  // sliced, so that a cancel is seen
       if (absl::StatusOr<bool> cancelled = sock::WaitFor(s.cancel_fd, POLLIN, absl::Now());
           !cancelled.ok() || *cancelled) {
-        return absl::CancelledError(absl::StrCat("record link to ", links->Name(i), ": cancelled"));
+        return absl::CancelledError("record links: cancelled while waiting for the addresses");
       }
-      values = s.store->WaitBlocking(s.job, {absl::StrCat(s.prefix, i)},
-                                     std::min(deadline, absl::Now() + kStoreSlice));
+      values = s.store->WaitBlocking(s.job, keys, std::min(deadline, absl::Now() + kStoreSlice));
       if (values.ok() || values.status().code() != absl::StatusCode::kDeadlineExceeded ||
           absl::Now() >= deadline) {
         break;
       }
     }
     if (!values.ok()) {
+      // Name the first node whose address is missing (a look at each, on this failure only).
+      int missing = 0;
+      while (missing < me - 1 && s.store->Get(s.job, keys[missing], absl::InfinitePast()).ok()) {
+        ++missing;
+      }
       return absl::Status(values.status().code(),
-                          absl::StrCat("record link to ", links->Name(i),
+                          absl::StrCat("record link to ", links->Name(missing),
                                        ": its address never came: ", values.status().message()));
     }
-    const std::vector<std::string> parts = absl::StrSplit(values->front(), ' ');
+    addresses = *std::move(values);
+  }
+
+  // Connect to every earlier node, proving we hold its key and checking that it does.
+  for (int i = 0; i < me; ++i) {
+    const std::vector<std::string> parts = absl::StrSplit(addresses[i], ' ');
     if (parts.size() != 3 || parts[2].size() != 2 * kKeyBytes) {
       return absl::InternalError(
-          absl::StrCat("record link to ", links->Name(i), ": malformed address ", values->front()));
+          absl::StrCat("record link to ", links->Name(i), ": malformed address ", addresses[i]));
     }
     // A handshake can fail for reasons that pass (our connection dropped among a stranger's
     // flood, a stranger on a reused port): tried again until the deadline, the last reason kept.
@@ -440,7 +462,9 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
         unsigned char expected[kMacBytes];
         const int from = static_cast<int>(c.hello.from);
         if (Mac(*key, Role::kConnector, c.hello, c.nonce, expected).ok() &&
-            ::CRYPTO_memcmp(expected, c.buf, kMacBytes) == 0 && links->peers_[from].fd.get() < 0) {
+            ::CRYPTO_memcmp(expected, c.buf, kMacBytes) == 0 && links->peers_[from].fd.get() < 0 &&
+            // 8 bytes into a send buffer that has held 56: never waits.
+            sock::SendAll(c.fd.get(), &kAcceptMagic, sizeof(kAcceptMagic), absl::Now()).ok()) {
           if (absl::Status st = SetLinkOptions(c.fd.get()); !st.ok()) {
             return links->Fail(from, st);
           }
