@@ -309,10 +309,17 @@ std::string EtcdStore::KeyOf(absl::string_view job, absl::string_view key) const
 }
 
 absl::Status EtcdStore::CheckRoom(absl::string_view job) {
-  const std::string prefix = JobPrefix(job);
-  GRADSYNC_ASSIGN_OR_RETURN(RangeResponse r,
-                            Range(absl::StrCat("counting the keys of job ", job), prefix,
-                                  PrefixEnd(prefix), /*count_only=*/true, /*keys_only=*/false));
+  RangeRequest request;
+  SetPrefixRange(request, JobPrefix(job));
+  request.set_count_only(true);
+  // The member's own view: a limit needs no consensus round, and reads cost no disk write.
+  request.set_serializable(true);
+  RangeResponse r;
+  GRADSYNC_RETURN_IF_ERROR(Call(absl::StrCat("counting the keys of job ", job), Retry::kIdempotent,
+                                [&](Member& m, grpc::ClientContext& ctx) {
+                                  r.Clear();
+                                  return m.kv->Range(&ctx, request, &r);
+                                }));
   if (r.count() >= options_.limits.max_keys_per_job) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "job '", job, "' holds ", r.count(), " keys, the limit (--store_max_keys_per_job)"));
@@ -487,23 +494,30 @@ absl::Status EtcdStore::Set(absl::string_view job, absl::string_view key, std::s
   const std::string full = KeyOf(job, key);
   const std::string what = absl::StrCat("Set job=", job, " key=", key);
   return WithLease(job, [&](int64_t lease) -> absl::Status {
+    // Replacing a key needs no room; a new one is counted against the job's limit first, by a
+    // read of the member's own view (no consensus round, no disk write: a transaction with a
+    // put in it would be one even when its compare fails). Writers racing for the last room
+    // may pass the limit by one key each.
+    TxnRequest room;
+    auto* exists = room.add_success()->mutable_request_range();
+    exists->set_key(full);
+    exists->set_count_only(true);
+    exists->set_serializable(true);
+    auto* count = room.add_success()->mutable_request_range();
+    SetPrefixRange(*count, JobPrefix(job));
+    count->set_count_only(true);
+    count->set_serializable(true);
+    GRADSYNC_ASSIGN_OR_RETURN(TxnResponse counted, Txn(what, Retry::kIdempotent, room));
+    const int64_t keys = counted.responses(1).response_range().count();
+    if (counted.responses(0).response_range().count() == 0 &&
+        keys >= options_.limits.max_keys_per_job) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job '", job, "' holds ", keys, " keys, the limit (--store_max_keys_per_job)"));
+    }
     etcdserverpb::PutRequest put;
     put.set_key(full);
     put.set_value(value);
     put.set_lease(lease);
-    // Replacing a key needs no room; a new one is counted against the job's limit first.
-    TxnRequest txn;
-    AddCompare(txn, full, Compare::CREATE, Compare::GREATER)->set_create_revision(0);
-    *txn.add_success()->mutable_request_put() = put;
-    SetPrefixRange(*txn.add_failure()->mutable_request_range(), JobPrefix(job));
-    txn.mutable_failure(0)->mutable_request_range()->set_count_only(true);
-    GRADSYNC_ASSIGN_OR_RETURN(TxnResponse replaced, Txn(what, Retry::kIdempotent, txn));
-    if (replaced.succeeded()) return absl::OkStatus();
-    if (replaced.responses(0).response_range().count() >= options_.limits.max_keys_per_job) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("job '", job, "' holds ", replaced.responses(0).response_range().count(),
-                       " keys, the limit (--store_max_keys_per_job)"));
-    }
     etcdserverpb::PutResponse put_response;
     return Call(what, Retry::kIdempotent, [&](Member& m, grpc::ClientContext& ctx) {
       return m.kv->Put(&ctx, put, &put_response);
@@ -739,7 +753,7 @@ void EtcdStore::Shutdown() {
 // ---- Waits ----------------------------------------------------------------------------------
 
 absl::Status EtcdStore::ReadKeys(const Waiter& w, std::vector<std::optional<std::string>>& values,
-                                 int64_t& revision) {
+                                 int64_t& revision, int64_t at) {
   const std::string what = absl::StrCat("reading the keys of a wait job=", w.job);
   auto take = [&](const RangeResponse& range) {
     for (const auto& kv : range.kvs()) {
@@ -750,22 +764,42 @@ absl::Status EtcdStore::ReadKeys(const Waiter& w, std::vector<std::optional<std:
   };
   values.assign(w.keys.size(), std::nullopt);
   if (w.index.size() == 1) {
-    GRADSYNC_ASSIGN_OR_RETURN(RangeResponse r,
-                              Range(what, w.index.begin()->first, "", false, false));
+    RangeRequest request;
+    request.set_key(w.index.begin()->first);
+    request.set_revision(at);
+    RangeResponse r;
+    GRADSYNC_RETURN_IF_ERROR(
+        Call(what, Retry::kIdempotent, [&](Member& m, grpc::ClientContext& ctx) {
+          r.Clear();
+          return m.kv->Range(&ctx, request, &r);
+        }));
     take(r);
     revision = r.header().revision();
   } else if (w.index.size() <= kMaxKeysReadOneByOne) {
     TxnRequest txn;
-    for (const auto& [key, entries] : w.index)
-      txn.add_success()->mutable_request_range()->set_key(key);
+    for (const auto& [key, entries] : w.index) {
+      auto* range = txn.add_success()->mutable_request_range();
+      range->set_key(key);
+      range->set_revision(at);
+    }
     GRADSYNC_ASSIGN_OR_RETURN(TxnResponse r, Txn(what, Retry::kIdempotent, txn));
     for (const auto& op : r.responses()) take(op.response_range());
     revision = r.header().revision();
   } else {
-    GRADSYNC_ASSIGN_OR_RETURN(RangeResponse r, Range(what, w.lo, w.hi, false, false));
+    RangeRequest request;
+    request.set_key(w.lo);
+    request.set_range_end(w.hi);
+    request.set_revision(at);
+    RangeResponse r;
+    GRADSYNC_RETURN_IF_ERROR(
+        Call(what, Retry::kIdempotent, [&](Member& m, grpc::ClientContext& ctx) {
+          r.Clear();
+          return m.kv->Range(&ctx, request, &r);
+        }));
     take(r);
     revision = r.header().revision();
   }
+  if (at != 0) revision = at;  // the header says the store's current revision
   return absl::OkStatus();
 }
 
@@ -879,7 +913,8 @@ Store::WaitId EtcdStore::WaitAsync(absl::string_view job, std::vector<std::strin
     done(*std::move(complete));
     return id;
   }
-  w.next_revision = revision + 1;
+  w.read_at = revision;
+  w.next_revision = 0;  // from the current revision: see Waiter
   w.deadline = deadline;
   std::vector<Fired> fired;
   {
@@ -960,6 +995,17 @@ void EtcdStore::OnWatchResponse(const etcdserverpb::WatchResponse& response, uin
     auto it = waiters_.find(id);
     if (it == waiters_.end()) return;  // finished: its cancel is on its way
     Waiter& w = it->second;
+    if (response.created() && !response.canceled() && w.next_revision == 0) {
+      // Created from the current revision: changes after it come as events. Those between the
+      // keys' read and it are read at it, if any happened.
+      const int64_t created_at = response.header().revision();
+      w.next_revision = created_at + 1;
+      if (created_at > w.read_at) {
+        w.settling = true;
+        settle_.push_back(id);
+        kick_ = true;
+      }
+    }
     if (response.canceled()) {
       if (response.compact_revision() > 0) {  // its start was compacted away: read again
         w.watching = false;
@@ -979,15 +1025,15 @@ void EtcdStore::OnWatchResponse(const etcdserverpb::WatchResponse& response, uin
         w.next_revision = std::max(w.next_revision, event.kv().mod_revision() + 1);
         auto entries = w.index.find(event.kv().key());
         if (entries == w.index.end()) continue;  // another key in the watched range
-        for (size_t i : entries->second) {
-          if (event.type() == mvccpb::Event::PUT) {
-            w.values[i] = event.kv().value();
-          } else {
-            w.values[i].reset();
-          }
+        std::optional<std::string> value;
+        if (event.type() == mvccpb::Event::PUT) value = event.kv().value();
+        if (w.settling) {
+          w.buffered.push_back({event.kv().key(), std::move(value)});
+          continue;
         }
+        for (size_t i : entries->second) w.values[i] = value;
       }
-      if (auto complete = Complete(w)) {
+      if (auto complete = w.settling ? std::nullopt : Complete(w)) {
         fired.push_back({std::move(w.done), *std::move(complete)});
         RemoveWaiterLocked(id);
         cancel = true;
@@ -1106,8 +1152,11 @@ void EtcdStore::Recreate(WaitId id) {
         RemoveWaiterLocked(id);
       } else {
         w.values = std::move(values);
+        w.read_at = revision;
         w.next_revision = revision + 1;
         w.reread = false;
+        w.settling = false;
+        w.buffered.clear();
         if (auto complete = Complete(w)) {
           fired.push_back({std::move(w.done), *std::move(complete)});
           RemoveWaiterLocked(id);
@@ -1120,6 +1169,55 @@ void EtcdStore::Recreate(WaitId id) {
     }
   }
   SendCreate(id);
+}
+
+void EtcdStore::Settle(WaitId id) {
+  Waiter copy;  // what ReadKeys needs: the keys are read with no lock held
+  int64_t at = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = waiters_.find(id);
+    if (it == waiters_.end() || !it->second.settling) return;
+    copy.job = it->second.job;
+    copy.keys = it->second.keys;
+    copy.index = it->second.index;
+    copy.lo = it->second.lo;
+    copy.hi = it->second.hi;
+    at = it->second.next_revision - 1;
+  }
+  std::vector<std::optional<std::string>> values;
+  int64_t revision = 0;
+  const absl::Status read = ReadKeys(copy, values, revision, at);
+  std::vector<Fired> fired;
+  bool cancel = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = waiters_.find(id);
+    if (it == waiters_.end() || !it->second.settling) return;
+    Waiter& w = it->second;
+    if (!read.ok()) {
+      fired.push_back({std::move(w.done),
+                       absl::Status(read.code(),
+                                    absl::StrCat("store wait job=", w.job, ": ", read.message()))});
+      cancel = w.watching;
+      RemoveWaiterLocked(id);
+    } else {
+      w.values = std::move(values);
+      w.read_at = at;
+      w.settling = false;
+      for (Change& change : w.buffered) {
+        for (size_t i : w.index.at(change.key)) w.values[i] = change.value;
+      }
+      w.buffered.clear();
+      if (auto complete = Complete(w)) {
+        fired.push_back({std::move(w.done), *std::move(complete)});
+        cancel = w.watching;
+        RemoveWaiterLocked(id);
+      }
+    }
+  }
+  RunCallbacks(fired);
+  if (cancel) SendCancel(id);
 }
 
 void EtcdStore::ControlLoop() {
@@ -1167,6 +1265,14 @@ void EtcdStore::ControlLoop() {
       retry_at = connected ? absl::InfinitePast() : absl::Now() + absl::Milliseconds(100);
       continue;
     }
+    if (!settle_.empty()) {
+      const WaitId id = settle_.front();
+      settle_.pop_front();
+      mu_.Unlock();
+      Settle(id);
+      mu_.Lock();
+      continue;
+    }
     if (watch_up_ && !recreate_.empty()) {
       std::vector<WaitId> ids(recreate_.begin(), recreate_.end());
       recreate_.clear();
@@ -1185,7 +1291,7 @@ void EtcdStore::ControlLoop() {
     }
     if (next <= now) continue;
     auto changed = [this, next]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return shutdown_ || kick_ || watch_broken_ || !leaving_.empty() ||
+      return shutdown_ || kick_ || watch_broken_ || !leaving_.empty() || !settle_.empty() ||
              (watch_up_ && !recreate_.empty()) ||
              (!deadlines_.empty() && deadlines_.begin()->first < next);
     };

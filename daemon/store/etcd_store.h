@@ -113,6 +113,11 @@ class EtcdStore final : public JobStore {
  private:
   struct Member;
   struct WatchStream;
+  // A change a watch reported while its wait was settling (not yet applied).
+  struct Change {
+    std::string key;
+    std::optional<std::string> value;  // nullopt: deleted
+  };
   struct Waiter {
     std::string job;
     std::vector<std::string> keys;                                // as asked, in order
@@ -121,9 +126,16 @@ class EtcdStore final : public JobStore {
     std::string lo, hi;                                           // the watched range
     absl::Time deadline;
     WaitCallback done;
-    int64_t next_revision = 0;  // watch from here: everything before it has been seen
-    bool watching = false;      // a create was sent on the current stream
-    bool reread = false;        // the watch's revision was compacted: read the keys again
+    int64_t read_at = 0;  // the revision `values` were read at
+    // Watch from here: everything before it has been seen. 0: the watch is created from the
+    // store's current revision (etcd serves such a watch at once, where one from an older
+    // revision waits for its catch-up loop, up to 100 ms), and the keys are read again at the
+    // revision it was created at when that is past read_at ("settling").
+    int64_t next_revision = 0;
+    bool watching = false;  // a create was sent on the current stream
+    bool reread = false;    // the watch's revision was compacted: read the keys again
+    bool settling = false;  // read again at next_revision - 1; changes wait in `buffered`
+    std::vector<Change> buffered;
   };
   struct Fired {
     WaitCallback done;
@@ -167,8 +179,9 @@ class EtcdStore final : public JobStore {
                          const std::function<absl::Status(int64_t lease)>& write);
 
   // Reads the keys of `w` now: their values (nullopt: absent) and the revision read at.
+  // At `at` (0: now).
   absl::Status ReadKeys(const Waiter& w, std::vector<std::optional<std::string>>& values,
-                        int64_t& revision);
+                        int64_t& revision, int64_t at = 0);
   // The values once all are present (nullopt: not yet), or ResourceExhausted for a reply too
   // large.
   std::optional<absl::StatusOr<std::vector<std::string>>> Complete(const Waiter& w) const;
@@ -188,6 +201,9 @@ class EtcdStore final : public JobStore {
   // Sends the watch of `id` again on a new stream (reading its keys again first when its
   // revision was compacted).
   void Recreate(WaitId id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Reads the keys of `id` again at the revision its watch was created at, then applies the
+  // changes buffered meanwhile.
+  void Settle(WaitId id) ABSL_LOCKS_EXCLUDED(mu_);
   void ControlLoop();
   // Opens a watch stream on the current member (waiting for it to connect, bounded); false
   // when none could be reached (the next member is tried next time).
@@ -222,6 +238,7 @@ class EtcdStore final : public JobStore {
   absl::Time down_since_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // past: never down
   std::string last_error_ ABSL_GUARDED_BY(mu_);       // why the watch stream is down
   std::deque<WaitId> recreate_ ABSL_GUARDED_BY(mu_);  // watches to send again
+  std::deque<WaitId> settle_ ABSL_GUARDED_BY(mu_);    // waits to read again (Settle)
   absl::flat_hash_map<std::string, Held> held_ ABSL_GUARDED_BY(mu_);  // jobs by id
   uint64_t member_generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::pair<std::string, Held>> leaving_ ABSL_GUARDED_BY(mu_);

@@ -377,6 +377,44 @@ TEST_P(StoreTest, ManyConcurrentWaitersAllWakeOnOneSet) {
   EXPECT_EQ(ok.load(), 16);
 }
 
+// Waits start while another daemon writes their keys and others around them: whether a key
+// comes before the wait's read, between the read and its watch, or after, every wait gets its
+// value, once.
+TEST_P(StoreTest, WaitsRacingTheirKeysWritersMissNothing) {
+  auto store = Make();
+  JobStore* peer = Peer(*store);
+  std::atomic<bool> stop{false};
+  std::thread noise([&] {
+    for (int i = 0; !stop; ++i)
+      ASSERT_TRUE(peer->Set("j", absl::StrCat("k/noise", i % 50), "x").ok());
+  });
+  constexpr int kWaits = 40;
+  std::vector<absl::Notification> done(kWaits);
+  std::vector<absl::StatusOr<std::vector<std::string>>> got(kWaits);
+  std::atomic<int> calls{0};
+  std::thread writer([&] {
+    for (int i = 0; i < kWaits; ++i)
+      ASSERT_TRUE(peer->Set("j", absl::StrCat("k/", i), absl::StrCat("v", i)).ok());
+  });
+  for (int i = 0; i < kWaits; ++i) {
+    store->WaitAsync("j", {absl::StrCat("k/", i), "k/last"}, In(absl::Seconds(20)), [&, i](auto r) {
+      got[i] = std::move(r);
+      ++calls;
+      done[i].Notify();
+    });
+  }
+  writer.join();
+  ASSERT_TRUE(peer->Set("j", "k/last", "end").ok());
+  for (int i = 0; i < kWaits; ++i) {
+    ASSERT_TRUE(done[i].WaitForNotificationWithTimeout(absl::Seconds(20))) << i;
+    ASSERT_TRUE(got[i].ok()) << got[i].status();
+    EXPECT_EQ(*got[i], (std::vector<std::string>{absl::StrCat("v", i), "end"}));
+  }
+  stop = true;
+  noise.join();
+  EXPECT_EQ(calls.load(), kWaits);
+}
+
 TEST_P(StoreTest, DeadlinesFireInOrderWhileOthersKeepWaiting) {
   auto store = Make();
   absl::Notification short_done, long_done;
