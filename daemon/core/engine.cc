@@ -141,6 +141,19 @@ void Engine::FailPendingLocked(Group& group, uint64_t seq, const absl::Status& s
   }
 }
 
+void Engine::FailAllPendingLocked(Group& group, const std::string& why, Completions& out,
+                                  bool send_to_other_nodes) {
+  while (!group.pending.empty()) {
+    const auto& [seq, pending] = *group.pending.begin();
+    FailPendingLocked(group, seq,
+                      absl::UnavailableError(
+                          absl::StrCat(internal::OpLabel(pending.fp.kind, group.job->id,
+                                                         group.key, seq),
+                                       " cannot complete: ", why)),
+                      out, send_to_other_nodes);
+  }
+}
+
 void Engine::Submit(const std::shared_ptr<Session>& session,
                     const std::shared_ptr<SessionSink>& transport, uint64_t tag,
                     const v1::OpRequest& op) {

@@ -205,6 +205,10 @@ class Engine {
   void FailPendingLocked(Group& group, uint64_t seq, const absl::Status& status, Completions& out,
                          bool send_to_other_nodes = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(group.job->mu);
+  // Fails every pending op of `group` with UNAVAILABLE "<op label> cannot complete: <why>".
+  void FailAllPendingLocked(Group& group, const std::string& why, Completions& out,
+                            bool send_to_other_nodes = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(group.job->mu);
   // Breaks every group of `job` with `reason` and fails their pending ops with it on this node
   // only (the job or the daemon is ending: nothing goes to other nodes).
   void BreakGroupsLocked(Job& job, const std::string& reason, Completions& out)

@@ -224,14 +224,7 @@ void Engine::OnPeerLost(const std::weak_ptr<Job>& weak, const std::string& node,
       if (group->broken.empty()) group->broken = why;
       running.push_back(group->comm);
       // The other survivors' watches find the node lost too: nothing goes to them.
-      while (!group->pending.empty()) {
-        const auto& [seq, pending] = *group->pending.begin();
-        FailPendingLocked(*group, seq,
-                          absl::UnavailableError(
-                              absl::StrCat(internal::OpLabel(pending.fp.kind, job->id, key, seq),
-                                           " cannot complete: ", why)),
-                          out, /*send_to_other_nodes=*/false);
-      }
+      FailAllPendingLocked(*group, why, out, /*send_to_other_nodes=*/false);
     }
   }
   Log()->warn("job={} {}: its groups fail ({} here)", job->id, why, running.size());

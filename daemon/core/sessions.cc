@@ -148,14 +148,7 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
         }
         internal::AssertGroupOf(*job, *group);
         group->broken = why;
-        while (!group->pending.empty()) {
-          const auto& [seq, pending] = *group->pending.begin();
-          FailPendingLocked(*group, seq,
-                            absl::UnavailableError(
-                                absl::StrCat(internal::OpLabel(pending.fp.kind, job->id, key, seq),
-                                             " cannot complete: ", why)),
-                            out);
-        }
+        FailAllPendingLocked(*group, why, out);
       }
     } else {
       BreakGroupsLocked(*job, "job ended", out);
