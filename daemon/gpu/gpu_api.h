@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/dtype.h"
 #include "gradsync/v1/gradsync.pb.h"
@@ -38,6 +39,7 @@ struct NcclCall {
   void* recv = nullptr;
   int64_t count = 0;  // elements per rank: of send (ALL_GATHER) or recv (REDUCE_SCATTER)
   int root = 0;       // BROADCAST
+  int device = -1;    // the communicator's device: made current for the call, whatever was
   Comm comm = nullptr;
   Stream stream = nullptr;
 };
@@ -52,6 +54,8 @@ class GpuApi {
   /// ordinal CUDA_VISIBLE_DEVICES gives it there.
   virtual absl::StatusOr<std::string> DeviceUuid(int device) = 0;
   /// cudaIpcOpenMemHandle on `device`: the base of the other process's allocation, mapped here.
+  /// ALREADY_EXISTS (cudaErrorAlreadyMapped) while an allocation of the same process that
+  /// overlaps it (an earlier one at the same address, freed there since) is still mapped here.
   virtual absl::StatusOr<void*> OpenMemHandle(int device, absl::string_view handle) = 0;
   virtual absl::Status CloseMemHandle(int device, void* base) = 0;
   /// Size of the allocation that starts at `base` (the driver's address range of it).
@@ -91,6 +95,21 @@ class GpuApi {
   virtual absl::Status NcclGroupEnd() = 0;
   virtual absl::Status NcclCollective(const NcclCall& call) = 0;
 };
+
+/// Why NCCL would not run as the daemon needs it with this environment: NCCL_COMM_BLOCKING
+/// (given as `comm_blocking`, null when unset) overrides the config's blocking = 0, and a
+/// blocking initialisation would hold a group's lock for as long as a peer takes to join, out
+/// of reach of the op's deadline. FAILED_PRECONDITION naming the variable; OK when unset or 0.
+inline absl::Status CheckNcclEnvironment(const char* comm_blocking) {
+  if (comm_blocking == nullptr || absl::string_view(comm_blocking) == "0") {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("NCCL_COMM_BLOCKING=", comm_blocking,
+                   " in gradsyncd's environment would make NCCL's initialisation blocking (it "
+                   "overrides the communicator's config): unset it, gradsyncd polls non-blocking "
+                   "communicators under each op's deadline"));
+}
 
 /// Told, once, of the first CUDA error that leaves this process's CUDA context unusable (see
 /// cuda::IsSticky): from then on every GPU call fails until the daemon restarts.

@@ -5,6 +5,7 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -211,6 +212,9 @@ class CudaGpuApi final : public GpuApi {
     if (id.size() != kNcclUniqueIdBytes) {
       return absl::InvalidArgumentError(absl::StrCat("NCCL unique id of ", id.size(), " bytes"));
     }
+    if (absl::Status s = CheckNcclEnvironment(std::getenv("NCCL_COMM_BLOCKING")); !s.ok()) {
+      return s;
+    }
     if (absl::Status s = Use(device); !s.ok()) return s;
     ncclUniqueId uid;
     std::memcpy(&uid, id.data(), sizeof(uid));
@@ -246,6 +250,8 @@ class CudaGpuApi final : public GpuApi {
   absl::Status NcclCollective(const NcclCall& call) override {
     absl::StatusOr<ncclDataType_t> type = NcclType(call.dtype);
     if (!type.ok()) return type.status();
+    // NCCL launches on the current device: never the one an earlier call happened to leave.
+    if (absl::Status s = Use(call.device); !s.ok()) return s;
     auto comm = static_cast<ncclComm_t>(call.comm);
     auto stream = static_cast<cudaStream_t>(call.stream);
     const auto n = static_cast<size_t>(call.count);

@@ -7,6 +7,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/logging.h"
 
 namespace gradsync::ipc {
@@ -95,6 +96,33 @@ absl::StatusOr<CudaImporter::Allocation> CudaImporter::Acquire(const Key& key) {
     return it->second;
   }
   absl::StatusOr<void*> base = api_->OpenMemHandle(key.first, key.second);
+  // An earlier allocation of the trainer at this address is still mapped for a launched op:
+  // retried each time a mapping on the device closes, up to settle_timeout_.
+  const absl::Time give_up = absl::Now() + settle_timeout_;
+  int retries = 0;
+  while (absl::IsAlreadyExists(base.status())) {
+    // A map's nodes stay put: the condition reads the device's count, under mu_, by address.
+    const uint64_t* count = &closed_[key.first];
+    const uint64_t seen = *count;
+    auto closed = [count, seen] { return *count != seen; };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&closed), give_up)) {
+      return absl::Status(
+          base.status().code(),
+          absl::StrCat(base.status().message(), "; an earlier allocation of the trainer's at "
+                       "this address was still mapped for a launched op after ",
+                       absl::FormatDuration(settle_timeout_), " (", retries, " retries)"));
+    }
+    if (auto it = open_.find(key); it != open_.end()) {  // mapped meanwhile by another caller
+      ++it->second.refs;
+      return it->second;
+    }
+    ++retries;
+    base = api_->OpenMemHandle(key.first, key.second);
+  }
+  if (retries > 0 && base.ok()) {
+    Log()->debug("cuda allocation mapped once an earlier one at its address closed device={} "
+                 "handle={} retries={}", key.first, ShortHex(key.second), retries);
+  }
   if (!base.ok()) return base.status();
   absl::StatusOr<int64_t> bytes = api_->AllocationBytes(key.first, *base);
   if (!bytes.ok()) {
@@ -118,6 +146,7 @@ void CudaImporter::Release(const Key& key) {
   }
   Log()->debug("cuda allocation unmapped device={} handle={}", key.first, ShortHex(key.second));
   open_.erase(it);
+  ++closed_[key.first];
 }
 
 absl::StatusOr<int> CudaImporter::DaemonDevice(const v1::CudaIpcBuffer& c) {

@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "daemon/core/buffer_importer.h"
 #include "daemon/gpu/gpu_api.h"
 
@@ -28,9 +29,20 @@ namespace gradsync::ipc {
 /// (INVALID_ARGUMENT; the device is found by its UUID when the trainer sends one, so the two
 /// processes may number the GPUs differently), a buffer beyond its allocation (INVALID_ARGUMENT),
 /// no usable GPU at all (FAILED_PRECONDITION, with CUDA's reason). Thread-safe.
+///
+/// A trainer may free an allocation and get a new one at the same address (torch's
+/// empty_cache, an out-of-memory retry) while a launched op still holds the old mapping here
+/// (a launched op keeps its buffers mapped until its streams have run it): CUDA then refuses
+/// the new handle (cudaErrorAlreadyMapped). Import waits for the next mapping this importer
+/// closes on that device and tries again, until `settle_timeout` has passed since the first
+/// refusal (then the refusal, saying what it waited for). Such an op settles within
+/// milliseconds on a GPU; the wait blocks only the registering caller, with no lock of the
+/// importer held.
 class CudaImporter final : public core::BufferImporter {
  public:
-  explicit CudaImporter(gpu::GpuApi* api) : api_(api) {}
+  static constexpr absl::Duration kSettleTimeout = absl::Seconds(10);
+  explicit CudaImporter(gpu::GpuApi* api, absl::Duration settle_timeout = kSettleTimeout)
+      : api_(api), settle_timeout_(settle_timeout) {}
   ~CudaImporter() override;
 
   absl::StatusOr<std::unique_ptr<core::MappedBuffer>> Import(
@@ -57,8 +69,11 @@ class CudaImporter final : public core::BufferImporter {
   void Release(const Key& key);
 
   gpu::GpuApi* const api_;
+  const absl::Duration settle_timeout_;
   mutable absl::Mutex mu_;
   std::map<Key, Allocation> open_ ABSL_GUARDED_BY(mu_);
+  // Mappings closed so far, per device: what an open refused as already mapped waits for.
+  std::map<int, uint64_t> closed_ ABSL_GUARDED_BY(mu_);
   std::map<int, std::string> uuids_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <set>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "tests/unit/fake_gpu.h"
@@ -133,6 +134,97 @@ TEST_F(CudaImporterTest, AFailureOfOneBufferDoesNotCloseItsNeighbours) {
   EXPECT_EQ(gpu_.closes, 0);
   a->reset();
   ExpectNothingOpen();
+}
+
+TEST(FakeGpuTest, AnOverlappingOpenOfOneProcessIsRefusedUntilTheFirstIsClosed) {
+  FakeGpu gpu;
+  const std::string old_handle = Handle('o'), new_handle = Handle('n'), other = Handle('x');
+  for (const std::string& h : {old_handle, new_handle, other}) gpu.exported[h] = 1 << 20;
+  gpu.exported_at[old_handle] = {7, 0x10000000};
+  gpu.exported_at[new_handle] = {7, 0x10000000 + 4096};  // overlaps the old one
+  gpu.exported_at[other] = {8, 0x10000000};              // another process's
+  auto a = gpu.OpenMemHandle(0, old_handle);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(gpu.OpenMemHandle(0, new_handle).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(gpu.OpenMemHandle(0, old_handle).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(gpu.OpenMemHandle(0, other).ok());
+  EXPECT_TRUE(gpu.OpenMemHandle(1, new_handle).ok());  // another device: another context
+  ASSERT_TRUE(gpu.CloseMemHandle(0, *a).ok());
+  EXPECT_TRUE(gpu.OpenMemHandle(0, new_handle).ok());
+  EXPECT_EQ(gpu.AlreadyMappedRefusals(), 2);
+}
+
+TEST(FakeGpuTest, AnEventStandsForItsLatestRecordAndIsAnErrorOnceDestroyed) {
+  FakeGpu gpu;
+  gpu.op_time = absl::Milliseconds(200);
+  auto s1 = gpu.CreateStream(0), s2 = gpu.CreateStream(0);
+  auto e = gpu.CreateEvent(0);
+  ASSERT_TRUE(s1.ok() && s2.ok() && e.ok());
+  gpu::NcclCall call;
+  call.stream = *s1;
+  ASSERT_TRUE(gpu.NcclCollective(call).ok());  // call 0, on s1
+  ASSERT_TRUE(gpu.RecordEvent(0, *e, *s1).ok());
+  EXPECT_EQ(gpu.recorded_for(*e), 0);
+  EXPECT_FALSE(*gpu.EventDone(0, *e));  // streams run in their own time
+  ASSERT_TRUE(gpu.RecordEvent(0, *e, *s2).ok());  // an idle stream: replaces call 0
+  EXPECT_EQ(gpu.recorded_for(*e), -1);
+  EXPECT_TRUE(*gpu.EventDone(0, *e));
+  EXPECT_FALSE(*gpu.StreamDone(0, *s1));
+  EXPECT_TRUE(*gpu.StreamDone(0, *s2));
+  ASSERT_TRUE(gpu.DestroyEvent(0, *e).ok());
+  EXPECT_FALSE(gpu.RecordEvent(0, *e, *s1).ok());
+  EXPECT_FALSE(gpu.StreamWaitEvent(0, *s1, *e).ok());
+  EXPECT_FALSE(gpu.EventDone(0, *e).ok());
+  EXPECT_FALSE(gpu.DestroyEvent(0, *e).ok());
+  EXPECT_EQ(gpu.DestroyedEventUses(), 4);
+}
+
+// The trainer freed an allocation and got a new one at its address while the daemon still maps
+// the old one for a launched op (here: a holder that lets go a little later).
+TEST(CudaImporterReuseTest, AnAllocationAtAnAddressStillMappedIsMappedOnceTheOldOneCloses) {
+  FakeGpu gpu;
+  CudaImporter importer(&gpu, absl::Seconds(5));
+  auto exported = [&](char c) {
+    gpu.exported[Handle(c)] = 1 << 20;
+    gpu.exported_at[Handle(c)] = {::getpid() + 1, 0x10000000};
+    return Cuda(Handle(c), 0, 4096);
+  };
+  auto old_buffer = importer.Import(exported('o'));
+  ASSERT_TRUE(old_buffer.ok()) << old_buffer.status();
+  std::shared_ptr<core::MappedBuffer> held = *std::move(old_buffer);  // the launched op's pin
+  std::thread settle([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    held.reset();  // the op's streams ran it: its mapping closes
+  });
+  const absl::Time start = absl::Now();
+  auto fresh = importer.Import(exported('n'));
+  const absl::Duration took = absl::Now() - start;
+  settle.join();
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_GE(gpu.AlreadyMappedRefusals(), 1);
+  EXPECT_GE(took, absl::Milliseconds(40));
+  EXPECT_EQ(importer.open_allocations(), 1);
+  EXPECT_EQ(gpu.mapped.count({0, Handle('n')}), 1u);
+  fresh->reset();
+  EXPECT_EQ(importer.open_allocations(), 0);
+}
+
+TEST(CudaImporterReuseTest, AMappingThatNeverClosesFailsTheNewOneAfterTheSettleTimeout) {
+  FakeGpu gpu;
+  CudaImporter importer(&gpu, absl::Milliseconds(100));
+  for (char c : {'o', 'n'}) {
+    gpu.exported[Handle(c)] = 1 << 20;
+    gpu.exported_at[Handle(c)] = {::getpid() + 1, 0x10000000};
+  }
+  auto held = importer.Import(Cuda(Handle('o'), 0, 16));
+  ASSERT_TRUE(held.ok());
+  auto refused = importer.Import(Cuda(Handle('n'), 0, 16));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(refused.status().message().find("still mapped for a launched op after 100ms"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_EQ(importer.open_allocations(), 1);
+  EXPECT_EQ(gpu.events_open, 2);  // the held buffer's two, none of the refused one's
 }
 
 class CountingImporter final : public core::BufferImporter {

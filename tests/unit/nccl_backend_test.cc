@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <thread>
 
@@ -354,6 +355,106 @@ TEST_F(NcclBackendTest, ABufferItsTrainerLetGoWhileItsOpRunsIsUnmappedOnlyOnceTh
   ASSERT_TRUE(Eventually([&] { return gpu_.Closes() == 1; }));
   EXPECT_EQ(gpu_.closes_while_busy, 0);
   EXPECT_EQ(gpu_.Aborts(), 0);
+}
+
+// torch's allocator frees a block's allocation and hands the same address out again (between a
+// benchmark's sizes, empty_cache, an out-of-memory retry): each round registers the new
+// allocation (a new IPC handle at the same address), runs an op on it, and lets it go at once,
+// while the op still runs on the stream. CUDA refuses the new handle as long as the old
+// mapping is open; the importer maps it once the launched op settled and its mapping closed.
+TEST_F(NcclBackendTest, AThousandReallocationsAtOneAddressEachRegisterAndRunOnceTheLastSettled) {
+  ipc::CudaImporter importer(&gpu_, absl::Seconds(5));
+  gpu_.op_time = absl::Microseconds(300);  // each op runs a while after its answer
+  auto comm = Make(Spec({0}, 1, "0"));
+  constexpr int kRounds = 1000;
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  int rounds = 0;
+  for (; rounds < kRounds && absl::Now() < give_up; ++rounds) {
+    std::string handle(gpu::kIpcHandleBytes, 'm');
+    std::memcpy(handle.data(), &rounds, sizeof(rounds));  // each allocation its own handle
+    gpu_.exported[handle] = 1 << 20;
+    gpu_.exported_at[handle] = {::getpid() + 1, 0x20000000};  // always the same address
+    v1::RegisterBufferRequest r;
+    r.set_bytes(4096);
+    v1::CudaIpcBuffer* c = r.mutable_cuda();
+    c->set_mem_handle(handle);
+    c->set_device(0);
+    c->set_ready_event(std::string(gpu::kIpcHandleBytes, 'r'));
+    c->set_done_event(std::string(gpu::kIpcHandleBytes, 'd'));
+    c->set_pid(::getpid() + 1);
+    absl::StatusOr<std::unique_ptr<core::MappedBuffer>> b = importer.Import(r);
+    ASSERT_TRUE(b.ok()) << "round " << rounds << ": " << b.status();
+    std::shared_ptr<core::MappedBuffer> buffer = *std::move(b);
+    core::Collective op = OneRankOp(*buffer, absl::Seconds(5));
+    op.seq = rounds;
+    op.keep_alive = buffer;
+    ASSERT_TRUE(comm->Run(op).ok()) << "round " << rounds;
+    // Answered, deregistered, freed: only the launched op holds the mapping now.
+  }
+  EXPECT_EQ(rounds, kRounds);
+  EXPECT_GT(gpu_.AlreadyMappedRefusals(), 0);  // the case the test is about did happen
+  EXPECT_TRUE(Eventually([&] { return backend_.LaunchedOps() == 0; }));
+  EXPECT_EQ(importer.open_allocations(), 0);
+  EXPECT_EQ(gpu_.Closes(), kRounds);
+  EXPECT_EQ(gpu_.closes_while_busy, 0);
+  EXPECT_EQ(gpu_.DestroyedEventUses(), 0);
+  EXPECT_EQ(gpu_.EventsOpen(), 0);
+}
+
+TEST_F(NcclBackendTest, EachNcclCallNamesItsCommunicatorsDeviceToMakeCurrent) {
+  ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 1}, {1, 0}}, 2)).ok());
+  EXPECT_EQ(gpu_.call_devices, (std::vector<int>{1, 0}));
+}
+
+TEST(NcclEnvironmentTest, ABlockingCommunicatorEnvironmentIsRefusedNamingTheVariable) {
+  EXPECT_TRUE(gpu::CheckNcclEnvironment(nullptr).ok());
+  EXPECT_TRUE(gpu::CheckNcclEnvironment("0").ok());
+  absl::Status s = gpu::CheckNcclEnvironment("1");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("NCCL_COMM_BLOCKING=1"), std::string::npos) << s;
+}
+
+// Two groups' ops over one allocation, each through a registration of its own (what the
+// Python package leases per op): each buffer's "done" marks its own op's end, whatever the
+// other group launched since. (Through one shared registration the later op's record would
+// replace the earlier's: the trainer would wait for the wrong group's stream.)
+TEST_F(NcclBackendTest, TwoGroupsOpsOnOneAllocationEachMarkTheirOwnEndThroughTheirOwnDone) {
+  ipc::CudaImporter importer(&gpu_);
+  const std::string handle(gpu::kIpcHandleBytes, 'a');
+  gpu_.exported[handle] = 1 << 20;
+  auto registration = [&] {
+    v1::RegisterBufferRequest r;
+    r.set_bytes(4096);
+    v1::CudaIpcBuffer* c = r.mutable_cuda();
+    c->set_mem_handle(handle);
+    c->set_device(0);
+    c->set_ready_event(std::string(gpu::kIpcHandleBytes, 'r'));
+    c->set_done_event(std::string(gpu::kIpcHandleBytes, 'd'));
+    c->set_pid(::getpid() + 1);
+    auto b = importer.Import(r);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return std::shared_ptr<core::MappedBuffer>(*std::move(b));
+  };
+  std::shared_ptr<core::MappedBuffer> a = registration(), b = registration();
+  EXPECT_EQ(importer.open_allocations(), 1);  // one mapping, two registrations
+  gpu_.op_time = absl::Milliseconds(100);
+  core::Collective op_a = OneRankOp(*a, absl::Seconds(5));
+  op_a.keep_alive = a;
+  core::Collective op_b = OneRankOp(*b, absl::Seconds(5));
+  op_b.label = "all_reduce job=j group=1 seq=0";
+  op_b.keep_alive = b;
+  ASSERT_TRUE(Make(Spec({0}, 1, "0"))->Run(op_a).ok());
+  ASSERT_TRUE(Make(Spec({0}, 1, "1"))->Run(op_b).ok());
+  ASSERT_EQ(gpu_.calls.size(), 2u);
+  EXPECT_NE(gpu_.calls[0].stream, gpu_.calls[1].stream);  // the groups' own streams
+  EXPECT_EQ(gpu_.recorded_for(a->done_event()), 0);
+  EXPECT_EQ(gpu_.recorded_for(b->done_event()), 1);
+  op_a.keep_alive.reset();
+  op_b.keep_alive.reset();
+  a.reset();
+  b.reset();
+  EXPECT_TRUE(Eventually([&] { return backend_.LaunchedOps() == 0; }));
+  EXPECT_EQ(importer.open_allocations(), 0);
 }
 
 TEST_F(NcclBackendTest, AfterAnAbortTheBufferIsReleasedOnlyOnceTheStreamIsIdle) {

@@ -471,6 +471,7 @@ absl::Status NcclCommunicator::LaunchLocked(GroupComms& c, const core::Collectiv
       call.recv = each.send_recv[i].second;
       call.count = each.count;
       call.root = op.root;
+      call.device = m.device;
       call.comm = c.comms[i];
       call.stream = c.streams[m.device];
       s = api_->NcclCollective(call);
