@@ -5,9 +5,11 @@ bool}, "info": {...}}.
 
     cuda_worker.py SCENARIO...      (placement from RANK, WORLD_SIZE, GRADSYNC_SOCKET, ...)
 """
+import gc
 import json
 import os
 import sys
+import threading
 
 import torch
 
@@ -158,13 +160,143 @@ class Bucket:
 def s_hook(fake, rank, world):
     checks = {}
     t = fake.to_device(torch.full((33,), float(rank)))
-    fut = gt.allreduce_hook(None, Bucket(t, 0))
+    with fake.stream("backward"):  # autograd runs the hook on backward's stream
+        fut = gt.allreduce_hook(None, Bucket(t, 0))
+    n = fake.last_op()
     got = fut.wait()
     checks["hook averaged the bucket"] = bool((got == sum(range(world)) / world).all())
     reg, _ = fake_cuda.registry().locate(t.data_ptr(), 4)
     waits = [e for e in fake.calls("wait_done") if e[1] == reg.id]
     checks["the completer's stream waited on done"] = len(waits) >= 1
+    checks["the future completes on backward's stream"] = \
+        fake.op_settled(n, fake_cuda.FakeStream("backward")) and \
+        all(e[2] == "backward" for e in waits)
     checks["no violation"] = fake.violations == []
+    return checks, {}
+
+
+def s_two_groups(fake, rank, world):
+    """Async ops of two groups over tensors of one allocation: each op's "done" is its own, so
+    a wait after the other op launched still waits for its op; the same from two threads on two
+    streams, for "ready" too."""
+    checks = {}
+    g2 = gradsync.new_group(list(range(world)))
+    t = fake.to_device(torch.zeros(64))
+    a, b = t[:32], t[32:]
+    a.fill_(rank + 1)
+    b.fill_(10.0 * (rank + 1))
+    wa = gradsync.all_reduce(a, async_op=True)
+    na = fake.last_op()
+    wb = gradsync.all_reduce(b, group=g2, async_op=True)
+    nb = fake.last_op()
+    checks["the two ops name registrations of their own"] = \
+        not set(fake.ops[na]["written"]) & set(fake.ops[nb]["written"])
+    wb.wait()
+    wa.wait()  # after B's "done" was recorded
+    checks["A's wait waited for A, not for B through a shared event"] = fake.op_settled(na)
+    checks["B's wait waited for B"] = fake.op_settled(nb)
+    total = sum(range(1, world + 1))
+    checks["values"] = bool((a == total).all()) and bool((b == 10.0 * total).all())
+
+    # Two threads write parts of one allocation on their streams, then each submits an op.
+    u = fake.to_device(torch.zeros(64))
+    parts, ops, errors = [u[:32], u[32:]], [None, None], []
+    go = threading.Barrier(2, timeout=30)
+
+    def member(k):
+        try:
+            with fake.stream(f"s{k}"):
+                parts[k].fill_(float(k + rank))
+                go.wait()
+                w = gradsync.all_reduce(parts[k], group=gradsync.WORLD if k == 0 else g2,
+                                        async_op=True)
+                ops[k] = [n for n, op in enumerate(fake.ops)
+                          if op["thread"] == threading.current_thread().name][-1]
+                go.wait()
+                w.wait()
+        except Exception as e:  # noqa: BLE001 - reported as a check
+            errors.append(repr(e))
+    threads = [threading.Thread(target=member, args=(k,), name=f"member{k}") for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    checks["both threads done"] = not errors and all(not th.is_alive() for th in threads)
+    if checks["both threads done"]:
+        w0 = fake.ops[ops[0]]["written"]
+        w1 = fake.ops[ops[1]]["written"]
+        checks["each thread's op has its own ready and done"] = not set(w0) & set(w1)
+        checks["each thread's op was ready on its own stream"] = \
+            fake.ops[ops[0]]["ready"] == {b: "s0" for b in w0} and \
+            fake.ops[ops[1]]["ready"] == {b: "s1" for b in w1}
+        checks["thread values"] = all(bool((parts[k] == float(k * world + sum(range(world))))
+                                           .all()) for k in range(2))
+    checks["every lease given back"] = getattr(fake_cuda.registry(), "leases", lambda: -1)() == 0
+    checks["no violation"] = fake.violations == []
+    return checks, {"violations": fake.violations}
+
+
+def s_temporaries(fake, rank, world):
+    """The tensors an async op names live until it completed, whatever the caller keeps:
+    torch's NCCL backend's contract (all_gather(outs, t.float(), async_op=True))."""
+    checks = {}
+    outs = fake.to_device(torch.zeros(world * 5))
+    views = list(outs.split(5))
+    tmp = fake.to_device(torch.full((5,), float(rank)))  # what t.float() hands the call
+    work = gradsync.all_gather(views, tmp, async_op=True)
+    del tmp
+    gc.collect()
+    checks["a temporary input outlives its op"] = fake.violations == []
+    work.wait()
+    checks["values"] = all(bool((v == float(r)).all()) for r, v in enumerate(views))
+
+    # Waited on another stream than the one it was allocated on: marked used there.
+    tmp = fake.to_device(torch.full((5,), float(rank + 1)))
+    work = gradsync.all_gather(views, tmp, async_op=True)
+    del tmp
+    with fake.stream("other"):
+        work.wait()
+    del work
+    gc.collect()
+    checks["released after a wait on another stream, marked used there"] = \
+        fake.violations == [] and ("record_stream", "other") in fake.log
+
+    # A Work dropped unwaited: its op's tensors and leases are kept until it settles.
+    x = fake.to_device(torch.full((7,), 1.0))
+    work = gradsync.all_reduce(x, async_op=True)
+    del work, x
+    gc.collect()
+    checks["an unwaited op's tensor outlives it"] = fake.violations == []
+    y = fake.to_device(torch.full((3,), 1.0))
+    gradsync.all_reduce(y)  # the next op settles the orphan
+    gc.collect()
+    checks["the orphan settled at the next op"] = getattr(fake_cuda.registry(), "leases", lambda: -1)() == 0
+    checks["no violation"] = fake.violations == []
+    return checks, {"violations": fake.violations}
+
+
+def s_lifetime_detector(fake, rank, world):
+    """The fake's lifetime check is not vacuous: a Run that keeps nothing is caught."""
+    from gradsync import _device
+    checks = {}
+    segment = _device.Run.segment
+
+    def forgetful(self, tensor, count, written):
+        out = segment(self, tensor, count, written)
+        self.keep = [k for k in self.keep if k is not tensor]
+        return out
+    _device.Run.segment = forgetful
+    try:
+        outs = fake.to_device(torch.zeros(world * 5))
+        tmp = fake.to_device(torch.full((5,), float(rank)))
+        work = gradsync.all_gather(list(outs.split(5)), tmp, async_op=True)
+        del tmp
+        gc.collect()
+        work.wait()
+    finally:
+        _device.Run.segment = segment
+    checks["a temporary freed while its op runs is a violation"] = \
+        any("was freed before" in v for v in fake.violations)
     return checks, {}
 
 
@@ -284,6 +416,9 @@ SCENARIOS = {
     "collectives": s_collectives,
     "realloc": s_realloc,
     "hook": s_hook,
+    "two_groups": s_two_groups,
+    "temporaries": s_temporaries,
+    "lifetime_detector": s_lifetime_detector,
     "optimizer": s_optimizer,
     "optimizer_pack": lambda f, r, w: s_optimizer(f, r, w, pack=True),
     "optimizer_unused": lambda f, r, w: s_optimizer(f, r, w, unused=True),

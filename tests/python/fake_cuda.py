@@ -15,6 +15,14 @@ protocol as it goes:
     its previous op (else "submit without ready" is recorded in `violations`);
   - settled() says which registrations an op wrote whose "done" the given stream has not waited
     for since (a synchronous call, or backward(), must leave none);
+  - events behave as CUDA's: "done" stands for the latest op that recorded it (the daemon
+    records it as it launches each op, on its group's stream) and a stream that waits on it
+    waits for that op and the earlier ops of its group only, so op_settled(n, stream) says
+    whether the stream waited for op n, not for another group's op through a shared event; using the events of a deregistered registration is a violation;
+  - fake device memory is handed out in blocks that know when torch frees them: a block freed
+    while an op naming it is not settled on the stream it was allocated on, nor on a stream it
+    was marked used on (record_stream), is a violation (torch's caching allocator would hand
+    it out again while the daemon still reads or writes it);
   - torch.cuda.synchronize and the streams' and events' synchronize are replaced by functions
     that record a violation (the package must never call them); to_host(), the one synchronous
     read the seam offers, is logged.
@@ -27,6 +35,7 @@ import fcntl
 import mmap
 import os
 import threading
+import weakref
 
 import torch
 
@@ -40,6 +49,12 @@ SEGMENT = 1 << 20      # small blocks share 1 MiB segments; larger ones get thei
 class FakeStream:
     def __init__(self, name):
         self.name = name
+
+    def __eq__(self, other):
+        return isinstance(other, FakeStream) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)
 
     def __repr__(self):
         return f"stream:{self.name}"
@@ -57,13 +72,17 @@ class FakeAllocation:
         self.used = 0
         self.alive = True
 
-    def take(self, nbytes):
+    def take(self, nbytes, on_free=None):
         at = self.used
         self.used += -(-max(nbytes, 1) // ALIGN) * ALIGN
+        # The block's own buffer object: it lives as long as any tensor viewing the block, so
+        # its finalizer is torch freeing the block.
+        block = (ctypes.c_char * max(nbytes, 1)).from_buffer(self.map, at)
+        if on_free is not None:
+            on_free(block, self.base + at, self.base + at + max(nbytes, 1))
         # No byte: an empty view at the block's address (torch's allocator gives empty CUDA
         # tensors a device too; device_of must see it there).
-        return torch.frombuffer(self.map, dtype=torch.uint8, count=max(nbytes, 1),
-                                offset=at)[:nbytes]
+        return torch.frombuffer(block, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
 
 
 class FakeRegistration:
@@ -86,9 +105,15 @@ class FakeCuda:
         self.log = []         # the calls, in order
         self.violations = []  # what broke the stream protocol
         self._registered = {}  # daemon buffer id -> FakeRegistration
+        self._gone = set()     # buffer ids deregistered: their events are not to be used
+        self._ready_on = {}    # buffer id -> the stream its "ready" was last recorded on
         self._ready_since_submit = {}  # buffer id -> "ready" recorded since its last op
-        self._unsettled = {}  # buffer id -> streams that waited on "done" since its last op
         self._saved = None
+        self.ops = []          # per op submitted: {"fn", "read", "written", "starts"}
+        self._last_write = {}  # buffer id -> the last op that wrote it
+        self._done_for = {}    # buffer id -> the op its "done" event stands for now
+        self._waited = {}      # stream name -> {group: the last op of it the stream waited for}
+        self._blocks = {}      # block start -> (end, allocation stream, streams marked used)
 
     # ---- test helpers ----
     def install(self):
@@ -173,7 +198,21 @@ class FakeCuda:
         one) has not waited for since: [] after a synchronous call or backward()."""
         name = (stream or self.current_stream(0)).name
         with self._lock:
-            return sorted(b for b, waited in self._unsettled.items() if name not in waited)
+            return sorted(b for b, n in self._last_write.items() if not self._waited_for(name, n))
+
+    def op_settled(self, n, stream=None):
+        """Whether `stream` waited for op n's own "done" of every registration it wrote."""
+        name = (stream or self.current_stream(0)).name
+        with self._lock:
+            return self._waited_for(name, n)
+
+    def _waited_for(self, stream_name, n):
+        return self._waited.get(stream_name, {}).get(self.ops[n]["group"], -1) >= n
+
+    def last_op(self):
+        """The index of the last op submitted (op_settled's n)."""
+        with self._lock:
+            return len(self.ops) - 1
 
     def stats(self):
         with self._lock:
@@ -201,12 +240,12 @@ class FakeCuda:
         with self._lock:
             self._log("empty", nbytes)
             if nbytes > SEGMENT // 2:
-                return self._new_alloc(-(-nbytes // ALIGN) * ALIGN).take(nbytes)
+                return self._new_alloc(-(-nbytes // ALIGN) * ALIGN).take(nbytes, self._block)
             rounded = -(-max(nbytes, 1) // ALIGN) * ALIGN
             if self._small is None or not self._small.alive or \
                     self._small.used + rounded > self._small.size:
                 self._small = self._new_alloc(SEGMENT)
-            return self._small.take(nbytes)
+            return self._small.take(nbytes, self._block)
 
     def allocation(self, address):
         with self._lock:
@@ -229,6 +268,7 @@ class FakeCuda:
         with self._lock:
             self._log("deregister", registration.id)
             self._registered.pop(registration.id, None)
+            self._gone.add(registration.id)
         client.deregister(registration.id)
 
     def current_stream(self, device):
@@ -237,19 +277,43 @@ class FakeCuda:
             stream = self._local.stream = FakeStream("default")
         return stream
 
+    @contextlib.contextmanager
+    def use_stream(self, stream):
+        previous = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield stream
+        finally:
+            self._local.stream = previous
+
     def join_streams(self, later, earlier):
         self._log("join", later.name, earlier.name)
 
     def record_ready(self, registration, stream):
         with self._lock:
             self._log("ready", registration.id, stream.name)
+            self._check_events(registration, "record_ready")
             self._ready_since_submit[registration.id] = True
+            self._ready_on[registration.id] = stream.name  # replaces the earlier record
 
     def wait_done(self, registration, stream):
         with self._lock:
             self._log("wait_done", registration.id, stream.name)
-            if registration.id in self._unsettled:
-                self._unsettled[registration.id].add(stream.name)
+            self._check_events(registration, "wait_done")
+            n = self._done_for.get(registration.id)
+            if n is not None:  # the stream waits for the op "done" stands for now and, in the
+                # order of its group's stream in the daemon, the group's earlier ops
+                upto = self._waited.setdefault(stream.name, {})
+                g = self.ops[n]["group"]
+                upto[g] = max(upto.get(g, -1), n)
+
+    def record_stream(self, tensor, stream):
+        address = tensor.data_ptr() if tensor.numel() else _storage_address(tensor)
+        with self._lock:
+            self._log("record_stream", stream.name)
+            for start, (end, _, used) in self._blocks.items():
+                if start <= address < end:
+                    used.add(stream.name)
 
     def to_host(self, tensor):
         self._log("to_host", tensor.numel())
@@ -262,6 +326,26 @@ class FakeCuda:
     def _log(self, *entry):
         with self._lock:
             self.log.append(entry)
+
+    def _check_events(self, registration, call):
+        if registration.id in self._gone:
+            self._violate(f"{call} on the events of deregistered buffer {registration.id}")
+
+    def _block(self, holder, start, end):
+        """A block handed out: known until torch frees it (then checked)."""
+        self._blocks[start] = (end, self.current_stream(0).name, set())
+        weakref.finalize(holder, self._freed, start)
+
+    def _freed(self, start):
+        with self._lock:
+            end, stream, used = self._blocks.pop(start)
+            for n, op in enumerate(self.ops):
+                if not any(start <= a < end for a in op["starts"]):
+                    continue
+                safe = [s for s in {stream} | used if self._waited_for(s, n)]
+                if not safe:
+                    self._violate(f"a block op {n} ({op['fn']}) names was freed before a stream "
+                                  f"it was allocated or marked used on waited for the op")
 
     def _violate(self, what):
         with self._lock:
@@ -277,15 +361,35 @@ class FakeCuda:
         """An op leaves for the daemon: which registered buffers does it read and write?"""
         def ids(segs, n):
             return [segs[k].buffer_id for k in range(n)]
+
+        def starts(segs, n):
+            out = []
+            for k in range(n):
+                reg = self._registered.get(segs[k].buffer_id)
+                if reg is not None:
+                    out.append(reg.base + segs[k].byte_offset)
+            return out
         if fn_name in ("gs_all_reduce_async", "gs_broadcast_async"):
             read = written = ids(args[2], args[3])
+            at = starts(args[2], args[3])
         elif fn_name == "gs_all_gather_async":
             read, written = ids(args[1], args[2]), ids(args[3], args[4])
+            at = starts(args[1], args[2]) + starts(args[3], args[4])
         elif fn_name == "gs_reduce_scatter_async":
             read, written = ids(args[2], args[3]), ids(args[4], args[5])
+            at = starts(args[2], args[3]) + starts(args[4], args[5])
         else:
-            read = written = []
+            read = written = at = []
         with self._lock:
+            n = len(self.ops)
+            options = getattr(args[-1], "_obj", None)  # ctypes.byref(_OpOptions)
+            self.ops.append({"fn": fn_name[3:-6], "read": sorted(set(read)),
+                             "group": getattr(options, "group", None),
+                             "thread": threading.current_thread().name,
+                             "ready": {b: self._ready_on.get(b) for b in set(read) | set(written)
+                                       if b in self._registered},
+                             "written": sorted(b for b in set(written) if b in self._registered),
+                             "starts": at})
             self._log("submit", fn_name[3:-6], tuple(sorted(set(read) | set(written))))
             for b in set(read) | set(written):
                 if b not in self._registered:
@@ -296,7 +400,8 @@ class FakeCuda:
                 self._ready_since_submit[b] = False
             for b in written:
                 if b in self._registered:
-                    self._unsettled[b] = set()
+                    self._last_write[b] = n
+                    self._done_for[b] = n  # the daemon records "done" as it launches the op
 
 
 def _storage_address(tensor):

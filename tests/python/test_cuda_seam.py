@@ -21,7 +21,8 @@ from conftest import BUILD, launch
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "cuda_worker.py")
 SCENARIOS = ["detector", "collectives", "realloc", "empty_cache", "hook", "optimizer",
-             "optimizer_pack", "optimizer_unused"]
+             "optimizer_pack", "optimizer_unused", "two_groups", "temporaries",
+             "lifetime_detector"]
 
 
 @pytest.fixture(scope="module")

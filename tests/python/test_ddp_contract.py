@@ -165,7 +165,9 @@ def test_fake_cuda_parameters_keep_the_contract(runs, world, pack, scenario):
         assert fake["violations"] == [], fake["violations"]
         assert fake["on_device"], "the parameters left the (fake) device"
         assert fake["submits"] > 0
-        assert fake["registrations"] <= 4, fake  # each allocation once, not per step
+        # Per allocation, one registration per op in flight on it and one per pinned bucket:
+        # a few, never one per step.
+        assert fake["registrations"] <= 6, fake
         if not scenario.startswith("odd"):
             assert fake["to_host"] == 0, fake  # every parameter used: no host read at all
         # The device code path computes what the host path does, bit for bit.

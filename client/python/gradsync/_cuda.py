@@ -59,6 +59,15 @@ class TorchCuda:
         """`stream`'s later work waits for the daemon's last write of the registration."""
         registration.wait_done(stream.cuda_stream)
 
+    def record_stream(self, tensor, stream):
+        """torch's allocator hands `tensor`'s memory out again only after `stream`'s work so far
+        (Tensor.record_stream): for a tensor freed after another stream than its own waited."""
+        tensor.record_stream(stream)
+
+    def use_stream(self, stream):
+        """A context in which `stream` is the current stream of this thread."""
+        return self._torch.cuda.stream(stream)
+
     def to_host(self, tensor):
         """A host copy: SYNCHRONISES the host with the tensor's stream (never on the hot path)."""
         return tensor.cpu()

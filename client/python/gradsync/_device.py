@@ -22,29 +22,51 @@ The stream protocol of an op (no host synchronisation anywhere):
      the current stream waits on "done" of every registration the op wrote: later work on the
      stream sees the result. Results staged in temporaries are copied out after that, on the
      same stream.
-A registration has one "ready" event: when it is recorded on another stream than last time,
-that stream first waits for the previous one, so the latest record covers the work of both.
+An event stands for its latest record only (cudaEventRecord replaces what it marked, and
+cudaStreamWaitEvent waits for the record it holds when called). So an op leases its
+registrations: each allocation an op names is registered once per op in flight on it (the
+daemon maps the allocation once whatever the count), an op takes an idle registration of it, or
+registers another, and gives it back once "done" was waited on (or the op failed). Two ops in
+flight over one allocation, on two groups or from two threads, never share a "ready" or a
+"done". A registration's "ready" recorded on another stream than last time first makes that
+stream wait for the previous one, so the latest record covers the work of both.
+The tensors an op names (the caller's, and temporaries) live until it completed: the Run keeps
+them, and a waiter on another stream than the op's marks them used there (record_stream), so
+torch's allocator hands their memory out again only after the daemon's write. A Work dropped
+unwaited is adopted by the registry and settled at its next op.
 """
 import threading
+import weakref
 
 from . import _cuda
 from ._native import Error
 
 
+class _Allocation:
+    """One CUDA allocation's registrations: idle ones, leased ones (an op in flight holds
+    each), and pinned ones (a holder such as an optimizer bucket owns each)."""
+
+    def __init__(self, alloc_id, base, size):
+        self.id, self.base, self.size = alloc_id, base, size
+        self.idle = []
+        self.leased = set()  # registration ids
+        self.pinned = set()  # registration ids
+        self.all = {}        # registration id -> registration
+
+
 class Registry:
-    """The session's registrations of CUDA allocations, one per allocation. Thread-safe."""
+    """The session's registrations of CUDA allocations: per allocation, one per op in flight on
+    it (leased) and one per pinned holder. Thread-safe."""
 
     def __init__(self, client):
         self._client = client
         self._lock = threading.Lock()
-        self._by_alloc = {}      # allocation id -> registration
+        self._by_alloc = {}      # allocation id -> _Allocation
         self._ready_stream = {}  # registration id -> the stream "ready" was last recorded on
-        self._pins = {}          # allocation id -> holders that keep it allocated
+        self._orphans = []       # (handle, Run) of async ops whose Work went unwaited
         self.registrations = 0   # registered so far (tests count them)
 
-    def locate(self, address, nbytes, pin=False):
-        """(registration, byte offset) of device memory [address, address + nbytes). pin: the
-        caller holds the memory allocated until unpin(registration)."""
+    def _allocation(self, address, nbytes):
         api = _cuda.api()
         alloc_id, base, size, ipc_capable = api.allocation(address)
         if alloc_id == 0:
@@ -52,68 +74,110 @@ class Registry:
         if address + nbytes > base + size:
             raise Error("INVALID_ARGUMENT", f"[{address:#x}, +{nbytes}) runs past its CUDA "
                         f"allocation [{base:#x}, +{size})")
+        return alloc_id, base, size, ipc_capable
+
+    def lease(self, address, nbytes):
+        """(registration, byte offset, allocation id) of device memory [address, address +
+        nbytes) for one op: a registration of its allocation no other op in flight holds.
+        give_back() it once the op's "done" was waited on, or the op failed."""
+        alloc_id, base, size, ipc_capable = self._allocation(address, nbytes)
         with self._lock:
-            reg = self._by_alloc.get(alloc_id)
-        if reg is None:
-            if not ipc_capable:
-                raise Error("FAILED_PRECONDITION", "this CUDA memory cannot be shared with the "
-                            "daemon (cudaIpcGetMemHandle refuses it: cuMemCreate memory, such as "
-                            "PyTorch's expandable segments; unset expandable_segments in "
-                            "PYTORCH_CUDA_ALLOC_CONF)")
-            reg = self._register(alloc_id, base, size)
-        if pin:
+            entry = self._by_alloc.get(alloc_id)
+            if entry is not None and entry.idle:
+                reg = entry.idle.pop()
+                entry.leased.add(reg.id)
+                return reg, address - base, alloc_id
+        reg = self._register(alloc_id, base, size, ipc_capable, leased=True)
+        return reg, address - base, alloc_id
+
+    def give_back(self, alloc_id, reg):
+        """An op's lease ends: the registration serves the allocation's next op."""
+        with self._lock:
+            entry = self._by_alloc.get(alloc_id)
+            if entry is not None and entry.all.get(reg.id) is reg and reg.id in entry.leased:
+                entry.leased.discard(reg.id)
+                entry.idle.append(reg)
+                return
+        # Its allocation was swept meanwhile: the registration went with it.
+
+    def locate(self, address, nbytes, pin=False):
+        """(registration, byte offset) of device memory [address, address + nbytes) that the
+        caller owns (pin=True: a registration of its own, until unpin(registration)), or, with
+        pin=False, an idle one of its allocation (for a look only: ops lease theirs)."""
+        alloc_id, base, size, ipc_capable = self._allocation(address, nbytes)
+        if not pin:
             with self._lock:
-                self._pins[alloc_id] = self._pins.get(alloc_id, 0) + 1
-                reg.alloc_id = alloc_id
+                entry = self._by_alloc.get(alloc_id)
+                if entry is not None and entry.all:
+                    reg = entry.idle[-1] if entry.idle else next(iter(entry.all.values()))
+                    return reg, address - base
+            reg = self._register(alloc_id, base, size, ipc_capable)
+            return reg, address - base
+        reg = self._register(alloc_id, base, size, ipc_capable, pinned=True)
+        reg.alloc_id = alloc_id
         return reg, address - base
 
     def unpin(self, reg):
         with self._lock:
-            alloc_id = getattr(reg, "alloc_id", None)
-            if self._pins.get(alloc_id, 0) > 1:
-                self._pins[alloc_id] -= 1
-            else:
-                self._pins.pop(alloc_id, None)
+            entry = self._by_alloc.get(getattr(reg, "alloc_id", None))
+            if entry is not None and reg.id in entry.pinned:
+                entry.pinned.discard(reg.id)
+                entry.idle.append(reg)
 
     def release_unpinned(self):
-        """Deregisters every entry nobody pins (before the allocator frees memory)."""
+        """Deregisters every allocation nobody pins and no op in flight holds (before the
+        allocator frees memory)."""
         api = _cuda.api()
         with self._lock:
-            gone = [(a, r) for a, r in self._by_alloc.items() if a not in self._pins]
-            for alloc_id, reg in gone:
-                del self._by_alloc[alloc_id]
-                self._ready_stream.pop(reg.id, None)
-        for _, reg in gone:
-            self._deregister(api, reg)
+            gone = [e for e in self._by_alloc.values() if not e.pinned and not e.leased]
+            for entry in gone:
+                del self._by_alloc[entry.id]
+                for reg in entry.all.values():
+                    self._ready_stream.pop(reg.id, None)
+        for entry in gone:
+            for reg in entry.all.values():
+                self._deregister(api, reg)
 
-    def _register(self, alloc_id, base, size):
+    def _register(self, alloc_id, base, size, ipc_capable, leased=False, pinned=False):
+        if not ipc_capable:
+            raise Error("FAILED_PRECONDITION", "this CUDA memory cannot be shared with the "
+                        "daemon (cudaIpcGetMemHandle refuses it: cuMemCreate memory, such as "
+                        "PyTorch's expandable segments; unset expandable_segments in "
+                        "PYTORCH_CUDA_ALLOC_CONF)")
         api = _cuda.api()
         _guard_empty_cache()
         self._sweep(api)
         reg = api.register(self._client, base, size)
         with self._lock:
-            other = self._by_alloc.get(alloc_id)
-            if other is None:
-                self._by_alloc[alloc_id] = reg
-                self.registrations += 1
-                return reg
-        # Another thread registered the same allocation meanwhile: keep one.
-        self._deregister(api, reg)
-        return other
+            entry = self._by_alloc.get(alloc_id)
+            if entry is None:
+                entry = self._by_alloc[alloc_id] = _Allocation(alloc_id, base, size)
+            entry.all[reg.id] = reg
+            if leased:
+                entry.leased.add(reg.id)
+            elif pinned:
+                entry.pinned.add(reg.id)
+            else:
+                entry.idle.append(reg)
+            self.registrations += 1
+        return reg
 
     def _sweep(self, api):
-        """Deregisters the entries whose allocation is gone (freed, or its address reused)."""
+        """Deregisters the registrations whose allocation is gone (freed, or its address
+        reused)."""
         with self._lock:
-            entries = list(self._by_alloc.items())
-        for alloc_id, reg in entries:
-            if api.allocation(reg.base)[0] == alloc_id:
+            entries = list(self._by_alloc.values())
+        for entry in entries:
+            if api.allocation(entry.base)[0] == entry.id:
                 continue
             with self._lock:
-                if self._by_alloc.get(alloc_id) is not reg:
+                if self._by_alloc.get(entry.id) is not entry:
                     continue
-                del self._by_alloc[alloc_id]
-                self._ready_stream.pop(reg.id, None)
-            self._deregister(api, reg)
+                del self._by_alloc[entry.id]
+                for reg in entry.all.values():
+                    self._ready_stream.pop(reg.id, None)
+            for reg in entry.all.values():
+                self._deregister(api, reg)
 
     def _deregister(self, api, reg):
         try:
@@ -122,8 +186,14 @@ class Registry:
             pass  # the session is gone: the daemon dropped it with the session
 
     def cached(self):
+        """Allocations registered now."""
         with self._lock:
             return len(self._by_alloc)
+
+    def leases(self):
+        """Registrations held by ops in flight now."""
+        with self._lock:
+            return sum(len(e.leased) for e in self._by_alloc.values())
 
     def ready(self, regs, stream):
         """Records "ready" on `stream` for each registration (once each)."""
@@ -136,12 +206,30 @@ class Registry:
                 api.join_streams(stream, last)
             api.record_ready(reg, stream)
 
+    def adopt(self, handle, run):
+        """An async op's Work went unwaited: its Run (leases, tensors) is kept until the op
+        has an outcome, then settled on the current stream of the next op's caller."""
+        if run.released:
+            return
+        with self._lock:
+            self._orphans.append((handle, run))
+
+    def settle_orphans(self):
+        with self._lock:
+            if not self._orphans:
+                return
+            ready = [(h, r) for h, r in self._orphans if h.done()]
+            self._orphans = [(h, r) for h, r in self._orphans if not h.done()]
+        for handle, run in ready:
+            run.settle_orphan(handle)
+
     def drop(self):
         """At session end: forgets every registration (the daemon drops them with the session;
         the events go with the last reference)."""
         with self._lock:
             self._by_alloc.clear()
             self._ready_stream.clear()
+            self._orphans = []
 
 
 _guard_lock = threading.Lock()
@@ -191,8 +279,9 @@ class Operand:
 
 
 class Run:
-    """One op's device side: the segments it names, the registrations to make ready and to
-    wait on, and the staged temporaries whose results go back to the caller's tensors."""
+    """One op's device side: the segments it names, the registrations it leases (to make
+    ready and to wait on), the tensors that must live until it completed, and the staged
+    temporaries whose results go back to the caller's tensors."""
 
     def __init__(self, registry, device):
         self.registry = registry
@@ -201,15 +290,27 @@ class Run:
         self.reads = []    # registrations the op reads
         self.writes = []   # registrations the op writes
         self.copies = []   # (the caller's tensor, the temporary holding its result)
-        self.keep = []     # temporaries that must live until the op completed
+        self.keep = []     # tensors the op names, and temporaries: alive until it completed
+        self.leased = {}   # allocation id -> the registration this op leased
+        self.waiters = []  # streams other than the op's that waited on its "done"
+        self.released = False
+
+    def _lease(self, address, nbytes):
+        alloc_id = _cuda.api().allocation(address)[0]
+        reg = self.leased.get(alloc_id)
+        if reg is not None:
+            return reg, address - reg.base
+        reg, offset, alloc_id = self.registry.lease(address, nbytes)
+        self.leased[alloc_id] = reg
+        return reg, offset
 
     def segment(self, tensor, count, written):
         """(buffer id, byte offset, count) of a contiguous device tensor."""
         nbytes = count * tensor.element_size()
         if nbytes == 0:  # nothing to name: a byte of scratch memory, zero elements
             tensor = _cuda.api().empty(1, self.device)
-            self.keep.append(tensor)
-        reg, offset = self.registry.locate(tensor.data_ptr(), nbytes)
+        self.keep.append(tensor)
+        reg, offset = self._lease(tensor.data_ptr(), nbytes)
         (self.writes if written else self.reads).append(reg)
         return reg.id, offset, count
 
@@ -217,6 +318,7 @@ class Run:
         """The operand's segment, through a contiguous temporary if it is not contiguous."""
         t = x.obj
         if not t.is_contiguous():
+            self.keep.append(t)
             tmp = self.scratch(x.count, t.dtype).view(t.shape)
             tmp.copy_(t)  # on the current stream, before "ready"
             if written:
@@ -235,9 +337,10 @@ class Run:
                for k, t in enumerate(tensors)):
             return None
         try:
-            reg, offset = self.registry.locate(first, step * len(tensors))
+            reg, offset = self._lease(first, step * len(tensors))
         except Error:
             return None  # e.g. they run past one allocation
+        self.keep.extend(tensors)
         (self.writes if written else self.reads).append(reg)
         return reg.id, offset, count * len(tensors)
 
@@ -252,18 +355,31 @@ class Run:
     def start(self, submit, result, async_op, finish=None):
         """Makes the memory ready, submits the op; a Work (async) or the result."""
         from . import Work
+        self.registry.settle_orphans()
         self.registry.ready(self.reads + self.writes, self.stream)
-        handle = submit()
+        try:
+            handle = submit()
+        except BaseException:
+            self._release()
+            raise
         work = Work(handle, finish=lambda: self._finish(finish), result=result,
-                    on_complete=self._wait_done)
-        return work if async_op else work.wait()
+                    release=self._release, on_complete=self._wait_done)
+        if not async_op:
+            return work.wait()
+        weakref.finalize(work, self.registry.adopt, handle, self)
+        return work
 
-    def _wait_done(self):
-        """The current stream (of whoever waits) waits for the daemon's writes."""
+    def _wait_done(self, stream=None):
+        """The current stream (of whoever waits) waits for the daemon's writes; the op's
+        tensors are marked used there when it is not the op's stream."""
         api = _cuda.api()
-        stream = api.current_stream(self.device)
+        stream = stream if stream is not None else api.current_stream(self.device)
         for reg in _unique(self.writes):
             api.wait_done(reg, stream)
+        if stream != self.stream and stream not in self.waiters:
+            self.waiters.append(stream)
+            for t in self.keep:
+                api.record_stream(t, stream)
         return stream
 
     def _finish(self, finish):
@@ -271,4 +387,28 @@ class Run:
             t.copy_(tmp)  # on the current stream, which waits for "done"
         if finish is not None:
             finish()
+
+    def _release(self):
+        """The op has its outcome and, if it succeeded, a stream waited on its "done": its
+        leases end and its tensors go back to their owners (or torch's allocator)."""
+        if self.released:
+            return
+        self.released = True
+        for alloc_id, reg in self.leased.items():
+            self.registry.give_back(alloc_id, reg)
+        self.leased = {}
         self.keep = []
+        self.copies = []
+
+    def settle_orphan(self, handle):
+        """The op of a Work dropped unwaited has its outcome: the current stream waits on its
+        "done" (device side) before its tensors and leases go."""
+        if self.released:
+            return
+        try:
+            handle.wait()
+            self._wait_done()
+        except Error:
+            pass  # failed: nothing was written that anyone waits for
+        finally:
+            self._release()

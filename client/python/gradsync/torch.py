@@ -600,9 +600,12 @@ class _Completer:
         self._thread = None
         self._stopping = False
 
-    def add(self, work, future):
+    def add(self, work, future, stream=None):
+        """Completes `future` with `work`'s outcome; on CUDA with `stream` (the stream the hook
+        ran on, backward's) current, so that its waiters wait on backward's stream, as with
+        torch's NCCL backend, not on a thread's default stream."""
         with self._cv:
-            self._queue.append((work, future))
+            self._queue.append((work, future, stream))
             if self._thread is None:
                 self._stopping = False
                 self._thread = threading.Thread(target=self._run, name="gradsync-ddp",
@@ -617,9 +620,13 @@ class _Completer:
                     self._cv.wait()
                 if not self._queue:
                     return
-                work, future = self._queue.pop(0)
+                work, future, stream = self._queue.pop(0)
             try:
-                future.set_result(work.wait())
+                if stream is None:
+                    future.set_result(work.wait())
+                else:
+                    with _cuda.api().use_stream(stream):
+                        future.set_result(work.wait())
             except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it in backward
                 future.set_exception(e)
 
@@ -652,14 +659,19 @@ def allreduce_hook(state, bucket):
 
     `state` may be a gradsync.Group (None: WORLD).
     On CUDA buckets the reduction is stream ordered: it starts after the stream that filled the
-    bucket, and the future is a CUDA-aware one whose waiters' streams wait for the daemon's
-    write (no host synchronisation).
+    bucket (the hook's current stream, backward's), and the future is a CUDA-aware one completed
+    with that stream current, so its waiters' streams wait for the daemon's write through it
+    (no host synchronisation), as with torch's NCCL backend.
     """
     group = state if isinstance(state, gradsync.Group) else WORLD
     tensor = bucket.buffer()
     work = gradsync.all_reduce(tensor, op="mean", group=group, async_op=True,
                                name=f"ddp{bucket.index()}")
     device = _cuda.api().device_of(tensor)
-    future = torch.futures.Future() if device is None else _cuda.api().future(device)
-    _completer.add(work, future)
+    if device is None:
+        future = torch.futures.Future()
+        _completer.add(work, future)
+        return future
+    future = _cuda.api().future(device)
+    _completer.add(work, future, _cuda.api().current_stream(device))
     return future
