@@ -329,98 +329,32 @@ absl::Status EtcdStore::CheckRoom(absl::string_view job) {
 
 // ---- Job leases -----------------------------------------------------------------------------
 
-absl::StatusOr<int64_t> EtcdStore::Acquire(absl::string_view job) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (shutdown_) return absl::UnavailableError("store is shutting down");
-    auto it = held_.find(job);
-    if (it != held_.end()) return it->second.lease;
+int64_t EtcdStore::LeaseOf(absl::string_view job) const {
+  // FNV-1a over the prefix and the job: every daemon of the job names the same lease, so none
+  // has to publish it, and the first write of each joins it in the same transaction.
+  uint64_t h = 14695981039346656037ull;
+  for (absl::string_view part : {absl::string_view(options_.prefix), job}) {
+    for (unsigned char c : part) h = (h ^ c) * 1099511628211ull;
   }
-  absl::MutexLock acquiring(&acquire_mu_);
-  std::string member_key;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = held_.find(job);
-    if (it != held_.end()) return it->second.lease;
-    if (static_cast<int64_t>(held_.size()) >= options_.limits.max_jobs) {
-      return absl::ResourceExhaustedError(absl::StrCat("this daemon holds ", held_.size(),
-                                                       " jobs in etcd, the limit "
-                                                       "(--store_max_jobs); job '",
-                                                       job, "' refused"));
-    }
-    member_key =
-        absl::StrCat(options_.prefix, "members/", job, "/", member_id_, ".", ++member_generation_);
+  const int64_t id = static_cast<int64_t>(h & 0x7fffffffffffffffull);
+  return id == 0 ? 1 : id;
+}
+
+absl::Status EtcdStore::Grant(absl::string_view job, int64_t lease) {
+  etcdserverpb::LeaseGrantRequest grant;
+  grant.set_id(lease);
+  grant.set_ttl(std::max<int64_t>(1, absl::ToInt64Seconds(options_.lease_ttl)));
+  etcdserverpb::LeaseGrantResponse granted;
+  absl::Status s = Call(absl::StrCat("granting the lease of job ", job), Retry::kIdempotent,
+                        [&](Member& m, grpc::ClientContext& ctx) {
+                          return m.lease->LeaseGrant(&ctx, grant, &granted);
+                        });
+  if (absl::StrContains(s.message(), "lease already exists")) return absl::OkStatus();
+  if (s.ok() && !granted.error().empty()) {
+    return absl::UnavailableError(
+        absl::StrCat(name_, ": granting the lease of job ", job, ": ", granted.error()));
   }
-  const std::string lease_key = absl::StrCat(options_.prefix, "leases/", job);
-  auto hold = [&](int64_t lease) -> int64_t {
-    absl::MutexLock lock(&mu_);
-    held_[std::string(job)] = Held{lease, member_key};
-    return lease;
-  };
-  for (int attempt = 0; attempt < 5; ++attempt) {
-    GRADSYNC_ASSIGN_OR_RETURN(
-        RangeResponse found,
-        Range(absl::StrCat("reading the lease of job ", job), lease_key, "", false, false));
-    int64_t lease = 0;
-    if (found.kvs_size() > 0 && absl::SimpleAtoi(found.kvs(0).value(), &lease) && lease != 0) {
-      // Join the job's lease with a member key of our own under it.
-      etcdserverpb::PutRequest put;
-      put.set_key(member_key);
-      put.set_value(name_);
-      put.set_lease(lease);
-      etcdserverpb::PutResponse put_response;
-      const absl::Status joined = Call(
-          absl::StrCat("joining the lease of job ", job), Retry::kIdempotent,
-          [&](Member& m, grpc::ClientContext& ctx) { return m.kv->Put(&ctx, put, &put_response); });
-      if (joined.ok()) return hold(lease);
-      if (!LeaseGone(joined)) return joined;
-      // It expired: remove its stale record, unless another daemon replaced it already.
-      TxnRequest stale;
-      AddCompare(stale, lease_key, Compare::VALUE, Compare::EQUAL)->set_value(found.kvs(0).value());
-      auto* del = stale.add_success()->mutable_request_delete_range();
-      del->set_key(lease_key);
-      GRADSYNC_RETURN_IF_ERROR(
-          Txn(absl::StrCat("dropping the expired lease of job ", job), Retry::kIdempotent, stale)
-              .status());
-      continue;
-    }
-    // No lease yet: grant one and publish it, unless another daemon was first.
-    etcdserverpb::LeaseGrantRequest grant;
-    grant.set_ttl(std::max<int64_t>(1, absl::ToInt64Seconds(options_.lease_ttl)));
-    etcdserverpb::LeaseGrantResponse granted;
-    GRADSYNC_RETURN_IF_ERROR(Call(absl::StrCat("granting a lease for job ", job),
-                                  Retry::kIdempotent, [&](Member& m, grpc::ClientContext& ctx) {
-                                    return m.lease->LeaseGrant(&ctx, grant, &granted);
-                                  }));
-    if (!granted.error().empty() || granted.id() == 0) {
-      return absl::UnavailableError(
-          absl::StrCat(name_, ": granting a lease for job ", job, ": ", granted.error()));
-    }
-    TxnRequest publish;
-    AddCompare(publish, lease_key, Compare::CREATE, Compare::EQUAL)->set_create_revision(0);
-    auto* put_lease = publish.add_success()->mutable_request_put();
-    put_lease->set_key(lease_key);
-    put_lease->set_value(absl::StrCat(granted.id()));
-    put_lease->set_lease(granted.id());
-    auto* put_member = publish.add_success()->mutable_request_put();
-    put_member->set_key(member_key);
-    put_member->set_value(name_);
-    put_member->set_lease(granted.id());
-    GRADSYNC_ASSIGN_OR_RETURN(
-        TxnResponse published,
-        Txn(absl::StrCat("publishing the lease of job ", job), Retry::kIdempotent, publish));
-    if (published.succeeded()) return hold(granted.id());
-    etcdserverpb::LeaseRevokeRequest revoke;  // ours is not needed: join theirs
-    revoke.set_id(granted.id());
-    etcdserverpb::LeaseRevokeResponse revoked;
-    (void)Call("revoking an unused lease", Retry::kIdempotent,
-               [&](Member& m, grpc::ClientContext& ctx) {
-                 return m.lease->LeaseRevoke(&ctx, revoke, &revoked);
-               });
-  }
-  return absl::UnavailableError(
-      absl::StrCat(name_, ": could not join the lease of job ", job,
-                   ": it expired or changed under five attempts in a row"));
+  return s;
 }
 
 void EtcdStore::ForgetLease(absl::string_view job, int64_t lease) {
@@ -429,18 +363,62 @@ void EtcdStore::ForgetLease(absl::string_view job, int64_t lease) {
   if (it != held_.end() && it->second.lease == lease) held_.erase(it);
 }
 
-absl::Status EtcdStore::WithLease(absl::string_view job,
-                                  const std::function<absl::Status(int64_t lease)>& write) {
-  for (int attempt = 0;; ++attempt) {
-    GRADSYNC_ASSIGN_OR_RETURN(int64_t lease, Acquire(job));
-    absl::Status s = write(lease);
-    if (attempt > 0 || !LeaseGone(s)) return s;
-    Log()->warn(
-        "the etcd lease of job={} expired (etcd unreachable for longer than its TTL?): "
-        "its keys are gone; joining a new one",
-        std::string(job));
-    ForgetLease(job, lease);
+absl::Status EtcdStore::WithLease(absl::string_view job, const LeaseWrite& write) {
+  const int64_t lease = LeaseOf(job);
+  absl::Status s;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    bool held = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (shutdown_) return absl::UnavailableError("store is shutting down");
+      held = held_.contains(job);
+    }
+    if (held) {
+      s = write(lease, "").status();
+      if (!LeaseGone(s)) return s;
+      Log()->warn(
+          "the etcd lease of job={} expired (etcd unreachable for longer than its TTL?): its keys "
+          "are gone; joining it anew",
+          std::string(job));
+      ForgetLease(job, lease);
+      continue;
+    }
+    // Joining: one first write at a time, so that this daemon holds one member key per job.
+    absl::MutexLock joining(&acquire_mu_);
+    std::string member_key;
+    {
+      absl::MutexLock lock(&mu_);
+      if (held_.contains(job)) continue;
+      if (static_cast<int64_t>(held_.size()) >= options_.limits.max_jobs) {
+        return absl::ResourceExhaustedError(absl::StrCat("this daemon holds ", held_.size(),
+                                                         " jobs in etcd, the limit "
+                                                         "(--store_max_jobs); job '",
+                                                         job, "' refused"));
+      }
+      member_key = absl::StrCat(options_.prefix, "members/", job, "/", member_id_, ".",
+                                ++member_generation_);
+    }
+    absl::StatusOr<bool> joined = write(lease, member_key);
+    if (joined.ok()) {
+      if (*joined) {
+        absl::MutexLock lock(&mu_);
+        held_[std::string(job)] = Held{lease, member_key};
+      }
+      return absl::OkStatus();
+    }
+    s = joined.status();
+    if (!LeaseGone(s)) return s;
+    GRADSYNC_RETURN_IF_ERROR(Grant(job, lease));  // the job's first daemon, or it expired
   }
+  return s;
+}
+
+void EtcdStore::AddJoin(TxnRequest& txn, const std::string& member_key, int64_t lease) const {
+  if (member_key.empty()) return;
+  auto* join = txn.add_success()->mutable_request_put();
+  join->set_key(member_key);
+  join->set_value(name_);
+  join->set_lease(lease);
 }
 
 void EtcdStore::Release(const std::string& job, const Held& held, absl::Time deadline) {
@@ -493,7 +471,7 @@ absl::Status EtcdStore::Set(absl::string_view job, absl::string_view key, std::s
   }
   const std::string full = KeyOf(job, key);
   const std::string what = absl::StrCat("Set job=", job, " key=", key);
-  return WithLease(job, [&](int64_t lease) -> absl::Status {
+  return WithLease(job, [&](int64_t lease, const std::string& join) -> absl::StatusOr<bool> {
     // Replacing a key needs no room; a new one is counted against the job's limit first, by a
     // read of the member's own view (no consensus round, no disk write: a transaction with a
     // put in it would be one even when its compare fails). Writers racing for the last room
@@ -514,14 +492,14 @@ absl::Status EtcdStore::Set(absl::string_view job, absl::string_view key, std::s
       return absl::ResourceExhaustedError(absl::StrCat(
           "job '", job, "' holds ", keys, " keys, the limit (--store_max_keys_per_job)"));
     }
-    etcdserverpb::PutRequest put;
-    put.set_key(full);
-    put.set_value(value);
-    put.set_lease(lease);
-    etcdserverpb::PutResponse put_response;
-    return Call(what, Retry::kIdempotent, [&](Member& m, grpc::ClientContext& ctx) {
-      return m.kv->Put(&ctx, put, &put_response);
-    });
+    TxnRequest txn;  // no compare: the put (and the job's join) always happen
+    auto* put = txn.add_success()->mutable_request_put();
+    put->set_key(full);
+    put->set_value(value);
+    put->set_lease(lease);
+    AddJoin(txn, join, lease);
+    GRADSYNC_RETURN_IF_ERROR(Txn(what, Retry::kIdempotent, txn).status());
+    return true;
   });
 }
 
@@ -532,44 +510,46 @@ absl::StatusOr<int64_t> EtcdStore::Add(absl::string_view job, absl::string_view 
   const std::string full = KeyOf(job, key);
   const std::string what = absl::StrCat("Add job=", job, " key=", key);
   int64_t result = 0;
-  GRADSYNC_RETURN_IF_ERROR(WithLease(job, [&](int64_t lease) -> absl::Status {
-    GRADSYNC_ASSIGN_OR_RETURN(RangeResponse current, Range(what, full, "", false, false));
-    for (int attempt = 0; attempt < kMaxAddAttempts; ++attempt) {
-      const bool exists = current.kvs_size() > 0;
-      int64_t value = 0;
-      if (exists && !absl::SimpleAtoi(current.kvs(0).value(), &value)) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("Add on key '", key, "': its value is not a decimal int64 counter"));
-      }
-      if ((delta > 0 && value > std::numeric_limits<int64_t>::max() - delta) ||
-          (delta < 0 && value < std::numeric_limits<int64_t>::min() - delta)) {
-        return absl::OutOfRangeError(absl::StrCat("Add on key '", key, "' overflows int64"));
-      }
-      if (!exists) GRADSYNC_RETURN_IF_ERROR(CheckRoom(job));
-      const int64_t next = value + delta;
-      // Put the sum only if nobody wrote the key since it was read; else read it again.
-      TxnRequest txn;
-      if (exists) {
-        AddCompare(txn, full, Compare::MOD, Compare::EQUAL)
-            ->set_mod_revision(current.kvs(0).mod_revision());
-      } else {
-        AddCompare(txn, full, Compare::CREATE, Compare::EQUAL)->set_create_revision(0);
-      }
-      auto* put = txn.add_success()->mutable_request_put();
-      put->set_key(full);
-      put->set_value(absl::StrCat(next));
-      put->set_lease(lease);
-      txn.add_failure()->mutable_request_range()->set_key(full);
-      GRADSYNC_ASSIGN_OR_RETURN(TxnResponse r, Txn(what, Retry::kOnlyUnsent, txn));
-      if (r.succeeded()) {
-        result = next;
-        return absl::OkStatus();
-      }
-      current = std::move(*r.mutable_responses(0)->mutable_response_range());
-    }
-    return absl::AbortedError(
-        absl::StrCat(what, ": other writers changed the key ", kMaxAddAttempts, " times in a row"));
-  }));
+  GRADSYNC_RETURN_IF_ERROR(
+      WithLease(job, [&](int64_t lease, const std::string& join) -> absl::StatusOr<bool> {
+        GRADSYNC_ASSIGN_OR_RETURN(RangeResponse current, Range(what, full, "", false, false));
+        for (int attempt = 0; attempt < kMaxAddAttempts; ++attempt) {
+          const bool exists = current.kvs_size() > 0;
+          int64_t value = 0;
+          if (exists && !absl::SimpleAtoi(current.kvs(0).value(), &value)) {
+            return absl::FailedPreconditionError(
+                absl::StrCat("Add on key '", key, "': its value is not a decimal int64 counter"));
+          }
+          if ((delta > 0 && value > std::numeric_limits<int64_t>::max() - delta) ||
+              (delta < 0 && value < std::numeric_limits<int64_t>::min() - delta)) {
+            return absl::OutOfRangeError(absl::StrCat("Add on key '", key, "' overflows int64"));
+          }
+          if (!exists) GRADSYNC_RETURN_IF_ERROR(CheckRoom(job));
+          const int64_t next = value + delta;
+          // Put the sum only if nobody wrote the key since it was read; else read it again.
+          TxnRequest txn;
+          if (exists) {
+            AddCompare(txn, full, Compare::MOD, Compare::EQUAL)
+                ->set_mod_revision(current.kvs(0).mod_revision());
+          } else {
+            AddCompare(txn, full, Compare::CREATE, Compare::EQUAL)->set_create_revision(0);
+          }
+          auto* put = txn.add_success()->mutable_request_put();
+          put->set_key(full);
+          put->set_value(absl::StrCat(next));
+          put->set_lease(lease);
+          AddJoin(txn, join, lease);
+          txn.add_failure()->mutable_request_range()->set_key(full);
+          GRADSYNC_ASSIGN_OR_RETURN(TxnResponse r, Txn(what, Retry::kOnlyUnsent, txn));
+          if (r.succeeded()) {
+            result = next;
+            return true;
+          }
+          current = std::move(*r.mutable_responses(0)->mutable_response_range());
+        }
+        return absl::AbortedError(absl::StrCat(what, ": other writers changed the key ",
+                                               kMaxAddAttempts, " times in a row"));
+      }));
   return result;
 }
 
@@ -590,42 +570,44 @@ absl::StatusOr<CompareSetResult> EtcdStore::CompareSet(absl::string_view job, ab
     const RangeResponse& range = r.responses(0).response_range();
     return range.kvs_size() > 0 ? range.kvs(0).value() : std::string();
   };
-  GRADSYNC_RETURN_IF_ERROR(WithLease(job, [&](int64_t lease) -> absl::Status {
-    if (!expected.has_value()) {
-      // Creating a key: it must be absent, and the job must have room for it.
-      TxnRequest probe;
-      AddCompare(probe, full, Compare::CREATE, Compare::EQUAL)->set_create_revision(0);
-      SetPrefixRange(*probe.add_success()->mutable_request_range(), JobPrefix(job));
-      probe.mutable_success(0)->mutable_request_range()->set_count_only(true);
-      probe.add_failure()->mutable_request_range()->set_key(full);
-      GRADSYNC_ASSIGN_OR_RETURN(TxnResponse probed, Txn(what, Retry::kIdempotent, probe));
-      if (!probed.succeeded()) {
-        result = CompareSetResult{false, current_of(probed)};
-        return absl::OkStatus();
-      }
-      if (probed.responses(0).response_range().count() >= options_.limits.max_keys_per_job) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("job '", job, "' holds ", probed.responses(0).response_range().count(),
-                         " keys, the limit (--store_max_keys_per_job)"));
-      }
-    }
-    TxnRequest txn;
-    if (expected.has_value()) {
-      // A value compare fails on an absent key, as CompareSet must.
-      AddCompare(txn, full, Compare::VALUE, Compare::EQUAL)->set_value(*expected);
-    } else {
-      AddCompare(txn, full, Compare::CREATE, Compare::EQUAL)->set_create_revision(0);
-    }
-    auto* put = txn.add_success()->mutable_request_put();
-    put->set_key(full);
-    put->set_value(desired);
-    put->set_lease(lease);
-    txn.add_failure()->mutable_request_range()->set_key(full);
-    GRADSYNC_ASSIGN_OR_RETURN(TxnResponse r, Txn(what, Retry::kOnlyUnsent, txn));
-    result =
-        r.succeeded() ? CompareSetResult{true, desired} : CompareSetResult{false, current_of(r)};
-    return absl::OkStatus();
-  }));
+  GRADSYNC_RETURN_IF_ERROR(
+      WithLease(job, [&](int64_t lease, const std::string& join) -> absl::StatusOr<bool> {
+        if (!expected.has_value()) {
+          // Creating a key: it must be absent, and the job must have room for it.
+          TxnRequest probe;
+          AddCompare(probe, full, Compare::CREATE, Compare::EQUAL)->set_create_revision(0);
+          SetPrefixRange(*probe.add_success()->mutable_request_range(), JobPrefix(job));
+          probe.mutable_success(0)->mutable_request_range()->set_count_only(true);
+          probe.add_failure()->mutable_request_range()->set_key(full);
+          GRADSYNC_ASSIGN_OR_RETURN(TxnResponse probed, Txn(what, Retry::kIdempotent, probe));
+          if (!probed.succeeded()) {
+            result = CompareSetResult{false, current_of(probed)};
+            return false;
+          }
+          if (probed.responses(0).response_range().count() >= options_.limits.max_keys_per_job) {
+            return absl::ResourceExhaustedError(
+                absl::StrCat("job '", job, "' holds ", probed.responses(0).response_range().count(),
+                             " keys, the limit (--store_max_keys_per_job)"));
+          }
+        }
+        TxnRequest txn;
+        if (expected.has_value()) {
+          // A value compare fails on an absent key, as CompareSet must.
+          AddCompare(txn, full, Compare::VALUE, Compare::EQUAL)->set_value(*expected);
+        } else {
+          AddCompare(txn, full, Compare::CREATE, Compare::EQUAL)->set_create_revision(0);
+        }
+        auto* put = txn.add_success()->mutable_request_put();
+        put->set_key(full);
+        put->set_value(desired);
+        put->set_lease(lease);
+        AddJoin(txn, join, lease);
+        txn.add_failure()->mutable_request_range()->set_key(full);
+        GRADSYNC_ASSIGN_OR_RETURN(TxnResponse r, Txn(what, Retry::kOnlyUnsent, txn));
+        result = r.succeeded() ? CompareSetResult{true, desired}
+                               : CompareSetResult{false, current_of(r)};
+        return r.succeeded();
+      }));
   return result;
 }
 

@@ -38,8 +38,8 @@ struct EtcdOptions {
   /// The cluster's client endpoints, "host:port" (an "http://" or "https://" prefix is
   /// dropped). Calls go to one member and move to the next when it cannot be reached.
   std::vector<std::string> endpoints;
-  /// Every key of this store lives under it: <prefix>jobs/<job>/<key>; the job leases under
-  /// <prefix>leases/ and <prefix>members/. Daemons of one job must use the same prefix.
+  /// Every key of this store lives under it: <prefix>jobs/<job>/<key>, and the daemons holding
+  /// a job under <prefix>members/<job>/. Daemons of one job must use the same prefix.
   std::string prefix = "/gradsync/";
   /// TLS to etcd when any is set: the CA the members' certificates chain to (empty: the
   /// system's roots), and this daemon's certificate and key when etcd asks for one.
@@ -62,10 +62,12 @@ struct EtcdOptions {
 /// (from the read's revision on, so nothing is missed); Add and CompareSet are etcd
 /// transactions (Add retries its compare-and-put under contention).
 ///
-/// A job's keys are tied to one etcd lease that every daemon holding the job keeps alive; a
-/// daemon that writes for a job joins it (a member key under the lease), DeleteJob leaves, and
-/// the last daemon to leave revokes it, which deletes the job's keys. If every daemon of a job
-/// dies or loses etcd, the lease expires after lease_ttl and the keys go with it.
+/// A job's keys are tied to one etcd lease, whose id every daemon derives from the prefix and the
+/// job (the first daemon grants it), and that every daemon holding the job keeps alive: a
+/// daemon's first write for a job joins it in the same transaction (a member key under the
+/// lease), DeleteJob leaves, and the last daemon to leave revokes it, which deletes the job's
+/// keys. If every daemon of a job dies or loses etcd, the lease expires after lease_ttl and the
+/// keys go with it.
 ///
 /// Calls fail Unavailable naming etcd and its endpoints once no member answered within
 /// rpc_timeout; Add and CompareSet are not retried once sent (the outcome would be unknown).
@@ -168,15 +170,22 @@ class EtcdStore final : public JobStore {
   // ResourceExhausted when `job` holds max_keys_per_job keys already.
   absl::Status CheckRoom(absl::string_view job);
 
-  // The lease of `job`, joining it (or creating it) on first use.
-  absl::StatusOr<int64_t> Acquire(absl::string_view job);
+  // The lease of `job`: the same id on every daemon.
+  int64_t LeaseOf(absl::string_view job) const;
+  // Grants `lease` (OK when it exists already).
+  absl::Status Grant(absl::string_view job, int64_t lease);
   // Forgets `lease` for `job` after etcd said it is gone (expired): the next write re-joins.
   void ForgetLease(absl::string_view job, int64_t lease);
+  // Adds this daemon's member key (when `member_key` is set) to a write's success branch.
+  void AddJoin(etcdserverpb::TxnRequest& txn, const std::string& member_key, int64_t lease) const;
   // Leaves a job: removes the member key, revokes the lease when no member is left.
   void Release(const std::string& job, const Held& held, absl::Time deadline);
-  // Runs `write(lease)`; once more with a fresh lease when etcd no longer knows the lease.
-  absl::Status WithLease(absl::string_view job,
-                         const std::function<absl::Status(int64_t lease)>& write);
+  // A write of a job's keys: puts under `lease`; when `join` is set, the write adds it with
+  // AddJoin and says whether its success branch ran (the daemon then holds the job).
+  using LeaseWrite = std::function<absl::StatusOr<bool>(int64_t lease, const std::string& join)>;
+  // Runs `write`, joining the job on the first write; grants the lease and tries again when
+  // etcd does not know it (the job's first daemon, or it expired).
+  absl::Status WithLease(absl::string_view job, const LeaseWrite& write);
 
   // Reads the keys of `w` now: their values (nullopt: absent) and the revision read at.
   // At `at` (0: now).
@@ -221,7 +230,7 @@ class EtcdStore final : public JobStore {
   absl::Mutex token_mu_;
   std::string token_ ABSL_GUARDED_BY(token_mu_);  // etcd's auth token, when a user is set
 
-  absl::Mutex acquire_mu_;  // one job lease acquisition at a time
+  absl::Mutex acquire_mu_;  // one first write (a join) at a time
 
   absl::Mutex write_mu_;  // writes on the watch stream, and replacing it
   std::unique_ptr<WatchStream> watch_ ABSL_GUARDED_BY(write_mu_);
