@@ -5,16 +5,20 @@
 // GRADSYNC_TOKEN_FILE names the cluster token file, for a TCP target.
 //
 // Connects, joins the start barrier (Add "ready", then waits for "go"), runs OP (set|get|add)
-// back to back for SECONDS, and prints "ops N seconds S".
+// back to back for SECONDS, and prints "ops N seconds S p50_us P p99_us Q" (the latency of one
+// call, median and 99th percentile).
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/store_client.h"
 #include "common/token.h"
@@ -47,7 +51,10 @@ int main(int argc, char** argv) {
   const absl::Time start = absl::Now();
   const absl::Time end = start + absl::Seconds(seconds);
   int64_t ops = 0;
+  std::vector<int64_t> latency_ns;
+  latency_ns.reserve(1 << 20);
   while (absl::Now() < end) {
+    const int64_t begun = absl::GetCurrentTimeNanos();
     absl::Status s;
     if (op == "set") {
       s = store.Set(job, key, "value");
@@ -57,8 +64,16 @@ int main(int argc, char** argv) {
       s = store.Add(job, absl::StrCat(key, "/n"), 1).status();
     }
     if (!s.ok()) return fail(s);
+    latency_ns.push_back(absl::GetCurrentTimeNanos() - begun);
     ++ops;
   }
-  std::cout << "ops " << ops << " seconds " << absl::ToDoubleSeconds(absl::Now() - start) << "\n";
+  const double took = absl::ToDoubleSeconds(absl::Now() - start);
+  std::sort(latency_ns.begin(), latency_ns.end());
+  auto percentile_us = [&](double p) {
+    if (latency_ns.empty()) return 0.0;
+    return latency_ns[static_cast<size_t>(p * (latency_ns.size() - 1))] / 1000.0;
+  };
+  std::cout << "ops " << ops << " seconds " << took << " p50_us " << percentile_us(0.5)
+            << " p99_us " << percentile_us(0.99) << "\n";
   return 0;
 }
