@@ -38,7 +38,9 @@ namespace {
 
 constexpr char kUsage[] =
     "gradsyncctl [flags] COMMAND\n"
-    "  health [SERVICE]            overall or per-service health\n"
+    "  health [SERVICE]            overall or per-service health (overall: and whether the "
+    "daemon's GPU\n"
+    "                              kernels can overlap the trainers', MPS)\n"
     "  jobs                        jobs held by the daemon's store\n"
     "  sessions [JOB]              trainer sessions (of every job, or of JOB)\n"
     "  ops [JOB]                   pending ops of JOB (default --job) on every node: who is "
@@ -129,7 +131,18 @@ class Ctl {
     if (absl::Status s = FromGrpcStatus(stub->Check(&ctx, req, &resp)); !s.ok()) return Fail(s);
     std::cout << (service.empty() ? "gradsyncd" : service) << " " << target_ << ": "
               << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()) << "\n";
+    if (service.empty()) PrintMps();
     return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  }
+
+  // The daemon's MPS line (ListSessions carries it); nothing when the daemon does not say (an
+  // older daemon) or the call fails: health's answer stands on its own.
+  void PrintMps() {
+    v1::ListSessionsResponse resp;
+    if (!CallInspect(&v1::Inspect::Stub::ListSessions, v1::ListSessionsRequest(), &resp).ok() || resp.mps().empty()) {
+      return;
+    }
+    std::cout << "gpu: mps=" << resp.mps() << " reason=" << resp.mps_reason() << "\n";
   }
 
   int Jobs() {

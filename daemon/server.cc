@@ -10,12 +10,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "daemon/gpu/mps.h"
 #include "daemon/store/etcd_store.h"
 #include "daemon/store/memory_store.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -160,6 +162,10 @@ absl::Status DaemonServer::PrepareSocketPath() {
 
 absl::Status DaemonServer::Start() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  const gpu::MpsState mps = gpu::DecideMps(
+      gpu::GatherMpsFacts(gpu_.get(), std::getenv("CUDA_MPS_PIPE_DIRECTORY"), absl::Seconds(5)));
+  Log()->info("gpu: mps={} reason={}", gpu::MpsModeName(mps.mode), mps.reason);
+  inspect_service_.SetMps(gpu::MpsModeName(mps.mode), mps.reason);
 
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(config_.max_message_bytes);
@@ -214,7 +220,8 @@ absl::Status DaemonServer::Start() {
   if (config_.metrics_port >= 0) {
     auto metrics =
         metrics::MetricsServer::Start(config_.metrics_address, config_.metrics_port,
-                                      {&counters_, &engine_, store_.get(), &peer_watch_});
+                                      {&counters_, &engine_, store_.get(), &peer_watch_,
+                                       gpu::MpsModeName(mps.mode)});
     if (!metrics.ok()) return metrics.status();
     metrics_ = *std::move(metrics);
     Log()->info("metrics serving http://{}:{}/metrics", config_.metrics_address, metrics_->port());

@@ -50,6 +50,9 @@ class GpuApi {
   /// Devices this process can use. FAILED_PRECONDITION when CUDA cannot run at all (no
   /// device, no driver, built without CUDA), with the reason.
   virtual absl::StatusOr<int> DeviceCount() = 0;
+  /// Whether this process's contexts on `device` are MPS clients (cudaDevAttrMpsEnabled;
+  /// daemon/gpu/mps.h says why that attribute).
+  virtual absl::StatusOr<bool> MpsEnabled(int device) = 0;
   /// The device's UUID (cudaDeviceProp.uuid, kUuidBytes), the same in every process whatever
   /// ordinal CUDA_VISIBLE_DEVICES gives it there.
   virtual absl::StatusOr<std::string> DeviceUuid(int device) = 0;

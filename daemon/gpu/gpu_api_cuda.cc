@@ -98,6 +98,16 @@ class CudaGpuApi final : public GpuApi {
     return n;
   }
 
+  absl::StatusOr<bool> MpsEnabled(int device) override {
+    int on = 0;
+    if (absl::Status s = FromCuda(cudaDeviceGetAttribute(&on, cudaDevAttrMpsEnabled, device),
+                                  "cudaDeviceGetAttribute(cudaDevAttrMpsEnabled)", device);
+        !s.ok()) {
+      return s;
+    }
+    return on != 0;
+  }
+
   absl::StatusOr<std::string> DeviceUuid(int device) override {
     cudaDeviceProp prop{};
     if (absl::Status s =

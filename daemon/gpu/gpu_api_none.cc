@@ -11,6 +11,7 @@ absl::Status NoCuda() {
 class NoGpuApi final : public GpuApi {
  public:
   absl::StatusOr<int> DeviceCount() override { return NoCuda(); }
+  absl::StatusOr<bool> MpsEnabled(int) override { return NoCuda(); }
   absl::StatusOr<std::string> DeviceUuid(int) override { return NoCuda(); }
   absl::StatusOr<void*> OpenMemHandle(int, absl::string_view) override { return NoCuda(); }
   absl::Status CloseMemHandle(int, void*) override { return NoCuda(); }

@@ -147,6 +147,17 @@ std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
     }
     out.push_back(std::move(losses));
   }
+  if (!s.mps.empty()) {
+    MetricFamily mps = Family("gradsync_mps_active",
+                              "1 when this daemon's CUDA contexts are MPS clients (its kernels can "
+                              "overlap the trainers'); mode: on, off or unavailable (no GPU)",
+                              MetricType::Gauge);
+    prometheus::ClientMetric m;
+    m.label.push_back({"mode", s.mps});
+    m.gauge.value = s.mps == "on" ? 1 : 0;
+    mps.metric.push_back(std::move(m));
+    out.push_back(std::move(mps));
+  }
   if (s.store != nullptr) {
     AddScalar(out, "gradsync_store_calls_total",
               "Calls of this daemon's job store (local and from peers)", MetricType::Counter,

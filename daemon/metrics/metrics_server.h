@@ -25,6 +25,9 @@ struct MetricSources {
   const core::Engine* engine = nullptr;
   const store::JobStore* store = nullptr;
   const core::PeerWatch* peer_watch = nullptr;
+  /// The daemon's MPS state at start ("on", "off", "unavailable"; daemon/gpu/mps.h); empty: no
+  /// gradsync_mps_active.
+  std::string mps;
 };
 
 /// Every gradsync_* family as of now: the counters' values, and gauges read from the engine.

@@ -109,6 +109,8 @@ grpc::ServerUnaryReactor* InspectService::ListSessions(grpc::CallbackServerConte
     s->set_buffers(info.buffers);
     s->set_mapped_bytes(info.mapped_bytes);
   }
+  resp->set_mps(mps_);
+  resp->set_mps_reason(mps_reason_);
   return Reply(ctx, absl::OkStatus());
 }
 

@@ -53,6 +53,12 @@ class InspectService final : public v1::Inspect::CallbackService {
         auth_(auth),
         peers_(std::move(peers)) {}
 
+  /// The daemon's MPS state for ListSessions' replies (daemon/gpu/mps.h). Call before serving.
+  void SetMps(std::string mode, std::string reason) {
+    mps_ = std::move(mode);
+    mps_reason_ = std::move(reason);
+  }
+
   grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx,
                                      const v1::ListJobsRequest* req,
                                      v1::ListJobsResponse* resp) override;
@@ -80,6 +86,7 @@ class InspectService final : public v1::Inspect::CallbackService {
   const int64_t max_reply_bytes_;
   const PeerAuth* const auth_;
   const PeerLink peers_;
+  std::string mps_, mps_reason_;  // set before serving, read-only after
 };
 
 }  // namespace gradsync::rpc

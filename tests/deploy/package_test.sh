@@ -215,7 +215,10 @@ as_member=("${clean_env[@]}" setpriv --reuid=nobody --regid=nogroup --groups="$g
 as_other=("${clean_env[@]}" setpriv --reuid=nobody --regid=nogroup --clear-groups --)
 health=$("${as_member[@]}" timeout 10 gradsyncctl --timeout=5s health) ||
   fail "gradsyncctl health as a member of $group: $health"
-[[ $health == "gradsyncd $socket: SERVING" ]] || fail "gradsyncctl health: '$health'"
+# The first line the status; the second whether the daemon's GPU kernels can overlap (MPS).
+[[ ${health%%$'\n'*} == "gradsyncd $socket: SERVING" ]] || fail "gradsyncctl health: '$health'"
+[[ $health == *$'\n'"gpu: mps="@(on|off|unavailable)" reason="* ]] ||
+  fail "gradsyncctl health has no MPS line: '$health'"
 ok "gradsyncctl health (member of $group): $health"
 jobs=$("${as_member[@]}" timeout 10 gradsyncctl --timeout=5s jobs) ||
   fail "gradsyncctl jobs: $jobs"

@@ -43,6 +43,7 @@ class FakeGpu final : public gpu::GpuApi {
   // ---- knobs ----
   int devices = 2;
   absl::Status device_error;                // not OK: DeviceCount fails (no driver)
+  int mps_devices = 0;                      // devices 0..mps_devices-1 are MPS clients
   absl::Status open_error;                  // not OK: OpenMemHandle fails
   absl::Status event_error;                 // not OK: OpenEventHandle fails
   std::map<std::string, int64_t> exported;  // mem handle -> allocation bytes
@@ -117,6 +118,10 @@ class FakeGpu final : public gpu::GpuApi {
   absl::StatusOr<int> DeviceCount() override {
     if (!device_error.ok()) return device_error;
     return devices;
+  }
+  absl::StatusOr<bool> MpsEnabled(int device) override {
+    if (!device_error.ok()) return device_error;
+    return device < mps_devices;
   }
   absl::StatusOr<std::string> DeviceUuid(int device) override {
     if (!device_error.ok()) return device_error;
