@@ -12,8 +12,12 @@ export LC_ALL=C  # the source hash, and ldd's output, must not depend on the loc
 cd "$(dirname "$(readlink -f "$0")")/../.."
 build=build-gpu
 out=build-gpu-bundle
+# libgradsync_c.so is loaded by torch's Python, which run.sh gives no LD_LIBRARY_PATH: it finds
+# the bundle's libraries (and they theirs) by its DT_RPATH, which, unlike RUNPATH, also serves
+# the libraries it pulls in.
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DGRADSYNC_WITH_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DPython3_EXECUTABLE=/usr/bin/python3 >/dev/null
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DPython3_EXECUTABLE=/usr/bin/python3 \
+  -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--disable-new-dtags '-DCMAKE_BUILD_RPATH=$ORIGIN/../lib' >/dev/null
 cmake --build "$build" -j"$(nproc)" --target gradsyncd gradsyncctl gradsync_gpu_tests gpu_worker gpu_bench \
   gradsync_c
 rm -rf "$out"

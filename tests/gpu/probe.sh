@@ -21,11 +21,13 @@ else
 fi
 ls /dev/nvidia* 2>&1 | tr '\n' ' '
 echo
-echo "== libraries the binaries resolve (LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}) =="
+# run.sh gives the binaries their library path in GRADSYNC_BIN_LD_LIBRARY_PATH (never Python).
+bin_path=${GRADSYNC_BIN_LD_LIBRARY_PATH-${LD_LIBRARY_PATH:-}}
+echo "== libraries the binaries resolve (LD_LIBRARY_PATH=$bin_path) =="
 for b in "$@"; do
   [[ -x $b ]] || { echo "$(basename "$b"): missing"; continue; }
   [[ $(head -c4 "$b" | tail -c3) == ELF ]] || { echo "$(basename "$b"): not an ELF binary"; continue; }
-  found=$(t 10 ldd "$b" 2>&1 | grep -E 'not found|libcudart|libnccl|libcuda\.' |
+  found=$(LD_LIBRARY_PATH=$bin_path t 10 ldd "$b" 2>&1 | grep -E 'not found|libcudart|libnccl|libcuda\.' |
     awk '{print $1 " -> " $3}' | paste -sd' ' -)
   echo "$(basename "$b"): ${found:-no CUDA or NCCL library, nothing missing}"
 done

@@ -21,7 +21,14 @@
 #
 # Binaries: $GRADSYNC_BUILD_DIR (a build tree of this checkout), else $GRADSYNC_GPU_BIN_DIR (a
 # flat folder of them), else build-gpu-bundle/ (tests/gpu/bundle.sh, for machines without
-# Debian's libraries; refused if built from other sources), else a build of this tree.
+# Debian's libraries; refused if built from other sources), else, with GRADSYNC_GPU_BUILD=1, a
+# build of this tree; without any of them it stops at once saying how to bring the bundle.
+# LD_LIBRARY_PATH (the bundle's libraries, CUDA's, NCCL's) is given to the daemon and the test
+# and benchmark binaries only, never to Python: torch's Python keeps its own libssl and libz
+# (the bundle holds Debian 12's). The Python scripts that start a daemon pass it on themselves
+# (GRADSYNC_DAEMON_LD_LIBRARY_PATH); libgradsync_c.so finds the bundle's libraries by its RPATH.
+# The machine: gVisor or a full VM (tests/gpu/sandbox.sh), said after the probe with the GPU
+# features that cannot work there.
 # The Python package: this tree's client/python/gradsync over the binaries' libgradsync_c.so
 # (GRADSYNC_LIBRARY), so its Python files are never older than the tree.
 # Files in $OUT (at most 8): summary.txt probe.txt gpu_tests.log (C++ and Python tests)
@@ -74,6 +81,12 @@ elif [[ -n ${GRADSYNC_GPU_BIN_DIR:-} || -d build-gpu-bundle/bin ]]; then
   b=$(readlink -f "${GRADSYNC_GPU_BIN_DIR:-build-gpu-bundle/bin}")
   daemon=$b/gradsyncd ctl=$b/gradsyncctl tests=$b/gradsync_gpu_tests worker_dir=$b
   bench=$b/gpu_bench gslib=$b/libgradsync_c.so
+elif [[ ${GRADSYNC_GPU_BUILD:-} != 1 ]]; then
+  say "run.sh: no binaries: build-gpu-bundle/ did not come along with this tree. On the build"
+  say "  machine run tests/gpu/bundle.sh, then run tests/gpu/run.sh carrying build-gpu-bundle"
+  say "  (the device tool's carry: [\"build-gpu-bundle\"]); or set GRADSYNC_BUILD_DIR or"
+  say "  GRADSYNC_GPU_BIN_DIR, or GRADSYNC_GPU_BUILD=1 to build here (needs Debian's gRPC)"
+  exit 1
 else
   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DGRADSYNC_WITH_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DPython3_EXECUTABLE=/usr/bin/python3 >"$out/build.log" 2>&1 &&
@@ -96,13 +109,15 @@ path=
 for d in "$libs" "$wheel_libs" /usr/local/cuda/lib64 ${LD_LIBRARY_PATH:+"$LD_LIBRARY_PATH"}; do
   [[ -n $d ]] && path=${path:+$path:}$d  # no empty entries (they mean the current directory)
 done
-export LD_LIBRARY_PATH=$path
+# Only for the binaries ("${bin[@]}" BINARY ...); Python scripts pass it to the daemons they start.
+bin=(env "LD_LIBRARY_PATH=$path")
+export GRADSYNC_DAEMON_LD_LIBRARY_PATH=$path
 export GRADSYNC_DAEMON_PATH=$daemon GRADSYNC_TEST_BIN_DIR=$worker_dir
 export GRADSYNC_LIBRARY=$gslib PYTHONPATH=$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # NCCL's own reasons, in the logs
 
 # ---- 1. probe ----
-bounded 60 tests/gpu/probe.sh "$daemon" "$ctl" "$tests" "$worker_dir/gpu_worker" "$bench" \
+GRADSYNC_BIN_LD_LIBRARY_PATH=$path bounded 60 tests/gpu/probe.sh "$daemon" "$ctl" "$tests" "$worker_dir/gpu_worker" "$bench" \
   "$gslib" >"$out/probe.txt" 2>&1
 cat "$out/probe.txt"
 knobs=(NCCL_CUMEM_ENABLE=0 NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1)
@@ -110,8 +125,16 @@ use_knobs() {
   say "run.sh: NCCL sandbox knobs on from here: ${knobs[*]} ($1)"
   export "${knobs[@]}"
 }
-# gVisor (a 4.4.0 kernel) or a torch that cannot share CUDA memory: start with the knobs.
-if grep -qE '^Linux 4\.4\.0 |gvisor' "$out/probe.txt" || grep -q 'IPC event FAILED' "$out/probe.txt"; then
+. tests/gpu/sandbox.sh
+sandbox=$(gpu_sandbox "$(grep -m1 '^Linux ' "$out/probe.txt")" "$(grep -m1 '^sandbox: ' "$out/probe.txt")")
+if [[ $sandbox == gvisor ]]; then
+  say "run.sh: machine: gVisor (nvproxy); GPU features that cannot work here:"
+  gpu_sandbox_limits gvisor | sed 's/^/  /' | tee -a "$summary"
+else
+  say "run.sh: machine: a full VM or bare metal (NVIDIA's kernel module): every GPU feature can work"
+fi
+# gVisor or a torch that cannot share CUDA memory: start with the knobs.
+if [[ $sandbox == gvisor ]] || grep -q 'IPC event FAILED' "$out/probe.txt"; then
   use_knobs "the probe saw a sandbox"
 fi
 
@@ -121,7 +144,7 @@ declare -A result
 # run_test NAME MAX: GpuTest.NAME alone, at most MAX seconds; sets result[NAME].
 run_test() {
   local name=$1 max=$2 rc log=$tmp/$1.log
-  bounded "$max" "$tests" --gtest_filter="GpuTest.$name" --gtest_color=no >"$log" 2>&1
+  bounded "$max" "${bin[@]}" "$tests" --gtest_filter="GpuTest.$name" --gtest_color=no >"$log" 2>&1
   rc=$?
   { echo "=== GpuTest.$name: exit $rc after $(elapsed) s"; cat "$log"; } >>"$out/gpu_tests.log"
   if grep -q "^\[  SKIPPED \] GpuTest.$name" "$log"; then
@@ -155,17 +178,17 @@ fi
 bench_rc=skipped torch_bench_rc=skipped
 if [[ ${result[$first]} == passed ]]; then
   dir=$(mktemp -d)
-  "$daemon" --socket="$dir/d.sock" --port=-1 --log_sink=stderr --log_level=warning \
+  "${bin[@]}" "$daemon" --socket="$dir/d.sock" --port=-1 --log_sink=stderr --log_level=warning \
     --op_timeout=30s 2>"$out/gradsyncd.log" &
   daemon_pid=$!
   for _ in $(seq 1 50); do
-    timeout 2 "$ctl" --socket="$dir/d.sock" health >/dev/null 2>&1 && break
+    timeout 2 "${bin[@]}" "$ctl" --socket="$dir/d.sock" health >/dev/null 2>&1 && break
     sleep 0.2
   done
   left=$((budget - SECONDS - 10 - 5 * 60))  # keep five minutes for the tests
   ((left > 120)) && left=120
   ((left < 30)) && left=30
-  bounded "$left" "$bench" --socket="$dir/d.sock" --iters=20 --json="$tmp/gpu_bench.json" \
+  bounded "$left" "${bin[@]}" "$bench" --socket="$dir/d.sock" --iters=20 --json="$tmp/gpu_bench.json" \
     --budget_s=$((left - 25)) --init_timeout_s=20 --op_timeout_ms=20000 \
     >"$out/gpu_bench.txt" 2>"$out/bench.err"
   bench_rc=$?

@@ -234,8 +234,12 @@ TESTS = {"cuda_tensors": t_cuda_tensors, "optimizer_one_rank": t_optimizer_one_r
 def start_daemon(path, tmp):
     sock = os.path.join(tmp, "d.sock")
     log = open(os.path.join(tmp, "gradsyncd.log"), "w")
+    # run.sh gives the daemon its libraries here, never to this Python (torch keeps its own).
+    env = dict(os.environ)
+    if os.environ.get("GRADSYNC_DAEMON_LD_LIBRARY_PATH"):
+        env["LD_LIBRARY_PATH"] = os.environ["GRADSYNC_DAEMON_LD_LIBRARY_PATH"]
     proc = subprocess.Popen([path, f"--socket={sock}", "--port=-1", "--log_sink=stderr",
-                             "--log_level=warning", "--op_timeout=30s"], stderr=log)
+                             "--log_level=warning", "--op_timeout=30s"], stderr=log, env=env)
     deadline = time.monotonic() + 20
     while not (os.path.exists(sock) and os.path.exists(sock + ".fd")):
         if proc.poll() is not None or time.monotonic() > deadline:
