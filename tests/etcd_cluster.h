@@ -17,6 +17,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,10 +42,19 @@ class EtcdCluster {
                         " is not installed (Debian package etcd-server; ./setup.sh installs it)");
   }
 
+  /// TLS on the client port: the members' certificate and key (PEM files), and the CA every
+  /// client's certificate must chain to (--client-cert-auth).
+  struct Tls {
+    std::string cert;
+    std::string key;
+    std::string ca;
+  };
+
   /// Starts `members` members and waits until every one reports healthy (a leader elected).
   static absl::StatusOr<std::unique_ptr<EtcdCluster>> Start(
-      int members, absl::Duration timeout = absl::Seconds(30)) {
+      int members, absl::Duration timeout = absl::Seconds(30), std::optional<Tls> tls = {}) {
     std::unique_ptr<EtcdCluster> c(new EtcdCluster());
+    c->tls_ = std::move(tls);
     static int serial = 0;
     c->dir_ = absl::StrCat("/dev/shm/gradsync-etcd-", ::getpid(), "-", serial++);
     std::error_code ec;
@@ -118,7 +128,10 @@ class EtcdCluster {
               absl::StrCat("etcd member ", i, " exited; log in ", LogPath(i)));
         }
       }
-      if (Healthy(members_[i].client_port)) return absl::OkStatus();
+      if (tls_.has_value() ? absl::StrContains(ReadLog(i), "ready to serve client requests")
+                           : Healthy(members_[i].client_port)) {
+        return absl::OkStatus();
+      }
       absl::SleepFor(absl::Milliseconds(50));
     }
     return absl::DeadlineExceededError(absl::StrCat("etcd member ", i, " not healthy after ",
@@ -138,9 +151,20 @@ class EtcdCluster {
 
   std::string LogPath(int i) const { return absl::StrCat(dir_, "/", members_[i].name, ".log"); }
 
+  std::string ReadLog(int i) const {
+    std::string text;
+    const int fd = ::open(LogPath(i).c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return text;
+    char buf[4096];
+    for (ssize_t n; (n = ::read(fd, buf, sizeof(buf))) > 0;) text.append(buf, n);
+    ::close(fd);
+    return text;
+  }
+
   absl::Status Launch(int i, bool fresh) {
     const Member& m = members_[i];
-    const std::string client = absl::StrCat("http://127.0.0.1:", m.client_port);
+    const std::string client =
+        absl::StrCat(tls_.has_value() ? "https" : "http", "://127.0.0.1:", m.client_port);
     const std::string peer = absl::StrCat("http://127.0.0.1:", m.peer_port);
     std::vector<std::string> argv = {
         kBinary, "--name=" + m.name, absl::StrCat("--data-dir=", dir_, "/", m.name),
@@ -148,9 +172,12 @@ class EtcdCluster {
         "--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer,
         "--initial-cluster=" + initial_cluster_, "--initial-cluster-token=" + token_,
         fresh ? "--initial-cluster-state=new" : "--initial-cluster-state=existing",
-        // Quick elections on loopback: a killed leader is
-        // replaced within about a second.
+        // Quick elections on loopback: a killed leader is replaced within about a second.
         "--heartbeat-interval=50", "--election-timeout=500"};
+    if (tls_.has_value()) {
+      argv.insert(argv.end(), {"--cert-file=" + tls_->cert, "--key-file=" + tls_->key,
+                               "--trusted-ca-file=" + tls_->ca, "--client-cert-auth"});
+    }
     const std::string log = LogPath(i);
     const pid_t pid = ::fork();
     if (pid < 0) return absl::InternalError("fork failed");
@@ -211,6 +238,7 @@ class EtcdCluster {
   }
 
   std::string dir_;
+  std::optional<Tls> tls_;
   std::string initial_cluster_;
   std::string token_;
   std::vector<Member> members_;

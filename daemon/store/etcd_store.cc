@@ -1092,6 +1092,10 @@ void EtcdStore::ReadWatch(WatchStream* stream, uint64_t generation) {
   etcdserverpb::WatchResponse response;
   while (stream->rw->Read(&response)) OnWatchResponse(response, generation);
   const grpc::Status s = stream->rw->Finish();
+  if (absl::StrContains(s.error_message(), "auth token")) {
+    absl::MutexLock lock(&token_mu_);
+    token_.clear();  // expired: the next stream authenticates again
+  }
   absl::MutexLock lock(&mu_);
   if (generation != generation_ || shutdown_) return;
   watch_up_ = false;

@@ -6,10 +6,13 @@
 // naming it and the daemon keeps serving the others. Skipped where etcd-server is missing.
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -238,6 +241,62 @@ TEST_F(EtcdJobTest, UnreachableEtcdFailsWhatNeedsItNamingItAndTheDaemonServesThe
   grpc::health::v1::HealthCheckResponse resp;
   ASSERT_TRUE(health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok());
   EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+// Runs `script` with /bin/sh in `dir`, its output to `dir`/`log`; the exit code (-1 on timeout).
+int Shell(const std::string& dir, const std::string& script, const std::string& log) {
+  const std::string out = dir + "/" + log;
+  auto pid = Spawn({"/bin/sh", "-c", absl::StrCat("cd '", dir, "' && ", script)}, {}, out, out);
+  if (!pid.ok()) return -1;
+  return WaitAll({*pid}, absl::Seconds(60))[0];
+}
+
+// etcd as a production cluster runs it: TLS with client certificates, and etcd's own users.
+// Daemons with the CA, a certificate and the user's password carry a job across them; a wrong
+// password, or no client certificate, fail the store's calls naming etcd and the cause.
+TEST_F(EtcdJobTest, TlsAndEtcdUsersCarryAJobAndAWrongPasswordOrNoCertificateIsNamed) {
+  TempDir pki;
+  const std::string p = pki.path() + "/";
+  if (Shell(pki.path(), "command -v openssl && command -v etcdctl", "which.log") != 0) {
+    GTEST_SKIP() << "openssl (test certificates) or etcdctl (etcd-client) is not installed";
+  }
+  ASSERT_EQ(
+      Shell(pki.path(), "bash " GRADSYNC_SOURCE_DIR "/tests/make_test_certs.sh", "openssl.log"), 0)
+      << ReadFile(p + "openssl.log");
+  auto cluster = EtcdCluster::Start(
+      1, absl::Seconds(30), EtcdCluster::Tls{p + "node0.pem", p + "node0.key", p + "ca.pem"});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  etcd_ = *std::move(cluster);
+  const std::string ctl =
+      absl::StrCat("ETCDCTL_API=3 etcdctl --endpoints=https://", etcd_->endpoint(0),
+                   " --cacert=", p, "ca.pem --cert=", p, "tool.pem --key=", p, "tool.key ");
+  ASSERT_EQ(Shell(pki.path(), ctl + "user add root:s3cret && " + ctl + "auth enable", "ctl.log"), 0)
+      << ReadFile(p + "ctl.log");
+  for (const auto& [name, password] : {std::pair{"good", "s3cret"}, std::pair{"bad", "wrong"}}) {
+    std::ofstream(p + name) << password << "\n";
+    ::chmod((p + name).c_str(), 0600);
+  }
+  const std::vector<std::string> tls = {"--etcd_ca=" + p + "ca.pem",
+                                        "--etcd_cert=" + p + "node1.pem",
+                                        "--etcd_key=" + p + "node1.key", "--etcd_timeout=2s"};
+  std::vector<std::string> good = tls;
+  good.insert(good.end(), {"--etcd_user=root", "--etcd_password_file=" + p + "good"});
+  StartDaemons(2, good);
+  ExpectAllPassed(Run("tls", {0, 0, 1, 1}, "matrix", {"counts=7,4099"}), "matrix cases=");
+
+  std::vector<std::string> bad = tls;
+  bad.insert(bad.end(), {"--etcd_user=root", "--etcd_password_file=" + p + "bad"});
+  StartDaemons(1, bad);  // daemon 2
+  std::string out, err;
+  EXPECT_EQ(StoreWorker(2, {"kv", "add", "k", "1"}, &out, &err), 1) << out;
+  EXPECT_TRUE(absl::StrContains(err, "etcd " + etcd_->endpoint(0))) << err;
+  EXPECT_TRUE(absl::StrContains(err, "authenticating as user 'root'")) << err;
+
+  StartDaemons(1, {"--etcd_ca=" + p + "ca.pem", "--etcd_user=root",
+                   "--etcd_password_file=" + p + "good", "--etcd_timeout=1s"});  // daemon 3
+  EXPECT_EQ(StoreWorker(3, {"kv", "add", "k", "1"}, &out, &err), 1) << out;
+  EXPECT_TRUE(absl::StrContains(err, "UNAVAILABLE")) << err;
+  EXPECT_TRUE(absl::StrContains(err, "etcd " + etcd_->endpoint(0))) << err;
 }
 
 }  // namespace
