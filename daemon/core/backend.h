@@ -141,7 +141,8 @@ class Backend {
   /// nodes may be told through its store, which is still there during the call (the caller
   /// deletes the job's namespace afterwards). May block until an op of the job still running on
   /// this node has returned, or a device op launched has finished or been aborted (bounded by
-  /// its deadline). Default: nothing to do.
+  /// its deadline): the engine calls it on a thread of its own (Engine's on_job_end), never a
+  /// gRPC thread. Default: nothing to do.
   virtual void JobEnded(const std::string& job) {}
 };
 

@@ -71,7 +71,17 @@ void Engine::SetNodeAddress(std::string address) {
 
 void Engine::SetPeerWatch(PeerWatch* watch) { peer_watch_ = watch; }
 
-Engine::~Engine() { Shutdown(); }
+Engine::~Engine() {
+  Shutdown();
+  // The jobs still ending finish their end (their launched device ops, their store namespace)
+  // while everything they touch is still there.
+  absl::flat_hash_map<std::string, std::thread> ends;
+  {
+    absl::MutexLock lock(&mu_);
+    ends.swap(job_ends_);
+  }
+  for (auto& [job, thread] : ends) thread.join();
+}
 
 absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vector<int>& members,
                                                       const std::string& key) {

@@ -8,9 +8,11 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -85,7 +87,14 @@ class Engine {
   /// must stay valid for the engine's life.
   using StoreResolver = std::function<absl::StatusOr<gradsync::Store*>(const std::string&)>;
 
-  /// Everything passed must outlive the engine. `on_job_end` runs when a job's last session ends.
+  /// How long Register waits for the end of the last run of the job it names.
+  static constexpr absl::Duration kRestartWait = absl::Seconds(10);
+
+  /// Everything passed must outlive the engine. `on_job_end` runs when a job's last session
+  /// ends, on a thread of the engine's own (one per ending job, never the caller of Unregister:
+  /// it may block for as long as the job's launched device ops run); the destructor waits for
+  /// the ones still running. A new run of the same job id is registered only once the last
+  /// run's `on_job_end` has returned (see Register), so it may delete the job's store namespace.
   Engine(Backend* backend, BufferImporter* importer, WorkerPool* pool, EngineOptions options,
          JobEndCallback on_job_end, StoreResolver resolve_store = nullptr);
 
@@ -101,7 +110,9 @@ class Engine {
   /// Opens a session for one rank of a job. INVALID_ARGUMENT on a job id CheckJobId refuses, bad
   /// sizes or ones that disagree with the job's other ranks; RESOURCE_EXHAUSTED at max_sessions;
   /// ALREADY_EXISTS when the rank is taken; FAILED_PRECONDITION when the job lost a rank and still
-  /// has sessions, or the job spans nodes.
+  /// has sessions, or the job spans nodes. A job whose last run's end is still being cleaned up
+  /// on this node (on_job_end running) is waited for, at most kRestartWait (the calling thread
+  /// blocks: only a restart racing its last run's end does), then FAILED_PRECONDITION.
   absl::StatusOr<std::shared_ptr<Session>> Register(const v1::RegisterRequest& request);
 
   /// Ends a session (idempotent): unmaps its buffers once no running op uses them, fails the
@@ -238,6 +249,9 @@ class Engine {
   void SubmitNow(const std::shared_ptr<Session>& session, const std::shared_ptr<SessionSink>& sink,
                  uint64_t tag, const v1::OpRequest& op);
 
+  // Runs on_job_end_(job) on a thread of its own; `job` is in ending_ until it returns.
+  void EndJobLater(const std::string& job);
+
   Backend* const backend_;
   BufferImporter* const importer_;
   WorkerPool* const pool_;
@@ -246,6 +260,12 @@ class Engine {
   const StoreResolver resolve_store_;
   mutable absl::Mutex mu_;  // acquired before any Job::mu
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  // Ids of jobs whose last session ended and whose on_job_end_ is still running (its thread
+  // in job_ends_); a Register of such an id waits for it.
+  absl::flat_hash_set<std::string> ending_ ABSL_GUARDED_BY(mu_);
+  // The threads running on_job_end_, by job id (a finished one is joined by the job's next end
+  // or the destructor).
+  absl::flat_hash_map<std::string, std::thread> job_ends_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   int sessions_ ABSL_GUARDED_BY(mu_) = 0;  // attached, node-wide
   std::atomic<int64_t> buffers_{0};        // registered by all sessions, node-wide

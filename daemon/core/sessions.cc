@@ -57,6 +57,20 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
     return absl::FailedPreconditionError(
         "this daemon has no TCP listener (--port=-1), so it cannot join a job spanning nodes");
   }
+  // The job's last run here may still be ending (its launched device ops finishing, then its
+  // store namespace deleted): this run starts after, so none of its keys goes with the last's.
+  if (ending_.contains(req.job())) {
+    auto ended = [this, &req]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return shutdown_ || !ending_.contains(req.job());
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&ended), kRestartWait)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", req.job(), "'s last run is still ending on this node (its launched GPU ops "
+          "finish or fail by their deadlines) after ", absl::FormatDuration(kRestartWait),
+          "; start it again once it has"));
+    }
+    if (shutdown_) return absl::UnavailableError("daemon is shutting down");
+  }
   if (!jobs_.contains(req.job())) {
     gradsync::Store* root_store = nullptr;
     if (spans) {
@@ -155,6 +169,7 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
       auto it = jobs_.find(job->id);
       if (it != jobs_.end() && it->second == job) jobs_.erase(it);
       job_ended = true;
+      if (on_job_end_) ending_.insert(job->id);  // with the erase: no new run slips in between
     }
   }
   {
@@ -169,9 +184,32 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
   if (job_ended) {
     Log()->info("job ended job={}", job->id);
     if (peer_watch_ != nullptr) peer_watch_->Unwatch(job->id);  // its peers see it left
-    if (on_job_end_) on_job_end_(job->id);
+    if (on_job_end_) EndJobLater(job->id);
   }
 }
+
+void Engine::EndJobLater(const std::string& id) {
+  std::vector<std::thread> finished;  // their on_job_end_ has returned: joined outside the lock
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = job_ends_.begin(); it != job_ends_.end();) {
+      // A thread of this id is done too: the job's new run registered after it.
+      if (it->first != id && ending_.contains(it->first)) {
+        ++it;
+        continue;
+      }
+      finished.push_back(std::move(it->second));
+      job_ends_.erase(it++);
+    }
+    job_ends_[id] = std::thread([this, id] {
+      on_job_end_(id);
+      absl::MutexLock lock(&mu_);
+      ending_.erase(id);
+    });
+  }
+  for (std::thread& t : finished) t.join();
+}
+
 
 absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
                                                 const v1::RegisterBufferRequest& req) {

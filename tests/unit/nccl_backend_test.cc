@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -20,6 +21,7 @@
 #include "common/logging.h"
 #include "daemon/backend/nccl/dispatch_backend.h"
 #include "daemon/backend/nccl/launched_ops.h"
+#include "daemon/core/engine.h"
 #include "daemon/ipc/cuda_importer.h"
 #include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"
@@ -1384,6 +1386,72 @@ TEST_F(NcclBackendTest, DispatchTellsBothPlanesThatAJobEnded) {
   static_cast<core::Backend&>(dispatch).JobEnded("j");
   EXPECT_EQ(cpu.ended, std::vector<std::string>{"j"});
   EXPECT_EQ(gpu.ended, std::vector<std::string>{"j"});
+}
+
+// The engine ends a job on a thread of its own: the gRPC thread whose stream ended the last
+// session returns at once, however long the job's launched ops run on the GPU; the backend is
+// done with the job before its store namespace goes; a new run of the job starts after that, so
+// none of its keys goes with the last run's.
+TEST_F(NcclBackendTest, AJobEndsOffTheUnregisteringThreadAndANewRunStartsAfterItsKeysWent) {
+  FakeGpu gpu;
+  NcclBackend backend(&gpu);
+  ipc::CudaImporter importer(&gpu);
+  store::MemoryStore store;
+  WorkerPool pool(2);
+  std::atomic<int> backend_done{0};  // job ends the backend is through with
+  core::Engine engine(&backend, &importer, &pool, core::EngineOptions(),
+                      [&](const std::string& job) {
+                        backend.JobEnded(job);
+                        ++backend_done;
+                        store.DeleteJob(job);
+                      });
+  auto join = [&engine](int rank) {
+    v1::RegisterRequest req;
+    req.set_job("j");
+    req.set_world_size(2);
+    req.set_rank(rank);
+    req.set_local_world_size(2);
+    req.set_local_rank(rank);
+    return engine.Register(req);
+  };
+  auto r0 = join(0), r1 = join(1);
+  ASSERT_TRUE(r0.ok() && r1.ok()) << r0.status() << r1.status();
+  ASSERT_TRUE(store.Set("j", "last_run", "x").ok());
+  gpu.streams_hang = true;  // the job's last op runs on the GPU until the test lets it finish
+  ASSERT_TRUE((*backend.CreateCommunicator(Spec({0, 1}, 2)))
+                  ->Run(AllReduce({{0, 0}, {1, 1}}, 2, 0, absl::Seconds(20)))
+                  .ok());
+
+  absl::Notification unregistered;
+  std::thread trainers_leave([&] {
+    engine.Unregister(**r0, "done");
+    engine.Unregister(**r1, "done");  // the job's last session
+    unregistered.Notify();
+  });
+  const bool prompt = unregistered.WaitForNotificationWithTimeout(absl::Seconds(10));
+  // The job's new run comes while the last one still ends: it registers once the end is done.
+  absl::StatusOr<std::shared_ptr<core::Session>> again;
+  std::thread restart([&] {
+    again = join(0);
+    if (again.ok()) (void)store.Set("j", "new_run", "y");
+  });
+  EXPECT_TRUE(prompt) << "Unregister waited for the job's launched op";
+  EXPECT_EQ(backend_done.load(), 0);  // the op still runs: the backend waits for it
+  EXPECT_TRUE(store.Peek("j", "last_run").ok());  // and the job's keys are still there
+  EXPECT_EQ(gpu.Aborts(), 0);
+
+  gpu.streams_hang = false;  // the GPU finishes the op
+  trainers_leave.join();
+  restart.join();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(backend_done.load(), 1);
+  EXPECT_EQ(gpu.Aborts(), 2);  // the job's communicators were dropped after their op finished
+  EXPECT_EQ(gpu.StreamsOpen(), 0);
+  EXPECT_EQ(store.Peek("j", "last_run").status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<std::string> kept = store.Peek("j", "new_run");
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(*kept, "y");
+  engine.Unregister(**again, "done");
 }
 
 }  // namespace
