@@ -64,6 +64,10 @@ ABSL_FLAG(absl::Duration, etcd_lease_ttl, absl::Seconds(10),
 ABSL_FLAG(absl::Duration, etcd_timeout, absl::Seconds(5),
           "Longest one store call to etcd may take, retries on other members included; a pending "
           "store wait fails UNAVAILABLE once no member has answered for this long");
+ABSL_FLAG(int, etcd_call_threads, 16,
+          "With --store=etcd: threads that run the Store service's calls (trainers' and tools' "
+          "store calls, each an etcd round trip), so that no gRPC thread waits on etcd; calls "
+          "past them queue");
 ABSL_FLAG(int64_t, store_max_key_bytes, 512, "Longest store key");
 ABSL_FLAG(int64_t, store_max_value_bytes, int64_t{1} << 20, "Largest store value");
 ABSL_FLAG(int64_t, store_max_keys_per_job, 65536, "Most keys one job may hold");
@@ -209,6 +213,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.etcd.prefix = absl::GetFlag(FLAGS_etcd_prefix);
   c.etcd.lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
   c.etcd.rpc_timeout = absl::GetFlag(FLAGS_etcd_timeout);
+  c.etcd_call_threads = absl::GetFlag(FLAGS_etcd_call_threads);
   for (auto [flag, path, out, secret] :
        {std::make_tuple("--etcd_ca", absl::GetFlag(FLAGS_etcd_ca), &c.etcd.ca_pem, false),
         std::make_tuple("--etcd_cert", absl::GetFlag(FLAGS_etcd_cert), &c.etcd.cert_pem, false),
@@ -342,6 +347,9 @@ absl::Status Validate(const DaemonConfig& c) {
     if (c.etcd.lease_ttl < absl::Seconds(2) || c.etcd.rpc_timeout < absl::Milliseconds(100)) {
       return absl::InvalidArgumentError(
           "--etcd_lease_ttl must be at least 2s and --etcd_timeout at least 100ms");
+    }
+    if (c.etcd_call_threads < 1 || c.etcd_call_threads > 1024) {
+      return absl::InvalidArgumentError("--etcd_call_threads must be in [1, 1024]");
     }
     if (c.etcd.cert_pem.empty() != c.etcd.key_pem.empty()) {
       return absl::InvalidArgumentError("--etcd_cert and --etcd_key go together: both or none");

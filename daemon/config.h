@@ -34,6 +34,7 @@ struct DaemonConfig {
   // daemon of a job reads and writes them in the etcd cluster of `etcd`; no root daemon).
   std::string store_backend = "embedded";
   store::EtcdOptions etcd;  // with store_backend "etcd" (its limits are `store`)
+  int etcd_call_threads = 16;  // threads the Store service's calls run on with etcd
   core::EngineOptions engine;
   ipc::MappingLimits mappings;
   int workers = 0;  // threads for large collectives; 0: one per CPU

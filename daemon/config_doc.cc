@@ -75,7 +75,7 @@ const std::vector<Section>& Sections() {
        "etcd: --etcd_ca, with --etcd_cert and --etcd_key where etcd checks client "
        "certificates; etcd's users: --etcd_user with --etcd_password_file.",
        {"store", "etcd_endpoints", "etcd_prefix", "etcd_ca", "etcd_cert", "etcd_key", "etcd_user",
-        "etcd_password_file", "etcd_lease_ttl", "etcd_timeout"}},
+        "etcd_password_file", "etcd_lease_ttl", "etcd_timeout", "etcd_call_threads"}},
       {"Rendezvous store limits",
        "The job's store (hosted by the daemon of the job's root node, or in etcd). Raise them "
        "only for jobs that keep many or large keys of their own. On etcd, --store_max_jobs and "

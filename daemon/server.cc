@@ -89,6 +89,9 @@ bool SocketIsLive(const std::string& path) {
 DaemonServer::DaemonServer(DaemonConfig config)
     : config_(std::move(config)),
       store_(MakeStore(config_)),
+      store_calls_(config_.store_backend == "etcd"
+                       ? std::make_unique<WorkerPool>(config_.etcd_call_threads)
+                       : nullptr),
       auth_(config_.cluster_token),
       shm_importer_(config_.mappings),
       gpu_(gpu::NewGpuApi([this](const absl::Status& why) { OnGpuBroken(why); })),
@@ -110,7 +113,8 @@ DaemonServer::DaemonServer(DaemonConfig config)
                 ? config_.workers
                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
       gradsync_service_(&engine_, &importer_, &auth_),
-      store_service_(store_.get(), config_.max_wait, ReplyBytes(config_), &auth_),
+      store_service_(store_.get(), config_.max_wait, ReplyBytes(config_), &auth_,
+                     store_calls_.get()),
       inspect_service_(
           store_.get(), &engine_, ReplyBytes(config_), &auth_,
           rpc::PeerLink{[this](const std::string& a) { return PeerChannel(a); }, PeerOptions()}),

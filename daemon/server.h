@@ -77,6 +77,10 @@ class DaemonServer {
   core::OpCounters counters_;  // bumped by the engine and NCCL: before (outlives) them
   // The jobs' store this daemon serves: MemoryStore, or EtcdStore with --store=etcd.
   const std::unique_ptr<store::JobStore> store_;
+  // On etcd, the threads the Store service's calls run on (each an etcd round trip), so no gRPC
+  // thread waits on etcd; null on the embedded store. After the store its tasks use, before the
+  // service whose calls they finish.
+  std::unique_ptr<WorkerPool> store_calls_;
   rpc::PeerAuth auth_;
   // Trainers hand their memory over it (beside the unix socket); after the importer that
   // redeems its tokens in destruction order, and stopped in Shutdown.

@@ -114,14 +114,22 @@ class StoreService::SessionReactor final
       EndLocked(grpc::Status::OK);
       return;
     }
-    response_.Clear();
-    const absl::Status status = service_->DoSessionOp(request_, &response_);
-    response_.set_code(static_cast<int>(status.code()));
-    if (!status.ok()) {
-      response_.clear_result();
-      response_.set_message(std::string(status.message()));
+    if (service_->offload_ == nullptr) {
+      AnswerLocked();
+      return;
     }
-    StartWrite(&response_);
+    // Off the gRPC thread, and with mu_ free while the store works (End takes it); the task's
+    // reference keeps the session alive until it has run. Nothing else touches request_ or
+    // response_ until the write starts.
+    refs_.fetch_add(1);
+    service_->offload_->Schedule([this] {
+      Answer();
+      {
+        absl::MutexLock lock(&mu_);
+        if (!ended_) StartWrite(&response_);
+      }
+      Unref();
+    });
   }
 
   void OnWriteDone(bool ok) override {
@@ -140,6 +148,22 @@ class StoreService::SessionReactor final
   }
 
  private:
+  // Runs the request read last into response_.
+  void Answer() {
+    response_.Clear();
+    const absl::Status status = service_->DoSessionOp(request_, &response_);
+    response_.set_code(static_cast<int>(status.code()));
+    if (!status.ok()) {
+      response_.clear_result();
+      response_.set_message(std::string(status.message()));
+    }
+  }
+
+  void AnswerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Answer();
+    StartWrite(&response_);
+  }
+
   void EndLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (ended_) return;
     ended_ = true;
@@ -156,6 +180,22 @@ class StoreService::SessionReactor final
 };
 
 StoreService::~StoreService() = default;
+
+grpc::ServerUnaryReactor* StoreService::Run(grpc::CallbackServerContext* ctx,
+                                            std::function<absl::Status()> work) {
+  if (offload_ == nullptr) return Reply(ctx, work());
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  offload_->Schedule([reactor, work = std::move(work)] { reactor->Finish(ToGrpcStatus(work())); });
+  return reactor;
+}
+
+void StoreService::Start(std::function<void()> start) {
+  if (offload_ == nullptr) {
+    start();
+  } else {
+    offload_->Schedule(std::move(start));
+  }
+}
 
 grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* StoreService::Session(
     grpc::CallbackServerContext* ctx) {
@@ -269,7 +309,7 @@ absl::Status StoreService::DoSessionOp(const v1::SessionRequest& req, v1::Sessio
 grpc::ServerUnaryReactor* StoreService::Set(grpc::CallbackServerContext* ctx,
                                             const v1::SetRequest* req, v1::SetResponse*) {
   if (auto* refused = auth_->Refuse(ctx)) return refused;
-  return Reply(ctx, DoSet(*req));
+  return Run(ctx, [this, req] { return DoSet(*req); });
 }
 
 grpc::ServerUnaryReactor* StoreService::Get(grpc::CallbackServerContext* ctx,
@@ -281,7 +321,8 @@ grpc::ServerUnaryReactor* StoreService::Get(grpc::CallbackServerContext* ctx,
     resp->set_value(std::move(values.front()));
     return absl::OkStatus();
   });
-  reactor->Start(req->job(), {req->key()}, *deadline);
+  Start(
+      [reactor, req, deadline = *deadline] { reactor->Start(req->job(), {req->key()}, deadline); });
   return reactor;
 }
 
@@ -294,52 +335,58 @@ grpc::ServerUnaryReactor* StoreService::Wait(grpc::CallbackServerContext* ctx,
     for (std::string& v : values) resp->add_values(std::move(v));
     return absl::OkStatus();
   });
-  reactor->Start(req->job(), {req->keys().begin(), req->keys().end()}, *deadline);
+  Start([reactor, req, deadline = *deadline] {
+    reactor->Start(req->job(), {req->keys().begin(), req->keys().end()}, deadline);
+  });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* StoreService::Add(grpc::CallbackServerContext* ctx,
                                             const v1::AddRequest* req, v1::AddResponse* resp) {
   if (auto* refused = auth_->Refuse(ctx)) return refused;
-  return Reply(ctx, DoAdd(*req, resp));
+  return Run(ctx, [this, req, resp] { return DoAdd(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* StoreService::CompareSet(grpc::CallbackServerContext* ctx,
                                                    const v1::CompareSetRequest* req,
                                                    v1::CompareSetResponse* resp) {
   if (auto* refused = auth_->Refuse(ctx)) return refused;
-  return Reply(ctx, DoCompareSet(*req, resp));
+  return Run(ctx, [this, req, resp] { return DoCompareSet(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* StoreService::Delete(grpc::CallbackServerContext* ctx,
                                                const v1::DeleteRequest* req,
                                                v1::DeleteResponse* resp) {
   if (auto* refused = auth_->Refuse(ctx)) return refused;
-  return Reply(ctx, DoDelete(*req, resp));
+  return Run(ctx, [this, req, resp] { return DoDelete(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,
                                              const v1::ListRequest* req, v1::ListResponse* resp) {
   if (auto* refused = auth_->Refuse(ctx)) return refused;
-  auto keys = store_->List(req->job(), req->prefix());
-  if (!keys.ok()) return Reply(ctx, keys.status());
-  int64_t reply_bytes = 0;
-  for (const std::string& k : *keys) reply_bytes += static_cast<int64_t>(k.size()) + 6;
-  if (reply_bytes > max_reply_bytes_) {
-    return Reply(ctx, absl::ResourceExhaustedError(absl::StrCat(
-                          "List job=", req->job(), ": ", keys->size(), " keys in ", reply_bytes,
-                          " bytes are more than a reply may carry (", max_reply_bytes_,
-                          ", --max_message_bytes); list a narrower prefix")));
-  }
-  for (std::string& k : *keys) resp->add_keys(std::move(k));
-  return Reply(ctx, absl::OkStatus());
+  return Run(ctx, [this, req, resp]() -> absl::Status {
+    auto keys = store_->List(req->job(), req->prefix());
+    if (!keys.ok()) return keys.status();
+    int64_t reply_bytes = 0;
+    for (const std::string& k : *keys) reply_bytes += static_cast<int64_t>(k.size()) + 6;
+    if (reply_bytes > max_reply_bytes_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("List job=", req->job(), ": ", keys->size(), " keys in ", reply_bytes,
+                       " bytes are more than a reply may carry (", max_reply_bytes_,
+                       ", --max_message_bytes); list a narrower prefix"));
+    }
+    for (std::string& k : *keys) resp->add_keys(std::move(k));
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* StoreService::SetPackList(grpc::CallbackServerContext* ctx,
                                                     const v1::SetPackListRequest* req,
                                                     v1::SetPackListResponse*) {
   if (auto* refused = auth_->Refuse(ctx)) return refused;
-  return Reply(ctx, PutPackList(*store_, req->job(), req->group(), req->pack_list()));
+  return Run(ctx, [this, req] {
+    return PutPackList(*store_, req->job(), req->group(), req->pack_list());
+  });
 }
 
 grpc::ServerUnaryReactor* StoreService::GetPackList(grpc::CallbackServerContext* ctx,
@@ -354,7 +401,9 @@ grpc::ServerUnaryReactor* StoreService::GetPackList(grpc::CallbackServerContext*
     if (pack_list.ok()) *resp->mutable_pack_list() = *std::move(pack_list);
     return pack_list.status();
   });
-  reactor->Start(req->job(), {PackListKey(req->group())}, *deadline);
+  Start([reactor, req, deadline = *deadline] {
+    reactor->Start(req->job(), {PackListKey(req->group())}, deadline);
+  });
   return reactor;
 }
 

@@ -8,21 +8,30 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/store.h"
+#include "common/worker_pool.h"
 #include "daemon/rpc/peer_auth.h"
 #include "gradsync/v1/store.grpc.pb.h"
 
 namespace gradsync::rpc {
 
 /// gRPC glue for the Store service over any Store. Validates requests, never blocks a gRPC
-/// thread: waiting calls complete from the store's callback. Keys under kReservedKeyPrefix are
+/// thread: waiting calls complete from the store's callback, and the calls of a store that
+/// goes over the network (etcd) run on the `offload` pool. Keys under kReservedKeyPrefix are
 /// changed only by typed calls (PERMISSION_DENIED from Set, Add, CompareSet and Delete); a List
 /// reply past `max_reply_bytes` is RESOURCE_EXHAUSTED (the store bounds wait replies itself).
 class StoreService final : public v1::Store::CallbackService {
  public:
-  /// `store` and `auth` must outlive the service.
+  /// `store` and `auth` must outlive the service. `offload`: where the calls that reach the
+  /// store run when it may block on the network (an etcd store, each call an etcd round trip):
+  /// null, inline on the gRPC thread (the embedded store never blocks). It must outlive every
+  /// call (the server's shutdown waits for them).
   StoreService(gradsync::Store* store, absl::Duration max_wait, int64_t max_reply_bytes,
-               const PeerAuth* auth)
-      : store_(store), max_wait_(max_wait), max_reply_bytes_(max_reply_bytes), auth_(auth) {}
+               const PeerAuth* auth, WorkerPool* offload = nullptr)
+      : store_(store),
+        max_wait_(max_wait),
+        max_reply_bytes_(max_reply_bytes),
+        auth_(auth),
+        offload_(offload) {}
   ~StoreService() override;
 
   /// Ends every open Session with UNAVAILABLE and refuses new ones (the daemon is draining).
@@ -56,6 +65,12 @@ class StoreService final : public v1::Store::CallbackService {
   class SessionReactor;
   void ForgetSession(SessionReactor* session);
 
+  // Finishes the call with what `work` returns: at once, or once it ran on offload_.
+  grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
+                                std::function<absl::Status()> work);
+  // Runs `start` (which begins a store wait) inline, or on offload_.
+  void Start(std::function<void()> start);
+
   // The calls that never wait, shared by the unary methods and Session.
   absl::Status DoSet(const v1::SetRequest& req);
   absl::Status DoPeek(const v1::GetRequest& req, v1::GetResponse* resp);
@@ -68,6 +83,7 @@ class StoreService final : public v1::Store::CallbackService {
   const absl::Duration max_wait_;
   const int64_t max_reply_bytes_;
   const PeerAuth* const auth_;
+  WorkerPool* const offload_;
   absl::Mutex sessions_mu_;
   absl::flat_hash_set<SessionReactor*> sessions_ ABSL_GUARDED_BY(sessions_mu_);
   bool sessions_closed_ ABSL_GUARDED_BY(sessions_mu_) = false;
