@@ -22,6 +22,7 @@ Run:  /usr/bin/python3 bench/formation_bench.py --build build
 import argparse
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -140,6 +141,7 @@ def main():
               f"{'calls/daemon etcd (max)':>24}")
     print(header)
     print("-" * len(header))
+    failed = True
     try:
         for n in counts:
             cells = {}
@@ -152,8 +154,13 @@ def main():
                   f"{f'{med_o:,.0f} ({min(ot):,.0f}..{max(ot):,.0f})':>22} "
                   f"{med_o / med_e:>13.2f}x {ecalls:>22.1f} {f'{ocalls:.1f} ({omax:.0f})':>24}",
                   flush=True)
+        failed = False
     finally:
         etcd.stop()
+        if failed:
+            print(f"daemons' logs kept in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
