@@ -701,12 +701,15 @@ absl::StatusOr<std::vector<JobStats>> EtcdStore::ListJobs() {
 }
 
 void EtcdStore::DeleteJob(absl::string_view job) {
-  absl::MutexLock lock(&mu_);
-  auto it = held_.find(job);
-  if (it == held_.end()) return;
-  leaving_.emplace_back(std::string(job), it->second);
-  held_.erase(it);
-  kick_ = true;
+  Held held;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = held_.find(job);
+    if (it == held_.end()) return;
+    held = it->second;
+    held_.erase(it);
+  }
+  Release(std::string(job), held, absl::Now() + options_.rpc_timeout);
 }
 
 void EtcdStore::Shutdown() {
@@ -724,8 +727,6 @@ void EtcdStore::Shutdown() {
     recreate_.clear();
     for (auto& [job, h] : held_) held.emplace_back(job, h);
     held_.clear();
-    for (auto& leaving : leaving_) held.push_back(std::move(leaving));
-    leaving_.clear();
   }
   RunCallbacks(fired);
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
@@ -1236,14 +1237,6 @@ void EtcdStore::ControlLoop() {
       continue;
     }
     kick_ = false;
-    if (!leaving_.empty()) {
-      auto [job, held] = std::move(leaving_.front());
-      leaving_.pop_front();
-      mu_.Unlock();
-      Release(job, held, absl::Now() + options_.rpc_timeout);
-      mu_.Lock();
-      continue;
-    }
     if (watch_broken_ || (!watch_up_ && !waiters_.empty() && now >= retry_at)) {
       mu_.Unlock();
       const bool connected = ConnectWatch();
@@ -1277,7 +1270,7 @@ void EtcdStore::ControlLoop() {
     }
     if (next <= now) continue;
     auto changed = [this, next]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return shutdown_ || kick_ || watch_broken_ || !leaving_.empty() || !settle_.empty() ||
+      return shutdown_ || kick_ || watch_broken_ || !settle_.empty() ||
              (watch_up_ && !recreate_.empty()) ||
              (!deadlines_.empty() && deadlines_.begin()->first < next);
     };

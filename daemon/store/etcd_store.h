@@ -73,8 +73,8 @@ struct EtcdOptions {
 /// rpc_timeout; Add and CompareSet are not retried once sent (the outcome would be unknown).
 /// Construction never blocks: etcd is reached on first use.
 ///
-/// Threads: the control thread (deadlines, watch stream (re)connection, watch re-creation,
-/// leaving jobs), one reader of the watch stream, the lease keep-alive thread.
+/// Threads: the control thread (deadlines, watch stream (re)connection, watch re-creation and
+/// settling), one reader of the watch stream, the lease keep-alive thread.
 /// Lock order: write_mu_ before mu_; acquire_mu_ before mu_; no network call under mu_; wait
 /// callbacks run with no lock held.
 class EtcdStore final : public JobStore {
@@ -100,8 +100,9 @@ class EtcdStore final : public JobStore {
   absl::StatusOr<std::vector<JobStats>> ListJobs() override;
   absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> ListSizes(
       absl::string_view job, absl::string_view prefix) override;
-  /// Leaves the job in the background (the control thread); the last daemon to leave deletes
-  /// its keys.
+  /// Leaves the job: the last daemon to leave revokes its lease, which deletes its keys. Blocks
+  /// for those calls (bounded by rpc_timeout): a new run of the job on this daemon starts after
+  /// it.
   void DeleteJob(absl::string_view job) override;
   /// Also leaves every job this daemon holds (bounded by rpc_timeout in all).
   void Shutdown() override;
@@ -250,7 +251,6 @@ class EtcdStore final : public JobStore {
   std::deque<WaitId> settle_ ABSL_GUARDED_BY(mu_);    // waits to read again (Settle)
   absl::flat_hash_map<std::string, Held> held_ ABSL_GUARDED_BY(mu_);  // jobs by id
   uint64_t member_generation_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<std::pair<std::string, Held>> leaving_ ABSL_GUARDED_BY(mu_);
   std::thread control_;
   std::thread keepalive_;
 };

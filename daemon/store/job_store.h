@@ -40,7 +40,9 @@ class JobStore : public Store {
       absl::string_view job, absl::string_view prefix) = 0;
 
   /// The job ended on this daemon: its keys go once no daemon holds the job any longer
-  /// (embedded: at once, from the root's store). Never blocks on the network.
+  /// (embedded: at once, from the root's store). May block for the store's round trips (etcd:
+  /// up to its call timeout); the engine calls it on a job-end thread, and a new run of the job
+  /// registers once it has returned.
   virtual void DeleteJob(absl::string_view job) = 0;
 
   /// Fails every pending wait with Unavailable and refuses new ones. Idempotent.

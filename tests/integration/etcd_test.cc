@@ -164,6 +164,9 @@ TEST_F(EtcdJobTest, AJobAcrossThreeDaemonsFormsWithNoRootAndLeavesNoKeys) {
   StartDaemons(3, {"--etcd_lease_ttl=2s"});
   ExpectAllPassed(Run("e3", {0, 0, 1, 2}, "matrix", {"counts=3,4099,70001"}), "matrix cases=");
   ExpectAllPassed(Run("e3f", {0, 0, 1, 2}, "fused"), "wrong=0");
+  // The same job id again, at once: a new run, whatever the last one left.
+  ExpectAllPassed(Run("e3", {0, 0, 1, 2}, "matrix", {"counts=3,70001"}), "matrix cases=");
+  ExpectAllPassed(Run("e3", {0, 0, 1, 2}, "matrix", {"counts=3,70001"}), "matrix cases=");
 
   std::string out, err;
   ASSERT_EQ(StoreWorker(0, {"plans", "setpacklist", "0,1"}, &out, &err), 0) << err;
