@@ -203,6 +203,13 @@ void Engine::OnPeerLost(const std::weak_ptr<Job>& weak, const std::string& node,
                         const absl::Status& cause) {
   std::shared_ptr<Job> job = weak.lock();
   if (!job) return;
+  if (cause.code() == absl::StatusCode::kCancelled) {
+    // It left on purpose: what it sent stays readable, so the ops it took part in complete, and
+    // an op that needs more from it fails on its link. Only groups made from now on fail.
+    absl::MutexLock lock(&job->mu);
+    job->lost_nodes.emplace(node, absl::StrCat("node ", node, " ", cause.message()));
+    return;
+  }
   Completions out;
   std::vector<std::shared_ptr<Communicator>> running;
   std::string why;

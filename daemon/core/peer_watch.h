@@ -30,8 +30,10 @@ struct PeerState {
 /// op is pending. Thread-safe.
 class PeerWatch {
  public:
-  /// `node` lost; `cause` is UNAVAILABLE with a message saying why ("no word for 1.5 s",
-  /// "the connection was closed", ...). Runs on the watch's thread with none of its locks held,
+  /// `node` lost: `cause` is UNAVAILABLE with a message saying why ("lost: no word for 1.5 s",
+  /// "lost: the connection was closed ...", ...); or `node` left the job on purpose (its
+  /// trainers there ended): CANCELLED "left the job ...", and everything it sent before stays
+  /// readable on the job's links (ops it took part in can still complete). Runs on the watch's thread with none of its locks held,
   /// once per peer and job; it may take the engine's locks but must not call back into the
   /// watch.
   using LostCallback = std::function<void(const std::string& node, const absl::Status& cause)>;

@@ -25,6 +25,8 @@ constexpr absl::Duration kTick = absl::Milliseconds(50);
 // A heartbeat or goodbye that the peer's socket cannot take within this is left (a peer that
 // reads nothing is found silent anyway).
 constexpr absl::Duration kSendWait = absl::Milliseconds(10);
+// How long a link whose job ended here stays open (read, not written) after the goodbye.
+constexpr absl::Duration kLinger = absl::Milliseconds(500);
 // Messages read from one peer in one pass, at most.
 constexpr int kMaxReadsPerPass = 64;
 
@@ -183,14 +185,27 @@ void LinkPeerWatch::Run() {
       for (auto& [job, entry] : jobs_) entries.push_back(entry);
       leaving.swap(leaving_);
     }
-    for (auto& entry : leaving) {  // goodbyes: the peers' ops fail at once, as "left"
+    const absl::Time now = absl::Now();
+    for (auto& entry : leaving) {  // goodbyes, then the end of our side of each link
       const absl::Span<const std::byte> bye[] = {Bytes(kBye)};
       for (int i = 0; i < entry->links->nodes(); ++i) {
         if (i == entry->me) continue;
-        entry->links->SendTo(i, bye, absl::Now() + kSendWait).IgnoreError();
+        entry->links->SendTo(i, bye, now + kSendWait).IgnoreError();
+        entry->links->CloseWrite(i);
       }
+      closing_.push_back({now + kLinger, std::move(entry)});
     }
-    leaving.clear();  // closes their links
+    leaving.clear();
+    // Closed once the peers had time to read the goodbye: a close with their heartbeats unread
+    // would reset the connection, which can drop the goodbye before they read it.
+    for (auto it = closing_.begin(); it != closing_.end();) {
+      for (int i = 0; i < it->second->links->nodes(); ++i) {
+        if (i == it->second->me) continue;
+        for (int k = 0; k < kMaxReadsPerPass && it->second->links->Receive(i, absl::InfinitePast()).ok(); ++k) {
+        }
+      }
+      it = now >= it->first ? closing_.erase(it) : std::next(it);
+    }
     std::vector<std::pair<LostCallback, std::pair<std::string, absl::Status>>> lost;
     for (auto& entry : entries) Serve(*entry, lost);
     for (auto& [callback, what] : lost) callback(what.first, what.second);
@@ -201,12 +216,13 @@ void LinkPeerWatch::Serve(
     Entry& e, std::vector<std::pair<LostCallback, std::pair<std::string, absl::Status>>>& lost) {
   const absl::Time now = absl::Now();
   // Marks peer i lost (or left) with `why`; the callback runs after the pass.
-  auto lose = [&](int i, State state, const std::string& metric, const std::string& why)
+  auto lose = [&](int i, State state, const std::string& metric, const std::string& why,
+                  absl::StatusCode code = absl::StatusCode::kUnavailable)
                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
                     e.state[i] = state;
                     e.cause[i] = why;
                     if (state == State::kLost) ++losses_[metric];
-                    lost.push_back({e.on_lost, {e.nodes[i], absl::UnavailableError(why)}});
+                    lost.push_back({e.on_lost, {e.nodes[i], absl::Status(code, why)}});
                     if (state == State::kLost) {
                       Log()->warn("peer lost job={} node={} cause={}", e.job, e.nodes[i], why);
                     } else {
@@ -264,7 +280,7 @@ void LinkPeerWatch::Serve(
       e.state[i] = State::kAlive;
     }
     if (bye) {
-      lose(i, State::kLeft, "", "left the job (its trainers there ended)");
+      lose(i, State::kLeft, "", "left the job (its trainers there ended)", absl::StatusCode::kCancelled);
       links.Drop(i, absl::UnavailableError("left"));
     } else if (!failed.ok()) {
       const std::string cause = CauseOf(failed);

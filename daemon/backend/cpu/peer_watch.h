@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -55,6 +56,8 @@ class LinkPeerWatch final : public core::PeerWatch {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Entry>> jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<Entry>> leaving_ ABSL_GUARDED_BY(mu_);  // to say goodbye on
+  // Links that said goodbye, read until their time is up, then closed (the thread's own).
+  std::vector<std::pair<absl::Time, std::shared_ptr<Entry>>> closing_;
   std::map<std::string, int64_t> losses_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: started once the state above exists

@@ -528,6 +528,10 @@ void RecordLinks::Drop(int node, absl::Status status) {
   if (p.fd.get() >= 0) ::shutdown(p.fd.get(), SHUT_RDWR);  // the peer sees its end at once
 }
 
+void RecordLinks::CloseWrite(int node) {
+  if (peers_[node].fd.get() >= 0) ::shutdown(peers_[node].fd.get(), SHUT_WR);
+}
+
 size_t RecordLinks::BufferedFrom(int node) const {
   const Peer& p = peers_[node];
   return p.tail - p.head - p.returned;

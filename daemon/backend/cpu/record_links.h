@@ -93,6 +93,8 @@ class RecordLinks {
   /// Fails the link to `node` with `status` for good and shuts its connection down (the peer
   /// sees its end at once); what was received from it before stays readable.
   void Drop(int node, absl::Status status);
+  /// Ends what this node sends to `node` (a FIN after what was sent); reading goes on.
+  void CloseWrite(int node);
 
   /// Bytes received from `node` and not yet returned by Receive (for tests).
   size_t BufferedFrom(int node) const;
