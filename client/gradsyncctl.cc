@@ -139,7 +139,8 @@ class Ctl {
   // older daemon) or the call fails: health's answer stands on its own.
   void PrintMps() {
     v1::ListSessionsResponse resp;
-    if (!CallInspect(&v1::Inspect::Stub::ListSessions, v1::ListSessionsRequest(), &resp).ok() || resp.mps().empty()) {
+    if (!CallInspect(&v1::Inspect::Stub::ListSessions, v1::ListSessionsRequest(), &resp).ok() ||
+        resp.mps().empty()) {
       return;
     }
     std::cout << "gpu: mps=" << resp.mps() << " reason=" << resp.mps_reason() << "\n";
@@ -231,11 +232,11 @@ class Ctl {
       std::cout << absl::StrFormat("%-24s %-10s %10s  %s\n", "PEER", "STATE", "LAST HEARD",
                                    "CAUSE");
       for (const v1::PeerLiveness& p : resp.peers()) {
-        std::cout << absl::StrFormat(
-            "%-24s %-10s %10s  %s\n", p.node(), p.state(),
-            p.last_heard_seconds() < 0 ? "never"
-                                       : absl::StrFormat("%.1fs ago", p.last_heard_seconds()),
-            p.cause().empty() ? "-" : p.cause());
+        std::cout << absl::StrFormat("%-24s %-10s %10s  %s\n", p.node(), p.state(),
+                                     p.last_heard_seconds() < 0
+                                         ? "never"
+                                         : absl::StrFormat("%.1fs ago", p.last_heard_seconds()),
+                                     p.cause().empty() ? "-" : p.cause());
       }
     }
     return 0;

@@ -33,7 +33,7 @@ struct DaemonConfig {
   // Where jobs' stores live: "embedded" (the job's root daemon holds its keys) or "etcd" (every
   // daemon of a job reads and writes them in the etcd cluster of `etcd`; no root daemon).
   std::string store_backend = "embedded";
-  store::EtcdOptions etcd;  // with store_backend "etcd" (its limits are `store`)
+  store::EtcdOptions etcd;     // with store_backend "etcd" (its limits are `store`)
   int etcd_call_threads = 16;  // threads the Store service's calls run on with etcd
   core::EngineOptions engine;
   ipc::MappingLimits mappings;

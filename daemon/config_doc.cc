@@ -81,8 +81,8 @@ const std::vector<Section>& Sections() {
        "only for jobs that keep many or large keys of their own. On etcd, --store_max_jobs and "
        "--store_max_waiters count this daemon's jobs and waits, --store_max_keys_per_job a "
        "job's keys across all its daemons.",
-       {"store_max_key_bytes", "store_max_value_bytes", "store_max_keys_per_job",
-        "store_max_jobs", "store_max_waiters"}},
+       {"store_max_key_bytes", "store_max_value_bytes", "store_max_keys_per_job", "store_max_jobs",
+        "store_max_waiters"}},
       {"Collectives",
        "The deadline of an op that names none (how long its ranks may take to all arrive), the "
        "longest one an op may ask for, threads for large ops, the buffers one trainer may "
@@ -147,9 +147,9 @@ absl::StatusOr<std::vector<std::vector<Flag>>> Resolve() {
     for (const char* name : s.flags) {
       const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
       if (flag == nullptr || defined.count(name) == 0) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("configuration section '", s.title, "' lists --", name,
-                         ", which is not a flag of ", kFlagsFile));
+        return absl::FailedPreconditionError(absl::StrCat("configuration section '", s.title,
+                                                          "' lists --", name,
+                                                          ", which is not a flag of ", kFlagsFile));
       }
       if (!listed.insert(name).second) {
         return absl::FailedPreconditionError(

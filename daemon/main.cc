@@ -34,10 +34,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (const std::string what = absl::GetFlag(FLAGS_print_config); !what.empty()) {
-    auto text = what == "flagfile"   ? gradsync::daemon::RenderFlagfile()
-                : what == "markdown" ? gradsync::daemon::RenderConfigurationPage()
-                                     : absl::InvalidArgumentError(
-                                           "--print_config='" + what + "': flagfile or markdown");
+    auto text =
+        what == "flagfile" ? gradsync::daemon::RenderFlagfile()
+        : what == "markdown"
+            ? gradsync::daemon::RenderConfigurationPage()
+            : absl::InvalidArgumentError("--print_config='" + what + "': flagfile or markdown");
     if (!text.ok()) {
       std::cerr << "gradsyncd: " << text.status().message() << "\n";
       return 2;

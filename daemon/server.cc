@@ -222,10 +222,9 @@ absl::Status DaemonServer::Start() {
     engine_.SetNodeAddress(node);
   }
   if (config_.metrics_port >= 0) {
-    auto metrics =
-        metrics::MetricsServer::Start(config_.metrics_address, config_.metrics_port,
-                                      {&counters_, &engine_, store_.get(), &peer_watch_,
-                                       gpu::MpsModeName(mps.mode)});
+    auto metrics = metrics::MetricsServer::Start(
+        config_.metrics_address, config_.metrics_port,
+        {&counters_, &engine_, store_.get(), &peer_watch_, gpu::MpsModeName(mps.mode)});
     if (!metrics.ok()) return metrics.status();
     metrics_ = *std::move(metrics);
     Log()->info("metrics serving http://{}:{}/metrics", config_.metrics_address, metrics_->port());

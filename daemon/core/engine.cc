@@ -156,10 +156,9 @@ void Engine::FailAllPendingLocked(Group& group, const std::string& why, Completi
   while (!group.pending.empty()) {
     const auto& [seq, pending] = *group.pending.begin();
     FailPendingLocked(group, seq,
-                      absl::UnavailableError(
-                          absl::StrCat(internal::OpLabel(pending.fp.kind, group.job->id,
-                                                         group.key, seq),
-                                       " cannot complete: ", why)),
+                      absl::UnavailableError(absl::StrCat(
+                          internal::OpLabel(pending.fp.kind, group.job->id, group.key, seq),
+                          " cannot complete: ", why)),
                       out, send_to_other_nodes);
   }
 }
@@ -188,16 +187,12 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
       } else if (job->formation != Job::Formation::kFormed) {
         if (job->parked.empty() && job->formation != Job::Formation::kReplaying) {
           // Formation may take no longer than the first op waiting for it.
-          const absl::Duration timeout = op.timeout_ms() > 0
-                                             ? absl::Milliseconds(op.timeout_ms())
-                                             : options_.default_op_timeout;
-          timer_.Schedule(absl::Now() + timeout,
-                          [this, weak = std::weak_ptr<Job>(job), timeout] {
-                            // Off the timer's thread: it asks the store who is missing.
-                            pool_->Schedule([this, weak, timeout] {
-                              OnFormationDeadline(weak, timeout);
-                            });
-                          });
+          const absl::Duration timeout = op.timeout_ms() > 0 ? absl::Milliseconds(op.timeout_ms())
+                                                             : options_.default_op_timeout;
+          timer_.Schedule(absl::Now() + timeout, [this, weak = std::weak_ptr<Job>(job), timeout] {
+            // Off the timer's thread: it asks the store who is missing.
+            pool_->Schedule([this, weak, timeout] { OnFormationDeadline(weak, timeout); });
+          });
         }
         job->parked.push_back({session, sink, tag, op});  // replayed in order once formed
         return;

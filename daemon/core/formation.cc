@@ -119,11 +119,11 @@ void Engine::OnFormationDeadline(const std::weak_ptr<Job>& weak, absl::Duration 
       return;  // formed (or failed) meanwhile
     }
     job->formation = Job::Formation::kFailed;
-    job->formation_error = absl::DeadlineExceededError(absl::StrCat(
-        "job ", job->id, " did not form across nodes (root ", job->root_address,
-        ") within its first op's deadline (", absl::FormatDuration(timeout), "): ",
-        missing.ok() ? "its ranks' daemons published only now"
-                     : std::string(missing.status().message())));
+    job->formation_error = absl::DeadlineExceededError(
+        absl::StrCat("job ", job->id, " did not form across nodes (root ", job->root_address,
+                     ") within its first op's deadline (", absl::FormatDuration(timeout), "): ",
+                     missing.ok() ? "its ranks' daemons published only now"
+                                  : std::string(missing.status().message())));
     error = job->formation_error;
     failed.swap(job->parked);
   }

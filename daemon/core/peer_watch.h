@@ -33,9 +33,9 @@ class PeerWatch {
   /// `node` lost: `cause` is UNAVAILABLE with a message saying why ("lost: no word for 1.5 s",
   /// "lost: the connection was closed ...", ...); or `node` left the job on purpose (its
   /// trainers there ended): CANCELLED "left the job ...", and everything it sent before stays
-  /// readable on the job's links (ops it took part in can still complete). Runs on the watch's thread with none of its locks held,
-  /// once per peer and job; it may take the engine's locks but must not call back into the
-  /// watch.
+  /// readable on the job's links (ops it took part in can still complete). Runs on the watch's
+  /// thread with none of its locks held, once per peer and job; it may take the engine's locks but
+  /// must not call back into the watch.
   using LostCallback = std::function<void(const std::string& node, const absl::Status& cause)>;
 
   virtual ~PeerWatch() = default;
@@ -44,9 +44,8 @@ class PeerWatch {
   /// Returns at once; connecting happens in the background, bounded by the watch's own
   /// deadline (a peer that never connects is lost as unreachable). A second Watch of a job
   /// replaces the first.
-  virtual void Watch(const std::string& job, const std::string& run,
-                     std::vector<std::string> nodes, int me, gradsync::Store* store,
-                     LostCallback on_lost) = 0;
+  virtual void Watch(const std::string& job, const std::string& run, std::vector<std::string> nodes,
+                     int me, gradsync::Store* store, LostCallback on_lost) = 0;
   /// Stops watching `job` (its peers are told it left on purpose). No callback for it runs
   /// after this returns.
   virtual void Unwatch(const std::string& job) = 0;

@@ -64,10 +64,11 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
       return shutdown_ || !ending_.contains(req.job());
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&ended), kRestartWait)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "job ", req.job(), "'s last run is still ending on this node (its launched GPU ops "
-          "finish or fail by their deadlines) after ", absl::FormatDuration(kRestartWait),
-          "; start it again once it has"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", req.job(),
+                       "'s last run is still ending on this node (its launched GPU ops "
+                       "finish or fail by their deadlines) after ",
+                       absl::FormatDuration(kRestartWait), "; start it again once it has"));
     }
     if (shutdown_) return absl::UnavailableError("daemon is shutting down");
   }
@@ -209,7 +210,6 @@ void Engine::EndJobLater(const std::string& id) {
   }
   for (std::thread& t : finished) t.join();
 }
-
 
 absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
                                                 const v1::RegisterBufferRequest& req) {

@@ -26,13 +26,13 @@ const char* MpsModeName(MpsMode mode) {
 
 MpsState DecideMps(const MpsFacts& f) {
   const std::string control = f.pipe_dir + "/control";
-  const std::string where =
-      f.pipe_dir_from_env ? "CUDA_MPS_PIPE_DIRECTORY" : "CUDA_MPS_PIPE_DIRECTORY unset, NVIDIA's default";
+  const std::string where = f.pipe_dir_from_env ? "CUDA_MPS_PIPE_DIRECTORY"
+                                                : "CUDA_MPS_PIPE_DIRECTORY unset, NVIDIA's default";
   if (!f.gpu.ok()) return {MpsMode::kUnavailable, std::string(f.gpu.message())};
   if (f.devices <= 0) return {MpsMode::kUnavailable, "no CUDA device"};
   if (f.mps_devices >= f.devices) {
-    return {MpsMode::kOn, absl::StrCat("contexts on all ", f.devices,
-                                       " GPU(s) are MPS clients (", control, ")")};
+    return {MpsMode::kOn,
+            absl::StrCat("contexts on all ", f.devices, " GPU(s) are MPS clients (", control, ")")};
   }
   if (f.mps_devices > 0) {
     return {MpsMode::kOff, absl::StrCat("only ", f.mps_devices, " of ", f.devices,
@@ -41,20 +41,23 @@ MpsState DecideMps(const MpsFacts& f) {
   }
   switch (f.control) {
     case MpsFacts::Control::kMissing:
-      return {MpsMode::kOff, absl::StrCat("no MPS control daemon: ", control, " does not exist (",
-                                          where, "); the GPU time-slices this daemon's kernels "
-                                          "with the trainers'")};
+      return {MpsMode::kOff,
+              absl::StrCat("no MPS control daemon: ", control, " does not exist (", where,
+                           "); the GPU time-slices this daemon's kernels "
+                           "with the trainers'")};
     case MpsFacts::Control::kNoAccess:
       return {MpsMode::kOff, absl::StrCat(control, " exists but this user (uid ", ::getuid(),
                                           ") cannot open it: CUDA runs without MPS here")};
     case MpsFacts::Control::kNotAPipe:
-      return {MpsMode::kOff, absl::StrCat(control, " is not a pipe or socket: not an MPS control "
+      return {MpsMode::kOff, absl::StrCat(control,
+                                          " is not a pipe or socket: not an MPS control "
                                           "daemon's")};
     case MpsFacts::Control::kPipe:
       return {MpsMode::kOff,
-              absl::StrCat(control, " exists but CUDA did not make this process an MPS client "
-                                    "(a stale pipe of a stopped control daemon, or one this "
-                                    "process's CUDA could not reach)")};
+              absl::StrCat(control,
+                           " exists but CUDA did not make this process an MPS client "
+                           "(a stale pipe of a stopped control daemon, or one this "
+                           "process's CUDA could not reach)")};
   }
   return {MpsMode::kOff, "invalid control pipe state"};
 }
@@ -95,8 +98,10 @@ MpsFacts GatherMpsFacts(GpuApi* gpu, const char* pipe_env, absl::Duration timeou
       devices = *n;
       for (int d = 0; d < devices && status.ok(); ++d) {
         absl::StatusOr<bool> on = gpu->MpsEnabled(d);
-        if (!on.ok()) status = on.status();
-        else mps += *on ? 1 : 0;
+        if (!on.ok())
+          status = on.status();
+        else
+          mps += *on ? 1 : 0;
       }
     }
     absl::MutexLock lock(&answer->mu);
@@ -107,9 +112,9 @@ MpsFacts GatherMpsFacts(GpuApi* gpu, const char* pipe_env, absl::Duration timeou
   }).detach();
   absl::MutexLock lock(&answer->mu);
   if (!answer->mu.AwaitWithTimeout(absl::Condition(&answer->done), timeout)) {
-    f.gpu = absl::DeadlineExceededError(absl::StrCat(
-        "CUDA did not initialise within ", absl::FormatDuration(timeout),
-        " (an MPS server of another user draining? see deploy/mps.md)"));
+    f.gpu = absl::DeadlineExceededError(
+        absl::StrCat("CUDA did not initialise within ", absl::FormatDuration(timeout),
+                     " (an MPS server of another user draining? see deploy/mps.md)"));
     return f;
   }
   f.gpu = answer->gpu;

@@ -108,7 +108,8 @@ absl::StatusOr<CudaImporter::Allocation> CudaImporter::Acquire(const Key& key) {
     if (!mu_.AwaitWithDeadline(absl::Condition(&closed), give_up)) {
       return absl::Status(
           base.status().code(),
-          absl::StrCat(base.status().message(), "; an earlier allocation of the trainer's at "
+          absl::StrCat(base.status().message(),
+                       "; an earlier allocation of the trainer's at "
                        "this address was still mapped for a launched op after ",
                        absl::FormatDuration(settle_timeout_), " (", retries, " retries)"));
     }
@@ -120,8 +121,10 @@ absl::StatusOr<CudaImporter::Allocation> CudaImporter::Acquire(const Key& key) {
     base = api_->OpenMemHandle(key.first, key.second);
   }
   if (retries > 0 && base.ok()) {
-    Log()->debug("cuda allocation mapped once an earlier one at its address closed device={} "
-                 "handle={} retries={}", key.first, ShortHex(key.second), retries);
+    Log()->debug(
+        "cuda allocation mapped once an earlier one at its address closed device={} "
+        "handle={} retries={}",
+        key.first, ShortHex(key.second), retries);
   }
   if (!base.ok()) return base.status();
   absl::StatusOr<int64_t> bytes = api_->AllocationBytes(key.first, *base);

@@ -165,7 +165,7 @@ TEST(FakeGpuTest, AnEventStandsForItsLatestRecordAndIsAnErrorOnceDestroyed) {
   ASSERT_TRUE(gpu.NcclCollective(call).ok());  // call 0, on s1
   ASSERT_TRUE(gpu.RecordEvent(0, *e, *s1).ok());
   EXPECT_EQ(gpu.recorded_for(*e), 0);
-  EXPECT_FALSE(*gpu.EventDone(0, *e));  // streams run in their own time
+  EXPECT_FALSE(*gpu.EventDone(0, *e));            // streams run in their own time
   ASSERT_TRUE(gpu.RecordEvent(0, *e, *s2).ok());  // an idle stream: replaces call 0
   EXPECT_EQ(gpu.recorded_for(*e), -1);
   EXPECT_TRUE(*gpu.EventDone(0, *e));

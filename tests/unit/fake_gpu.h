@@ -354,8 +354,8 @@ class FakeGpu final : public gpu::GpuApi {
   std::map<gpu::Event, EventState> events_;
   std::map<gpu::Stream, absl::Time> free_at_;  // when each stream's work so far has run
   std::map<gpu::Stream, int> last_call_;       // the last collective put on each stream
-  bool aborted_ = false;  // an abort came after the last collective
-  int busy_polls_ = 0;    // looks at the streams left before the aborted kernels are gone
+  bool aborted_ = false;                       // an abort came after the last collective
+  int busy_polls_ = 0;  // looks at the streams left before the aborted kernels are gone
   uint64_t next_ = 0;
   std::map<gpu::Comm, int> polls_;
 };

@@ -1436,7 +1436,7 @@ TEST_F(NcclBackendTest, AJobEndsOffTheUnregisteringThreadAndANewRunStartsAfterIt
     if (again.ok()) (void)store.Set("j", "new_run", "y");
   });
   EXPECT_TRUE(prompt) << "Unregister waited for the job's launched op";
-  EXPECT_EQ(backend_done.load(), 0);  // the op still runs: the backend waits for it
+  EXPECT_EQ(backend_done.load(), 0);              // the op still runs: the backend waits for it
   EXPECT_TRUE(store.Peek("j", "last_run").ok());  // and the job's keys are still there
   EXPECT_EQ(gpu.Aborts(), 0);
 

@@ -5,8 +5,8 @@
 #include "daemon/backend/cpu/record_links.h"
 
 #include <arpa/inet.h>
-#include <poll.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -302,7 +302,8 @@ TEST(RecordLinksHandshakeTest, TheConnectorRefusesAListenerThatCannotProveTheKey
   socklen_t len = sizeof(addr);
   ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   const std::string key(32, 'k');
-  ASSERT_TRUE(store.Set("j", "r/0", absl::StrCat("127.0.0.1 ", ntohs(addr.sin_port), " ", key)).ok());
+  ASSERT_TRUE(
+      store.Set("j", "r/0", absl::StrCat("127.0.0.1 ", ntohs(addr.sin_port), " ", key)).ok());
   std::string hello_bytes;
   std::thread impostor([&] {
     for (int attempt = 0; attempt < 100; ++attempt) {  // the connector retries: answer each

@@ -201,7 +201,9 @@ void LinkPeerWatch::Run() {
     for (auto it = closing_.begin(); it != closing_.end();) {
       for (int i = 0; i < it->second->links->nodes(); ++i) {
         if (i == it->second->me) continue;
-        for (int k = 0; k < kMaxReadsPerPass && it->second->links->Receive(i, absl::InfinitePast()).ok(); ++k) {
+        for (int k = 0;
+             k < kMaxReadsPerPass && it->second->links->Receive(i, absl::InfinitePast()).ok();
+             ++k) {
         }
       }
       it = now >= it->first ? closing_.erase(it) : std::next(it);
@@ -280,7 +282,8 @@ void LinkPeerWatch::Serve(
       e.state[i] = State::kAlive;
     }
     if (bye) {
-      lose(i, State::kLeft, "", "left the job (its trainers there ended)", absl::StatusCode::kCancelled);
+      lose(i, State::kLeft, "", "left the job (its trainers there ended)",
+           absl::StatusCode::kCancelled);
       links.Drop(i, absl::UnavailableError("left"));
     } else if (!failed.ok()) {
       const std::string cause = CauseOf(failed);

@@ -39,8 +39,8 @@ class LinkPeerWatch final : public core::PeerWatch {
   /// Stops the thread and drops every watch (no callback runs after).
   ~LinkPeerWatch() override;
 
-  void Watch(const std::string& job, const std::string& run, std::vector<std::string> nodes,
-             int me, gradsync::Store* store, LostCallback on_lost) override;
+  void Watch(const std::string& job, const std::string& run, std::vector<std::string> nodes, int me,
+             gradsync::Store* store, LostCallback on_lost) override;
   void Unwatch(const std::string& job) override;
   std::vector<core::PeerState> Peers(const std::string& job) const override;
 
@@ -50,7 +50,8 @@ class LinkPeerWatch final : public core::PeerWatch {
   struct Entry;
   void Run();
   // One pass over `entry`: read, check ages, send. Appends the losses to report.
-  void Serve(Entry& entry, std::vector<std::pair<LostCallback, std::pair<std::string, absl::Status>>>& lost);
+  void Serve(Entry& entry,
+             std::vector<std::pair<LostCallback, std::pair<std::string, absl::Status>>>& lost);
 
   const Options options_;
   mutable absl::Mutex mu_;

@@ -6,10 +6,10 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/rand.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -17,9 +17,9 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <map>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <new>
 
 #include "absl/strings/str_cat.h"
@@ -32,9 +32,10 @@ namespace gradsync::backend::cpu {
 namespace {
 
 // Handshake (the connector is the later node): Hello, then the listener's Challenge, then the
-// connector's Proof, then the listener's Accept (without it the connector tries again). Each side proves it holds the listener's key (published in the job's store,
-// which only holders of the cluster token can read) by an HMAC-SHA256 over both nonces; the key
-// never travels, and a fresh nonce on each side makes a recorded handshake worthless.
+// connector's Proof, then the listener's Accept (without it the connector tries again). Each side
+// proves it holds the listener's key (published in the job's store, which only holders of the
+// cluster token can read) by an HMAC-SHA256 over both nonces; the key never travels, and a fresh
+// nonce on each side makes a recorded handshake worthless.
 constexpr uint64_t kHelloMagic = 0x67736c696e6b3032;      // "gslink02"
 constexpr uint64_t kChallengeMagic = 0x67736368616c3032;  // "gschal02"
 // The listener's last word: the proof checked, the link is its peer's (a connector that does
@@ -111,8 +112,8 @@ absl::Status Nonce(unsigned char* out) {
 // A link's send buffer, where the system allows it (net.core.wmem_max). The kernel's own
 // sizing grows the buffer from 16 KiB as the connection's window grows; two nodes sending each
 // other a stage of records at once then waited on each other's reads, for 30-50 ms in about one
-// batch of ten (bench/results/2026-12-04-send-buffer.md). Where wmem_max is lower, setting it would cap the buffer below
-// what the kernel's own sizing reaches: left alone.
+// batch of ten (bench/results/2026-12-04-send-buffer.md). Where wmem_max is lower, setting it would
+// cap the buffer below what the kernel's own sizing reaches: left alone.
 constexpr int kSendBufferBytes = 4 << 20;
 
 bool MaySetSendBuffer() {
@@ -132,7 +133,8 @@ absl::Status SetLinkOptions(int fd) {
   if (absl::Status s = sock::SetInt(fd, IPPROTO_TCP, TCP_NODELAY, 1, "TCP_NODELAY"); !s.ok()) {
     return s;
   }
-  if (MaySetSendBuffer()) return sock::SetInt(fd, SOL_SOCKET, SO_SNDBUF, kSendBufferBytes, "SO_SNDBUF");
+  if (MaySetSendBuffer())
+    return sock::SetInt(fd, SOL_SOCKET, SO_SNDBUF, kSendBufferBytes, "SO_SNDBUF");
   return absl::OkStatus();
 }
 
@@ -213,7 +215,8 @@ absl::StatusOr<UniqueFd> Handshake(const std::string& host, const std::string& p
   if (absl::Status s = Mac(key, Role::kListener, hello, challenge.nonce, expected); !s.ok()) {
     return s;
   }
-  if (challenge.magic != kChallengeMagic || ::CRYPTO_memcmp(expected, challenge.mac, kMacBytes) != 0) {
+  if (challenge.magic != kChallengeMagic ||
+      ::CRYPTO_memcmp(expected, challenge.mac, kMacBytes) != 0) {
     return absl::UnauthenticatedError(
         "the listener could not prove it holds the key published in the job's store");
   }
@@ -370,8 +373,8 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
         break;
       }
       last = fd.status();
-      if (last.code() == absl::StatusCode::kCancelled || last.code() == absl::StatusCode::kInternal ||
-          absl::Now() + kRetryPause >= deadline) {
+      if (last.code() == absl::StatusCode::kCancelled ||
+          last.code() == absl::StatusCode::kInternal || absl::Now() + kRetryPause >= deadline) {
         const absl::StatusCode code = last.code() == absl::StatusCode::kUnauthenticated ||
                                               last.code() == absl::StatusCode::kUnavailable
                                           ? absl::StatusCode::kUnavailable

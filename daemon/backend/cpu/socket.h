@@ -32,7 +32,7 @@ absl::StatusOr<bool> WaitFor(int fd, short events, absl::Time deadline, int canc
 
 /// What a non-blocking read or write did.
 struct Io {
-  size_t bytes = 0;     // moved
+  size_t bytes = 0;          // moved
   bool would_block = false;  // nothing now (EAGAIN)
   bool closed = false;       // reads: the peer closed its end (and sent nothing more)
 };
