@@ -106,7 +106,8 @@ class Script {
       GRADSYNC_FUZZ_CHECK(w->answers == 1);
       if (w->result.ok()) CheckWaitReply(*w);
     }
-    for (const JobStats& job : *store_.ListJobs()) store_.DeleteJob(job.job);
+    const std::vector<JobStats> jobs = *store_.ListJobs();  // a copy: the StatusOr is a temporary
+    for (const JobStats& job : jobs) store_.DeleteJob(job.job);
     GRADSYNC_FUZZ_CHECK(store_.ListJobs()->empty());
     waits_.clear();
     ids_.clear();

@@ -316,12 +316,14 @@ def frozen(directory):
     """Rank 0 of a world of 2 (rank 1 never comes) against a daemon the test freezes."""
     import gradsync
     gradsync.init(rpc_timeout=2.0)
-    emit(ready=True)
-    # 1. The daemon is stopped while this op waits: no answer, the client gives up at the op's
-    #    deadline plus its margin.
+    # 1. The daemon is stopped (once "ready" is out) while this op waits: no answer, the client
+    #    gives up at the op's deadline plus its margin. The op is submitted before "ready", so
+    #    every call it needs is answered before the stop; its deadline (5 s) leaves the test
+    #    time to stop the daemon before the daemon could answer it.
     t0 = time.monotonic()
     a = array.array("f", [1.0] * 4)
-    work = gradsync.all_reduce(a, timeout=1.0, async_op=True)
+    work = gradsync.all_reduce(a, timeout=5.0, async_op=True)
+    emit(ready=True)
     try:
         work.wait()
         emit(first="ok")

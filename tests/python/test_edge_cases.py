@@ -134,7 +134,7 @@ def test_trainer_survives_a_daemon_stopped_and_resumed_under_its_op_and_its_shut
         _wait_line(ranks, "ready", 60)
         daemon.proc.send_signal(signal.SIGSTOP)
         stopped = True
-        first = _wait_line(ranks, "first", 60)  # the op's 1 s deadline plus the 10 s margin
+        first = _wait_line(ranks, "first", 60)  # the op's 5 s deadline plus the 10 s margin
         daemon.proc.send_signal(signal.SIGCONT)
         stopped = False
         open(os.path.join(tmp, "resumed"), "w").close()
@@ -157,7 +157,7 @@ def test_trainer_survives_a_daemon_stopped_and_resumed_under_its_op_and_its_shut
     assert "assertion failed" not in text, text[-3000:]
     assert first["first"] == "DEADLINE_EXCEEDED", first
     assert "no answer from gradsyncd" in first["message"], first
-    assert 10 <= first["took"] < 30, first
+    assert 15 <= first["took"] < 35, first
     lines = {k: v for l in _lines(ranks) for k, v in l.items()}
     # The resumed daemon answers a new op itself: its deadline passed without rank 1.
     assert lines["second"] == "DEADLINE_EXCEEDED", lines
