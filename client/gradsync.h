@@ -98,7 +98,12 @@ int gs_buffer_deregister_id(gs_client* client, uint64_t id);
  * daemon's stream waits for "ready" (recorded by gs_cuda_buffer_ready on the caller's stream)
  * before it reads the buffer; it records "done" after it wrote it, before the op completes;
  * gs_cuda_buffer_wait_done makes the caller's stream wait for that. Nothing here synchronises
- * the host with the device. Built without CUDA: FAILED_PRECONDITION. */
+ * the host with the device. Built without CUDA: FAILED_PRECONDITION.
+ * An event stands for its latest record, so a registration serves one op at a time: the daemon
+ * refuses (FAILED_PRECONDITION) an op naming a registration that an op not yet completed
+ * names, and gs_cuda_buffer_wait_done waits for the registration's latest op, so call it
+ * before the registration's next op. For ops that may overlap on the same memory (two groups,
+ * two threads), register it once per such op: the daemon maps the allocation once. */
 typedef struct gs_cuda_buffer gs_cuda_buffer;
 
 /* The allocation a device pointer lies in (two driver queries, no daemon call). id is unique
@@ -125,9 +130,12 @@ int gs_cuda_buffer_ready(gs_cuda_buffer* buffer, void* stream);
 /* `stream`'s later work waits for the daemon's last write of the buffer ("done"). Call once the
  * op that wrote it completed (gs_op_wait), before the stream reads the result. */
 int gs_cuda_buffer_wait_done(gs_cuda_buffer* buffer, void* stream);
-/* Deregisters from the daemon; the events live on until gs_cuda_buffer_free. */
+/* Deregisters from the daemon, which closes its handles of the events at once, or, if an op
+ * not yet completed names the buffer, when that op completes; the events live on until
+ * gs_cuda_buffer_free. */
 int gs_cuda_buffer_deregister(gs_client* client, const gs_cuda_buffer* buffer);
-/* Destroys the events (after gs_cuda_buffer_deregister, or after gs_close); no daemon call. */
+/* Destroys the events (after gs_cuda_buffer_deregister and the completion of the buffer's ops,
+ * or after gs_close); no daemon call. */
 void gs_cuda_buffer_free(gs_cuda_buffer* buffer);
 
 /* Asynchronous ops: *out receives the op to wait on and free. */

@@ -79,9 +79,14 @@ class SharedBuffer {
 /// way PyTorch shares caching-allocator blocks: the IPC handle of the allocation it lies in,
 /// its offset there, and two interprocess events. The memory stays the caller's; it must stay
 /// allocated while registered. Ops name it like any buffer ({id(), byte_offset, count}).
+/// An event stands for its latest record, so a registration serves one op at a time: the
+/// daemon refuses (FAILED_PRECONDITION) an op naming it while an earlier op naming it has not
+/// completed. Ops that may overlap on the same memory each take a registration of their own
+/// (register it again: the daemon maps the allocation once).
 class CudaBuffer {
  public:
-  ~CudaBuffer();  // destroys the events: deregister first (Client::DestroyCudaBuffer does)
+  ~CudaBuffer();  // destroys the events: deregister first (Client::DestroyCudaBuffer does),
+                  // once the buffer's ops completed (the daemon then has closed its handles)
   CudaBuffer(const CudaBuffer&) = delete;
   CudaBuffer& operator=(const CudaBuffer&) = delete;
 
@@ -95,7 +100,8 @@ class CudaBuffer {
   absl::Status Ready(void* stream = nullptr);
   /// `stream`'s later work waits for the daemon's last write of the buffer ("done"). An op's
   /// Wait() returning OK means the write is enqueued on the daemon's stream; call this (or
-  /// synchronise) before reading the result on the device.
+  /// synchronise) before reading the result on the device, and before the buffer's next op
+  /// (whose "done" replaces this one's).
   absl::Status WaitDone(void* stream = nullptr);
 
  private:

@@ -26,8 +26,15 @@ class MappedBuffer {
   virtual int device() const { return -1; }
   /// Device buffers: the trainer's "ready" event (the daemon's stream waits on it before
   /// reading) and "done" event (recorded after writing; the trainer's stream waits on it).
+  /// Null once ReleaseEvents ran.
   virtual void* ready_event() const { return nullptr; }
   virtual void* done_event() const { return nullptr; }
+  /// Device buffers: closes the daemon's handles of the two events now, though the mapping may
+  /// live on (ops launched on it hold it until they settle; their calls on the events are
+  /// enqueued by then). The engine calls it once no op that may still use the events is in
+  /// flight and the buffer was deregistered (or its session ended): from then on the trainer
+  /// may destroy the events it exported. Idempotent.
+  virtual void ReleaseEvents() {}
 };
 
 /// Turns a handle a trainer sent (a shared-memory descriptor's token; a CUDA IPC handle on GPU

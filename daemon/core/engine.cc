@@ -21,10 +21,12 @@ auto Log() { return logging::Logger("core"); }
 
 // Stands in for the transport's sink while an op is in flight: the session's count of ops in
 // flight drops when the outcome is sent, or when the engine lets go of the op unanswered.
+// It also holds the events of the device buffers the op names (Session::DeviceUse) until then.
 class InFlightSink final : public SessionSink {
  public:
-  InFlightSink(std::shared_ptr<Session> session, std::shared_ptr<SessionSink> inner)
-      : session_(std::move(session)), inner_(std::move(inner)) {}
+  InFlightSink(std::shared_ptr<Session> session, std::shared_ptr<SessionSink> inner,
+               std::vector<std::shared_ptr<Session::DeviceUse>> uses)
+      : session_(std::move(session)), inner_(std::move(inner)), uses_(std::move(uses)) {}
   ~InFlightSink() override { Release(); }
   void OpDone(uint64_t tag, uint64_t seq, const absl::Status& status) override {
     Release();
@@ -33,13 +35,47 @@ class InFlightSink final : public SessionSink {
 
  private:
   void Release() {
-    if (!released_.exchange(true)) session_->ops_in_flight.fetch_sub(1);
+    if (released_.exchange(true)) return;
+    for (const auto& use : uses_) use->Done();
+    session_->ops_in_flight.fetch_sub(1);
   }
 
   const std::shared_ptr<Session> session_;
   const std::shared_ptr<SessionSink> inner_;
+  const std::vector<std::shared_ptr<Session::DeviceUse>> uses_;
   std::atomic<bool> released_{false};
 };
+
+// Takes the events of every device buffer `op` names for it: FAILED_PRECONDITION, taking
+// none, when an op still in flight holds one of them.
+absl::StatusOr<std::vector<std::shared_ptr<Session::DeviceUse>>> TakeDeviceBuffers(
+    Session& session, const v1::OpRequest& op) {
+  std::vector<std::shared_ptr<Session::DeviceUse>> taken;
+  absl::MutexLock lock(&session.mu);
+  if (session.buffers.empty()) return taken;
+  std::vector<uint64_t> ids;
+  for (const auto* segments : {&op.input(), &op.output()}) {
+    for (const v1::Segment& segment : *segments) ids.push_back(segment.buffer_id());
+  }
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  for (uint64_t id : ids) {
+    auto it = session.buffers.find(id);
+    if (it == session.buffers.end() || !it->second.use) continue;  // Resolve says what is wrong
+    Session::DeviceUse& use = *it->second.use;
+    absl::MutexLock use_lock(&use.mu);
+    if (use.busy) {
+      for (const auto& held : taken) held->Done();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "buffer ", id, " (", it->second.mapping->Describe(),
+          ") is named by an op still in flight: a device buffer's ready/done events serve one "
+          "op at a time (register the memory again for each op that may overlap)"));
+    }
+    use.busy = true;
+    taken.push_back(it->second.use);
+  }
+  return taken;
+}
 
 // Answers one member's op after the locks are released.
 void Answer(std::vector<std::function<void()>>& out, std::shared_ptr<SessionSink> sink,
@@ -176,7 +212,15 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
                           "for some to finish")));
     return;
   }
-  const std::shared_ptr<SessionSink> sink = std::make_shared<InFlightSink>(session, transport);
+  absl::StatusOr<std::vector<std::shared_ptr<Session::DeviceUse>>> uses =
+      TakeDeviceBuffers(*session, op);
+  if (!uses.ok()) {
+    session->ops_in_flight.fetch_sub(1);
+    transport->OpDone(tag, 0, uses.status());
+    return;
+  }
+  const std::shared_ptr<SessionSink> sink =
+      std::make_shared<InFlightSink>(session, transport, *std::move(uses));
   const std::shared_ptr<Job>& job = session->job;
   if (job->spans_nodes) {
     absl::Status failed;

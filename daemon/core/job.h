@@ -202,10 +202,43 @@ inline void AssertGroupOf(const Job& job, const Group& group) ABSL_EXCLUSIVE_LOC
 /// One trainer's attachment to the daemon (Engine::Register).
 class Session {
  public:
+  /// A device buffer's events serve one op at a time: an event stands for its latest record
+  /// (a second op's "done" would replace the first's, and a trainer waiting for the first would
+  /// wait for the second only). The op that holds them, from its submission to its answer, and
+  /// whether the buffer went meanwhile (its events are then released at that answer).
+  struct DeviceUse {
+    explicit DeviceUse(std::shared_ptr<MappedBuffer> mapping) : mapping(std::move(mapping)) {}
+    const std::shared_ptr<MappedBuffer> mapping;
+    absl::Mutex mu;
+    bool busy ABSL_GUARDED_BY(mu) = false;
+    bool deregistered ABSL_GUARDED_BY(mu) = false;
+
+    /// The buffer goes (deregistered, or its session ended): its events are released now, or
+    /// by the answer of the op that holds them.
+    void Deregistered() {
+      {
+        absl::MutexLock lock(&mu);
+        deregistered = true;
+        if (busy) return;
+      }
+      mapping->ReleaseEvents();
+    }
+    /// The op that held the events has its answer.
+    void Done() {
+      {
+        absl::MutexLock lock(&mu);
+        busy = false;
+        if (!deregistered) return;
+      }
+      mapping->ReleaseEvents();
+    }
+  };
+
   struct Buffer {
     std::shared_ptr<MappedBuffer> mapping;
     DType dtype;
-    std::string handle;  // what the trainer registered it by (its shm name)
+    std::string handle;              // what the trainer registered it by (its shm name)
+    std::shared_ptr<DeviceUse> use;  // device buffers with events only
   };
 
   Session(std::string id, std::shared_ptr<internal::Job> job, int rank, int local_rank)

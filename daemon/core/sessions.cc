@@ -177,6 +177,9 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
     absl::MutexLock lock(&session.mu);
     session.ended = true;
     buffers_.fetch_sub(static_cast<int64_t>(session.buffers.size()));
+    for (auto& [id, buffer] : session.buffers) {
+      if (buffer.use) buffer.use->Deregistered();  // or when its op in flight is answered
+    }
     session.buffers.clear();  // unmapped now, or when the last op using them finishes
   }
   Log()->info("session closed job={} rank={} session={} reason={}", job->id, session.rank,
@@ -216,11 +219,14 @@ absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
   if (req.dtype() != v1::DTYPE_UNSPECIFIED && DTypeSize(req.dtype()) == 0) {
     return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", req.dtype()));
   }
-  // What names the memory: the shm object, or the CUDA allocation and the offset in it.
+  // What names the memory: the shm object, or the CUDA allocation, the offset in it and the
+  // registration's "ready" event (device memory may be registered once per op in flight on
+  // it, each registration with events of its own: the daemon maps the allocation once).
   const std::string handle =
       req.has_cuda()
           ? absl::StrCat("cuda:dev", req.cuda().device(), ":",
-                         absl::BytesToHexString(req.cuda().mem_handle()), "+", req.cuda().offset())
+                         absl::BytesToHexString(req.cuda().mem_handle()), "+", req.cuda().offset(),
+                         " ready=", absl::BytesToHexString(req.cuda().ready_event()))
           : (req.fd_token().empty() ? req.shm_name() : absl::StrCat("memfd:", req.fd_token()));
   {
     absl::MutexLock lock(&session.mu);
@@ -251,19 +257,29 @@ absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
     if (!imported.ok()) return imported.status();
     return absl::FailedPreconditionError("session has ended");
   }
-  std::unique_ptr<MappedBuffer> mapping = *std::move(imported);
+  std::shared_ptr<MappedBuffer> mapping = *std::move(imported);
   const uint64_t id = session.next_buffer_id++;
   Log()->debug("buffer registered session={} id={} {}", session.id, id, mapping->Describe());
-  session.buffers.emplace(id, Session::Buffer{std::move(mapping), req.dtype(), handle});
+  std::shared_ptr<Session::DeviceUse> use;
+  if (mapping->ready_event() != nullptr || mapping->done_event() != nullptr) {
+    use = std::make_shared<Session::DeviceUse>(mapping);
+  }
+  session.buffers.emplace(id,
+                          Session::Buffer{std::move(mapping), req.dtype(), handle, std::move(use)});
   return id;
 }
 
 absl::Status Engine::DeregisterBuffer(Session& session, uint64_t buffer_id) {
   absl::MutexLock lock(&session.mu);
-  if (session.buffers.erase(buffer_id) == 0) {
+  auto it = session.buffers.find(buffer_id);
+  if (it == session.buffers.end()) {
     return absl::NotFoundError(
         absl::StrCat("buffer ", buffer_id, " is not registered in this session"));
   }
+  // Its events are the trainer's to destroy once this returns (or once the op holding them
+  // is answered).
+  if (it->second.use) it->second.use->Deregistered();
+  session.buffers.erase(it);
   buffers_.fetch_sub(1);
   Log()->debug("buffer deregistered session={} id={}", session.id, buffer_id);
   return absl::OkStatus();

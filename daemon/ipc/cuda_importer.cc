@@ -5,6 +5,8 @@
 
 #include <unistd.h>
 
+#include <atomic>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -50,27 +52,34 @@ class CudaImporter::Mapping final : public core::MappedBuffer {
         done_(done),
         describe_(std::move(describe)) {}
   ~Mapping() override {
-    for (gpu::Event e : {ready_, done_}) {
-      if (absl::Status s = owner_->api_->DestroyEvent(key_.first, e); !s.ok()) {
-        Log()->warn("cuda event not destroyed buffer={} error={}", describe_, s.ToString());
-      }
-    }
+    ReleaseEvents();
     owner_->Release(key_);
   }
   std::byte* data() const override { return data_; }
   int64_t size() const override { return size_; }
   std::string Describe() const override { return describe_; }
   int device() const override { return key_.first; }
-  void* ready_event() const override { return ready_; }
-  void* done_event() const override { return done_; }
+  void* ready_event() const override { return ready_.load(); }
+  void* done_event() const override { return done_.load(); }
+  void ReleaseEvents() override {
+    for (std::atomic<gpu::Event>* held : {&ready_, &done_}) {
+      const gpu::Event e = held->exchange(nullptr);
+      if (e == nullptr) continue;
+      // A record still pending on a stream completes first (cudaEventDestroy releases the
+      // event once the device is done with it).
+      if (absl::Status s = owner_->api_->DestroyEvent(key_.first, e); !s.ok()) {
+        Log()->warn("cuda event not destroyed buffer={} error={}", describe_, s.ToString());
+      }
+    }
+  }
 
  private:
   CudaImporter* const owner_;
   const Key key_;
   std::byte* const data_;
   const int64_t size_;
-  const gpu::Event ready_;
-  const gpu::Event done_;
+  std::atomic<gpu::Event> ready_;
+  std::atomic<gpu::Event> done_;
   const std::string describe_;
 };
 

@@ -62,6 +62,23 @@ TEST_F(CudaImporterTest, BuffersOfOneAllocationShareOneMappingUntilTheLastGoes) 
   ExpectNothingOpen();
 }
 
+TEST_F(CudaImporterTest, ReleasedEventsAreClosedAtOnceWhileTheMappingLivesOn) {
+  // The engine releases a deregistered buffer's events while a launched op still holds its
+  // mapping: the handles close then (the trainer may destroy its events), the memory later.
+  auto a = importer_.Import(Cuda(Handle('a'), 0, 4096));
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(gpu_.events_open, 2);
+  (*a)->ReleaseEvents();
+  EXPECT_EQ(gpu_.events_open, 0);
+  EXPECT_EQ((*a)->ready_event(), nullptr);  // nothing left to wait on or record
+  EXPECT_EQ((*a)->done_event(), nullptr);
+  EXPECT_EQ(importer_.open_allocations(), 1);
+  (*a)->ReleaseEvents();  // idempotent
+  a->reset();
+  EXPECT_EQ(gpu_.destroyed_event_uses, 0);  // none destroyed twice
+  ExpectNothingOpen();
+}
+
 TEST_F(CudaImporterTest, TheSameHandleOnAnotherDeviceIsAnotherMapping) {
   auto a = importer_.Import(Cuda(Handle('a'), 0, 16, 0));
   auto b = importer_.Import(Cuda(Handle('a'), 0, 16, 1));

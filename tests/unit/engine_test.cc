@@ -21,21 +21,30 @@ class FakeImporter final : public BufferImporter {
  public:
   class Mapping final : public MappedBuffer {
    public:
-    Mapping(FakeImporter* owner, std::byte* data, int64_t size, int device)
-        : owner_(owner), data_(data), size_(size), device_(device) {
+    Mapping(FakeImporter* owner, std::byte* data, int64_t size, int device, bool events)
+        : owner_(owner), data_(data), size_(size), device_(device), events_(events) {
       ++owner_->live;
     }
-    ~Mapping() override { --owner_->live; }
+    ~Mapping() override {
+      ReleaseEvents();
+      --owner_->live;
+    }
     std::byte* data() const override { return data_; }
     int64_t size() const override { return size_; }
     std::string Describe() const override { return "fake"; }
     int device() const override { return device_; }
+    void* ready_event() const override { return events_ ? &owner_->event_ : nullptr; }
+    void* done_event() const override { return events_ ? &owner_->event_ : nullptr; }
+    void ReleaseEvents() override {
+      if (events_.exchange(false)) ++owner_->events_released;
+    }
 
    private:
     FakeImporter* owner_;
     std::byte* data_;
     int64_t size_;
     int device_;
+    std::atomic<bool> events_;
   };
 
   std::vector<float>& Create(const std::string& name, size_t n) {
@@ -46,19 +55,25 @@ class FakeImporter final : public BufferImporter {
   absl::StatusOr<std::unique_ptr<MappedBuffer>> Import(
       const v1::RegisterBufferRequest& req) override {
     absl::MutexLock lock(&mu_);
-    auto it = memory_.find(req.shm_name());
-    if (it == memory_.end()) return absl::NotFoundError(req.shm_name());
+    // A CUDA registration maps the memory named by its handle's bytes, with events.
+    const std::string name = req.has_cuda() ? req.cuda().mem_handle() : req.shm_name();
+    auto it = memory_.find(name);
+    if (it == memory_.end()) return absl::NotFoundError(name);
     if (static_cast<int64_t>(it->second.size() * 4) < req.bytes()) {
       return absl::FailedPreconditionError("too small");
     }
-    // Names starting "gpu" stand for device buffers (device 0).
+    // Names starting "gpu" stand for device buffers (device 0); "gpuev" ones and CUDA
+    // registrations have events (a ready and a done).
     return std::make_unique<Mapping>(this, reinterpret_cast<std::byte*>(it->second.data()),
-                                     req.bytes(), absl::StartsWith(req.shm_name(), "gpu") ? 0 : -1);
+                                     req.bytes(), absl::StartsWith(name, "gpu") ? 0 : -1,
+                                     req.has_cuda() || absl::StartsWith(name, "gpuev"));
   }
 
   std::atomic<int> live{0};
+  std::atomic<int> events_released{0};  // by ReleaseEvents, or with the mapping
 
  private:
+  mutable char event_ = 0;  // what every fake event points at
   absl::Mutex mu_;
   std::map<std::string, std::vector<float>> memory_;
 };
@@ -489,6 +504,155 @@ TEST(EngineKeepAliveTest, AnOpsMappingsOutliveItsAnswerTheBuffersDeregistrationA
   EXPECT_EQ(importer.live.load(), 1);    // the communicator still holds the op's mapping
   backend.Release();                     // the op finished on the device
   EXPECT_EQ(importer.live.load(), 0);
+}
+
+// A device buffer's events (ready, done) stand for their latest record: two ops in flight on
+// one registration would share them, and a trainer waiting on the first op's "done" would wait
+// for the second's only. The engine lets one op at a time hold them, and releases them (closes
+// its handles) once the buffer is deregistered and no op in flight holds them, so the trainer
+// may then destroy what it exported.
+class EngineDeviceEventsTest : public ::testing::Test {
+ protected:
+  EngineDeviceEventsTest() : engine_(&backend_, &importer_, &pool_, EngineOptions(), nullptr) {
+    for (int rank = 0; rank < 2; ++rank) {
+      v1::RegisterRequest req;
+      req.set_job("ev");
+      req.set_world_size(2);
+      req.set_rank(rank);
+      req.set_local_rank(rank);
+      req.set_local_world_size(2);
+      auto s = engine_.Register(req);
+      EXPECT_TRUE(s.ok()) << s.status();
+      sessions_[rank] = *s;
+      sinks_[rank] = std::make_shared<RecordingSink>();
+    }
+  }
+
+  uint64_t Register(int rank, const std::string& name) {
+    importer_.Create(name, 16);
+    v1::RegisterBufferRequest breq;
+    breq.set_shm_name(name);
+    breq.set_bytes(64);
+    breq.set_dtype(v1::FLOAT32);
+    auto id = engine_.RegisterBuffer(*sessions_[rank], breq);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : 0;
+  }
+
+  static v1::OpRequest AllReduce(uint64_t buffer, const std::string& group = "world") {
+    v1::OpRequest op;
+    op.set_kind(v1::ALL_REDUCE);
+    op.set_reduce_op(v1::SUM);
+    op.set_dtype(v1::FLOAT32);
+    op.set_group(group);
+    op.set_timeout_ms(20000);
+    v1::Segment* s = op.add_input();
+    s->set_buffer_id(buffer);
+    s->set_count(16);
+    return op;
+  }
+
+  WorkerPool pool_{2};
+  FakeImporter importer_;
+  KeepingBackend backend_;
+  Engine engine_;
+  std::shared_ptr<Session> sessions_[2];
+  std::shared_ptr<RecordingSink> sinks_[2];
+};
+
+TEST_F(EngineDeviceEventsTest, ASecondOpOnABufferWhoseEventsAnOpInFlightHoldsIsRefused) {
+  const uint64_t a = Register(0, "gpuev/0"), b = Register(1, "gpuev/1");
+  engine_.Submit(sessions_[0], sinks_[0], 1, AllReduce(a));  // waits for rank 1
+  // Another op over the same registration, on the same group or another: refused at once.
+  engine_.Submit(sessions_[0], sinks_[0], 2, AllReduce(a));
+  engine_.Submit(sessions_[0], sinks_[0], 3, AllReduce(a, "0"));
+  ASSERT_TRUE(sinks_[0]->WaitFor(2));
+  for (const RecordingSink::Event& e : sinks_[0]->events()) {
+    EXPECT_NE(e.tag, 1u) << "the first op was answered before rank 1 came: " << e.status;
+    EXPECT_EQ(e.seq, 0u);  // refused before it took a sequence number
+    EXPECT_EQ(e.status.code(), absl::StatusCode::kFailedPrecondition) << e.status;
+    EXPECT_TRUE(absl::StrContains(e.status.message(),
+                                  absl::StrCat("buffer ", a,
+                                               " (fake) is named by an op still in "
+                                               "flight: a device buffer's ready/done events "
+                                               "serve one op at a time")))
+        << e.status;
+  }
+  engine_.Submit(sessions_[1], sinks_[1], 1, AllReduce(b));
+  ASSERT_TRUE(sinks_[0]->WaitFor(3));
+  ASSERT_TRUE(sinks_[1]->WaitFor(1));
+  EXPECT_EQ(sinks_[0]->events()[2].tag, 1u);
+  EXPECT_TRUE(sinks_[0]->events()[2].status.ok()) << sinks_[0]->events()[2].status;
+  EXPECT_TRUE(sinks_[1]->events()[0].status.ok()) << sinks_[1]->events()[0].status;
+  // Answered: the buffer's next op is taken, and it is op 1 of the group.
+  engine_.Submit(sessions_[0], sinks_[0], 4, AllReduce(a));
+  engine_.Submit(sessions_[1], sinks_[1], 4, AllReduce(b));
+  ASSERT_TRUE(sinks_[0]->WaitFor(4));
+  EXPECT_TRUE(sinks_[0]->events()[3].status.ok()) << sinks_[0]->events()[3].status;
+  EXPECT_EQ(sinks_[0]->events()[3].seq, 1u);
+  // A host buffer takes no events: two ops in flight over it are fine (the rank's order holds).
+  const uint64_t host = Register(0, "host/0");
+  engine_.Submit(sessions_[0], sinks_[0], 5, AllReduce(host));
+  engine_.Submit(sessions_[0], sinks_[0], 6, AllReduce(host, "0"));
+  ASSERT_TRUE(sinks_[0]->WaitFor(5));
+  EXPECT_EQ(sinks_[0]->events()[4].tag, 6u);  // the one-rank group's op ran; 5 waits for rank 1
+  EXPECT_TRUE(sinks_[0]->events()[4].status.ok()) << sinks_[0]->events()[4].status;
+}
+
+TEST_F(EngineDeviceEventsTest, TheSameDeviceMemoryMayBeRegisteredOncePerOpWithEventsOfItsOwn) {
+  importer_.Create("gpu-alloc-7", 16);
+  v1::RegisterBufferRequest breq;
+  breq.set_bytes(64);
+  breq.set_dtype(v1::FLOAT32);
+  v1::CudaIpcBuffer* c = breq.mutable_cuda();
+  c->set_mem_handle("gpu-alloc-7");
+  c->set_ready_event("ready-1");
+  c->set_done_event("done-1");
+  auto first = engine_.RegisterBuffer(*sessions_[0], breq);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto again = engine_.RegisterBuffer(*sessions_[0], breq);  // the same registration twice
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists) << again.status();
+  c->set_ready_event("ready-2");
+  c->set_done_event("done-2");
+  auto second = engine_.RegisterBuffer(*sessions_[0], breq);
+  ASSERT_TRUE(second.ok()) << second.status();
+  // Each registration carries one op in flight: two concurrent ops over the allocation.
+  engine_.Submit(sessions_[0], sinks_[0], 1, AllReduce(*first));
+  engine_.Submit(sessions_[0], sinks_[0], 2, AllReduce(*second, "0"));
+  ASSERT_TRUE(sinks_[0]->WaitFor(1));
+  EXPECT_EQ(sinks_[0]->events()[0].tag, 2u);
+  EXPECT_TRUE(sinks_[0]->events()[0].status.ok()) << sinks_[0]->events()[0].status;
+}
+
+TEST_F(EngineDeviceEventsTest, EventsAreReleasedAtDeregistrationOrAtTheAnswerOfTheOpHoldingThem) {
+  const uint64_t a = Register(0, "gpuev/0"), b = Register(1, "gpuev/1");
+  engine_.Submit(sessions_[0], sinks_[0], 1, AllReduce(a));
+  engine_.Submit(sessions_[1], sinks_[1], 1, AllReduce(b));
+  ASSERT_TRUE(sinks_[0]->WaitFor(1));
+  ASSERT_TRUE(sinks_[1]->WaitFor(1));
+  ASSERT_EQ(backend_.kept(), 1u);  // launched: the mappings stay with the op
+  EXPECT_EQ(importer_.events_released.load(), 0);
+  ASSERT_TRUE(engine_.DeregisterBuffer(*sessions_[0], a).ok());
+  // Released at once, though the launched op still holds the mapping: its calls on the events
+  // are enqueued, and the trainer may destroy them now.
+  EXPECT_EQ(importer_.events_released.load(), 1);
+  EXPECT_EQ(importer_.live.load(), 2);
+  // Deregistered while an op in flight holds them: released by that op's answer.
+  const uint64_t c = Register(0, "gpuev/2");
+  engine_.Submit(sessions_[0], sinks_[0], 2, AllReduce(c));  // waits for rank 1
+  ASSERT_TRUE(engine_.DeregisterBuffer(*sessions_[0], c).ok());
+  EXPECT_EQ(importer_.events_released.load(), 1);
+  engine_.Submit(sessions_[1], sinks_[1], 2, AllReduce(b));
+  ASSERT_TRUE(sinks_[0]->WaitFor(2));
+  EXPECT_TRUE(sinks_[0]->events()[1].status.ok()) << sinks_[0]->events()[1].status;
+  EXPECT_EQ(importer_.events_released.load(), 2);
+  // The session's end releases the rest (rank 1's buffer).
+  engine_.Unregister(*sessions_[1], "done");
+  EXPECT_EQ(importer_.events_released.load(), 3);
+  engine_.Unregister(*sessions_[0], "done");
+  backend_.Release();
+  EXPECT_EQ(importer_.live.load(), 0);
+  EXPECT_EQ(importer_.events_released.load(), 3);  // none twice
 }
 
 // Two engines as two nodes of one job, sharing the root's store: node A holds ranks 0 and 1,

@@ -1010,6 +1010,48 @@ TEST_F(TwoNodesTest, AFailureOnTheFirstOpReachesANodeWaitingForTheId) {
   EXPECT_TRUE(absl::StrContains(sb.message(), "rank 0 never submitted")) << sb;
 }
 
+TEST_F(TwoNodesTest, AJobWideAbortEndsAnOpWaitingForItsIdAtOnce) {
+  // B's first op on a new group waits for the NCCL id from node A (the group's rank 0), which
+  // never comes: the peer watch finds A lost and aborts the job's communicators on B. The
+  // waiting op fails with that reason, not at its deadline (it waits without the group's
+  // lock, and the abort ends the wait).
+  auto late = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "other"));
+  absl::Status sb;
+  absl::Notification returned;
+  std::thread t([&] {
+    sb = late->Run(AllReduce({{1, 0}}, 2, 0, absl::Seconds(20)));
+    returned.Notify();
+  });
+  const absl::Status lost = absl::UnavailableError("node a:7451 (ranks 0) lost: no word for 1.5 s");
+  // Until the op has begun (its group exists), an abort finds nothing: told again, bounded.
+  for (int i = 0; i < 200 && !returned.WaitForNotificationWithTimeout(absl::Milliseconds(50));
+       ++i) {
+    late->Abort(lost);
+  }
+  t.join();
+  EXPECT_EQ(sb.code(), absl::StatusCode::kUnavailable) << sb;
+  EXPECT_TRUE(absl::StrContains(sb.message(), "node a:7451 (ranks 0) lost: no word for 1.5 s"))
+      << sb;
+}
+
+TEST_F(TwoNodesTest, TheJobsEndDoesNotWaitBehindAnOpWaitingForItsId) {
+  // No group lock is held across a store round trip: while B's op waits for its NCCL id, the
+  // job's end on B (which takes every group's lock) returns at once.
+  auto late = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "other"));
+  absl::Status sb;
+  std::atomic<bool> returned{false};
+  std::thread t([&] {
+    sb = late->Run(AllReduce({{1, 0}}, 2, 0, absl::Seconds(3)));
+    returned = true;
+  });
+  absl::SleepFor(absl::Milliseconds(300));  // the op is waiting for the id by then
+  b_backend_.JobEnded("j");
+  EXPECT_FALSE(returned.load()) << "the job's end waited for the op: " << sb;
+  t.join();
+  EXPECT_EQ(sb.code(), absl::StatusCode::kDeadlineExceeded) << sb;
+  EXPECT_TRUE(absl::StrContains(sb.message(), "never came from the node of rank 0")) << sb;
+}
+
 TEST_F(TwoNodesTest, ALostNodeAbortsTheJobsCommunicatorsThroughTheGroupsAbort) {
   auto b_pair = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "pair"));
   auto a_pair = Make(NodeSpec({0}, "a:7451", "pair"));

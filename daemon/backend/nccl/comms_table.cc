@@ -128,6 +128,7 @@ void CommsTable::AbortJob(const std::string& job, const absl::Status& reason,
       absl::MutexLock reason_lock(&c->reason_mu);
       c->abort_reason = reason;
     }
+    c->aborts.fetch_add(1);  // after the reason: whoever sees the count reads the reason
     if (!c->mu.TryLock()) {  // running an op (possibly the caller's own): it aborts when it looks
       c->abort_requested = true;
       continue;

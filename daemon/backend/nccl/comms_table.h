@@ -64,6 +64,9 @@ struct GroupComms {
   absl::Status launch_failure ABSL_GUARDED_BY(mu);
   // A job-wide abort that found the group running an op: the op aborts when it next looks.
   std::atomic<bool> abort_requested{false};
+  // Job-wide aborts so far: an op preparing without the lock (NcclCommunicator::Prepare) fails
+  // when one comes meanwhile.
+  std::atomic<uint64_t> aborts{0};
   mutable absl::Mutex reason_mu ABSL_ACQUIRED_AFTER(mu);
   absl::Status abort_reason ABSL_GUARDED_BY(reason_mu);
 

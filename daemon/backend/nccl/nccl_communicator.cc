@@ -224,11 +224,22 @@ absl::Status NcclCommunicator::Run(const core::Collective& op) {
       spec_, op, Spanning() ? spec_->rendezvous : nullptr, NodeFingerprint(op));
   absl::Status s;
   bool watched = false;  // the group owns `launched` now: only under its lock from here on
-  while (true) {
+  std::optional<Prepared> prepared;
+  for (int tries = 0; true;) {
     std::shared_ptr<GroupComms> c = table_->Get(spec_->job, spec_->group);
+    if (!prepared) prepared = Prepare(*c, op, *launched, later);
     LockedComms locked(c.get());
     if (c->erased) continue;  // dropped meanwhile: a fresh one is in the table now
-    s = RunOnGroupLocked(*c, op, *launched, later);
+    // The group's communicators went while the op prepared to use them (dropped or rebuilt
+    // elsewhere; an abort fails the op instead): prepared again, a few times at most.
+    if (prepared->status.ok() && prepared->comms.empty() && prepared->plan.ok() &&
+        !prepared->plan->members.empty() && c->launch_failure.ok() &&
+        NeedsBuildLocked(*c, *prepared, op.group_size) &&
+        c->aborts.load() == prepared->aborts_seen && ++tries <= 2) {
+      prepared.reset();
+      continue;
+    }
+    s = RunOnGroupLocked(*c, op, *launched, *prepared, later);
     if (s.ok() && !launched->finished.empty()) {
       c->launched.push_back(launched);
       table_->NoteLaunched(c);
@@ -236,6 +247,8 @@ absl::Status NcclCommunicator::Run(const core::Collective& op) {
     }
     break;
   }
+  // Built for the op but not taken (it failed first): gone, so the other nodes' fail too.
+  for (gpu::Comm comm : prepared->comms) (void)api_->NcclCommAbort(comm);
   if (watched) return s;
   for (const auto& [device, event] : launched->finished) (void)api_->DestroyEvent(device, event);
   launched->peers.Finished(s);
@@ -248,8 +261,55 @@ absl::Status NcclCommunicator::Run(const core::Collective& op) {
   return s;
 }
 
+NcclCommunicator::Prepared NcclCommunicator::Prepare(GroupComms& c, const core::Collective& op,
+                                                     LaunchedOp& launched, DeferredWrites& later) {
+  Prepared p;
+  p.aborts_seen = c.aborts.load();
+  // Checked before any NCCL call: a local desync or a refused layout never reaches NCCL.
+  if (!op.local_failure.ok()) return p;  // RunLocked fails the op with it
+  p.plan = MakePlan(op);
+  if (!p.plan.ok() || p.plan->members.empty()) return p;
+  for (const Member& m : p.plan->members) {
+    p.devices.push_back(m.device);
+    p.ranks.push_back(m.group_rank);
+  }
+  PeerFailureWatch& peers = launched.peers;
+  // A job-wide abort (a lost node, another group's failure) ends the waits below at once.
+  peers.InterruptWith([&c, seen = p.aborts_seen]() -> absl::Status {
+    if (c.aborts.load() == seen) return absl::OkStatus();
+    const absl::Status reason = c.AbortReason();
+    return reason.ok() ? absl::AbortedError("the job's communicators on this node were aborted")
+                       : reason;
+  });
+  // A fused op across nodes: its calls follow its segmentation, which the engine's fingerprint
+  // does not hold, and a fast op split differently would complete with garbage before the
+  // watch compares: the nodes compare it before any NCCL call. (A contiguous op keeps to the
+  // watch after PeerFailureWatch::kWatchAfter: no extra round.)
+  if (Spanning() && !HasOutput(op.kind) && op.local.front().input.size() > 1) {
+    p.status = peers.CompareBeforeLaunch(OtherNodes());
+  }
+  bool build = false;
+  if (p.status.ok()) {
+    LockedComms locked(&c);  // a look (and a deferred abort): nothing waits on others under it
+    if (!c.erased && c.abort_requested.exchange(false)) {  // aborted while an op ran
+      (void)table_->AbortLocked(c, c.AbortReason(), later);
+    }
+    // A launched op's failure fails this op before it builds anything (RunOnGroupLocked).
+    build = c.erased || (c.launch_failure.ok() && NeedsBuildLocked(c, p, op.group_size));
+  }
+  if (build) p.status = Build(op, p, peers, later, &p.comms);
+  peers.InterruptWith(nullptr);
+  return p;
+}
+
+bool NcclCommunicator::NeedsBuildLocked(const GroupComms& c, const Prepared& p, int group_size) {
+  return c.comms.empty() || c.devices != p.devices || c.ranks != p.ranks ||
+         c.group_size != group_size;
+}
+
 absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Collective& op,
-                                                LaunchedOp& launched, DeferredWrites& later) {
+                                                LaunchedOp& launched, Prepared& prepared,
+                                                DeferredWrites& later) {
   if (c.kept_until != absl::InfinitePast()) {
     Log()->info("nccl communicators kept from the job's last run reused job={} group={}",
                 spec_->job, spec_->group);
@@ -274,7 +334,7 @@ absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Colle
       s = TakeLaunchFailureLocked(c, op);
     }
   }
-  if (s.ok()) s = RunLocked(c, op, launched, later);
+  if (s.ok()) s = RunLocked(c, op, launched, prepared, later);
   if (s.ok()) return s;
   if (Spanning() && !c.comms.empty()) {
     // The other nodes run this op: its calls would no longer pair up. The earlier ops, which
@@ -291,28 +351,23 @@ absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Colle
 }
 
 absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& op,
-                                         LaunchedOp& launched, DeferredWrites& later) {
+                                         LaunchedOp& launched, Prepared& prepared,
+                                         DeferredWrites& later) {
   PeerFailureWatch& peers = launched.peers;
   if (!op.local_failure.ok()) return op.local_failure;
-  // Checked before any NCCL call: a local desync or a refused layout never reaches NCCL.
-  absl::StatusOr<Plan> plan = MakePlan(op);
-  if (!plan.ok()) return plan.status();
-  const std::vector<Member>& members = plan->members;
+  if (!prepared.plan.ok()) return prepared.plan.status();
+  const Plan& plan = *prepared.plan;
+  const std::vector<Member>& members = plan.members;
   if (members.empty()) return absl::OkStatus();
-  // A fused op across nodes: its calls follow its segmentation, which the engine's fingerprint
-  // does not hold, and a fast op split differently would complete with garbage before the
-  // watch compares: the nodes compare it before any NCCL call. (A contiguous op keeps to the
-  // watch after PeerFailureWatch::kWatchAfter: no extra round.)
-  if (Spanning() && !HasOutput(op.kind) && op.local.front().input.size() > 1) {
-    if (absl::Status s = peers.CompareBeforeLaunch(OtherNodes()); !s.ok()) return s;
+  if (c.aborts.load() != prepared.aborts_seen) {  // while it prepared: its comms are gone
+    const absl::Status reason = c.AbortReason();
+    return Context(op, reason.ok() ? absl::AbortedError("the job's communicators on this node "
+                                                        "were aborted")
+                                   : reason);
   }
-  std::vector<int> devices, ranks;
-  for (const Member& m : members) {
-    devices.push_back(m.device);
-    ranks.push_back(m.group_rank);
-  }
-  if (!c.comms.empty() &&
-      (c.devices != devices || c.ranks != ranks || c.group_size != op.group_size)) {
+  if (!prepared.status.ok()) return prepared.status;
+  const std::vector<int>& devices = prepared.devices;
+  if (!c.comms.empty() && NeedsBuildLocked(c, prepared, op.group_size)) {
     // The earlier ops on the old communicators finish (or fail) first.
     if (absl::Status w = AwaitLaunchedLocked(*table_, c, 0, op.deadline, later); !w.ok()) {
       return Context(op, w);
@@ -323,7 +378,11 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
                               later);
   }
   if (c.comms.empty()) {
-    if (absl::Status s = BuildLocked(c, op, members, devices, peers, later); !s.ok()) return s;
+    if (prepared.comms.empty()) {
+      return Context(op, absl::UnavailableError("the group's NCCL communicators went while the "
+                                                "op prepared to use them"));
+    }
+    InstallLocked(c, op, prepared, later);
   }
   // Also when this op built them: once launched and answered, its failure on another node
   // (a job-wide abort there that took its launched ops) says only broken/<b>, not fail/<seq>.
@@ -344,7 +403,7 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
       }
     }
   }
-  if (absl::Status s = LaunchLocked(c, op, *plan); !s.ok()) {
+  if (absl::Status s = LaunchLocked(c, op, plan); !s.ok()) {
     // Some ranks' kernels may be queued already: stopped, and gone, before the buffers go.
     return Context(op, WithDrain(s, table_->AbortLocked(c, s, later)));
   }
@@ -407,13 +466,13 @@ absl::StatusOr<std::string> NcclCommunicator::UniqueId(const core::Collective& o
   }
 }
 
-absl::Status NcclCommunicator::BuildLocked(GroupComms& c, const core::Collective& op,
-                                           const std::vector<Member>& members,
-                                           const std::vector<int>& devices, PeerFailureWatch& peers,
-                                           DeferredWrites& later) {
+absl::Status NcclCommunicator::Build(const core::Collective& op, const Prepared& p,
+                                     PeerFailureWatch& peers, DeferredWrites& later,
+                                     std::vector<gpu::Comm>* out) {
   absl::StatusOr<std::string> id = UniqueId(op, IdKey(*spec_, op.seq), peers);
   if (!id.ok()) return id.status();
-  table_->DropKeptOn(devices, spec_->job, later);  // their GPU memory is this job's now
+  table_->DropKeptOn(p.devices, spec_->job, later);  // their GPU memory is this job's now
+  const std::vector<Member>& members = p.plan->members;
   std::vector<gpu::Comm> comms;
   absl::Status s = api_->NcclGroupStart();
   for (size_t i = 0; s.ok() && i < members.size(); ++i) {
@@ -436,10 +495,16 @@ absl::Status NcclCommunicator::BuildLocked(GroupComms& c, const core::Collective
     for (gpu::Comm comm : comms) (void)api_->NcclCommAbort(comm);
     return Context(op, s);
   }
-  c.comms = std::move(comms);
-  c.devices = devices;
-  c.ranks.clear();
-  for (const Member& m : members) c.ranks.push_back(m.group_rank);
+  *out = std::move(comms);
+  return absl::OkStatus();
+}
+
+void NcclCommunicator::InstallLocked(GroupComms& c, const core::Collective& op, Prepared& p,
+                                     DeferredWrites& later) {
+  c.comms = std::move(p.comms);
+  p.comms.clear();
+  c.devices = p.devices;
+  c.ranks = p.ranks;
   c.group_size = op.group_size;
   if (Spanning() && RootHere() && c.id_built_at) {
     // Every node has its communicators from that id, or gave up on them: it is done.
@@ -453,8 +518,7 @@ absl::Status NcclCommunicator::BuildLocked(GroupComms& c, const core::Collective
   c.run = spec_->run;
   c.node = NodeAndRanks();
   Log()->info("nccl communicators ready job={} group={} ranks={} local={} devices={}", spec_->job,
-              spec_->group, op.group_size, members.size(), absl::StrJoin(devices, ","));
-  return absl::OkStatus();
+              spec_->group, op.group_size, p.devices.size(), absl::StrJoin(p.devices, ","));
 }
 
 absl::Status NcclCommunicator::LaunchLocked(GroupComms& c, const core::Collective& op,

@@ -94,23 +94,43 @@ class NcclCommunicator final : public core::Communicator {
   // The group's other nodes, each once.
   std::vector<std::string> OtherNodes() const;
 
+  // What an op does before it takes its group's lock: every wait on the store or on other
+  // nodes (a fused op's comparison across nodes, the NCCL id, the communicators' non-blocking
+  // initialisation) happens here, so that the lock is held only to launch, and a job-wide
+  // abort, the launch watcher or the job's end never wait behind a store round trip.
+  struct Prepared {
+    absl::StatusOr<Plan> plan = absl::UnknownError("not planned");
+    std::vector<int> devices, ranks;  // of the plan's members
+    absl::Status status;              // not OK: the op fails with it
+    std::vector<gpu::Comm> comms;     // built for this op (empty: the group's serve)
+    uint64_t aborts_seen = 0;         // GroupComms::aborts when it began
+  };
+  Prepared Prepare(GroupComms& c, const core::Collective& op, LaunchedOp& launched,
+                   DeferredWrites& later) ABSL_LOCKS_EXCLUDED(c.mu);
+  // Whether the op needs communicators other than the group's (none yet, or another layout).
+  static bool NeedsBuildLocked(const GroupComms& c, const Prepared& p, int group_size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // The op on the group whose lock is held, from a job-wide abort requested while it was idle
   // and the group's earlier launched ops to the op's launch.
   absl::Status RunOnGroupLocked(GroupComms& c, const core::Collective& op, LaunchedOp& launched,
-                                DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
-  // Builds (when needed) and launches the op; on OK `launched.finished` marks its end.
+                                Prepared& prepared, DeferredWrites& later)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  // Installs the prepared communicators (when built) and launches the op; on OK
+  // `launched.finished` marks its end.
   absl::Status RunLocked(GroupComms& c, const core::Collective& op, LaunchedOp& launched,
-                         DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+                         Prepared& prepared, DeferredWrites& later)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // The unique id of the communicators op `op` builds: made here when the group's rank 0 is
   // local (and published for the other nodes), otherwise fetched from the job's store, where
   // that rank's node put it.
   absl::StatusOr<std::string> UniqueId(const core::Collective& op, const std::string& key,
                                        PeerFailureWatch& peers);
-  // Creates the group's communicators on this node, one per local member, through one
-  // ncclGroupStart/End.
-  absl::Status BuildLocked(GroupComms& c, const core::Collective& op,
-                           const std::vector<Member>& members, const std::vector<int>& devices,
-                           PeerFailureWatch& peers, DeferredWrites& later)
+  // Creates communicators for the op's members on this node, one per local member, through
+  // one ncclGroupStart/End, and waits for their initialisation. No group lock held.
+  absl::Status Build(const core::Collective& op, const Prepared& p, PeerFailureWatch& peers,
+                     DeferredWrites& later, std::vector<gpu::Comm>* comms);
+  // The group takes the communicators `p` built.
+  void InstallLocked(GroupComms& c, const core::Collective& op, Prepared& p, DeferredWrites& later)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // The plan's calls: for each call, on every local rank, in one ncclGroupStart/End.
   absl::Status LaunchLocked(GroupComms& c, const core::Collective& op, const Plan& plan)

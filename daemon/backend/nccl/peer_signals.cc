@@ -94,6 +94,9 @@ std::optional<std::string> BackgroundKeyWait::value() const {
 }
 
 absl::Status PeerFailureWatch::Check() {
+  if (interrupt_) {
+    if (absl::Status s = interrupt_(); !s.ok()) return s;
+  }
   if (store_ == nullptr) return absl::OkStatus();
   const absl::Time now = absl::Now();
   if (!fail_) {

@@ -112,6 +112,9 @@ class PeerFailureWatch {
   /// The op runs on communicators built at op `built_at` (its own seq when it built them; none
   /// while it is building them).
   void RunsOn(std::optional<uint64_t> built_at) { built_at_ = built_at; }
+  /// While set, Check (and the waits that call it) first asks `interrupt`: not OK ends them with
+  /// that status (the group's job-wide abort, while the op prepares without its group's lock).
+  void InterruptWith(std::function<absl::Status()> interrupt) { interrupt_ = std::move(interrupt); }
 
   /// OK, or the reason another node's word gives: ABORTED (it failed the op or abandoned the
   /// communicators) or FAILED_PRECONDITION (desync). Past kWatchAfter it reads the store (and
@@ -149,6 +152,7 @@ class PeerFailureWatch {
   const core::Collective& op_;
   const std::string fingerprint_;
   std::optional<uint64_t> built_at_;
+  std::function<absl::Status()> interrupt_;
   const absl::Time start_ = absl::Now();
   absl::Time next_compare_ = absl::InfinitePast();
   std::optional<BackgroundKeyWait> fail_, broken_;
