@@ -9,12 +9,11 @@ does not); the two paths alternate so that drift hits both alike; medians.
                            [--sizes 4096,65536,...] [--iters 20]
 """
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
+
+import torch_gpu_common
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 
@@ -28,23 +27,11 @@ def main():
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     args = ap.parse_args()
     start = time.monotonic()
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError as e:
-        sys.exit(print(f"torch_gpu_allreduce: no torch here ({e})") or 77)
-    if not torch.cuda.is_available():
-        sys.exit(print(f"torch_gpu_allreduce: torch {torch.__version__} sees no CUDA device") or 77)
-    import gradsync
-    store = os.path.join(tempfile.mkdtemp(prefix="gradsync-tbench-"), "store")
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
-    gradsync.init(job="torchbench", rank=0, world_size=1, local_rank=0, local_world_size=1,
-                  socket=args.socket)
-    nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    info = {"bench": "torch_gpu_allreduce", "ranks": 1, "device": torch.cuda.get_device_name(0),
-            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "torch_nccl": nccl,
-            "python": sys.version.split()[0], "complete": True, "skipped_sizes": [],
-            "results": []}
+    torch = torch_gpu_common.need_cuda("torch_gpu_allreduce")
+    dist, gradsync = torch_gpu_common.init_collectives("torchbench", 0, 1, args.socket)
+    info = {"bench": "torch_gpu_allreduce", "ranks": 1, **torch_gpu_common.torch_info(torch),
+            "complete": True, "skipped_sizes": [], "results": []}
+    nccl = info["torch_nccl"]
 
     def timed(fn, x):
         t0 = time.perf_counter()
@@ -59,10 +46,7 @@ def main():
         gradsync.all_reduce(x, op="mean")
 
     def write():
-        if args.json:
-            with open(args.json + ".tmp", "w") as f:
-                json.dump(info, f, indent=1)
-            os.replace(args.json + ".tmp", args.json)
+        torch_gpu_common.write_json(args.json, info)
 
     print(f"# torch_gpu_allreduce, one rank: {info['device']}, torch {torch.__version__} "
           f"(CUDA {torch.version.cuda}, NCCL {nccl}), Python {info['python']}")

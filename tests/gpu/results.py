@@ -2,13 +2,17 @@
 results file with it and what the machine is (GPU, driver, CUDA, NCCL, torch).
 
     results.py --out RESULTS.json [--cpp gpu_bench.json] [--torch torch_bench.json]
-               [--driver VERSION] [--copy bench/results-DATE-gpu.json]
+               [--overlap gpu_overlap.json ...] [--driver VERSION]
+               [--copy bench/results-DATE-gpu.json]
 
-Rows: the daemon path against direct ncclAllReduce on the same buffers (bench/gpu_bench.cc), and
+Rows: the daemon path against direct ncclAllReduce on the same buffers (bench/gpu_bench.cc),
 gradsync.all_reduce on CUDA tensors against torch.distributed NCCL (bench/
-torch_gpu_allreduce.py); median microseconds per op. The goals of the GPU plane are marked where
-they apply: at 64 MiB and above within 3% of the baseline, at 4 KiB at most 15 us over it.
-A missing or partial input is said, not hidden. Standard library only.
+torch_gpu_allreduce.py), median microseconds per op; and the overlap case (bench/gpu_overlap.py,
+once per --overlap file: without MPS, with MPS), median step time reducing buckets through the
+daemon against in-process torch NCCL, bytes being a step's buckets. The goals of the GPU plane
+are marked where they apply: at 64 MiB and above within 3% of the baseline, at 4 KiB at most
+15 us over it, an overlap step with MPS at most 1.10 times torch NCCL's. A missing or partial
+input is said, not hidden. Standard library only.
 """
 import argparse
 import json
@@ -34,6 +38,46 @@ def goal(nbytes, ratio, overhead_us):
     return ""
 
 
+def overlap_rows(data):
+    """The overlap case's rows: one per run (ranks), step times in microseconds."""
+    cfg = data.get("config", {})
+    nbytes = cfg.get("buckets", 0) * (cfg.get("bucket_mib", 0) << 20)
+    rows = []
+    for r in data.get("runs", []):
+        ms = r["ms"]
+        ranks = r["ranks"]
+        rows.append({"path": f"overlap step ({ranks} rank{'s' if ranks > 1 else ''}, MPS "
+                             f"{r['mps']})", "bytes": nbytes, "iters": r["steps"],
+                     "baseline_us": ms["nccl"]["median"] * 1e3,
+                     "gradsync_us": ms["gradsync"]["median"] * 1e3,
+                     "compute_us": ms["compute"]["median"] * 1e3, "ratio": r["ratio"],
+                     "overhead_us": (ms["gradsync"]["median"] - ms["nccl"]["median"]) * 1e3,
+                     "goal": (("ok (<=1.10)" if r["ratio"] <= 1.10 else "MISSED (>1.10)")
+                              if r["mps"] == "on" else "")})
+    return rows
+
+
+def overlap_notes(path, data):
+    """What the table does not show of one overlap result: errors, MPS not had, cut runs."""
+    if data is None:
+        return [f"gpu_overlap: no results ({path})"]
+    if "error" in data:
+        return [data["error"]]
+    name = "gpu_overlap --mps" if data.get("mps", {}).get("requested") else "gpu_overlap"
+    notes = [f"{name}: {e}" for e in data.get("errors", [])]
+    if data.get("mps", {}).get("reason"):
+        notes.append(f"{name}: {data['mps']['reason']}")
+    for r in data.get("runs", []):
+        if r["steps"] < data.get("config", {}).get("steps", 0):
+            notes.append(f"{name}: {r['ranks']} rank(s): {r['steps']} timed steps of "
+                         f"{data['config']['steps']} (budget)")
+        if r.get("mps_reason"):
+            notes.append(f"{name}: {r['ranks']} rank(s): MPS partial: {r['mps_reason']}")
+        notes += [f"{name}: value check FAILED: {k}" for k, ok in r.get("checks", {}).items()
+                  if not ok]
+    return notes
+
+
 def version(v):
     return f"{v // 1000}.{(v % 1000) // 10}" if isinstance(v, int) else str(v)
 
@@ -43,10 +87,13 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpp")
     ap.add_argument("--torch")
+    ap.add_argument("--overlap", action="append", default=[],
+                    help="a bench/gpu_overlap.py result (once per run of it)")
     ap.add_argument("--driver", default="")
     ap.add_argument("--copy", default="")
     args = ap.parse_args()
     cpp, tor = load(args.cpp), load(args.torch)
+    overlaps = [(path, load(path)) for path in args.overlap]
     rows = []
     for r in (cpp or {}).get("results", []):
         rows.append({"path": f"daemon vs ncclAllReduce ({r['mode']})", "bytes": r["bytes"],
@@ -60,18 +107,23 @@ def main():
                      "overhead_us": r["overhead_us"]})
     for r in rows:
         r["goal"] = goal(r["bytes"], r["ratio"], r["overhead_us"])
+    for _, data in overlaps:
+        if data and "error" not in data:
+            rows += overlap_rows(data)
+    ran = [data for _, data in overlaps if data and "error" not in data]
+    tor_like = tor or (ran[0] if ran else None)
     machine = {
         "date": time.strftime("%Y-%m-%d"),
-        "device": (cpp or tor or {}).get("device", "unknown"),
+        "device": (cpp or tor_like or {}).get("device", "unknown"),
         "driver": args.driver or (version(cpp["cuda_driver"]) if cpp and "cuda_driver" in cpp
                                   else "unknown"),
         "cuda_runtime": version(cpp["cuda_runtime"]) if cpp and "cuda_runtime" in cpp else None,
         "nccl": (f"{cpp['nccl'] // 10000}.{(cpp['nccl'] % 10000) // 100}.{cpp['nccl'] % 100}"
                  if cpp and isinstance(cpp.get("nccl"), int) else None),
-        "torch": tor.get("torch") if tor else None,
-        "torch_cuda": tor.get("torch_cuda") if tor else None,
-        "torch_nccl": tor.get("torch_nccl") if tor else None,
-        "python": tor.get("python") if tor else None,
+        "torch": tor_like.get("torch") if tor_like else None,
+        "torch_cuda": tor_like.get("torch_cuda") if tor_like else None,
+        "torch_nccl": tor_like.get("torch_nccl") if tor_like else None,
+        "python": tor_like.get("python") if tor_like else None,
     }
     notes = []
     for name, data in (("gpu_bench", cpp), ("torch_gpu_allreduce", tor)):
@@ -81,8 +133,11 @@ def main():
             notes.append(data["error"])
         elif not data.get("complete", False):
             notes.append(f"{name}: partial, sizes skipped {data.get('skipped_sizes')}")
+    for path, data in overlaps:
+        notes += overlap_notes(path, data)
     result = {"machine": machine, "rows": rows, "notes": notes,
-              "gpu_bench": cpp, "torch_gpu_allreduce": tor}
+              "gpu_bench": cpp, "torch_gpu_allreduce": tor,
+              "gpu_overlap": [data for _, data in overlaps]}
     for path in filter(None, (args.out, args.copy)):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:

@@ -7,13 +7,17 @@
 #                 NCCL_IB_DISABLE=1), which then stay on. Skipped (no GPU): exit 77 at once.
 #   3. benchmark  the daemon path against direct NCCL on the same buffers (bench/gpu_bench.cc),
 #                 then gradsync.all_reduce on CUDA tensors against torch.distributed NCCL
-#                 (bench/torch_gpu_allreduce.py, the machine's own Python and torch), only if
-#                 the first test passed
+#                 (bench/torch_gpu_allreduce.py, the machine's own Python and torch), then the
+#                 overlap case (bench/gpu_overlap.py: step time of a compute loop reducing
+#                 25 MiB buckets through a daemon of its own against in-process torch NCCL),
+#                 once without MPS and once with --mps (it starts MPS where the machine lets
+#                 it, else says why and measures without), at most 90 s each; all only if the
+#                 first test passed
 #   4. the other gpu tests, each its own process under its own timeout
 #   5. the Python GPU tests with the machine's own torch (tests/gpu/test_python_gpu.py: CUDA
 #                 tensors through the daemon, a one-rank DistributedOptimizer against a plain
 #                 optimizer, the DDP hook, two one-rank jobs on one GPU at once)
-#   6. one table of both benchmarks, printed last and written with the GPU, driver, CUDA,
+#   6. one table of every benchmark, printed last and written with the GPU, driver, CUDA,
 #                 NCCL and torch versions to $OUT/results.json and bench/results-DATE-gpu.json
 #                 (tests/gpu/results.py)
 # Whatever hangs, the whole run ends within GRADSYNC_GPU_BUDGET_S (default 420 s; the device
@@ -32,7 +36,7 @@
 # The Python package: this tree's client/python/gradsync over the binaries' libgradsync_c.so
 # (GRADSYNC_LIBRARY), so its Python files are never older than the tree.
 # Files in $OUT (at most 8): summary.txt probe.txt gpu_tests.log (C++ and Python tests)
-# gpu_bench.txt (both benchmarks' output) bench.err results.json gradsyncd.log [build.log].
+# gpu_bench.txt (every benchmark's output) bench.err results.json gradsyncd.log [build.log].
 # Exit 0: all passed; 77: no usable GPU (nothing run but the probe); 1: something failed or
 # timed out (summary.txt says what).
 set -uo pipefail
@@ -175,7 +179,7 @@ if [[ ${result[$first]} != passed && -z ${NCCL_CUMEM_ENABLE:-} ]]; then
 fi
 
 # ---- 3. benchmarks (only on a first test that passed) ----
-bench_rc=skipped torch_bench_rc=skipped
+bench_rc=skipped torch_bench_rc=skipped overlap_rc=skipped overlap_mps_rc=skipped
 if [[ ${result[$first]} == passed ]]; then
   dir=$(mktemp -d)
   "${bin[@]}" "$daemon" --socket="$dir/d.sock" --port=-1 --log_sink=stderr --log_level=warning \
@@ -207,6 +211,19 @@ if [[ ${result[$first]} == passed ]]; then
   kill -9 "$daemon_pid" 2>/dev/null
   wait "$daemon_pid" 2>/dev/null
   rm -rf "$dir"
+  # The overlap case starts its own daemon (with --mps, a client of the MPS it starts).
+  for mps in "" --mps; do
+    left=$((budget - SECONDS - 10 - 150))  # keep two and a half minutes for the tests
+    ((left > 90)) && left=90
+    ((left < 45)) && left=45
+    echo >>"$out/gpu_bench.txt"
+    bounded "$left" python3 bench/gpu_overlap.py --daemon "$daemon" ${mps:+"$mps"} \
+      --json="$tmp/overlap${mps:+_mps}.json" --budget_s=$((left - 10)) \
+      >>"$out/gpu_bench.txt" 2>>"$out/bench.err"
+    rc=$?
+    if [[ -n $mps ]]; then overlap_mps_rc=$rc; else overlap_rc=$rc; fi
+    say "gpu_overlap${mps:+ $mps}: exit $rc ($(elapsed) s)"
+  done
 else
   say "gpu_bench: skipped (the first gpu test did not pass)"
 fi
@@ -250,13 +267,18 @@ say "  gpu_bench: exit $bench_rc"
 [[ $bench_rc == 0 ]] || ok=0
 say "  torch_gpu_allreduce: exit $torch_bench_rc"
 [[ $torch_bench_rc == 0 ]] || ok=0
+say "  gpu_overlap: exit $overlap_rc"
+[[ $overlap_rc == 0 ]] || ok=0
+say "  gpu_overlap --mps: exit $overlap_mps_rc"
+[[ $overlap_mps_rc == 0 ]] || ok=0
 [[ -s $out/bench.err ]] && tail -5 "$out/bench.err" | tee -a "$summary"
 # ---- 6. one table, last ----
 if [[ -s $tmp/gpu_bench.json || -s $tmp/torch_bench.json ]]; then
   driver=$(timeout 10 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
   echo
   timeout 20 python3 tests/gpu/results.py --out "$out/results.json" --cpp "$tmp/gpu_bench.json" \
-    --torch "$tmp/torch_bench.json" --driver "$driver" \
+    --torch "$tmp/torch_bench.json" --overlap "$tmp/overlap.json" \
+    --overlap "$tmp/overlap_mps.json" --driver "$driver" \
     --copy "bench/results-$(date -u +%F)-gpu.json" 2>&1 | tee -a "$summary"
 fi
 rm -rf "$tmp"

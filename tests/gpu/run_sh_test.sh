@@ -6,8 +6,10 @@
 #   2. against stub binaries whose first test passes only with NCCL's sandbox knobs (so it is
 #      rerun once with them) and whose every later stage hangs: each
 #      stage is cut at its bound, stages that no longer fit in the budget do not start (the
-#      Python GPU tests and the torch benchmark too, each reported), the whole run ends within its
-#      budget, exit 1, the summary says what timed out, and no stub is left running. (Budget and stage bounds shortened through GRADSYNC_GPU_BUDGET_S / _STAGE_S.)
+#      Python GPU tests, the torch benchmark and the overlap case without and with MPS too, each
+#      reported), the whole run ends within its budget, exit 1, the summary says what timed out,
+#      and no stub is left running. (Budget and stage bounds shortened through
+#      GRADSYNC_GPU_BUDGET_S / _STAGE_S.)
 set -uo pipefail
 export LC_ALL=C
 build=$(readlink -f "$1")
@@ -81,6 +83,9 @@ check "past the budget, the rest did not start" grep -q "not run (no time left)"
 check "the Python GPU tests and the torch benchmark are reported" \
   bash -c "grep -q '^  python GPU tests: ' '$work/out2/summary.txt' &&
            grep -q '^  torch_gpu_allreduce: exit ' '$work/out2/summary.txt'"
+check "the overlap case is reported, without and with MPS" \
+  bash -c "grep -q '^  gpu_overlap: exit ' '$work/out2/summary.txt' &&
+           grep -q '^  gpu_overlap --mps: exit ' '$work/out2/summary.txt'"
 check "at most 8 files in \$OUT ($(files_in "$work/out2"))" test "$(files_in "$work/out2")" -le 8
 sleep 1
 left=0
