@@ -158,6 +158,10 @@ int gs_connect_ex(const char* target, const char* job, int world_size, int rank,
   const std::string root =
       options != nullptr && options->root_address != nullptr ? options->root_address : "";
   gradsync::client::Placement placement{job, world_size, rank, local_rank, local_world_size, root};
+  if (options != nullptr) {
+    placement.elastic = options->elastic != 0;
+    placement.epoch = options->epoch;
+  }
   gradsync::client::ClientOptions client_options;
   if (options != nullptr && options->token != nullptr) client_options.token = options->token;
   if (options != nullptr && options->rpc_timeout_ms > 0) {

@@ -62,6 +62,11 @@ typedef struct gs_connect_options {
   const char* tls_cert_file;
   const char* tls_key_file;
   const char* tls_ca_file;
+  /* Non-zero: an elastic job, at membership `epoch` (0 first; E > 0: the job id ends ".e<E>").
+   * When a node is lost its daemons record the new membership in the job's store under
+   * "_gradsync/elastic/decision"; the survivors register again at the next epoch. */
+  int32_t elastic;
+  int32_t epoch;
 } gs_connect_options;
 
 /* gs_connect, and a connection to the job's store (the root daemon's, else this daemon's). */

@@ -143,6 +143,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(absl::string_view target
   reg.set_local_rank(placement.local_rank);
   reg.set_local_world_size(placement.local_world_size);
   reg.set_root_address(placement.root_address);
+  reg.set_elastic(placement.elastic);
+  reg.set_epoch(placement.epoch);
   GRADSYNC_ASSIGN_OR_RETURN(v1::TrainerEvent event, client->Call(std::move(request)));
   if (event.register_session().default_op_timeout_ms() > 0) {
     client->default_op_timeout_ =

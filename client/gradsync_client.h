@@ -32,6 +32,10 @@ struct Placement {
   int local_world_size = 1;
   /// Jobs spanning nodes: "host:port" of the daemon on rank 0's node (its TCP listener).
   std::string root_address;
+  /// An elastic job (RegisterRequest.elastic), at membership `epoch` (its id then ends
+  /// ".e<epoch>", see ElasticJobId).
+  bool elastic = false;
+  int epoch = 0;
 };
 
 /// `count` elements starting `byte_offset` bytes into a registered buffer. An op may name

@@ -4,6 +4,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace gradsync {
@@ -24,6 +25,21 @@ absl::Status CheckJobId(absl::string_view job) {
     return absl::InvalidArgumentError(absl::StrCat("job id '", job, "' is reserved"));
   }
   return absl::OkStatus();
+}
+
+std::string ElasticJobId(absl::string_view base, int epoch) {
+  return epoch == 0 ? std::string(base) : absl::StrCat(base, ".e", epoch);
+}
+
+absl::StatusOr<std::string> ElasticBase(absl::string_view id, int epoch) {
+  if (epoch < 0) return absl::InvalidArgumentError(absl::StrCat("epoch ", epoch, " is negative"));
+  if (epoch == 0) return std::string(id);
+  const std::string suffix = absl::StrCat(".e", epoch);
+  if (id.size() <= suffix.size() || !absl::EndsWith(id, suffix)) {
+    return absl::InvalidArgumentError(absl::StrCat("elastic job '", id, "' at epoch ", epoch,
+                                                   " must have an id ending '", suffix, "'"));
+  }
+  return std::string(id.substr(0, id.size() - suffix.size()));
 }
 
 }  // namespace gradsync

@@ -3,8 +3,10 @@
 // The one rule every path applies to job ids.
 
 #include <cstddef>
+#include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace gradsync {
@@ -17,5 +19,14 @@ inline constexpr size_t kMaxJobIdBytes = 128;
 /// So an id is safe in a log line, a store key, a file or shared-memory name. InvalidArgument
 /// naming the id (escaped) otherwise.
 absl::Status CheckJobId(absl::string_view job);
+
+/// Elastic jobs: the id of epoch `epoch` of job `base` ("base" for 0, "base.e<epoch>" after).
+std::string ElasticJobId(absl::string_view base, int epoch);
+/// The base of `id`, the id of epoch `epoch` of an elastic job; INVALID_ARGUMENT when `id` is
+/// not such an id.
+absl::StatusOr<std::string> ElasticBase(absl::string_view id, int epoch);
+/// Where the daemons of an elastic job record its next membership, in the job's store (a
+/// reserved key: trainers read it, only daemons write it).
+inline constexpr absl::string_view kElasticDecisionKey = "_gradsync/elastic/decision";
 
 }  // namespace gradsync

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_id.h"
 #include "common/logging.h"
 #include "daemon/gpu/mps.h"
 #include "daemon/store/etcd_store.h"
@@ -105,6 +106,11 @@ DaemonServer::DaemonServer(DaemonConfig config)
           [this](const std::string& job) {
             // First: a data plane may tell the job's other nodes through its store.
             static_cast<core::Backend&>(dispatch_backend_).JobEnded(job);
+            // An elastic job's decision of its next membership stays (with its namespace) for
+            // the survivors that have not read it yet; the next epoch's end deletes it.
+            if (store_->Get(job, std::string(kElasticDecisionKey), absl::InfinitePast()).ok()) {
+              return;
+            }
             store_->DeleteJob(job);
           },
           [this](const std::string& address) { return PeerStore(address); }),

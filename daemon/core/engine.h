@@ -48,6 +48,9 @@ struct EngineOptions {
   /// An op still waiting this long after its first local submission gets one warning naming
   /// the ranks (and nodes) it waits for; zero: never.
   absl::Duration stall_warn = absl::Seconds(60);
+  /// Elastic jobs: how long after the first node lost the daemon waits for more losses before
+  /// it records the new membership (nodes lost together go in one decision).
+  absl::Duration elastic_settle = absl::Milliseconds(300);
   /// Bumped as ops finish; may be null. Must outlive the engine.
   OpCounters* counters = nullptr;
 };
@@ -243,6 +246,10 @@ class Engine {
   void OnFormationDeadline(const std::weak_ptr<Job>& job, absl::Duration timeout);
   // The peer watch lost `node` of the job: its groups spanning it fail their pending, running
   // and later ops with UNAVAILABLE naming the node, its ranks and `cause`.
+  // An elastic job lost node(s): records the new membership in the job's store, once for the
+  // job (the first daemon's decision stands; the others' CompareSet finds it).
+  void DecideMembership(const std::weak_ptr<Job>& job);
+  void ScheduleDecisionLocked(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   void OnPeerLost(const std::weak_ptr<Job>& job, const std::string& node,
                   const absl::Status& cause);
   // Submit past the formation check.
@@ -250,7 +257,9 @@ class Engine {
                  uint64_t tag, const v1::OpRequest& op);
 
   // Runs on_job_end_(job) on a thread of its own; `job` is in ending_ until it returns.
-  void EndJobLater(const std::string& job);
+  // `previous` (elastic jobs): the id of the epoch before, whose namespace in `store` goes too.
+  void EndJobLater(const std::string& job, gradsync::Store* store = nullptr,
+                   std::string previous = "");
 
   Backend* const backend_;
   BufferImporter* const importer_;

@@ -5,7 +5,9 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/bounded_text.h"
+#include "common/job_id.h"
 #include "common/logging.h"
 #include "daemon/core/engine.h"
 
@@ -208,6 +210,7 @@ void Engine::OnPeerLost(const std::weak_ptr<Job>& weak, const std::string& node,
     // an op that needs more from it fails on its link. Only groups made from now on fail.
     absl::MutexLock lock(&job->mu);
     job->lost_nodes.emplace(node, absl::StrCat("node ", node, " ", cause.message()));
+    ScheduleDecisionLocked(*job);
     return;
   }
   Completions out;
@@ -221,6 +224,7 @@ void Engine::OnPeerLost(const std::weak_ptr<Job>& weak, const std::string& node,
     }
     why = absl::StrCat("node ", node, " (ranks ", JoinBounded(ranks, ","), ") ", cause.message());
     job->lost_nodes.emplace(node, why);
+    ScheduleDecisionLocked(*job);
     for (auto& [key, group] : job->groups) {
       internal::AssertGroupOf(*job, *group);
       const std::vector<int>& members = group->members;
@@ -238,6 +242,63 @@ void Engine::OnPeerLost(const std::weak_ptr<Job>& weak, const std::string& node,
   for (auto& fn : out) fn();
   // An op running now fails at once instead of waiting out its deadline.
   for (auto& comm : running) comm->Abort(absl::UnavailableError(why));
+}
+
+void Engine::ScheduleDecisionLocked(Job& job) {
+  // An elastic job records its next membership once the losses of the moment are in.
+  if (!job.elastic || job.membership_decision_due) return;
+  job.membership_decision_due = true;
+  timer_.Schedule(absl::Now() + options_.elastic_settle,
+                  [this, weak = std::weak_ptr<Job>(job.shared_from_this())] {
+                    // A store call: off the timer's thread.
+                    pool_->Schedule([this, weak] { DecideMembership(weak); });
+                  });
+}
+
+void Engine::DecideMembership(const std::weak_ptr<Job>& weak) {
+  std::shared_ptr<Job> job = weak.lock();
+  if (!job) return;
+  std::vector<int> lost_ranks;
+  std::vector<std::string> lost_nodes;
+  std::string why;
+  {
+    absl::MutexLock lock(&job->mu);
+    for (const auto& [node, reason] : job->lost_nodes) {
+      lost_nodes.push_back(node);
+      if (why.empty()) why = reason;
+      for (int r = 0; r < static_cast<int>(job->node_of_rank.size()); ++r) {
+        if (job->node_of_rank[r] == node) lost_ranks.push_back(r);
+      }
+    }
+  }
+  if (lost_ranks.empty()) return;
+  std::sort(lost_ranks.begin(), lost_ranks.end());
+  const int world = job->world_size - static_cast<int>(lost_ranks.size());
+  // One line the trainers parse (gradsync.elastic); `why` last, as it may hold spaces.
+  const std::string decision = absl::StrCat(
+      "epoch=", job->epoch + 1, " world=", world, " lost_ranks=", absl::StrJoin(lost_ranks, ","),
+      " lost_nodes=", absl::StrJoin(lost_nodes, ","), " why=", why);
+  absl::StatusOr<CompareSetResult> recorded = job->root_store->CompareSet(
+      job->id, std::string(kElasticDecisionKey), std::nullopt, decision);
+  if (!recorded.ok()) {
+    Log()->warn(
+        "elastic job={}: the new membership could not be recorded in the job's store (root {}), "
+        "so its survivors cannot go on: {}; decision was: {}",
+        job->id, job->root_address.empty() ? "etcd" : job->root_address,
+        recorded.status().ToString(), decision);
+    return;
+  }
+  if (options_.counters != nullptr) options_.counters->membership_changes.fetch_add(1);
+  if (recorded->swapped) {
+    Log()->warn(
+        "elastic job={}: membership changed, epoch {} -> {}: world {} -> {}, ranks {} of "
+        "node(s) {} lost ({})",
+        job->id, job->epoch, job->epoch + 1, job->world_size, world, JoinBounded(lost_ranks, ","),
+        JoinBounded(lost_nodes, ","), why);
+  } else {
+    Log()->info("elastic job={}: the membership decision recorded by another daemon stands: {}",
+                job->id, recorded->value);
+  }
 }
 
 }  // namespace gradsync::core

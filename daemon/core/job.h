@@ -107,13 +107,15 @@ struct Group;
 
 struct Job : std::enable_shared_from_this<Job> {
   Job(std::string id, int world_size, int local_world_size, std::string root_address,
-      gradsync::Store* root_store)
+      gradsync::Store* root_store, bool elastic = false, int epoch = 0)
       : id(std::move(id)),
         world_size(world_size),
         local_world_size(local_world_size),
         spans_nodes(local_world_size < world_size),
         root_address(std::move(root_address)),
         root_store(root_store),
+        elastic(elastic),
+        epoch(epoch),
         ranks(world_size, nullptr),
         local_ranks(local_world_size, -1) {}
 
@@ -125,6 +127,10 @@ struct Job : std::enable_shared_from_this<Job> {
   const bool spans_nodes;
   const std::string root_address;
   gradsync::Store* const root_store;
+  // Elastic jobs (RegisterRequest.elastic): this membership's epoch; a lost node makes the
+  // daemons record the next one (Engine::DecideMembership).
+  const bool elastic;
+  const int epoch;
   enum class Formation { kLocal, kForming, kReplaying, kFormed, kFailed };
   struct Parked {
     std::shared_ptr<Session> session;
@@ -145,6 +151,7 @@ struct Job : std::enable_shared_from_this<Job> {
   std::string node ABSL_GUARDED_BY(mu);                       // this daemon's, once formed
   // Nodes the peer watch declared lost (or left), with why: groups spanning them fail.
   std::map<std::string, std::string> lost_nodes ABSL_GUARDED_BY(mu);
+  bool membership_decision_due ABSL_GUARDED_BY(mu) = false;  // elastic: scheduled once
   std::deque<Parked> parked ABSL_GUARDED_BY(mu);
   // Groups are never removed while the job lives: a Group* stays valid as long as its job.
   absl::flat_hash_map<std::string, std::unique_ptr<Group>> groups ABSL_GUARDED_BY(mu);

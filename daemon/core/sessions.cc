@@ -23,6 +23,12 @@ constexpr int kMaxWorldSize = 1 << 16;
 
 absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequest& req) {
   GRADSYNC_RETURN_IF_ERROR(CheckJobId(req.job()));
+  if (req.elastic()) {
+    GRADSYNC_RETURN_IF_ERROR(ElasticBase(req.job(), req.epoch()).status());
+  } else if (req.epoch() != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job ", req.job(), ": an epoch (", req.epoch(), ") goes with elastic jobs"));
+  }
   if (req.world_size() < 1 || req.world_size() > kMaxWorldSize || req.rank() < 0 ||
       req.rank() >= req.world_size() || req.local_world_size() < 1 ||
       req.local_world_size() > req.world_size() || req.local_rank() < 0 ||
@@ -86,7 +92,8 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
       root_store = *store;
     }
     jobs_[req.job()] = std::make_shared<Job>(req.job(), req.world_size(), req.local_world_size(),
-                                             spans ? req.root_address() : "", root_store);
+                                             spans ? req.root_address() : "", root_store,
+                                             req.elastic(), req.epoch());
   }
   std::shared_ptr<Job>& slot = jobs_[req.job()];
   Job& job = *slot;
@@ -101,6 +108,11 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
         "job ", job.id, " has world_size=", job.world_size,
         " local_world_size=", job.local_world_size, "; rank ", req.rank(),
         " says world_size=", req.world_size(), " local_world_size=", req.local_world_size()));
+  }
+  if (job.elastic != req.elastic()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job ", job.id, " is ", job.elastic ? "" : "not ", "elastic; rank ",
+                     req.rank(), " says it is", req.elastic() ? "" : " not"));
   }
   if (!job.departed.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -188,11 +200,21 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
   if (job_ended) {
     Log()->info("job ended job={}", job->id);
     if (peer_watch_ != nullptr) peer_watch_->Unwatch(job->id);  // its peers see it left
-    if (on_job_end_) EndJobLater(job->id);
+    if (on_job_end_) {
+      // An elastic job's epoch E > 0 ended: the namespace of epoch E - 1, kept for its decision
+      // (read by survivors that had not yet), goes now.
+      std::string previous;
+      if (job->elastic && job->epoch > 0) {
+        if (absl::StatusOr<std::string> base = ElasticBase(job->id, job->epoch); base.ok()) {
+          previous = ElasticJobId(*base, job->epoch - 1);
+        }
+      }
+      EndJobLater(job->id, job->root_store, std::move(previous));
+    }
   }
 }
 
-void Engine::EndJobLater(const std::string& id) {
+void Engine::EndJobLater(const std::string& id, gradsync::Store* store, std::string previous) {
   std::vector<std::thread> finished;  // their on_job_end_ has returned: joined outside the lock
   {
     absl::MutexLock lock(&mu_);
@@ -205,8 +227,12 @@ void Engine::EndJobLater(const std::string& id) {
       finished.push_back(std::move(it->second));
       job_ends_.erase(it++);
     }
-    job_ends_[id] = std::thread([this, id] {
+    job_ends_[id] = std::thread([this, id, store, previous = std::move(previous)] {
       on_job_end_(id);
+      if (!previous.empty() && store != nullptr) {
+        (void)store->Delete(previous, std::string(kElasticDecisionKey));
+        on_job_end_(previous);  // its namespace has no decision left to keep it
+      }
       absl::MutexLock lock(&mu_);
       ending_.erase(id);
     });

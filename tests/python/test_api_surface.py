@@ -26,11 +26,12 @@ HEADER = os.path.join(ROOT, "client", "gradsync.h")
 # ---- __all__ and docstrings ----
 def _modules():
     import gradsync
+    import gradsync.elastic
     import gradsync.torch
-    return [gradsync, gradsync.torch]
+    return [gradsync, gradsync.torch, gradsync.elastic]
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["gradsync", "gradsync.torch"])
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["gradsync", "gradsync.torch", "gradsync.elastic"])
 def test_every_name_in_all_exists_and_has_a_docstring(index):
     module = _modules()[index]
     assert len(set(module.__all__)) == len(module.__all__), module.__all__
@@ -41,7 +42,7 @@ def test_every_name_in_all_exists_and_has_a_docstring(index):
             assert (obj.__doc__ or "").strip(), f"{module.__name__}.{name} has no docstring"
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["gradsync", "gradsync.torch"])
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["gradsync", "gradsync.torch", "gradsync.elastic"])
 def test_every_public_function_and_class_is_in_all_with_documented_public_methods(index):
     module = _modules()[index]
     for name, obj in vars(module).items():
@@ -49,7 +50,7 @@ def test_every_public_function_and_class_is_in_all_with_documented_public_method
             continue
         home = getattr(obj, "__module__", None)
         if home != module.__name__ and not (module.__name__ == "gradsync" and
-                                            home == "gradsync._native"):
+                                            home in ("gradsync._native", "gradsync.elastic")):
             continue  # imported from elsewhere (torch, contextlib, gradsync itself, ...)
         assert name in module.__all__, f"{module.__name__}.{name} is public but not in __all__"
         if inspect.isclass(obj):

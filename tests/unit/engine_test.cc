@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/job_id.h"
 #include "daemon/backend/cpu/cpu_backend.h"
 #include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"
@@ -679,10 +680,12 @@ class TwoNodeEngineTest : public ::testing::Test {
   };
 
   // Rank `rank` of job `job` on `node`; its buffer is a device buffer when `job` starts "gpu".
-  Member Join(Node& node, const std::string& job, int rank, int local_rank, int local_world) {
+  Member Join(Node& node, const std::string& job, int rank, int local_rank, int local_world,
+              bool elastic = false) {
     Member m;
     v1::RegisterRequest req;
     req.set_job(job);
+    req.set_elastic(elastic);
     req.set_world_size(3);
     req.set_rank(rank);
     req.set_local_rank(local_rank);
@@ -791,6 +794,78 @@ TEST_F(TwoNodeEngineTest, OpsOfABatchAreRecordedOneByOneAndAnsweredTogether) {
   ASSERT_TRUE(history.ok()) << history.status();
   EXPECT_EQ(history->ops.size(), 4u);
   EXPECT_TRUE(a_.engine.ListOps("cpu", "world")->ops.empty());
+}
+
+// A peer watch whose losses the test reports.
+class FakePeerWatch final : public PeerWatch {
+ public:
+  void Watch(const std::string& job, const std::string&, std::vector<std::string>, int,
+             gradsync::Store*, LostCallback on_lost) override {
+    absl::MutexLock lock(&mu_);
+    callbacks_[job] = std::move(on_lost);
+  }
+  void Unwatch(const std::string& job) override {
+    absl::MutexLock lock(&mu_);
+    callbacks_.erase(job);
+  }
+  std::vector<PeerState> Peers(const std::string&) const override { return {}; }
+  std::map<std::string, int64_t> LossCounts() const override { return {}; }
+  // Reports `node` lost for `job` as the real watch would; false while `job` is not watched.
+  bool Lose(const std::string& job, const std::string& node, const absl::Status& cause) {
+    LostCallback callback;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = callbacks_.find(job);
+      if (it == callbacks_.end()) return false;
+      callback = it->second;
+    }
+    callback(node, cause);
+    return true;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, LostCallback> callbacks_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(TwoNodeEngineTest, AnElasticJobsDaemonsRecordOneDecisionOfItsNextMembership) {
+  // Outlive the engines (which tell them when a job ends): kept for the process.
+  static FakePeerWatch& watch_a = *new FakePeerWatch();
+  static FakePeerWatch& watch_b = *new FakePeerWatch();
+  a_.engine.SetPeerWatch(&watch_a);
+  b_.engine.SetPeerWatch(&watch_b);
+  for (const bool elastic : {false, true}) {
+    const std::string job = elastic ? "el" : "plain";
+    SCOPED_TRACE(job);
+    Member r0 = Join(a_, job, 0, 0, 2, elastic), r1 = Join(a_, job, 1, 1, 2, elastic),
+           r2 = Join(b_, job, 2, 0, 1, elastic);
+    a_.engine.Submit(r0.session, r0.sink, 1, AllReduce(r0, 4));
+    a_.engine.Submit(r1.session, r1.sink, 1, AllReduce(r1, 4));
+    b_.engine.Submit(r2.session, r2.sink, 1, AllReduce(r2, 4));
+    ASSERT_TRUE(r0.sink->WaitFor(1));  // formed: both nodes watch each other
+    ASSERT_TRUE(r2.sink->WaitFor(1));
+    // A partition: each side finds the other lost, at once.
+    ASSERT_TRUE(
+        watch_a.Lose(job, "b:7451", absl::UnavailableError("lost: the connection was reset")));
+    ASSERT_TRUE(watch_b.Lose(job, "a:7451", absl::UnavailableError("lost: no word for 1.5 s")));
+    absl::StatusOr<std::string> decision = store_.Get(
+        job, std::string(kElasticDecisionKey), absl::Now() + absl::Seconds(elastic ? 10 : 1));
+    if (!elastic) {
+      EXPECT_EQ(decision.status().code(), absl::StatusCode::kDeadlineExceeded) << *decision;
+      continue;
+    }
+    ASSERT_TRUE(decision.ok()) << decision.status();
+    // Whichever side came first: one decision, the survivors in order.
+    const std::string a_decides =
+        "epoch=1 world=2 lost_ranks=2 lost_nodes=b:7451 why=node b:7451 (ranks 2) lost: the "
+        "connection was reset";
+    const std::string b_decides =
+        "epoch=1 world=1 lost_ranks=0,1 lost_nodes=a:7451 why=node a:7451 (ranks 0,1) lost: no "
+        "word for 1.5 s";
+    EXPECT_TRUE(*decision == a_decides || *decision == b_decides) << *decision;
+    absl::SleepFor(absl::Seconds(1));  // both have decided by now: the first stands
+    EXPECT_EQ(*store_.Get(job, std::string(kElasticDecisionKey), absl::InfinitePast()), *decision);
+  }
 }
 
 TEST_F(TwoNodeEngineTest, EveryNodeOfARunSharesItsToken) {

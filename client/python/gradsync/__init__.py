@@ -31,14 +31,15 @@ import os
 import sys
 import threading
 
-from . import _cuda, _device, _native
+from . import _cuda, _device, _native, elastic
 from ._native import Error, plan_packs
+from .elastic import MembershipChanged
 
 __all__ = [
     "Error", "Group", "WORLD", "Work", "init", "is_initialized", "shutdown", "get_rank",
     "get_world_size", "new_group", "empty", "shared_buffer", "dtype_name", "all_reduce",
     "broadcast", "barrier", "all_gather", "reduce_scatter", "plan_packs", "set_pack_list",
-    "get_pack_list", "client",
+    "get_pack_list", "client", "MembershipChanged",
 ]
 
 DEFAULT_SOCKET = "/run/gradsync/gradsyncd.sock"
@@ -140,6 +141,15 @@ class _Context:
     def __init__(self, client, job, rank, world_size, local_rank, local_world_size):
         self.client = client
         self.job = job
+        # Elastic jobs (gradsync.elastic): the job's own id, this membership's epoch (the
+        # session's job id is "<base_job>.e<epoch>" past 0), and the change it saw, once.
+        self.base_job = job
+        self.epoch = 0
+        self.elastic = False
+        self.min_world_size = 1
+        self.root_address = ""
+        self.connect = {}  # init()'s connection arguments, for a reset to the next epoch
+        self.membership_change = None
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -167,7 +177,8 @@ def _env_int(name, default):
 
 
 def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size=None,
-         root_address=None, socket=None, token_file=None, rpc_timeout=None, tls=None):
+         root_address=None, socket=None, token_file=None, rpc_timeout=None, tls=None,
+         elastic=None, min_world_size=None, _epoch=0):
     """Connects to this node's gradsyncd and registers the rank.
 
     Omitted arguments come from the environment torchrun sets: RANK, WORLD_SIZE, LOCAL_RANK,
@@ -179,6 +190,8 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
     for a root daemon on another node): `token_file`, else GRADSYNC_TOKEN_FILE. Mutual TLS to a
     root daemon started with --tls_*: `tls` = (cert, key, ca) PEM file paths, else
     GRADSYNC_TLS_CERT, GRADSYNC_TLS_KEY and GRADSYNC_TLS_CA.
+    `elastic` (else GRADSYNC_ELASTIC=1): the job goes on when one of its nodes is lost, with at
+    least `min_world_size` ranks (else GRADSYNC_MIN_WORLD_SIZE, default 1): see gradsync.elastic.
     After shutdown() (or a session ended by Ctrl-C) init() may be called again.
     """
     global _context
@@ -207,11 +220,32 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
             token = f.read().strip()
     if tls is None:
         tls = tuple(os.environ.get(f"GRADSYNC_TLS_{k}") for k in ("CERT", "KEY", "CA"))
-    client = _native.Client(socket, job, world_size, rank, local_rank, local_world_size,
+    if elastic is None:
+        elastic = os.environ.get("GRADSYNC_ELASTIC", "") not in ("", "0")
+    if min_world_size is None:
+        min_world_size = _env_int("GRADSYNC_MIN_WORLD_SIZE", 1)
+    session_job = job if _epoch == 0 else f"{job}.e{_epoch}"
+    client = _native.Client(socket, session_job, world_size, rank, local_rank, local_world_size,
                             root_address=root_address, token=token,
-                            rpc_timeout_s=float(rpc_timeout or 0), tls=tls)
-    _context = _Context(client, job, rank, world_size, local_rank, local_world_size)
+                            rpc_timeout_s=float(rpc_timeout or 0), tls=tls,
+                            elastic=bool(elastic), epoch=_epoch)
+    ctx = _Context(client, session_job, rank, world_size, local_rank, local_world_size)
+    ctx.base_job, ctx.epoch, ctx.elastic = job, _epoch, bool(elastic)
+    ctx.min_world_size, ctx.root_address = int(min_world_size), root_address
+    ctx.connect = {"root_address": root_address, "socket": socket, "token_file": token_file,
+                   "rpc_timeout": rpc_timeout, "tls": tls}
+    _context = ctx
     return _context
+
+
+def _reinit(change):
+    """An elastic job's next epoch (gradsync.elastic.reset): this session ends, the rank
+    registers again as `change` says."""
+    ctx = _ctx()
+    shutdown()
+    init(job=ctx.base_job, rank=change.rank, world_size=change.world_size,
+         local_rank=ctx.local_rank, local_world_size=ctx.local_world_size, elastic=True,
+         min_world_size=ctx.min_world_size, _epoch=change.epoch, **ctx.connect)
 
 
 def is_initialized():
@@ -465,7 +499,13 @@ class Work:
         """Blocks until the op completes; returns its result or raises its gradsync.Error."""
         with self._lock:
             try:
-                self._handle.wait()  # a failed op raises the same error on every wait
+                try:
+                    self._handle.wait()  # a failed op raises the same error on every wait
+                except Error as e:
+                    seen = elastic.classify(_context, e)
+                    if seen is e:
+                        raise
+                    raise seen from e
                 if self._on_complete:
                     self._on_complete()
                 if self._finish:
@@ -520,6 +560,12 @@ def _start(submit, finish, result, release, async_op):
     (`release`), which also happens at once if the submission itself fails."""
     try:
         handle = submit()
+    except Error as e:
+        release()
+        seen = elastic.classify(_context, e)
+        if seen is e:
+            raise
+        raise seen from e
     except BaseException:
         release()
         raise

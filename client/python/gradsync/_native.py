@@ -53,7 +53,8 @@ class _OpOptions(ctypes.Structure):
 class _ConnectOptions(ctypes.Structure):
     _fields_ = [("root_address", ctypes.c_char_p), ("token", ctypes.c_char_p),
                 ("rpc_timeout_ms", ctypes.c_int64), ("tls_cert_file", ctypes.c_char_p),
-                ("tls_key_file", ctypes.c_char_p), ("tls_ca_file", ctypes.c_char_p)]
+                ("tls_key_file", ctypes.c_char_p), ("tls_ca_file", ctypes.c_char_p),
+                ("elastic", ctypes.c_int32), ("epoch", ctypes.c_int32)]
 
 
 class _CudaAllocation(ctypes.Structure):
@@ -293,7 +294,8 @@ class Client:
     child the parent's session is never touched: every call there raises instead."""
 
     def __init__(self, target, job, world_size, rank, local_rank, local_world_size,
-                 root_address="", token="", rpc_timeout_s=0.0, tls=None):
+                 root_address="", token="", rpc_timeout_s=0.0, tls=None, elastic=False,
+                 epoch=0):
         self.job = job
         self._pid = os.getpid()
         self._cv = threading.Condition()
@@ -302,7 +304,7 @@ class Client:
         cert, key, ca = (tls or (None, None, None))
         enc = lambda s: s.encode() if s else None  # noqa: E731
         opts = _ConnectOptions(enc(root_address), enc(token), int(rpc_timeout_s * 1000),
-                               enc(cert), enc(key), enc(ca))
+                               enc(cert), enc(key), enc(ca), 1 if elastic else 0, int(epoch))
         ptr = ctypes.c_void_p()
         _check(_lib.gs_connect_ex(target.encode(), job.encode(), int(world_size), int(rank),
                                   int(local_rank), int(local_world_size), ctypes.byref(opts),

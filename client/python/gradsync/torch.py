@@ -50,6 +50,7 @@ class _HostBucket:
 
     def __init__(self, nbytes):
         self._buf = gradsync._new_buffer(nbytes)
+        self._ctx = gradsync._ctx()  # the session it is registered with
         self.buffer_id = self._buf.id
         self.offset = 0  # of the bucket in the registered buffer
 
@@ -60,7 +61,9 @@ class _HostBucket:
         torch.frombuffer(self._buf, dtype=torch.uint8).zero_()
 
     def release(self):
-        gradsync._release_buffer(self._buf)
+        if self._ctx is gradsync._context:
+            gradsync._release_buffer(self._buf)
+        # Else its session has ended (an elastic reset): the daemon dropped it with the session.
 
 
 class _DeviceBucket:
@@ -216,8 +219,30 @@ class DistributedOptimizer:
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]  # the gradient's accumulator
                 acc.register_hook(self._make_hook(i))
                 self._hooks.append(acc)  # the node lives as long as we hold it
+        gradsync.elastic._reset_hooks.add(self)  # follows an elastic job's membership changes
         if bcast_period != -1:
             self.bcast_param()
+
+    def _reset_membership(self):
+        """The job's membership changed (gradsync.elastic.reset): the buckets registered with
+        the old session are left, new ones registered with the new; the pack plan is made again
+        by the new rank 0 (from the gradient order already known); reductions in flight are
+        dropped (they failed with the change). The gradients are zeroed: the step is redone."""
+        if not self._distributed:
+            return
+        with self._lock:
+            self._works, self._fired, self._pack_streams = [], set(), {}
+            self._plan, self._pack_of, self._pending = None, {}, []
+        self._queued = False
+        n = len(self._params)
+        self._reduced = [False] * n
+        self._stash, self._local = {}, {}
+        old = self._layout
+        self._layout = _Layout(self._params, range(n), self._device)
+        for p in self._params:
+            p.grad = None
+        self._has_grad = [False] * n
+        old.release()
 
     def _device_of_params(self):
         api = _cuda.api()
@@ -497,7 +522,10 @@ class DistributedOptimizer:
                     p.grad = None  # no rank did: as in one process
                     self._reduced[i] = False
         if first_error is not None:
-            raise first_error
+            seen = gradsync.elastic.classify(gradsync._context, first_error)
+            if seen is first_error:
+                raise first_error
+            raise seen from first_error
 
     def _drain(self):
         """Waits out reductions a backward left in flight (it failed before its end)."""

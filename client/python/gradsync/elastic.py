@@ -1,0 +1,285 @@
+"""Elastic jobs: training goes on when a node of the job is lost.
+
+A job opts in with gradsync.init(..., elastic=True, min_world_size=N) (or GRADSYNC_ELASTIC=1,
+GRADSYNC_MIN_WORLD_SIZE). When a node is lost (its daemon killed, frozen or cut off, or all its
+trainers gone) its peers' daemons notice it within --peer_timeout and record one decision of
+the new membership in the job's store. An op that fails because of the loss then raises
+MembershipChanged on every survivor, naming the ranks and nodes lost and the new world size;
+nothing is written into a buffer by such an op. The survivors keep their order and take
+contiguous new ranks once they reset (reset(), or the run decorator below, which also restores
+the last committed state and broadcasts it from the new rank 0).
+
+    state = gradsync.elastic.TorchState(model=model, optimizer=opt, step=0)
+
+    @gradsync.elastic.run
+    def train(state):
+        while state.step < steps:
+            ...  # forward, backward, opt.step()
+            state.step += 1
+            state.commit()
+
+    train(state)
+
+Each membership is an epoch: epoch E of job J runs as job "J.eE" in the daemons (E = 0: "J").
+Not built yet: a replacement node joining a running job (the world only shrinks), and groups
+other than the world following a change (their ranks keep their old meaning).
+"""
+import copy
+import functools
+import io
+import weakref
+
+from ._native import Error
+
+__all__ = ["MembershipChanged", "State", "TorchState", "run", "reset", "classify",
+           "parse_decision"]
+
+# How long a trainer waits for its daemons' decision after an op failed on a lost node: their
+# settle time (300 ms) plus a store round trip, with room for a loaded machine.
+DECISION_WAIT_S = 5.0
+# The most membership changes one run() call goes through before it gives up.
+MAX_RESETS = 64
+_DECISION_KEY = "_gradsync/elastic/decision"
+# Codes an op fails with when a peer node is lost (the peer watch's word, a link that broke,
+# an aborted device group): only these make a trainer look for a decision.
+_LOSS_CODES = ("UNAVAILABLE", "ABORTED", "CANCELLED")
+
+_reset_hooks = weakref.WeakSet()  # objects with _reset_membership() (DistributedOptimizer)
+
+
+class MembershipChanged(Error):
+    """The job's membership changed: the op that raised this (and every later op of the old
+    membership) did not run. `lost_ranks` and `lost_nodes` say who went, `world_size` the new
+    size, `rank` this rank's new rank, `epoch` the new membership's number. Call reset() (the
+    run decorator does) before the next op."""
+
+    def __init__(self, code, detail, epoch=0, world_size=0, rank=-1, lost_ranks=(),
+                 lost_nodes=(), why=""):
+        super().__init__(code, detail)
+        self.epoch = epoch
+        self.world_size = world_size
+        self.rank = rank
+        self.lost_ranks = tuple(lost_ranks)
+        self.lost_nodes = tuple(lost_nodes)
+        self.why = why
+
+    def __reduce__(self):
+        return type(self), (self.code, self.detail, self.epoch, self.world_size, self.rank,
+                            self.lost_ranks, self.lost_nodes, self.why)
+
+
+def parse_decision(text):
+    """The fields of a decision as the daemons record it: "epoch=E world=N lost_ranks=a,b
+    lost_nodes=x,y why=..." (why last: it may hold spaces)."""
+    head, _, why = text.partition(" why=")
+    fields = dict(part.split("=", 1) for part in head.split() if "=" in part)
+    try:
+        return {
+            "epoch": int(fields["epoch"]),
+            "world_size": int(fields["world"]),
+            "lost_ranks": [int(r) for r in fields.get("lost_ranks", "").split(",") if r],
+            "lost_nodes": [n for n in fields.get("lost_nodes", "").split(",") if n],
+            "why": why,
+        }
+    except (KeyError, ValueError) as e:
+        raise Error("INTERNAL", f"unreadable membership decision {text!r}: {e}") from None
+
+
+def classify(ctx, err):
+    """`err` as the trainer should see it in an elastic job: MembershipChanged when the job's
+    daemons recorded a new membership, an Error saying why the job cannot go on when this rank
+    is not part of it or it would fall below min_world_size, else `err` itself."""
+    if (ctx is None or not ctx.elastic or isinstance(err, MembershipChanged)
+            or not isinstance(err, Error) or err.code not in _LOSS_CODES):
+        return err
+    if ctx.membership_change is not None:
+        return ctx.membership_change
+    try:
+        raw = ctx.client.store_get(_DECISION_KEY, DECISION_WAIT_S)
+    except Error as e:
+        if e.code == "DEADLINE_EXCEEDED":
+            return err  # no node was lost: the op failed for its own reason
+        where = (f"the daemon at {ctx.root_address} (the job's root)" if ctx.root_address
+                 else "the job's store")
+        code = e.code
+        return Error(code, f"elastic job {ctx.base_job}: {err.detail}; its new membership "
+                             f"cannot be read from {where}: {e.detail}. An elastic job "
+                             "survives the loss of its root's node only with its store on "
+                             "etcd (gradsyncd --store=etcd)")
+    d = parse_decision(raw.decode(errors="replace"))
+    lost = d["lost_ranks"]
+    if ctx.rank in lost:
+        change = Error("UNAVAILABLE", f"elastic job {ctx.base_job}: this rank ({ctx.rank}) is "
+                                      f"out of the job: the other nodes lost its node "
+                                      f"({d['why']}) and go on without it")
+    elif d["world_size"] < ctx.min_world_size:
+        change = Error("UNAVAILABLE", f"elastic job {ctx.base_job}: ranks "
+                                      f"{','.join(map(str, lost))} lost ({d['why']}); "
+                                      f"{d['world_size']} rank(s) left, fewer than "
+                                      f"min_world_size={ctx.min_world_size}")
+    else:
+        rank = ctx.rank - sum(1 for r in lost if r < ctx.rank)
+        change = MembershipChanged(
+            "ABORTED",
+            f"membership of elastic job {ctx.base_job} changed: rank(s) "
+            f"{','.join(map(str, lost))} on node(s) {','.join(d['lost_nodes'])} lost "
+            f"({d['why']}); it goes on as epoch {d['epoch']} with {d['world_size']} rank(s), "
+            f"this rank becoming {rank} (was {ctx.rank})",
+            epoch=d["epoch"], world_size=d["world_size"], rank=rank, lost_ranks=lost,
+            lost_nodes=d["lost_nodes"], why=d["why"])
+    ctx.membership_change = change
+    return change
+
+
+def reset(change=None):
+    """Joins the new membership: ends this rank's session of the old one and registers as
+    its new rank in the next epoch (the daemons form it as they did the first), then lets the
+    package's objects (DistributedOptimizer) follow it. `change`: the MembershipChanged raised
+    (default: the one this session saw)."""
+    from . import _ctx, _reinit  # noqa: PLC0415 - the package imports this module
+    ctx = _ctx()
+    change = change or ctx.membership_change
+    if not isinstance(change, MembershipChanged):
+        raise Error("FAILED_PRECONDITION", "no membership change to reset to")
+    _reinit(change)
+    for obj in list(_reset_hooks):
+        obj._reset_membership()
+
+
+class State:
+    """State kept in memory across membership changes: commit() keeps a copy, restore() goes
+    back to it, sync() makes every rank's state rank 0's. Scalars passed as keywords are read
+    and written as attributes (state.step += 1) and committed with the rest."""
+
+    def __init__(self, **scalars):
+        object.__setattr__(self, "_scalars", dict(scalars))
+        object.__setattr__(self, "_saved_scalars", dict(scalars))
+        object.__setattr__(self, "_reset_callbacks", [])
+
+    def __getattr__(self, name):
+        scalars = self.__dict__.get("_scalars", {})
+        if name in scalars:
+            return scalars[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        if name in self._scalars:
+            self._scalars[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def register_reset_callbacks(self, callbacks):
+        """Functions called (no arguments) after each reset, once the state is synced: rescale
+        the learning rate, re-shard the data."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self):
+        """Calls the reset callbacks (run() does, after each reset)."""
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self):
+        """Keeps a copy of the state in memory: what restore() goes back to."""
+        self._saved_scalars = copy.deepcopy(self._scalars)
+
+    def restore(self):
+        """Goes back to the last commit()."""
+        self._scalars.clear()
+        self._scalars.update(copy.deepcopy(self._saved_scalars))
+
+    def sync(self):
+        """Every rank's state becomes rank 0's (a broadcast over the world)."""
+        synced = _broadcast_object(dict(self._scalars))
+        self._scalars.clear()
+        self._scalars.update(synced)
+
+
+class TorchState(State):
+    """A model's and an optimizer's state (state_dict()), and scalars. The optimizer may be a
+    gradsync.torch.DistributedOptimizer."""
+
+    def __init__(self, model=None, optimizer=None, **scalars):
+        super().__init__(**scalars)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "_saved", None)
+        self.commit()
+
+    def commit(self):
+        """Keeps a copy of the model's and optimizer's state_dict() and the scalars."""
+        super().commit()
+        self._saved = (
+            copy.deepcopy(self.model.state_dict()) if self.model is not None else None,
+            copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None)
+
+    def restore(self):
+        """Loads the last commit() into the model and the optimizer."""
+        super().restore()
+        model_state, optimizer_state = self._saved
+        if self.model is not None:
+            self.model.load_state_dict(model_state)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+
+    def sync(self):
+        """Rank 0's model, optimizer and scalars on every rank (one broadcast of their bytes)."""
+        import torch  # noqa: PLC0415 - torch only where a TorchState is used
+        snapshot = None
+        from . import get_rank  # noqa: PLC0415
+        if get_rank() == 0:
+            buf = io.BytesIO()
+            torch.save({
+                "model": self.model.state_dict() if self.model is not None else None,
+                "optimizer": (self.optimizer.state_dict() if self.optimizer is not None
+                              else None),
+                "scalars": dict(self._scalars)}, buf)
+            snapshot = buf.getvalue()
+        data = _broadcast_bytes(snapshot)
+        if get_rank() != 0:
+            state = torch.load(io.BytesIO(data))
+            if self.model is not None:
+                self.model.load_state_dict(state["model"])
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            self._scalars.clear()
+            self._scalars.update(state["scalars"])
+
+
+def _broadcast_bytes(data):
+    """rank 0's `data` (bytes) on every rank of the world."""
+    import array  # noqa: PLC0415
+    from . import broadcast, get_rank  # noqa: PLC0415
+    size = array.array("q", [len(data) if get_rank() == 0 else 0])
+    broadcast(size, src=0)
+    payload = bytearray(data if get_rank() == 0 else bytes(size[0]))
+    if size[0]:
+        broadcast(payload, src=0)
+    return bytes(payload)
+
+
+def _broadcast_object(obj):
+    import pickle  # noqa: PLC0415
+    from . import get_rank  # noqa: PLC0415
+    data = pickle.dumps(obj) if get_rank() == 0 else b""
+    return pickle.loads(_broadcast_bytes(data))
+
+
+def run(func):
+    """Runs func(state, ...) and, when the membership changes under it, restores the state's
+    last commit, resets to the new membership, syncs the state from the new rank 0, calls the
+    state's reset callbacks and calls func again. The state is synced once before the first
+    call too (every rank starts from rank 0's)."""
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        state.sync()
+        for _ in range(MAX_RESETS):
+            try:
+                return func(state, *args, **kwargs)
+            except MembershipChanged as change:
+                state.restore()
+                reset(change)
+                state.sync()
+                state.on_reset()
+        raise Error("RESOURCE_EXHAUSTED", f"the membership changed {MAX_RESETS} times in one "
+                                          "run; giving up")
+    return wrapper

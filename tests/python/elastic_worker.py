@@ -1,0 +1,68 @@
+"""A trainer of an elastic job (test_elastic.py): a small model trained with
+gradsync.torch.DistributedOptimizer under gradsync.elastic.run, one JSON line per step and one
+at the end. The test kills a node under it; the survivors go on with the new membership.
+
+    elastic_worker.py STEPS PAUSE_S
+"""
+import json
+import sys
+import time
+
+import torch
+
+import gradsync
+import gradsync.elastic
+import gradsync.torch as gt
+
+
+def emit(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def main(steps, pause_s):
+    gradsync.init()  # elastic, job, ranks from the environment
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                  reduce_method="mean", timeout=30)
+    state = gradsync.elastic.TorchState(model=model, optimizer=opt, step=0)
+    changes = []
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(gradsync.get_world_size())])
+
+    @gradsync.elastic.run
+    def train(state):
+        while state.step < steps:
+            # Each rank's data depends on its rank and the step: a mean over the world.
+            g = torch.Generator().manual_seed(1000 * state.step + gradsync.get_rank())
+            x = torch.randn(4, 8, generator=g)
+            opt.zero_grad()
+            try:
+                model(x).pow(2).mean().backward()
+                opt.step()
+            except gradsync.elastic.MembershipChanged as change:
+                changes.append({"message": str(change), "rank": change.rank,
+                                "world": change.world_size, "epoch": change.epoch,
+                                "lost_ranks": list(change.lost_ranks),
+                                "lost_nodes": list(change.lost_nodes)})
+                raise
+            state.step += 1
+            state.commit()
+            emit(step=state.step, rank=gradsync.get_rank(), world=gradsync.get_world_size(),
+                 t=time.time())
+            time.sleep(pause_s)
+
+    try:
+        train(state)
+    except gradsync.Error as e:
+        emit(error=type(e).__name__, code=e.code, message=str(e))
+        return 3
+    digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+    params = [p.detach().tolist() for p in model.parameters()]
+    emit(done=True, rank=gradsync.get_rank(), world=gradsync.get_world_size(), changes=changes,
+         resets=resets, digest=digest, params=params, step=state.step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), float(sys.argv[2])))

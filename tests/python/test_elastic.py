@@ -1,0 +1,140 @@
+"""Elastic jobs across real daemons on loopback: a node is lost mid-training (its daemon and
+trainer killed, or its daemon frozen), the survivors' op fails with MembershipChanged naming the
+lost rank and node, they reset to the new membership (contiguous ranks, the new world size) with
+their state restored and synced, and train on; their parameters end identical."""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import Daemon, launch
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
+
+
+@pytest.fixture
+def three_daemons(tmp, monkeypatch):
+    ds = [Daemon(tmp, f"node{i}", tcp=True) for i in range(3)]
+    monkeypatch.setenv("GRADSYNC_TOKEN_FILE", ds[0].token_file)
+    yield ds
+    for d in ds:
+        if d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGCONT)
+        d.stop()
+
+
+def _lines(ranks, i):
+    return [json.loads(l) for l in ranks.output(i).splitlines() if l.startswith("{")]
+
+
+def _wait_steps(ranks, step, timeout_s=60):
+    """Until every trainer has reported `step` (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(any(l.get("step", 0) >= step for l in _lines(ranks, i))
+               for i in range(len(ranks.procs))):
+            return
+        for i, p in enumerate(ranks.procs):
+            if p.poll() is not None:
+                pytest.fail(f"rank {i} exited {p.returncode}:\n{ranks.output(i)[-3000:]}")
+        time.sleep(0.02)
+    pytest.fail("no step %d in %d s:\n%s" % (step, timeout_s, "\n".join(
+        ranks.output(i)[-1500:] for i in range(len(ranks.procs)))))
+
+
+def _finish(ranks, survivors, timeout_s=90):
+    deadline = time.monotonic() + timeout_s
+    out = {}
+    for i in survivors:
+        try:
+            ranks.procs[i].wait(max(0.1, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - reported below
+            for p in ranks.procs:
+                p.kill()
+            pytest.fail(f"rank {i} still running:\n{ranks.output(i)[-3000:]}")
+        assert ranks.procs[i].returncode == 0, ranks.output(i)[-3000:]
+        out[i] = [l for l in _lines(ranks, i) if l.get("done")][0]
+    return out
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_node_lost_mid_training_the_survivors_go_on_with_the_new_membership(
+        tmp, three_daemons, fault):
+    d0, d1, d2 = three_daemons
+    steps = 40
+    ranks = launch(tmp, [d0, d1, d2], "elastic-" + fault, lambda r: [WORKER, str(steps), "0.05"],
+                   local=1, root=d0.tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
+    try:
+        _wait_steps(ranks, 5)
+        lost_node = d2.tcp
+        if fault == "kill":
+            d2.proc.kill()
+            ranks.procs[2].kill()
+        else:
+            d2.proc.send_signal(signal.SIGSTOP)  # the kernel still ACKs; the daemon says nothing
+        done = _finish(ranks, [0, 1])
+    finally:
+        for p in ranks.procs:
+            if p.poll() is None:
+                p.kill()
+    for old_rank, result in done.items():
+        assert result["world"] == 2, result
+        assert result["rank"] == old_rank, result  # ranks 0 and 1 keep theirs: rank 2 went
+        assert result["step"] == steps, result
+        assert result["resets"] == [2], result
+        assert len(result["changes"]) == 1, result
+        change = result["changes"][0]
+        assert change["lost_ranks"] == [2] and change["lost_nodes"] == [lost_node], change
+        assert change["world"] == 2 and change["epoch"] == 1, change
+        assert f"rank(s) 2 on node(s) {lost_node} lost" in change["message"], change
+        assert "goes on as epoch 1 with 2 rank(s)" in change["message"], change
+    # The survivors' models are the same, bit for bit: same reduced gradients, same state.
+    assert done[0]["params"] == done[1]["params"]
+    # The daemons of the survivors recorded it, and formed the next epoch.
+    for d in (d0, d1):
+        log = open(d.log).read()
+        assert "job=elastic-%s.e1" % fault in log, log[-3000:]
+
+
+def test_an_elastic_job_that_loses_its_root_node_says_why_it_cannot_go_on(tmp, three_daemons):
+    d0, d1, d2 = three_daemons
+    ranks = launch(tmp, [d0, d1, d2], "elastic-root", lambda r: [WORKER, "200", "0.05"],
+                   local=1, root=d0.tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
+    try:
+        _wait_steps(ranks, 3)
+        d0.proc.kill()
+        ranks.procs[0].kill()
+        for i in (1, 2):
+            ranks.procs[i].wait(60)
+    finally:
+        for p in ranks.procs:
+            if p.poll() is None:
+                p.kill()
+    for i in (1, 2):
+        assert ranks.procs[i].returncode == 3, ranks.output(i)[-3000:]
+        err = [l for l in _lines(ranks, i) if l.get("error")][0]
+        assert "survives the loss of its root's node only with its store on etcd" in \
+            err["message"], err
+
+
+def test_below_min_world_size_the_survivors_stop_with_a_clear_error(tmp, three_daemons):
+    d0, d1, d2 = three_daemons
+    ranks = launch(tmp, [d0, d1, d2], "elastic-min", lambda r: [WORKER, "200", "0.05"],
+                   local=1, root=d0.tcp,
+                   extra_env={"GRADSYNC_ELASTIC": "1", "GRADSYNC_MIN_WORLD_SIZE": "3"})
+    try:
+        _wait_steps(ranks, 3)
+        d2.proc.kill()
+        ranks.procs[2].kill()
+        for i in (0, 1):
+            ranks.procs[i].wait(60)
+    finally:
+        for p in ranks.procs:
+            if p.poll() is None:
+                p.kill()
+    for i in (0, 1):
+        assert ranks.procs[i].returncode == 3, ranks.output(i)[-3000:]
+        err = [l for l in _lines(ranks, i) if l.get("error")][0]
+        assert "2 rank(s) left, fewer than min_world_size=3" in err["message"], err
