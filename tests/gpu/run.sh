@@ -16,7 +16,9 @@
 #   4. the other gpu tests, each its own process under its own timeout
 #   5. the Python GPU tests with the machine's own torch (tests/gpu/test_python_gpu.py: CUDA
 #                 tensors through the daemon, a one-rank DistributedOptimizer against a plain
-#                 optimizer, the DDP hook, two one-rank jobs on one GPU at once)
+#                 optimizer, the DDP hook, two one-rank jobs on one GPU at once, async ops
+#                 on two groups over one allocation exact, 1,000 re-registrations at reused
+#                 addresses)
 #   6. one table of every benchmark, printed last and written with the GPU, driver, CUDA,
 #                 NCCL and torch versions to $OUT/results.json and bench/results-DATE-gpu.json
 #                 (tests/gpu/results.py)

@@ -16,6 +16,12 @@ gradsyncd this script starts:
   ddp_hook_one_rank     torch DDP (NCCL, one rank) with gradsync.torch.allreduce_hook on CUDA
                         buckets matches a plain model.
   two_jobs_one_gpu      two one-rank jobs on one GPU through one daemon at once.
+  two_groups_one_alloc  async all_gathers on two groups over tensors of one allocation, from
+                        two streams, the first input written after a long kernel and waited
+                        on after the second completed: each output exact (a shared "done"
+                        event would let the first be read before the daemon wrote it).
+  reregister_1000       1,000 rounds of allocate, op, free and empty_cache (the allocator hands
+                        the same address out again): every op right, none refused.
 
     test_python_gpu.py [--daemon PATH] [TEST...]
 Prints "PASS name", "FAIL name: why" or "SKIP name: why" per test. Exit 0: all passed; 77: no
@@ -226,8 +232,64 @@ def t_two_jobs_one_gpu():
     return checks
 
 
+def t_two_groups_one_allocation(rounds=20):
+    import torch
+    gradsync = _init("pygpu-two-groups")
+    other = gradsync.new_group([0])  # a second group of the one rank: its own daemon stream
+    n = 1 << 20
+    whole = torch.zeros(4 * n, device="cuda")  # one allocation holds all four tensors
+    in_a, out_a, in_b, out_b = whole.view(4, n)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    exact = 0
+    for k in range(rounds):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s1):
+            torch.cuda._sleep(100_000_000)  # ~50 ms before A's input is written
+            in_a.fill_(1.0 + k)
+            out_a.fill_(-1.0)
+            work_a = gradsync.all_gather([out_a], in_a, async_op=True)
+        with torch.cuda.stream(s2):
+            in_b.fill_(-2.0 - k)
+            out_b.fill_(-1.0)
+            gradsync.all_gather([out_b], in_b, group=other)  # B completes first
+            ok_b = bool((out_b == -2.0 - k).all())
+        with torch.cuda.stream(s1):
+            work_a.wait()
+            ok_a = bool((out_a == 1.0 + k).all())
+        exact += ok_a and ok_b
+    gradsync.shutdown()
+    return {f"both outputs exact in every round ({exact}/{rounds})": exact == rounds}
+
+
+def t_reregister_1000(rounds=1000):
+    import torch
+    gradsync = _init("pygpu-reregister")
+    errors, wrong, addresses = [], 0, set()
+    start = time.monotonic()
+    for k in range(rounds):
+        if time.monotonic() - start > CHILD_TIMEOUT_S - 15:
+            break
+        x = torch.full((4096,), float(k), device="cuda")
+        addresses.add(x.data_ptr())
+        try:
+            gradsync.all_reduce(x, op="max")
+            wrong += not bool((x == float(k)).all())
+        except gradsync.Error as e:
+            errors.append(str(e))
+        del x
+        torch.cuda.empty_cache()  # the allocation goes back to CUDA; the next one may reuse it
+    done = k + 1
+    gradsync.shutdown()
+    return {f"{done} rounds of {rounds} in time": done == rounds,
+            f"no op refused ({len(errors)}: {errors[:1]})": not errors,
+            f"every value right ({wrong} wrong)": wrong == 0,
+            f"addresses reused ({len(addresses)} distinct)": len(addresses) < done}
+
+
 TESTS = {"cuda_tensors": t_cuda_tensors, "optimizer_one_rank": t_optimizer_one_rank,
-         "ddp_hook_one_rank": t_ddp_hook_one_rank, "two_jobs_one_gpu": t_two_jobs_one_gpu}
+         "ddp_hook_one_rank": t_ddp_hook_one_rank, "two_jobs_one_gpu": t_two_jobs_one_gpu,
+         "two_groups_one_alloc": t_two_groups_one_allocation,
+         "reregister_1000": t_reregister_1000}
 
 
 # ---- the parent ----
