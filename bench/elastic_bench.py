@@ -1,0 +1,183 @@
+#!/usr/bin/python3
+"""How long an elastic job's survivors take to go on after a node is lost, against restarting
+the job's trainers (what torchrun does on a failure). Real gradsyncd processes on loopback, one
+trainer rank per daemon (tests/python/elastic_worker.py: a small MLP, DistributedOptimizer,
+gradsync.elastic.run, a commit every step, a step every 50 ms).
+
+    /usr/bin/python3 bench/elastic_bench.py --build build [--sizes 4,8] [--reps 3]
+         [--faults kill,freeze] [--json out.json]
+
+Per repetition: N daemons, N trainers of a fresh elastic job; once every trainer has done 5
+steps the last node is lost: its daemon and trainer killed (kill), or its daemon stopped
+(freeze: SIGSTOP, the kernel still ACKs its links). The figure, per survivor: seconds from the
+fault to its first completed step on the new membership (world N-1), read from the step lines
+the trainers print (time.time() on the same machine). The peer: the same N-1 trainers started
+afresh as a new job (new processes: Python, torch, gradsync.init, formation, the first step),
+the least a restart of the job's trainers costs before any checkpoint is loaded; torchrun
+must first notice the failure too, which this does not count. Ratio: resume / restart.
+"""
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "python", "elastic_worker.py")
+PYTHON = "/usr/bin/python3"
+TOKEN = "elastic-bench-token\n"
+
+
+class Daemon:
+    def __init__(self, build, tmp, name):
+        self.socket = os.path.join(tmp, f"{name}.sock")
+        self.log = os.path.join(tmp, f"{name}.log")
+        token = os.path.join(tmp, "token")
+        if not os.path.exists(token):
+            with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(TOKEN)
+        self.token = token
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen(
+                [os.path.join(build, "daemon", "gradsyncd"), f"--socket={self.socket}",
+                 "--port=0", f"--token_file={token}", "--log_sink=stderr", "--log_level=info"],
+                stderr=err)
+        deadline = time.monotonic() + 20
+        self.tcp = None
+        while time.monotonic() < deadline and self.tcp is None:
+            m = re.search(r"tcp=(\S+:\d+)", open(self.log).read())
+            if m and os.path.exists(self.socket):
+                self.tcp = m.group(1)
+            elif self.proc.poll() is not None:
+                sys.exit(f"gradsyncd exited: {open(self.log).read()[-2000:]}")
+            else:
+                time.sleep(0.05)
+        if self.tcp is None:
+            sys.exit(f"gradsyncd not up in 20 s: {open(self.log).read()[-2000:]}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def start_trainers(build, tmp, daemons, job, ranks, steps, elastic, tag):
+    procs, outs = [], []
+    for r in ranks:
+        d = daemons[r]
+        env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"), GRADSYNC_SOCKET=d.socket,
+                   GRADSYNC_JOB=job, RANK=str(ranks.index(r)), WORLD_SIZE=str(len(ranks)),
+                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1",
+                   GRADSYNC_ROOT_ADDRESS=daemons[ranks[0]].tcp, GRADSYNC_TOKEN_FILE=d.token,
+                   GRADSYNC_ELASTIC="1" if elastic else "0")
+        out = os.path.join(tmp, f"{tag}-{r}.out")
+        outs.append(out)
+        with open(out, "w") as f:
+            procs.append(subprocess.Popen([PYTHON, WORKER, str(steps), "0.05"], env=env,
+                                          stdout=f, stderr=subprocess.STDOUT))
+    return procs, outs
+
+
+def lines(out):
+    try:
+        return [json.loads(l) for l in open(out).read().splitlines() if l.startswith("{")]
+    except (OSError, ValueError):
+        return []
+
+
+def wait_for(pred, bound_s):
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def rep(build, n, fault, index, bound):
+    tmp = tempfile.mkdtemp(prefix="gradsync-elastic-bench-")
+    daemons = [Daemon(build, tmp, f"node{i}") for i in range(n)]
+    procs = []
+    try:
+        job = f"eb-{fault}-{n}-{index}"
+        procs, outs = start_trainers(build, tmp, daemons, job, list(range(n)), 10_000, True, "e")
+        if not wait_for(lambda: all(any(l.get("step", 0) >= 5 for l in lines(o)) for o in outs),
+                        120):
+            raise RuntimeError("trainers did not reach step 5: " + open(outs[0]).read()[-2000:])
+        t_fault = time.time()
+        if fault == "kill":
+            daemons[-1].proc.kill()
+            procs[-1].kill()
+        else:
+            daemons[-1].proc.send_signal(signal.SIGSTOP)
+
+        def resumed(o):
+            return [l["t"] - t_fault for l in lines(o) if l.get("world") == n - 1 and "t" in l]
+        wait_for(lambda: all(resumed(o) for o in outs[:-1]), bound)
+        resume = [min(resumed(o)) if resumed(o) else None for o in outs[:-1]]
+        for p in procs:
+            p.kill()
+            p.wait()
+        # The peer: the survivors' trainers started afresh as a new job of N-1 ranks.
+        t0 = time.time()
+        procs, outs = start_trainers(build, tmp, daemons, job + "-restart", list(range(n - 1)),
+                                     10_000, False, "r")
+        wait_for(lambda: all(any("t" in l for l in lines(o)) for o in outs), bound)
+        restart = [min(l["t"] for l in lines(o) if "t" in l) - t0
+                   if any("t" in l for l in lines(o)) else None for o in outs]
+        return {"resume": resume, "restart": restart}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for d in daemons:
+            d.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--sizes", default="4,8")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--faults", default="kill,freeze")
+    ap.add_argument("--bound", type=float, default=60.0, help="seconds one wait may take")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    build = os.path.abspath(args.build)
+    results = []
+    print(f"{'nodes':>5} {'fault':>6} {'resume s (median, max)':>24} "
+          f"{'restart s (median)':>19} {'resume/restart':>15}")
+    for n in [int(s) for s in args.sizes.split(",")]:
+        for fault in args.faults.split(","):
+            resume, restart = [], []
+            for i in range(args.reps):
+                r = rep(build, n, fault, i, args.bound)
+                results.append({"nodes": n, "fault": fault, "rep": i, **r})
+                resume += [x for x in r["resume"] if x is not None]
+                restart += [x for x in r["restart"] if x is not None]
+                missing = sum(x is None for x in r["resume"] + r["restart"])
+                if missing:
+                    print(f"  rep {i}: {missing} rank(s) gave no figure within {args.bound} s")
+            if resume and restart:
+                print(f"{n:>5} {fault:>6} {statistics.median(resume):>13.2f} "
+                      f"{max(resume):>10.2f} {statistics.median(restart):>19.2f} "
+                      f"{statistics.median(resume) / statistics.median(restart):>15.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
