@@ -5,6 +5,7 @@ at the end. The test kills a node under it; the survivors go on with the new mem
     elastic_worker.py STEPS PAUSE_S
 """
 import json
+import os
 import sys
 import time
 
@@ -23,8 +24,12 @@ def main(steps, pause_s):
     gradsync.init()  # elastic, job, ranks from the environment
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    # ELASTIC_PARAM_PACK=1: packed reductions, whose pack plan rank 0 makes after the first
+    # step and makes again after each change.
     opt = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                  reduce_method="mean", timeout=30)
+                                  reduce_method="mean", timeout=30,
+                                  param_pack=os.environ.get("ELASTIC_PARAM_PACK") == "1",
+                                  param_pack_thd=256)
     state = gradsync.elastic.TorchState(model=model, optimizer=opt, step=0)
     changes = []
     resets = []

@@ -98,6 +98,71 @@ def test_a_node_lost_mid_training_the_survivors_go_on_with_the_new_membership(
         assert "job=elastic-%s.e1" % fault in log, log[-3000:]
 
 
+def test_a_node_of_two_ranks_lost_with_packed_reductions(tmp, three_daemons):
+    """Two ranks per node: node 1 (ranks 2, 3) is killed; ranks 4 and 5 become 2 and 3, local
+    ranks stay; the pack plan is made again by the new rank 0."""
+    d0, d1, d2 = three_daemons
+    ranks = launch(tmp, [d0, d0, d1, d1, d2, d2], "elastic-pairs",
+                   lambda r: [WORKER, "30", "0.05"], local=2, root=d0.tcp,
+                   extra_env={"GRADSYNC_ELASTIC": "1", "ELASTIC_PARAM_PACK": "1"})
+    try:
+        _wait_steps(ranks, 5)
+        d1.proc.kill()
+        ranks.procs[2].kill()
+        ranks.procs[3].kill()
+        done = _finish(ranks, [0, 1, 4, 5])
+    finally:
+        for p in ranks.procs:
+            if p.poll() is None:
+                p.kill()
+    for old_rank, new_rank in ((0, 0), (1, 1), (4, 2), (5, 3)):
+        result = done[old_rank]
+        assert (result["rank"], result["world"], result["step"]) == (new_rank, 4, 30), result
+        change = result["changes"][0]
+        assert change["lost_ranks"] == [2, 3] and change["lost_nodes"] == [d1.tcp], change
+    assert all(done[r]["params"] == done[0]["params"] for r in (1, 4, 5))
+
+
+def test_two_changes_in_a_row(tmp, monkeypatch):
+    """Four nodes; one is killed, and once the survivors train on as epoch 1, another: epoch 2
+    with two ranks, every survivor through both changes."""
+    ds = [Daemon(tmp, f"n{i}", tcp=True) for i in range(4)]
+    monkeypatch.setenv("GRADSYNC_TOKEN_FILE", ds[0].token_file)
+    ranks = launch(tmp, ds, "elastic-twice", lambda r: [WORKER, "60", "0.05"], local=1,
+                   root=ds[0].tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
+    try:
+        _wait_steps(ranks, 5)
+        ds[3].proc.kill()
+        ranks.procs[3].kill()
+        deadline = time.monotonic() + 60
+        while not all(any(l.get("world") == 3 for l in _lines(ranks, i)) for i in range(3)):
+            assert time.monotonic() < deadline, ranks.output(0)[-3000:]
+            time.sleep(0.02)
+        ds[2].proc.kill()
+        ranks.procs[2].kill()
+        done = _finish(ranks, [0, 1])
+        # Every epoch's namespace leaves the root's store: epoch 0's and 1's (kept for their
+        # decisions) when the epoch after ended, epoch 2's when the job ended.
+        deadline = time.monotonic() + 20
+        while "elastic-twice" in ds[0].ctl("jobs").stdout and time.monotonic() < deadline:
+            time.sleep(0.1)
+        jobs = ds[0].ctl("jobs")
+        assert jobs.returncode == 0 and "elastic-twice" not in jobs.stdout, jobs
+    finally:
+        for p in ranks.procs:
+            if p.poll() is None:
+                p.kill()
+        for d in ds:
+            d.stop()
+    for r in (0, 1):
+        result = done[r]
+        assert (result["rank"], result["world"], result["step"]) == (r, 2, 60), result
+        assert [c["epoch"] for c in result["changes"]] == [1, 2], result
+        assert [c["lost_ranks"] for c in result["changes"]] == [[3], [2]], result
+        assert result["resets"] == [3, 2], result
+    assert done[0]["params"] == done[1]["params"]
+
+
 def test_an_elastic_job_that_loses_its_root_node_says_why_it_cannot_go_on(tmp, three_daemons):
     d0, d1, d2 = three_daemons
     ranks = launch(tmp, [d0, d1, d2], "elastic-root", lambda r: [WORKER, "200", "0.05"],
