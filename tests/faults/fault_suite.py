@@ -39,6 +39,12 @@ nodes' link listeners wait for it under the flood. The job must form and run fiv
 all-reduces right; each daemon's port took >= 100 of the connections, and a data-link listener
 of nodes 0 and 1 was flooded while it waited; the daemons stay alive and healthy.
 
+elastic-cut-node2: an elastic job (tests/python/elastic_worker.py: a small MLP,
+DistributedOptimizer, gradsync.elastic.run) on the same 1+2+3 ranks; once every rank has done 5
+steps node 2 (ranks 3, 4, 5) is cut off. Ranks 0, 1 and 2 raise MembershipChanged naming ranks
+3,4,5 and node 2, reset to a world of 3 (keeping their ranks), finish their steps and end with
+the same parameters; node 2's ranks are stopped, its link comes back.
+
 lossy: a fresh lab whose every node's egress has 5 ms delay and 1 % loss (tc netem; where the
 kernel has no netem, wire.py applies the same in user space) runs small and 4 MiB
 all-reduces with right values, and no daemon declares a peer lost.
@@ -80,7 +86,8 @@ FAULT_CASES = [
     ("cut-node1-large", "cut", 1, "large"),
     ("freeze-root-large", "freeze", 0, "large"),
 ]
-ALL_CASES = ["flood"] + [c[0] for c in FAULT_CASES] + ["lossy"]
+ALL_CASES = ["flood"] + [c[0] for c in FAULT_CASES] + ["elastic-cut-node2", "lossy"]
+ELASTIC_WORKER = os.path.join(netlab.ROOT, "tests", "python", "elastic_worker.py")
 
 
 class Timeout(Exception):
@@ -412,6 +419,81 @@ def flood_case(lab, case):
     fresh_job(lab, case, f"flood-after-{os.getpid()}")
 
 
+def elastic_case(lab, case, steps=30, victim=2):
+    job = f"elastic-{int(time.time() * 1000) % 10**8}"
+    root = lab.daemons[PLACEMENT[0]].target
+    world = len(PLACEMENT)
+    outs, procs = [], []
+    local = {}
+    for r, k in enumerate(PLACEMENT):
+        d = lab.daemons[k]
+        lr = local.get(k, 0)
+        local[k] = lr + 1
+        env = {k2: v for k2, v in os.environ.items()
+               if not k2.startswith(("NOTIFY_SOCKET", "WATCHDOG_"))}
+        env.update({"PYTHONPATH": lab.python_dir, "GRADSYNC_SOCKET": d.socket,
+                    "GRADSYNC_JOB": job, "RANK": str(r), "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(PLACEMENT.count(k)),
+                    "GRADSYNC_ROOT_ADDRESS": root, "GRADSYNC_TOKEN_FILE": lab.token_file,
+                    "OMP_NUM_THREADS": "1", "GRADSYNC_ELASTIC": "1"})
+        out = os.path.join(lab.tmp, f"{job}-r{r}.log")
+        outs.append(out)
+        with open(out, "w") as f:
+            procs.append(subprocess.Popen(
+                [IP, "netns", "exec", d.ns, PYTHON, ELASTIC_WORKER, str(steps), "0.05"], env=env,
+                stdout=f, stderr=subprocess.STDOUT, preexec_fn=netlab.die_with_parent))
+
+    def lines(r):
+        try:
+            return [json.loads(x) for x in open(outs[r]).read().splitlines()
+                    if x.startswith("{")]
+        except (OSError, ValueError):
+            return []
+
+    survivors = survivors_of(victim)
+    try:
+        deadline = time.monotonic() + 120
+        while not all(any(x.get("step", 0) >= 5 for x in lines(r)) for r in range(world)):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                case.check("every rank trained 5 steps", False,
+                           "\n".join(open(o).read()[-800:] for o in outs))
+                return
+            time.sleep(0.02)
+        lab.cut(victim)
+        deadline = time.monotonic() + 90
+        for r in survivors:
+            try:
+                procs[r].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        done = {}
+        for r in survivors:
+            ended = [x for x in lines(r) if x.get("done")]
+            ok = procs[r].returncode == 0 and ended
+            case.check(f"rank {r} went on to its last step and exited 0", ok,
+                       f"exit {procs[r].returncode}: {open(outs[r]).read()[-1500:]}")
+            if ok:
+                done[r] = ended[0]
+        lost = [r for r, k in enumerate(PLACEMENT) if k == victim]
+        for r, res in done.items():
+            change = res["changes"][0] if res["changes"] else {}
+            case.check(f"rank {r}: MembershipChanged named ranks {lost} and node {victim}",
+                       change.get("lost_ranks") == lost and
+                       change.get("lost_nodes") == [lab.daemons[victim].target], str(change))
+            case.check(f"rank {r}: rank {res['rank']} of a world of {res['world']}, "
+                       f"{res['step']} steps", (res["rank"], res["world"], res["step"]) ==
+                       (survivors.index(r), len(survivors), steps), str(res)[:300])
+        if len(done) == len(survivors):
+            case.check("the survivors' parameters are identical",
+                       all(done[r]["params"] == done[survivors[0]]["params"] for r in done))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        restore(lab, case)
+
+
 def lossy_case(build, case):
     lab = Lab(build, 3, link="lossy", log=case.note)
     try:
@@ -497,6 +579,8 @@ def main():
                 try:
                     if name == "flood":
                         flood_case(lab, case)
+                    elif name == "elastic-cut-node2":
+                        elastic_case(lab, case)
                     else:
                         _, kind, victim, when = next(c for c in FAULT_CASES if c[0] == name)
                         fault_case(lab, case, kind, victim, when)
