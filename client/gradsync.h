@@ -64,7 +64,7 @@ typedef struct gs_connect_options {
   const char* tls_ca_file;
   /* Non-zero: an elastic job, at membership `epoch` (0 first; E > 0: the job id ends ".e<E>").
    * When a node is lost its daemons record the new membership in the job's store under
-   * "_gradsync/elastic/decision"; the survivors register again at the next epoch. */
+   * "_gradsync_elastic/decision"; the survivors register again at the next epoch. */
   int32_t elastic;
   int32_t epoch;
 } gs_connect_options;
@@ -104,11 +104,12 @@ int gs_buffer_deregister_id(gs_client* client, uint64_t id);
  * before it reads the buffer; it records "done" after it wrote it, before the op completes;
  * gs_cuda_buffer_wait_done makes the caller's stream wait for that. Nothing here synchronises
  * the host with the device. Built without CUDA: FAILED_PRECONDITION.
- * An event stands for its latest record, so a registration serves one op at a time: the daemon
- * refuses (FAILED_PRECONDITION) an op naming a registration that an op not yet completed
- * names, and gs_cuda_buffer_wait_done waits for the registration's latest op, so call it
- * before the registration's next op. For ops that may overlap on the same memory (two groups,
- * two threads), register it once per such op: the daemon maps the allocation once. */
+ * An event stands for its latest record, so a registration serves one group's ops at a time
+ * (they run in order on one daemon stream): the daemon refuses (FAILED_PRECONDITION) an op
+ * naming a registration that a not yet completed op of another group names, and
+ * gs_cuda_buffer_wait_done waits for the registration's latest op. For ops of other groups
+ * that may overlap on the same memory, register it once per such op: the daemon maps the
+ * allocation once. */
 typedef struct gs_cuda_buffer gs_cuda_buffer;
 
 /* The allocation a device pointer lies in (two driver queries, no daemon call). id is unique

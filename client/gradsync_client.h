@@ -83,10 +83,11 @@ class SharedBuffer {
 /// way PyTorch shares caching-allocator blocks: the IPC handle of the allocation it lies in,
 /// its offset there, and two interprocess events. The memory stays the caller's; it must stay
 /// allocated while registered. Ops name it like any buffer ({id(), byte_offset, count}).
-/// An event stands for its latest record, so a registration serves one op at a time: the
-/// daemon refuses (FAILED_PRECONDITION) an op naming it while an earlier op naming it has not
-/// completed. Ops that may overlap on the same memory each take a registration of their own
-/// (register it again: the daemon maps the allocation once).
+/// An event stands for its latest record, so a registration serves one group's ops at a time
+/// (they run in order on one daemon stream): the daemon refuses (FAILED_PRECONDITION) an op
+/// naming it while a not yet completed op of another group names it. Ops of other groups that
+/// may overlap on the same memory each take a registration of their own (register it again:
+/// the daemon maps the allocation once).
 class CudaBuffer {
  public:
   ~CudaBuffer();  // destroys the events: deregister first (Client::DestroyCudaBuffer does),

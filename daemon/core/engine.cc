@@ -47,7 +47,7 @@ class InFlightSink final : public SessionSink {
 };
 
 // Takes the events of every device buffer `op` names for it: FAILED_PRECONDITION, taking
-// none, when an op still in flight holds one of them.
+// none, when ops of another group still in flight hold one of them.
 absl::StatusOr<std::vector<std::shared_ptr<Session::DeviceUse>>> TakeDeviceBuffers(
     Session& session, const v1::OpRequest& op) {
   std::vector<std::shared_ptr<Session::DeviceUse>> taken;
@@ -64,14 +64,16 @@ absl::StatusOr<std::vector<std::shared_ptr<Session::DeviceUse>>> TakeDeviceBuffe
     if (it == session.buffers.end() || !it->second.use) continue;  // Resolve says what is wrong
     Session::DeviceUse& use = *it->second.use;
     absl::MutexLock use_lock(&use.mu);
-    if (use.busy) {
+    if (use.ops > 0 && use.group != op.group()) {
       for (const auto& held : taken) held->Done();
       return absl::FailedPreconditionError(absl::StrCat(
-          "buffer ", id, " (", it->second.mapping->Describe(),
-          ") is named by an op still in flight: a device buffer's ready/done events serve one "
-          "op at a time (register the memory again for each op that may overlap)"));
+          "buffer ", id, " (", it->second.mapping->Describe(), ") is named by an op of group ",
+          use.group,
+          " still in flight: a device buffer's ready/done events serve one group's "
+          "ops at a time (register the memory again for ops of other groups that may overlap)"));
     }
-    use.busy = true;
+    use.group = op.group();
+    ++use.ops;
     taken.push_back(it->second.use);
   }
   return taken;

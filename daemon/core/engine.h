@@ -257,7 +257,11 @@ class Engine {
                  uint64_t tag, const v1::OpRequest& op);
 
   // Runs on_job_end_(job) on a thread of its own; `job` is in ending_ until it returns.
-  // `previous` (elastic jobs): the id of the epoch before, whose namespace in `store` goes too.
+  // An elastic epoch `id` ended a while ago and is not running again: its namespace, kept for
+  // a decision, goes (the decision from `store`, then on_job_end_).
+  void EndKeptEpoch(const std::string& id, gradsync::Store* store);
+  // `previous` (elastic jobs): the id of the epoch before, whose namespace in `store` goes too
+  // (unless a job of that id runs again here).
   void EndJobLater(const std::string& job, gradsync::Store* store = nullptr,
                    std::string previous = "");
 

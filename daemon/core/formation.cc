@@ -209,8 +209,9 @@ void Engine::OnPeerLost(const std::weak_ptr<Job>& weak, const std::string& node,
     // It left on purpose: what it sent stays readable, so the ops it took part in complete, and
     // an op that needs more from it fails on its link. Only groups made from now on fail.
     absl::MutexLock lock(&job->mu);
+    // (No membership decision for an elastic job: a node whose trainers end on purpose, as
+    // every node's do at a job's end or a reset, is not lost.)
     job->lost_nodes.emplace(node, absl::StrCat("node ", node, " ", cause.message()));
-    ScheduleDecisionLocked(*job);
     return;
   }
   Completions out;

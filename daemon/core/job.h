@@ -209,15 +209,18 @@ inline void AssertGroupOf(const Job& job, const Group& group) ABSL_EXCLUSIVE_LOC
 /// One trainer's attachment to the daemon (Engine::Register).
 class Session {
  public:
-  /// A device buffer's events serve one op at a time: an event stands for its latest record
-  /// (a second op's "done" would replace the first's, and a trainer waiting for the first would
-  /// wait for the second only). The op that holds them, from its submission to its answer, and
-  /// whether the buffer went meanwhile (its events are then released at that answer).
+  /// A device buffer's events serve the ops of one group at a time: an event stands for its
+  /// latest record, and only a group's ops run in order on one daemon stream (there a later
+  /// "done" covers the earlier ops). An op of another group while some are in flight would
+  /// replace their "done" with one of another stream, and a trainer waiting for them would wait
+  /// for it only. The group whose ops hold them, from submission to answer, how many, and
+  /// whether the buffer went meanwhile (its events are then released at the last answer).
   struct DeviceUse {
     explicit DeviceUse(std::shared_ptr<MappedBuffer> mapping) : mapping(std::move(mapping)) {}
     const std::shared_ptr<MappedBuffer> mapping;
     absl::Mutex mu;
-    bool busy ABSL_GUARDED_BY(mu) = false;
+    std::string group ABSL_GUARDED_BY(mu);
+    int ops ABSL_GUARDED_BY(mu) = 0;
     bool deregistered ABSL_GUARDED_BY(mu) = false;
 
     /// The buffer goes (deregistered, or its session ended): its events are released now, or
@@ -226,16 +229,15 @@ class Session {
       {
         absl::MutexLock lock(&mu);
         deregistered = true;
-        if (busy) return;
+        if (ops > 0) return;
       }
       mapping->ReleaseEvents();
     }
-    /// The op that held the events has its answer.
+    /// An op that held the events has its answer.
     void Done() {
       {
         absl::MutexLock lock(&mu);
-        busy = false;
-        if (!deregistered) return;
+        if (--ops > 0 || !deregistered) return;
       }
       mapping->ReleaseEvents();
     }

@@ -109,10 +109,13 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
         " local_world_size=", job.local_world_size, "; rank ", req.rank(),
         " says world_size=", req.world_size(), " local_world_size=", req.local_world_size()));
   }
-  if (job.elastic != req.elastic()) {
+  if (job.elastic != req.elastic() || job.epoch != req.epoch()) {
+    auto says = [](bool elastic, int epoch) {
+      return elastic ? absl::StrCat("elastic at epoch ", epoch) : std::string("not elastic");
+    };
     return absl::InvalidArgumentError(
-        absl::StrCat("job ", job.id, " is ", job.elastic ? "" : "not ", "elastic; rank ",
-                     req.rank(), " says it is", req.elastic() ? "" : " not"));
+        absl::StrCat("job ", job.id, " is ", says(job.elastic, job.epoch), "; rank ", req.rank(),
+                     " says ", says(req.elastic(), req.epoch())));
   }
   if (!job.departed.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -210,8 +213,26 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
         }
       }
       EndJobLater(job->id, job->root_store, std::move(previous));
+      if (job->elastic && job->root_store != nullptr) {
+        // A decision of its next membership keeps its namespace (server.cc) for survivors that
+        // have not read it yet; the next epoch's end deletes it, else this, once no op could
+        // still wait for it.
+        timer_.Schedule(absl::Now() + options_.default_op_timeout,
+                        [this, id = job->id, store = job->root_store] {
+                          pool_->Schedule([this, id, store] { EndKeptEpoch(id, store); });
+                        });
+      }
     }
   }
+}
+
+void Engine::EndKeptEpoch(const std::string& id, gradsync::Store* store) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_ || jobs_.contains(id) || ending_.contains(id)) return;  // running again
+  }
+  (void)store->Delete(id, std::string(kElasticDecisionKey));
+  on_job_end_(id);
 }
 
 void Engine::EndJobLater(const std::string& id, gradsync::Store* store, std::string previous) {
@@ -229,7 +250,12 @@ void Engine::EndJobLater(const std::string& id, gradsync::Store* store, std::str
     }
     job_ends_[id] = std::thread([this, id, store, previous = std::move(previous)] {
       on_job_end_(id);
-      if (!previous.empty() && store != nullptr) {
+      bool previous_live = false;
+      if (!previous.empty()) {
+        absl::MutexLock lock(&mu_);
+        previous_live = jobs_.contains(previous) || ending_.contains(previous);
+      }
+      if (!previous.empty() && store != nullptr && !previous_live) {
         (void)store->Delete(previous, std::string(kElasticDecisionKey));
         on_job_end_(previous);  // its namespace has no decision left to keep it
       }

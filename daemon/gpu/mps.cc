@@ -72,11 +72,14 @@ MpsFacts::Control LookAtControl(const std::string& path) {
                                            : MpsFacts::Control::kNoAccess;
 }
 
-// The CUDA half of the facts, shared between the caller and the thread that asks CUDA.
+// The CUDA half of the facts, shared between the caller and the thread that asks CUDA. The
+// status travels as its code and text, copied: an absl::Status shares its text by a reference
+// count that the caller's copy and the thread's would drop on two threads.
 struct CudaAnswer {
   absl::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
-  absl::Status gpu ABSL_GUARDED_BY(mu);
+  absl::StatusCode code ABSL_GUARDED_BY(mu) = absl::StatusCode::kOk;
+  std::string message ABSL_GUARDED_BY(mu);
   int devices ABSL_GUARDED_BY(mu) = 0;
   int mps_devices ABSL_GUARDED_BY(mu) = 0;
 };
@@ -105,7 +108,8 @@ MpsFacts GatherMpsFacts(GpuApi* gpu, const char* pipe_env, absl::Duration timeou
       }
     }
     absl::MutexLock lock(&answer->mu);
-    answer->gpu = status;
+    answer->code = status.code();
+    answer->message = std::string(status.message());
     answer->devices = devices;
     answer->mps_devices = mps;
     answer->done = true;
@@ -117,7 +121,7 @@ MpsFacts GatherMpsFacts(GpuApi* gpu, const char* pipe_env, absl::Duration timeou
                      " (an MPS server of another user draining? see deploy/mps.md)"));
     return f;
   }
-  f.gpu = answer->gpu;
+  f.gpu = absl::Status(answer->code, answer->message);
   f.devices = answer->devices;
   f.mps_devices = answer->mps_devices;
   return f;

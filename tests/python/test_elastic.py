@@ -92,10 +92,15 @@ def test_a_node_lost_mid_training_the_survivors_go_on_with_the_new_membership(
         assert "goes on as epoch 1 with 2 rank(s)" in change["message"], change
     # The survivors' models are the same, bit for bit: same reduced gradients, same state.
     assert done[0]["params"] == done[1]["params"]
-    # The daemons of the survivors recorded it, and formed the next epoch.
-    for d in (d0, d1):
-        log = open(d.log).read()
+    # The survivors' daemons decide (the root in its own store, node 1 through the root's store
+    # service): one records the change; the other finds it, unless its trainers had already
+    # moved on; both formed epoch 1.
+    logs = [open(d.log).read() for d in (d0, d1)]
+    for log in logs:
         assert "job=elastic-%s.e1" % fault in log, log[-3000:]
+        assert "could not be recorded" not in log, log[-3000:]
+    assert sum("membership changed, epoch 0 -> 1: world 3 -> 2" in log for log in logs) == 1, logs
+    assert sum("decision recorded by another daemon stands" in log for log in logs) <= 1, logs
 
 
 def test_a_node_of_two_ranks_lost_with_packed_reductions(tmp, three_daemons):

@@ -1,13 +1,15 @@
 """Elastic jobs: training goes on when a node of the job is lost.
 
 A job opts in with gradsync.init(..., elastic=True, min_world_size=N) (or GRADSYNC_ELASTIC=1,
-GRADSYNC_MIN_WORLD_SIZE). When a node is lost (its daemon killed, frozen or cut off, or all its
-trainers gone) its peers' daemons notice it within --peer_timeout and record one decision of
+GRADSYNC_MIN_WORLD_SIZE). When a node is lost (its daemon killed, frozen or cut off) its peers'
+daemons notice it within --peer_timeout and record one decision of
 the new membership in the job's store. An op that fails because of the loss then raises
-MembershipChanged on every survivor, naming the ranks and nodes lost and the new world size;
-nothing is written into a buffer by such an op. The survivors keep their order and take
+MembershipChanged on every survivor, naming the ranks and nodes lost and the new world size.
+The survivors keep their order and take
 contiguous new ranks once they reset (reset(), or the run decorator below, which also restores
-the last committed state and broadcasts it from the new rank 0).
+the last committed state and broadcasts it from the new rank 0). What the failed op left in a
+buffer is not to be used: the run decorator's restore() puts the committed state back (a CPU
+ring all-reduce that stopped midway may have added part of the sum).
 
     state = gradsync.elastic.TorchState(model=model, optimizer=opt, step=0)
 
@@ -21,8 +23,10 @@ the last committed state and broadcasts it from the new rank 0).
     train(state)
 
 Each membership is an epoch: epoch E of job J runs as job "J.eE" in the daemons (E = 0: "J").
-Not built yet: a replacement node joining a running job (the world only shrinks), and groups
-other than the world following a change (their ranks keep their old meaning).
+Not built yet: a replacement node joining a running job (the world only shrinks), groups other
+than the world following a change (their ranks keep their old meaning), and a node whose
+trainers all die while its daemon lives (that node leaves as at a job's end: no change is
+decided, and the job fails as one that is not elastic does).
 """
 import copy
 import functools
@@ -39,7 +43,7 @@ __all__ = ["MembershipChanged", "State", "TorchState", "run", "reset", "classify
 DECISION_WAIT_S = 5.0
 # The most membership changes one run() call goes through before it gives up.
 MAX_RESETS = 64
-_DECISION_KEY = "_gradsync/elastic/decision"
+_DECISION_KEY = "_gradsync_elastic/decision"
 # Codes an op fails with when a peer node is lost (the peer watch's word, a link that broke,
 # an aborted device group): only these make a trainer look for a decision.
 _LOSS_CODES = ("UNAVAILABLE", "ABORTED", "CANCELLED")
@@ -49,7 +53,7 @@ _reset_hooks = weakref.WeakSet()  # objects with _reset_membership() (Distribute
 
 class MembershipChanged(Error):
     """The job's membership changed: the op that raised this (and every later op of the old
-    membership) did not run. `lost_ranks` and `lost_nodes` say who went, `world_size` the new
+    membership) did not complete; what it left in its buffers is not a result. `lost_ranks` and `lost_nodes` say who went, `world_size` the new
     size, `rank` this rank's new rank, `epoch` the new membership's number. Call reset() (the
     run decorator does) before the next op."""
 
@@ -236,7 +240,12 @@ class TorchState(State):
             snapshot = buf.getvalue()
         data = _broadcast_bytes(snapshot)
         if get_rank() != 0:
-            state = torch.load(io.BytesIO(data))
+            # Onto the host (rank 0's device index means nothing here); load_state_dict copies
+            # into the model's own tensors, wherever they are.
+            try:
+                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+            except TypeError:  # torch before 1.13 has no weights_only
+                state = torch.load(io.BytesIO(data), map_location="cpu")
             if self.model is not None:
                 self.model.load_state_dict(state["model"])
             if self.optimizer is not None:
@@ -271,15 +280,21 @@ def run(func):
     call too (every rank starts from rank 0's)."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        state.sync()
-        for _ in range(MAX_RESETS):
+        change, changes = None, 0
+        while True:
             try:
+                if change is not None:
+                    state.restore()
+                    reset(change)
+                state.sync()  # a change during it (another node lost) is handled as any other
+                if change is not None:
+                    change = None
+                    state.on_reset()
                 return func(state, *args, **kwargs)
-            except MembershipChanged as change:
-                state.restore()
-                reset(change)
-                state.sync()
-                state.on_reset()
-        raise Error("RESOURCE_EXHAUSTED", f"the membership changed {MAX_RESETS} times in one "
-                                          "run; giving up")
+            except MembershipChanged as e:
+                changes += 1
+                if changes > MAX_RESETS:
+                    raise Error("RESOURCE_EXHAUSTED", f"the membership changed {MAX_RESETS} "
+                                                      "times in one run; giving up") from e
+                change = e
     return wrapper

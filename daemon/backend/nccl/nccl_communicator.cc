@@ -3,6 +3,7 @@
 #include "daemon/backend/nccl/nccl_communicator.h"
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -20,6 +21,17 @@ namespace gradsync::backend::nccl {
 namespace {
 
 auto Log() { return logging::Logger("nccl"); }
+
+// Ends an op's waits once the group's job-wide abort count passes `seen`, with the abort's
+// reason (the peer watch's word on a lost node, another group's failure).
+std::function<absl::Status()> AbortInterrupt(GroupComms& c, uint64_t seen) {
+  return [&c, seen]() -> absl::Status {
+    if (c.aborts.load() == seen) return absl::OkStatus();
+    const absl::Status reason = c.AbortReason();
+    return reason.ok() ? absl::AbortedError("the job's communicators on this node were aborted")
+                       : reason;
+  };
+}
 
 bool HasOutput(v1::OpKind kind) { return kind == v1::ALL_GATHER || kind == v1::REDUCE_SCATTER; }
 
@@ -229,7 +241,17 @@ absl::Status NcclCommunicator::Run(const core::Collective& op) {
     std::shared_ptr<GroupComms> c = table_->Get(spec_->job, spec_->group);
     if (!prepared) prepared = Prepare(*c, op, *launched, later);
     LockedComms locked(c.get());
-    if (c->erased) continue;  // dropped meanwhile: a fresh one is in the table now
+    if (c->erased) {  // dropped meanwhile (its job ended here, or a kept group another job needed)
+      if (prepared->comms.empty() && ++tries <= 2) {
+        prepared.reset();  // it built nothing: prepared again on the fresh group in the table
+        continue;
+      }
+      // Communicators built for a group that went: not installed anywhere (the job they were
+      // for may have ended here), so aborted below, and the op fails.
+      s = Context(op, absl::UnavailableError("the group's NCCL state on this node was dropped "
+                                             "while the op prepared (its job ended here)"));
+      break;
+    }
     // The group's communicators went while the op prepared to use them (dropped or rebuilt
     // elsewhere; an abort fails the op instead): prepared again, a few times at most.
     if (prepared->status.ok() && prepared->comms.empty() && prepared->plan.ok() &&
@@ -275,12 +297,7 @@ NcclCommunicator::Prepared NcclCommunicator::Prepare(GroupComms& c, const core::
   }
   PeerFailureWatch& peers = launched.peers;
   // A job-wide abort (a lost node, another group's failure) ends the waits below at once.
-  peers.InterruptWith([&c, seen = p.aborts_seen]() -> absl::Status {
-    if (c.aborts.load() == seen) return absl::OkStatus();
-    const absl::Status reason = c.AbortReason();
-    return reason.ok() ? absl::AbortedError("the job's communicators on this node were aborted")
-                       : reason;
-  });
+  peers.InterruptWith(AbortInterrupt(c, p.aborts_seen));
   // A fused op across nodes: its calls follow its segmentation, which the engine's fingerprint
   // does not hold, and a fast op split differently would complete with garbage before the
   // watch compares: the nodes compare it before any NCCL call. (A contiguous op keeps to the
@@ -408,12 +425,14 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
     return Context(op, WithDrain(s, table_->AbortLocked(c, s, later)));
   }
   // Non-blocking communicators may still be putting the kernels on the streams after
-  // ncclGroupEnd: until they are, neither the "done" events nor the streams say anything.
-  if (absl::Status s =
-          PollReady(c.comms, op.deadline, peers, "NCCL did not enqueue the op by its deadline");
-      !s.ok()) {
-    return FailLocked(c, op, s, peers, later);
-  }
+  // ncclGroupEnd: until they are, neither the "done" events nor the streams say anything. The
+  // group's lock is held: no store call while it waits, but a job-wide abort ends the wait.
+  peers.InterruptWith(AbortInterrupt(c, c.aborts.load()));
+  absl::Status enqueued =
+      PollReady(c.comms, op.deadline, peers, "NCCL did not enqueue the op by its deadline",
+                /*read_store=*/false);
+  peers.InterruptWith(nullptr);
+  if (!enqueued.ok()) return FailLocked(c, op, enqueued, peers, later);
   // The trainers' streams may wait for this: record "done" on every written buffer.
   for (const Member& m : members) {
     for (const core::MappedBuffer* b : Buffers(HasOutput(op.kind) ? m.out : m.in, nullptr)) {
@@ -546,7 +565,8 @@ absl::Status NcclCommunicator::LaunchLocked(GroupComms& c, const core::Collectiv
 }
 
 absl::Status NcclCommunicator::PollReady(const std::vector<gpu::Comm>& comms, absl::Time deadline,
-                                         PeerFailureWatch& peers, absl::string_view late) {
+                                         PeerFailureWatch& peers, absl::string_view late,
+                                         bool read_store) {
   Backoff backoff;
   while (true) {
     bool ready = true;
@@ -556,7 +576,7 @@ absl::Status NcclCommunicator::PollReady(const std::vector<gpu::Comm>& comms, ab
       ready = ready && *r;
     }
     if (ready) return absl::OkStatus();
-    if (absl::Status s = peers.Check(); !s.ok()) return s;
+    if (absl::Status s = read_store ? peers.Check() : peers.Interrupted(); !s.ok()) return s;
     if (absl::Now() > deadline) return absl::DeadlineExceededError(late);
     backoff.Pause();
   }

@@ -136,11 +136,12 @@ class NcclCommunicator final : public core::Communicator {
   absl::Status LaunchLocked(GroupComms& c, const core::Collective& op, const Plan& plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // Polls `comms` until all are ready (OK), one reports an error (that error), another node
-  // gives up on the op (its word), or `deadline` passes (DEADLINE_EXCEEDED with `late`).
+  // gives up on the op (its word; with `read_store` false only the watch's interrupt, no store
+  // call: a group's lock is held), or `deadline` passes (DEADLINE_EXCEEDED with `late`).
   // Non-blocking communicators leave ncclInProgress after initialising and after each
   // ncclGroupEnd.
   absl::Status PollReady(const std::vector<gpu::Comm>& comms, absl::Time deadline,
-                         PeerFailureWatch& peers, absl::string_view late);
+                         PeerFailureWatch& peers, absl::string_view late, bool read_store = true);
   // Aborts the group's communicators on this node, and the job's others with them unless the
   // op failed on another node's word (that node has told the other groups itself).
   absl::Status FailLocked(GroupComms& c, const core::Collective& op, const absl::Status& why,

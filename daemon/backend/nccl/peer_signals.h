@@ -115,6 +115,8 @@ class PeerFailureWatch {
   /// While set, Check (and the waits that call it) first asks `interrupt`: not OK ends them with
   /// that status (the group's job-wide abort, while the op prepares without its group's lock).
   void InterruptWith(std::function<absl::Status()> interrupt) { interrupt_ = std::move(interrupt); }
+  /// What the interrupt says now (OK when none is set); no store call.
+  absl::Status Interrupted() const { return interrupt_ ? interrupt_() : absl::OkStatus(); }
 
   /// OK, or the reason another node's word gives: ABORTED (it failed the op or abandoned the
   /// communicators) or FAILED_PRECONDITION (desync). Past kWatchAfter it reads the store (and
