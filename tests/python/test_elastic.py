@@ -168,43 +168,33 @@ def test_two_changes_in_a_row(tmp, monkeypatch):
     assert done[0]["params"] == done[1]["params"]
 
 
-def test_an_elastic_job_that_loses_its_root_node_says_why_it_cannot_go_on(tmp, three_daemons):
-    d0, d1, d2 = three_daemons
-    ranks = launch(tmp, [d0, d1, d2], "elastic-root", lambda r: [WORKER, "200", "0.05"],
-                   local=1, root=d0.tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
+def _survivors_stop(tmp, daemons, job, victim, env, want):
+    """One rank per daemon; node `victim` (daemon and trainer) is killed at step 3: the others
+    end with exit 3 and an error saying `want`."""
+    ranks = launch(tmp, daemons, job, lambda r: [WORKER, "200", "0.05"], local=1,
+                   root=daemons[0].tcp, extra_env={"GRADSYNC_ELASTIC": "1", **env})
+    others = [i for i in range(len(daemons)) if i != victim]
     try:
         _wait_steps(ranks, 3)
-        d0.proc.kill()
-        ranks.procs[0].kill()
-        for i in (1, 2):
+        daemons[victim].proc.kill()
+        ranks.procs[victim].kill()
+        for i in others:
             ranks.procs[i].wait(60)
     finally:
         for p in ranks.procs:
             if p.poll() is None:
                 p.kill()
-    for i in (1, 2):
+    for i in others:
         assert ranks.procs[i].returncode == 3, ranks.output(i)[-3000:]
         err = [l for l in _lines(ranks, i) if l.get("error")][0]
-        assert "survives the loss of its root's node only with its store on etcd" in \
-            err["message"], err
+        assert want in err["message"], err
+
+
+def test_an_elastic_job_that_loses_its_root_node_says_why_it_cannot_go_on(tmp, three_daemons):
+    _survivors_stop(tmp, three_daemons, "elastic-root", 0, {},
+                    "survives the loss of its root's node only with its store on etcd")
 
 
 def test_below_min_world_size_the_survivors_stop_with_a_clear_error(tmp, three_daemons):
-    d0, d1, d2 = three_daemons
-    ranks = launch(tmp, [d0, d1, d2], "elastic-min", lambda r: [WORKER, "200", "0.05"],
-                   local=1, root=d0.tcp,
-                   extra_env={"GRADSYNC_ELASTIC": "1", "GRADSYNC_MIN_WORLD_SIZE": "3"})
-    try:
-        _wait_steps(ranks, 3)
-        d2.proc.kill()
-        ranks.procs[2].kill()
-        for i in (0, 1):
-            ranks.procs[i].wait(60)
-    finally:
-        for p in ranks.procs:
-            if p.poll() is None:
-                p.kill()
-    for i in (0, 1):
-        assert ranks.procs[i].returncode == 3, ranks.output(i)[-3000:]
-        err = [l for l in _lines(ranks, i) if l.get("error")][0]
-        assert "2 rank(s) left, fewer than min_world_size=3" in err["message"], err
+    _survivors_stop(tmp, three_daemons, "elastic-min", 2, {"GRADSYNC_MIN_WORLD_SIZE": "3"},
+                    "2 rank(s) left, fewer than min_world_size=3")

@@ -862,6 +862,59 @@ TEST_F(NcclBackendTest, ARestartedJobReusesCommunicatorsKeptOnItsNode) {
 
 // Two nodes, one rank each, sharing the job's store: this test's backend is node A (rank 0),
 // `b` node B (rank 1). Both build their communicators at op 0.
+// A store whose synchronous calls wait at a gate once it is closed (its background waits do
+// not): what a group's lock must never be held across.
+class GatedStore final : public gradsync::Store {
+ public:
+  explicit GatedStore(gradsync::Store* inner) : inner_(inner) {}
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    open_ = false;
+  }
+  void Open() {
+    absl::MutexLock lock(&mu_);
+    open_ = true;
+  }
+  absl::Status Set(absl::string_view job, absl::string_view key, std::string value) override {
+    Pass();
+    return inner_->Set(job, key, std::move(value));
+  }
+  WaitId WaitAsync(absl::string_view job, std::vector<std::string> keys, absl::Time deadline,
+                   WaitCallback done) override {
+    return inner_->WaitAsync(job, std::move(keys), deadline, std::move(done));
+  }
+  void CancelWait(WaitId id) override { inner_->CancelWait(id); }
+  absl::StatusOr<int64_t> Add(absl::string_view job, absl::string_view key,
+                              int64_t delta) override {
+    Pass();
+    return inner_->Add(job, key, delta);
+  }
+  absl::StatusOr<CompareSetResult> CompareSet(absl::string_view job, absl::string_view key,
+                                              std::optional<std::string> expected,
+                                              std::string desired) override {
+    Pass();
+    return inner_->CompareSet(job, key, std::move(expected), std::move(desired));
+  }
+  absl::StatusOr<bool> Delete(absl::string_view job, absl::string_view key) override {
+    Pass();
+    return inner_->Delete(job, key);
+  }
+  absl::StatusOr<std::vector<std::string>> List(absl::string_view job,
+                                                absl::string_view prefix) override {
+    Pass();
+    return inner_->List(job, prefix);
+  }
+
+ private:
+  void Pass() {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&open_), absl::Seconds(30));  // bounded
+  }
+  gradsync::Store* const inner_;
+  absl::Mutex mu_;
+  bool open_ ABSL_GUARDED_BY(mu_) = true;
+};
+
 class TwoNodesTest : public NcclBackendTest {
  protected:
   void SetUp() override {
@@ -1050,6 +1103,46 @@ TEST_F(TwoNodesTest, TheJobsEndDoesNotWaitBehindAnOpWaitingForItsId) {
   t.join();
   EXPECT_EQ(sb.code(), absl::StatusCode::kDeadlineExceeded) << sb;
   EXPECT_TRUE(absl::StrContains(sb.message(), "never came from the node of rank 0")) << sb;
+}
+
+TEST_F(TwoNodesTest, ALaunchedOpsWatchMakesNoStoreCallUnderItsGroupsLock) {
+  GatedStore gated(&store_);
+  core::CommunicatorSpec spec_a = NodeSpec({0}, "a:7451", "gated"),
+                         spec_b = NodeSpec({1}, "b:7451", "gated");
+  spec_a.rendezvous = spec_b.rendezvous = &gated;
+  auto a = Make(spec_a);
+  auto b = *b_backend_.CreateCommunicator(spec_b);
+  auto run_both = [&](uint64_t seq) {
+    absl::Status sb;
+    std::thread t([&] { sb = b->Run(Op(1, seq)); });
+    absl::Status sa = a->Run(Op(0, seq));
+    t.join();
+    return std::pair{sa, sb};
+  };
+  auto [a0, b0] = run_both(0);  // builds the communicators (the id through the store)
+  ASSERT_TRUE(a0.ok()) << a0;
+  ASSERT_TRUE(b0.ok()) << b0;
+  gpu_.streams_hang = true;  // launched and answered, then still on the GPU
+  gpu_b_.streams_hang = true;
+  auto [a1, b1] = run_both(1);
+  ASSERT_TRUE(a1.ok()) << a1;
+  ASSERT_TRUE(b1.ok()) << b1;
+  gated.Close();
+  // Past PeerFailureWatch::kWatchAfter the launch watcher watches the op under the group's
+  // lock: publishing its fingerprint and comparing the other node's would be store calls.
+  absl::SleepFor(absl::Milliseconds(400));
+  std::atomic<bool> looked{false};
+  std::thread look([&] {
+    (void)backend_.LaunchedOps();  // takes every group's lock
+    looked = true;
+  });
+  for (int i = 0; i < 250 && !looked; ++i) absl::SleepFor(absl::Milliseconds(20));  // <= 5 s
+  EXPECT_TRUE(looked.load()) << "a group's lock was held across a store call";
+  gated.Open();
+  look.join();
+  gpu_.streams_hang = false;
+  gpu_b_.streams_hang = false;
+  ASSERT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
 }
 
 TEST_F(TwoNodesTest, ALostNodeAbortsTheJobsCommunicatorsThroughTheGroupsAbort) {

@@ -64,8 +64,8 @@ bool AwaitState(const LinkPeerWatch& watch, const std::string& job, State state,
 
 TEST(PeerWatchTest, PeersComeAliveAndAPeerWhoseDaemonIsGoneIsLostAsClosed) {
   store::MemoryStore store;
+  std::vector<std::unique_ptr<Losses>> losses;  // outlive the watches, whose threads call them
   std::vector<std::unique_ptr<LinkPeerWatch>> watches;
-  std::vector<std::unique_ptr<Losses>> losses;
   for (int i = 0; i < 3; ++i) {
     watches.push_back(std::make_unique<LinkPeerWatch>(Fast()));
     losses.push_back(std::make_unique<Losses>());
@@ -99,8 +99,8 @@ TEST(PeerWatchTest, PeersComeAliveAndAPeerWhoseDaemonIsGoneIsLostAsClosed) {
 
 TEST(PeerWatchTest, APeerThatConnectedAndThenSaysNothingIsLostAsSilentWithinTheTimeout) {
   store::MemoryStore store;
+  Losses losses;  // outlives the watch, whose thread calls it
   LinkPeerWatch watch(Fast());
-  Losses losses;
   watch.Watch("j", "run1", {kNodes[0], kNodes[1]}, 0, &store, losses.Callback());
   // Node 1 is links of the watch's kind that say one word and then nothing: a daemon frozen.
   auto silent = RecordLinks::Connect(SpecOf(&store, 1, 2, "watch/run1/", 4096),
@@ -125,8 +125,8 @@ TEST(PeerWatchTest, APeerWhoseLinkFormedButThatNeverSpeaksIsConnectingThenUnreac
   store::MemoryStore store;
   LinkPeerWatch::Options o = Fast();
   o.connect_timeout = absl::Seconds(4);
+  Losses losses;  // outlives the watch, whose thread calls it
   LinkPeerWatch watch(o);
-  Losses losses;
   watch.Watch("j", "run1", {kNodes[0], kNodes[1]}, 0, &store, losses.Callback());
   auto mute = RecordLinks::Connect(SpecOf(&store, 1, 2, "watch/run1/", 4096),
                                    absl::Now() + absl::Seconds(20));
@@ -165,8 +165,8 @@ TEST(PeerWatchTest, APeerThatNeverConnectsIsLostAsUnreachable) {
   store::MemoryStore store;
   LinkPeerWatch::Options o = Fast();
   o.connect_timeout = absl::Milliseconds(500);
+  Losses losses;  // outlives the watch, whose thread calls it
   LinkPeerWatch watch(o);
-  Losses losses;
   watch.Watch("j", "run1", {kNodes[0], kNodes[1]}, 0, &store, losses.Callback());
   auto seen = losses.Await(1, absl::Seconds(20));
   ASSERT_EQ(seen.size(), 1u);

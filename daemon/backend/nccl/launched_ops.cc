@@ -102,9 +102,9 @@ void LookAtLaunchedLocked(CommsTable& table, GroupComms& c, DeferredWrites& late
   for (const std::shared_ptr<LaunchedOp>& op : c.launched) {
     // Only the oldest watches the store: the group's ops finish in order on its streams, so
     // the others can neither finish nor hang before it settles (then the next is the oldest),
-    // and a watch per launched op would cost the job's root store a wait, a fingerprint and a
-    // comparison every kCompareEvery for each of up to kMaxLaunchedPerGroup ops, under the
-    // group's lock.
+    // and a watch per launched op would cost the job's root store a fingerprint and a wait per
+    // node for each of up to kMaxLaunchedPerGroup ops. (Check only reads what its background
+    // waits got: no store round trip under the group's lock.)
     absl::Status s = op == c.launched.front() ? op->peers.Check() : absl::OkStatus();
     if (s.ok() && now > op->op.deadline) {
       s = absl::DeadlineExceededError(

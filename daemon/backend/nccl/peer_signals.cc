@@ -93,19 +93,54 @@ std::optional<std::string> BackgroundKeyWait::value() const {
   return state_->value;
 }
 
+PeerFailureWatch::~PeerFailureWatch() { JoinPublisher(); }
+
+void PeerFailureWatch::JoinPublisher() {
+  if (publisher_.joinable()) publisher_.join();
+}
+
+void PeerFailureWatch::PublishInBackground() {
+  if (publishing_) return;
+  publishing_ = true;
+  publisher_ = std::thread([store = store_, job = spec_.job, run = spec_.run,
+                            key = FingerprintKey(spec_.node), value = fingerprint_,
+                            published = published_]() mutable {
+    published->store(nccl::WriteWhileRunLasts(store, job, run, key, std::move(value)) ? 1 : 2);
+  });
+}
+
+void PeerFailureWatch::WatchFingerprints(const std::vector<std::string>& nodes) {
+  for (const std::string& node : nodes) {
+    if (node == spec_.node || theirs_.count(node)) continue;
+    theirs_[node] =
+        std::make_unique<BackgroundKeyWait>(store_, spec_.job, FingerprintKey(node), op_.deadline);
+  }
+}
+
+absl::Status PeerFailureWatch::CompareArrived() {
+  for (const auto& [node, wait] : theirs_) {
+    if (compared_.count(node)) continue;
+    std::optional<std::string> theirs = wait->value();
+    if (!theirs) continue;
+    if (*theirs != fingerprint_) {
+      desync_ = true;  // the other node finds the same, from this node's fingerprint
+      return Desync(node, *theirs);
+    }
+    compared_.insert(node);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PeerFailureWatch::Check() {
   if (interrupt_) {
     if (absl::Status s = interrupt_(); !s.ok()) return s;
   }
   if (store_ == nullptr) return absl::OkStatus();
-  const absl::Time now = absl::Now();
   if (!fail_) {
-    if (now - start_ < kWatchAfter) return absl::OkStatus();
+    if (absl::Now() - start_ < kWatchAfter) return absl::OkStatus();
     fail_.emplace(store_, spec_.job, FailKey(spec_, op_.seq), op_.deadline);
-    if (!published_) {  // (CompareBeforeLaunch may have)
-      published_ = nccl::WriteWhileRunLasts(store_, spec_.job, spec_.run,
-                                            FingerprintKey(spec_.node), fingerprint_);
-    }
+    PublishInBackground();  // (CompareBeforeLaunch may have published already)
+    WatchFingerprints(spec_.member_nodes);
   }
   // Not with `fail_` alone: a watch begun in CompareBeforeLaunch, before RunsOn, watches the
   // communicators too once the op knows them.
@@ -114,14 +149,10 @@ absl::Status PeerFailureWatch::Check() {
   }
   std::optional<std::string> failed = fail_->value();
   std::optional<std::string> broken = broken_ ? broken_->value() : std::nullopt;
-  // A desync says more than another node's failure, which it may well have caused.
-  if (failed || broken || now >= next_compare_) {
-    next_compare_ = now + kCompareEvery;
-    if (absl::Status s = CompareFingerprints(); !s.ok()) {
-      desync_ = true;  // the other node finds the same, from this node's fingerprint
-      return s;
-    }
-  }
+  // A desync says more than another node's failure, which it may well have caused (a node
+  // publishes its fingerprint before it can fail the op, and the store answers waits in the
+  // order of its writes).
+  if (absl::Status s = CompareArrived(); !s.ok()) return s;
   if (failed) {
     peer_failed_op_ = true;
     return absl::AbortedError(absl::StrCat("another node failed this op: ", *failed));
@@ -135,26 +166,14 @@ absl::Status PeerFailureWatch::Check() {
 }
 
 void PeerFailureWatch::Finished(const absl::Status& result) {
-  if (published_ && result.ok()) (void)store_->Delete(spec_.job, FingerprintKey(spec_.node));
+  JoinPublisher();
+  if (published_->load() == 1 && result.ok()) {
+    (void)store_->Delete(spec_.job, FingerprintKey(spec_.node));
+  }
 }
 
 std::string PeerFailureWatch::FingerprintKey(absl::string_view node) const {
   return absl::StrCat(GroupKeys(spec_.run, spec_.group), "op/", op_.seq, "/", node);
-}
-
-absl::Status PeerFailureWatch::CompareFingerprints() {
-  absl::StatusOr<std::vector<std::string>> keys = store_->List(spec_.job, FingerprintKey(""));
-  if (!keys.ok()) return absl::OkStatus();  // nothing published yet
-  for (const std::string& key : *keys) {
-    const std::string node = key.substr(FingerprintKey("").size());
-    if (node == spec_.node || compared_.count(node)) continue;
-    // Already past: no waiting for a key its node has deleted meanwhile (its op completed).
-    absl::StatusOr<std::string> theirs = store_->Get(spec_.job, key, absl::InfinitePast());
-    if (!theirs.ok()) continue;
-    compared_.insert(node);
-    if (*theirs != fingerprint_) return Desync(node, *theirs);
-  }
-  return absl::OkStatus();
 }
 
 absl::Status PeerFailureWatch::Desync(absl::string_view node, absl::string_view theirs) const {
@@ -165,31 +184,22 @@ absl::Status PeerFailureWatch::Desync(absl::string_view node, absl::string_view 
 
 absl::Status PeerFailureWatch::CompareBeforeLaunch(const std::vector<std::string>& other_nodes) {
   if (store_ == nullptr || other_nodes.empty()) return absl::OkStatus();
-  published_ = nccl::WriteWhileRunLasts(store_, spec_.job, spec_.run, FingerprintKey(spec_.node),
-                                        fingerprint_);
+  // Before the op's lock (NcclCommunicator::Prepare): written here, at once.
+  publishing_ = true;
+  published_->store(nccl::WriteWhileRunLasts(store_, spec_.job, spec_.run,
+                                             FingerprintKey(spec_.node), fingerprint_)
+                        ? 1
+                        : 2);
   // Each node's key waited for in the background: a node publishes before its first NCCL call,
   // and deletes its key only once the op has completed, which needs every node's calls: no key
   // goes before every node has read it.
-  std::vector<std::unique_ptr<BackgroundKeyWait>> waits;
-  for (const std::string& node : other_nodes) {
-    waits.push_back(
-        std::make_unique<BackgroundKeyWait>(store_, spec_.job, FingerprintKey(node), op_.deadline));
-  }
+  WatchFingerprints(other_nodes);
   Backoff backoff;
   while (true) {
+    if (absl::Status s = CompareArrived(); !s.ok()) return s;
     std::vector<std::string> missing;
-    for (size_t i = 0; i < other_nodes.size(); ++i) {
-      if (compared_.count(other_nodes[i])) continue;
-      std::optional<std::string> theirs = waits[i]->value();
-      if (!theirs) {
-        missing.push_back(other_nodes[i]);
-        continue;
-      }
-      if (*theirs != fingerprint_) {
-        desync_ = true;  // the other node finds the same, from this node's fingerprint
-        return Desync(other_nodes[i], *theirs);
-      }
-      compared_.insert(other_nodes[i]);
+    for (const std::string& node : other_nodes) {
+      if (node != spec_.node && !compared_.count(node)) missing.push_back(node);
     }
     if (missing.empty()) return absl::OkStatus();
     if (absl::Status s = Check(); !s.ok()) return s;

@@ -5,12 +5,15 @@
 // over, the writes a group's lock defers until it is released, and the watch an op keeps on
 // the other nodes' word while it runs. The protocol is described on NcclBackend.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -94,7 +97,11 @@ class BackgroundKeyWait {
 /// time it knows them), and a fingerprint under `op/<seq>/` that differs from this node's
 /// (the nodes' ranks submitted different ops: NCCL would hang on them, or mix them). The store
 /// is watched only once the op has run for kWatchAfter, so that an op that completes quickly
-/// costs the store nothing. One per op, on the op's thread; not thread-safe.
+/// costs the store nothing. Check() makes no store call of its own: the words and the other
+/// nodes' fingerprints are waited for in the background, and this node's fingerprint is written
+/// by a helper thread (joined by Finished() or the destructor), so that a group's lock held
+/// around it never waits for a store round trip. One per op, used by one thread at a time (the
+/// op's, then whoever holds its group's lock); not thread-safe.
 class PeerFailureWatch {
  public:
   /// An op that has run this long starts watching the store for other nodes' word on it: long
@@ -108,6 +115,9 @@ class PeerFailureWatch {
   PeerFailureWatch(gradsync::Store* store, const core::CommunicatorSpec& spec,
                    const core::Collective& op, std::string fingerprint)
       : store_(store), spec_(spec), op_(op), fingerprint_(std::move(fingerprint)) {}
+  ~PeerFailureWatch();
+  PeerFailureWatch(const PeerFailureWatch&) = delete;
+  PeerFailureWatch& operator=(const PeerFailureWatch&) = delete;
 
   /// The op runs on communicators built at op `built_at` (its own seq when it built them; none
   /// while it is building them).
@@ -119,8 +129,8 @@ class PeerFailureWatch {
   absl::Status Interrupted() const { return interrupt_ ? interrupt_() : absl::OkStatus(); }
 
   /// OK, or the reason another node's word gives: ABORTED (it failed the op or abandoned the
-  /// communicators) or FAILED_PRECONDITION (desync). Past kWatchAfter it reads the store (and
-  /// publishes this node's fingerprint once).
+  /// communicators) or FAILED_PRECONDITION (desync). Past kWatchAfter it starts the background
+  /// waits (and the publishing of this node's fingerprint, once); it never waits on the store.
   absl::Status Check();
   /// Before the op's first NCCL call: publishes this node's fingerprint at once and waits, until
   /// the op's deadline, for those of `other_nodes` (the group's other nodes), comparing each as
@@ -141,13 +151,17 @@ class PeerFailureWatch {
   void Finished(const absl::Status& result);
 
  private:
-  static constexpr absl::Duration kCompareEvery = absl::Milliseconds(50);
-
   std::string FingerprintKey(absl::string_view node) const;
   // The desync error for node `node`'s fingerprint `theirs`.
   absl::Status Desync(absl::string_view node, absl::string_view theirs) const;
-  // The fingerprints other nodes have published for this op, against this node's.
-  absl::Status CompareFingerprints();
+  // Waits in the background for the fingerprints of `nodes` (once per node).
+  void WatchFingerprints(const std::vector<std::string>& nodes);
+  // The fingerprints arrived so far, against this node's: a desync, or OK.
+  absl::Status CompareArrived();
+  // Writes this node's fingerprint on a helper thread (once).
+  void PublishInBackground();
+  // Waits for that helper (outside any group's lock: Finished, the destructor).
+  void JoinPublisher();
 
   gradsync::Store* const store_;
   const core::CommunicatorSpec& spec_;
@@ -156,10 +170,13 @@ class PeerFailureWatch {
   std::optional<uint64_t> built_at_;
   std::function<absl::Status()> interrupt_;
   const absl::Time start_ = absl::Now();
-  absl::Time next_compare_ = absl::InfinitePast();
   std::optional<BackgroundKeyWait> fail_, broken_;
+  std::map<std::string, std::unique_ptr<BackgroundKeyWait>> theirs_;  // by node
   std::set<std::string> compared_;  // nodes whose fingerprint matched
-  bool published_ = false;
+  bool publishing_ = false;         // this node's fingerprint is (being) written
+  // 0: not (yet) written; 1: written; 2: not written (the run is over at the root).
+  std::shared_ptr<std::atomic<int>> published_ = std::make_shared<std::atomic<int>>(0);
+  std::thread publisher_;
   bool peer_broke_comms_ = false, peer_failed_op_ = false, desync_ = false;
 };
 
