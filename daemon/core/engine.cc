@@ -47,12 +47,12 @@ class InFlightSink final : public SessionSink {
 };
 
 // Takes the events of every device buffer `op` names for it: FAILED_PRECONDITION, taking
-// none, when ops of another group still in flight hold one of them.
+// none, when ops of another group still in flight hold one of them; NOT_FOUND (as Resolve
+// says it) for a buffer not registered, so that none registered meanwhile is used untaken.
 absl::StatusOr<std::vector<std::shared_ptr<Session::DeviceUse>>> TakeDeviceBuffers(
     Session& session, const v1::OpRequest& op) {
   std::vector<std::shared_ptr<Session::DeviceUse>> taken;
   absl::MutexLock lock(&session.mu);
-  if (session.buffers.empty()) return taken;
   std::vector<uint64_t> ids;
   for (const auto* segments : {&op.input(), &op.output()}) {
     for (const v1::Segment& segment : *segments) ids.push_back(segment.buffer_id());
@@ -61,7 +61,13 @@ absl::StatusOr<std::vector<std::shared_ptr<Session::DeviceUse>>> TakeDeviceBuffe
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   for (uint64_t id : ids) {
     auto it = session.buffers.find(id);
-    if (it == session.buffers.end() || !it->second.use) continue;  // Resolve says what is wrong
+    if (it == session.buffers.end()) {
+      for (const auto& held : taken) held->Done();
+      return absl::NotFoundError(absl::StrCat(
+          internal::OpLabel(op.kind(), session.job->id, op.group()), " rank=", session.rank,
+          ": buffer ", id, " is not registered in this session"));
+    }
+    if (!it->second.use) continue;
     Session::DeviceUse& use = *it->second.use;
     absl::MutexLock use_lock(&use.mu);
     if (use.ops > 0 && use.group != op.group()) {

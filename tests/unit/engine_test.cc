@@ -597,13 +597,21 @@ TEST_F(EngineDeviceEventsTest, OpsOfAnotherGroupOnABufferWhoseEventsOpsInFlightH
   ASSERT_TRUE(sinks_[0]->WaitFor(4));
   EXPECT_EQ(sinks_[0]->events()[3].tag, 4u);
   EXPECT_TRUE(sinks_[0]->events()[3].status.ok()) << sinks_[0]->events()[3].status;
+  // A buffer not registered (yet): refused before anything is taken, as Resolve would refuse it
+  // (a registration racing the op must not let it run without holding its events).
+  engine_.Submit(sessions_[0], sinks_[0], 9, AllReduce(999));
+  ASSERT_TRUE(sinks_[0]->WaitFor(5));
+  EXPECT_EQ(sinks_[0]->events()[4].tag, 9u);
+  EXPECT_EQ(sinks_[0]->events()[4].status.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(sinks_[0]->events()[4].status.message(),
+            "all_reduce job=ev group=world rank=0: buffer 999 is not registered in this session");
   // A host buffer takes no events: ops of two groups in flight over it are fine.
   const uint64_t host = Register(0, "host/0");
   engine_.Submit(sessions_[0], sinks_[0], 5, AllReduce(host));
   engine_.Submit(sessions_[0], sinks_[0], 6, AllReduce(host, "0"));
-  ASSERT_TRUE(sinks_[0]->WaitFor(5));
-  EXPECT_EQ(sinks_[0]->events()[4].tag, 6u);  // the one-rank group's op ran; 5 waits for rank 1
-  EXPECT_TRUE(sinks_[0]->events()[4].status.ok()) << sinks_[0]->events()[4].status;
+  ASSERT_TRUE(sinks_[0]->WaitFor(6));
+  EXPECT_EQ(sinks_[0]->events()[5].tag, 6u);  // the one-rank group's op ran; 5 waits for rank 1
+  EXPECT_TRUE(sinks_[0]->events()[5].status.ok()) << sinks_[0]->events()[5].status;
 }
 
 TEST_F(EngineDeviceEventsTest, TheSameDeviceMemoryMayBeRegisteredOncePerOpWithEventsOfItsOwn) {
