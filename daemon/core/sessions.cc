@@ -250,15 +250,8 @@ void Engine::EndJobLater(const std::string& id, gradsync::Store* store, std::str
     }
     job_ends_[id] = std::thread([this, id, store, previous = std::move(previous)] {
       on_job_end_(id);
-      bool previous_live = false;
-      if (!previous.empty()) {
-        absl::MutexLock lock(&mu_);
-        previous_live = jobs_.contains(previous) || ending_.contains(previous);
-      }
-      if (!previous.empty() && store != nullptr && !previous_live) {
-        (void)store->Delete(previous, std::string(kElasticDecisionKey));
-        on_job_end_(previous);  // its namespace has no decision left to keep it
-      }
+      // The previous epoch's namespace has no decision left to keep it.
+      if (!previous.empty() && store != nullptr) EndKeptEpoch(previous, store);
       absl::MutexLock lock(&mu_);
       ending_.erase(id);
     });

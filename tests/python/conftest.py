@@ -92,11 +92,17 @@ def daemon(tmp):
     d.stop()
 
 
-@pytest.fixture
-def two_daemons(tmp, monkeypatch):
-    ds = [Daemon(tmp, f"node{i}", tcp=True) for i in range(2)]
+def tcp_daemons(tmp, monkeypatch, n):
+    """n daemons with TCP on loopback standing for n nodes (node<i>)."""
+    ds = [Daemon(tmp, f"node{i}", tcp=True) for i in range(n)]
     # Trainers reach the root daemon's store over TCP (GRADSYNC_ROOT_ADDRESS): with its token.
     monkeypatch.setenv("GRADSYNC_TOKEN_FILE", ds[0].token_file)
+    return ds
+
+
+@pytest.fixture
+def two_daemons(tmp, monkeypatch):
+    ds = tcp_daemons(tmp, monkeypatch, 2)
     yield ds
     for d in ds:
         d.stop()

@@ -9,15 +9,14 @@ import time
 
 import pytest
 
-from conftest import Daemon, launch
+from conftest import launch, tcp_daemons
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
 
 
 @pytest.fixture
 def three_daemons(tmp, monkeypatch):
-    ds = [Daemon(tmp, f"node{i}", tcp=True) for i in range(3)]
-    monkeypatch.setenv("GRADSYNC_TOKEN_FILE", ds[0].token_file)
+    ds = tcp_daemons(tmp, monkeypatch, 3)
     yield ds
     for d in ds:
         if d.proc.poll() is None:
@@ -131,8 +130,7 @@ def test_a_node_of_two_ranks_lost_with_packed_reductions(tmp, three_daemons):
 def test_two_changes_in_a_row(tmp, monkeypatch):
     """Four nodes; one is killed, and once the survivors train on as epoch 1, another: epoch 2
     with two ranks, every survivor through both changes."""
-    ds = [Daemon(tmp, f"n{i}", tcp=True) for i in range(4)]
-    monkeypatch.setenv("GRADSYNC_TOKEN_FILE", ds[0].token_file)
+    ds = tcp_daemons(tmp, monkeypatch, 4)
     ranks = launch(tmp, ds, "elastic-twice", lambda r: [WORKER, "60", "0.05"], local=1,
                    root=ds[0].tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
     try:
