@@ -2,6 +2,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "client/gradsync_client.h"
 #include "client/store_client.h"
 #include "common/dtype.h"
+#include "common/job_id.h"
 #include "common/pack_list.h"
 #include "common/tls.h"
 #include "google/protobuf/util/json_util.h"
@@ -94,6 +96,14 @@ gradsync::client::OpOptions Options(const gs_op_options* o) {
 gradsync::DType ToDType(int dtype) { return static_cast<gradsync::DType>(dtype); }
 gradsync::v1::ReduceOp ToReduce(int op) { return static_cast<gradsync::v1::ReduceOp>(op); }
 
+// Every call but the store's needs a session (a client from gs_store_connect has none).
+int NeedSession(const gs_client* client) {
+  if (int rc = Check(client, "client"); rc != 0) return rc;
+  if (client->impl) return 0;
+  return Fail(absl::FailedPreconditionError(
+      "this client reaches the job's store only (gs_store_connect): it has no session"));
+}
+
 int NeedStore(const gs_client* client) {
   if (int rc = Check(client, "client"); rc != 0) return rc;
   if (client->store) return 0;
@@ -152,45 +162,74 @@ int gs_connect(const char* target, const char* job, int world_size, int rank, in
   return 0;
 }
 
+namespace {
+
+// The channel options `options` name (NULL: the defaults).
+absl::StatusOr<gradsync::client::ClientOptions> ClientOptionsOf(const gs_connect_options* options) {
+  gradsync::client::ClientOptions client_options;
+  if (options == nullptr) return client_options;
+  if (options->token != nullptr) client_options.token = options->token;
+  if (options->rpc_timeout_ms > 0) {
+    client_options.rpc_timeout = absl::Milliseconds(options->rpc_timeout_ms);
+  }
+  auto text = [](const char* s) { return std::string(s != nullptr ? s : ""); };
+  auto tls = gradsync::ReadTlsFiles(
+      {text(options->tls_cert_file), text(options->tls_key_file), text(options->tls_ca_file)});
+  if (!tls.ok()) return tls.status();
+  client_options.tls = *std::move(tls);
+  return client_options;
+}
+
+std::string RootOf(const gs_connect_options* options) {
+  return options != nullptr && options->root_address != nullptr ? options->root_address : "";
+}
+
+// The job's store: the root daemon's, else the daemon at `target`.
+std::unique_ptr<gradsync::client::StoreClient> StoreOf(
+    const char* target, const std::string& root,
+    const gradsync::client::ClientOptions& client_options) {
+  return std::make_unique<gradsync::client::StoreClient>(
+      gradsync::client::Connect(root.empty() ? std::string(target) : root, client_options),
+      client_options);
+}
+
+}  // namespace
+
 int gs_connect_ex(const char* target, const char* job, int world_size, int rank, int local_rank,
                   int local_world_size, const gs_connect_options* options, gs_client** out) {
   if (int rc = Check(target, "target") + Check(job, "job") + Check(out, "out"); rc != 0) return rc;
-  const std::string root =
-      options != nullptr && options->root_address != nullptr ? options->root_address : "";
+  const std::string root = RootOf(options);
   gradsync::client::Placement placement{job, world_size, rank, local_rank, local_world_size, root};
   if (options != nullptr) {
     placement.elastic = options->elastic != 0;
     placement.epoch = options->epoch;
   }
-  gradsync::client::ClientOptions client_options;
-  if (options != nullptr && options->token != nullptr) client_options.token = options->token;
-  if (options != nullptr && options->rpc_timeout_ms > 0) {
-    client_options.rpc_timeout = absl::Milliseconds(options->rpc_timeout_ms);
-  }
-  if (options != nullptr) {
-    auto text = [](const char* s) { return std::string(s != nullptr ? s : ""); };
-    auto tls = gradsync::ReadTlsFiles(
-        {text(options->tls_cert_file), text(options->tls_key_file), text(options->tls_ca_file)});
-    if (!tls.ok()) return Fail(tls.status());
-    client_options.tls = *std::move(tls);
-  }
-  auto client = gradsync::client::Client::Connect(target, placement, client_options);
+  auto client_options = ClientOptionsOf(options);
+  if (!client_options.ok()) return Fail(client_options.status());
+  auto client = gradsync::client::Client::Connect(target, placement, *client_options);
   if (!client.ok()) return Fail(client.status());
-  auto store = std::make_unique<gradsync::client::StoreClient>(
-      gradsync::client::Connect(root.empty() ? std::string(target) : root, client_options),
-      client_options);
-  *out = new gs_client{*std::move(client), std::move(store), job};
+  *out = new gs_client{*std::move(client), StoreOf(target, root, *client_options), job};
+  return 0;
+}
+
+int gs_store_connect(const char* target, const char* job, const gs_connect_options* options,
+                     gs_client** out) {
+  if (int rc = Check(target, "target") + Check(job, "job") + Check(out, "out"); rc != 0) return rc;
+  if (absl::Status s = gradsync::CheckJobId(job); !s.ok()) return Fail(s);
+  auto client_options = ClientOptionsOf(options);
+  if (!client_options.ok()) return Fail(client_options.status());
+  *out = new gs_client{nullptr, StoreOf(target, RootOf(options), *client_options), job};
   return 0;
 }
 
 void gs_close(gs_client* client) { delete client; }
 
 int64_t gs_default_op_timeout_ms(const gs_client* client) {
-  return client ? absl::ToInt64Milliseconds(client->impl->default_op_timeout()) : 0;
+  return client && client->impl ? absl::ToInt64Milliseconds(client->impl->default_op_timeout()) : 0;
 }
 
 int gs_buffer_create(gs_client* client, int64_t bytes, int dtype, gs_buffer** out) {
-  if (int rc = Check(client, "client") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
   auto buffer = client->impl->CreateBuffer(bytes, ToDType(dtype));
   if (!buffer.ok()) return Fail(buffer.status());
   *out = new gs_buffer{*std::move(buffer)};
@@ -202,14 +241,14 @@ uint64_t gs_buffer_id(const gs_buffer* buffer) { return buffer ? buffer->impl->i
 int64_t gs_buffer_size(const gs_buffer* buffer) { return buffer ? buffer->impl->size() : 0; }
 
 int gs_buffer_destroy(gs_client* client, gs_buffer* buffer) {
-  if (int rc = Check(client, "client") + Check(buffer, "buffer"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(buffer, "buffer"); rc != 0) return rc;
   const int rc = Report(client->impl->DestroyBuffer(std::move(buffer->impl)));
   delete buffer;
   return rc;
 }
 
 int gs_buffer_deregister(gs_client* client, const gs_buffer* buffer) {
-  if (int rc = Check(client, "client") + Check(buffer, "buffer"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(buffer, "buffer"); rc != 0) return rc;
   if (!buffer->impl) return Fail(absl::InvalidArgumentError("buffer was destroyed"));
   return Report(client->impl->DeregisterBuffer(buffer->impl->id()));
 }
@@ -217,7 +256,7 @@ int gs_buffer_deregister(gs_client* client, const gs_buffer* buffer) {
 void gs_buffer_free(gs_buffer* buffer) { delete buffer; }
 
 int gs_buffer_register_fd(gs_client* client, int fd, int64_t bytes, int dtype, uint64_t* id) {
-  if (int rc = Check(client, "client") + Check(id, "id"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(id, "id"); rc != 0) return rc;
   auto token = client->impl->ShareFd(fd);
   if (!token.ok()) return Fail(token.status());
   gradsync::v1::RegisterBufferRequest request;
@@ -231,7 +270,7 @@ int gs_buffer_register_fd(gs_client* client, int fd, int64_t bytes, int dtype, u
 }
 
 int gs_buffer_deregister_id(gs_client* client, uint64_t id) {
-  if (int rc = Check(client, "client"); rc != 0) return rc;
+  if (int rc = NeedSession(client); rc != 0) return rc;
   return Report(client->impl->DeregisterBuffer(id));
 }
 
@@ -245,7 +284,7 @@ int gs_cuda_allocation_of(const void* ptr, gs_cuda_allocation* out) {
 
 int gs_cuda_buffer_register(gs_client* client, void* device_ptr, int64_t bytes, int dtype,
                             gs_cuda_buffer** out) {
-  if (int rc = Check(client, "client") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
   auto buffer = client->impl->RegisterCudaBuffer(device_ptr, bytes, ToDType(dtype));
   if (!buffer.ok()) return Fail(buffer.status());
   *out = new gs_cuda_buffer{*std::move(buffer)};
@@ -265,7 +304,7 @@ int gs_cuda_buffer_wait_done(gs_cuda_buffer* buffer, void* stream) {
 }
 
 int gs_cuda_buffer_deregister(gs_client* client, const gs_cuda_buffer* buffer) {
-  if (int rc = Check(client, "client") + Check(buffer, "buffer"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(buffer, "buffer"); rc != 0) return rc;
   return Report(client->impl->DeregisterBuffer(buffer->impl->id()));
 }
 
@@ -273,7 +312,7 @@ void gs_cuda_buffer_free(gs_cuda_buffer* buffer) { delete buffer; }
 
 int gs_all_reduce_async(gs_client* client, int dtype, int reduce_op, const gs_segment* data,
                         size_t n, const gs_op_options* options, gs_op** out) {
-  if (int rc = Check(client, "client") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
   if (n > 0 && data == nullptr) return Check(data, "data");
   return Emit(client->impl->AllReduceAsync(ToDType(dtype), ToReduce(reduce_op), Segments(data, n),
                                            Options(options)),
@@ -282,21 +321,21 @@ int gs_all_reduce_async(gs_client* client, int dtype, int reduce_op, const gs_se
 
 int gs_broadcast_async(gs_client* client, int dtype, int root, const gs_segment* data, size_t n,
                        const gs_op_options* options, gs_op** out) {
-  if (int rc = Check(client, "client") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
   if (n > 0 && data == nullptr) return Check(data, "data");
   return Emit(
       client->impl->BroadcastAsync(ToDType(dtype), root, Segments(data, n), Options(options)), out);
 }
 
 int gs_barrier_async(gs_client* client, const gs_op_options* options, gs_op** out) {
-  if (int rc = Check(client, "client") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
   return Emit(client->impl->BarrierAsync(Options(options)), out);
 }
 
 int gs_all_gather_async(gs_client* client, int dtype, const gs_segment* input, size_t n_input,
                         const gs_segment* output, size_t n_output, const gs_op_options* options,
                         gs_op** out) {
-  if (int rc = Check(client, "client") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
   if ((n_input > 0 && input == nullptr) || (n_output > 0 && output == nullptr)) {
     return Check(nullptr, "segments");
   }
@@ -308,7 +347,7 @@ int gs_all_gather_async(gs_client* client, int dtype, const gs_segment* input, s
 int gs_reduce_scatter_async(gs_client* client, int dtype, int reduce_op, const gs_segment* input,
                             size_t n_input, const gs_segment* output, size_t n_output,
                             const gs_op_options* options, gs_op** out) {
-  if (int rc = Check(client, "client") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
   if ((n_input > 0 && input == nullptr) || (n_output > 0 && output == nullptr)) {
     return Check(nullptr, "segments");
   }
@@ -378,6 +417,29 @@ int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** 
   if (*value == nullptr) return Fail(absl::ResourceExhaustedError("out of memory"));
   std::memcpy(*value, s.data(), s.size());
   *n = s.size();
+  return 0;
+}
+
+int gs_store_compare_set(gs_client* client, const char* key, const void* expected,
+                         size_t expected_n, const void* desired, size_t desired_n, int* swapped,
+                         void** value, size_t* n) {
+  if (int rc = NeedStore(client) + Check(key, "key") + Check(swapped, "swapped") +
+               Check(value, "value") + Check(n, "n");
+      rc != 0) {
+    return rc;
+  }
+  if (desired_n > 0 && desired == nullptr) return Check(desired, "desired");
+  std::optional<std::string> want;
+  if (expected != nullptr) want.emplace(static_cast<const char*>(expected), expected_n);
+  auto v = client->store->CompareSet(
+      client->job, key, want,
+      desired_n > 0 ? std::string(static_cast<const char*>(desired), desired_n) : std::string());
+  if (!v.ok()) return Fail(v.status());
+  *value = std::malloc(v->value.empty() ? 1 : v->value.size());
+  if (*value == nullptr) return Fail(absl::ResourceExhaustedError("out of memory"));
+  std::memcpy(*value, v->value.data(), v->value.size());
+  *n = v->value.size();
+  *swapped = v->swapped ? 1 : 0;
   return 0;
 }
 

@@ -72,6 +72,13 @@ typedef struct gs_connect_options {
 /* gs_connect, and a connection to the job's store (the root daemon's, else this daemon's). */
 int gs_connect_ex(const char* target, const char* job, int world_size, int rank, int local_rank,
                   int local_world_size, const gs_connect_options* options, gs_client** out);
+/* A client of job `job`'s store only, without a session (no rank, no ops): the gs_store_*
+ * calls and gs_close; every other call fails FAILED_PRECONDITION. The store is the root
+ * daemon's (options->root_address) else the daemon's at `target`; the channel options are
+ * gs_connect_ex's (elastic and epoch unused). Used by elastic jobs to reach the job's own
+ * keys across membership epochs. */
+int gs_store_connect(const char* target, const char* job, const gs_connect_options* options,
+                     gs_client** out);
 /* Ends the session: the daemon fails this rank's pending ops in its groups. Every op and call
  * on the client must have returned; buffers stay mapped until gs_buffer_free. */
 void gs_close(gs_client* client);
@@ -176,6 +183,11 @@ int gs_store_set(gs_client* client, const char* key, const void* value, size_t n
 int gs_store_add(gs_client* client, const char* key, int64_t delta, int64_t* out);
 /* Waits until `key` exists, at most timeout_ms (then DEADLINE_EXCEEDED naming it). */
 int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** value, size_t* n);
+/* Sets `key` to `desired` if its value is `expected` (NULL: if it has none). *swapped: 1 if
+ * it did; *value (released with gs_free) and *n: the key's value after the call. */
+int gs_store_compare_set(gs_client* client, const char* key, const void* expected,
+                         size_t expected_n, const void* desired, size_t desired_n, int* swapped,
+                         void** value, size_t* n);
 void gs_free(void* p);
 
 /* Pack plans, as the JSON of gradsync.v1.PackList (proto field names, enums by name). */

@@ -260,10 +260,20 @@ class Engine {
   // An elastic epoch `id` ended a while ago and is not running again: its namespace, kept for
   // a decision, goes (the decision from `store`, then on_job_end_).
   void EndKeptEpoch(const std::string& id, gradsync::Store* store);
-  // `previous` (elastic jobs): the id of the epoch before, whose namespace in `store` goes too
-  // (unless a job of that id runs again here).
-  void EndJobLater(const std::string& job, gradsync::Store* store = nullptr,
-                   std::string previous = "");
+  // An elastic job's epoch that ended here.
+  struct ElasticEnd {
+    std::string base;  // the job's id (epoch 0's); empty: not elastic, or not spanning nodes
+    int epoch = 0;
+    bool held_rank0 = false;  // this node held rank 0 in it
+  };
+  // `elastic`: the namespace of the epoch before goes too (unless a job of that id runs again
+  // here; epoch 0's is the job's home, kept for its joiners), and the home with the job's last
+  // epoch (one that ended with no decision of a next).
+  void EndJobLater(const std::string& job, gradsync::Store* store, ElasticEnd elastic);
+  // Once no op could still wait for an ended epoch's decision: its namespace goes, and the
+  // job's home too if no later epoch runs on the node that held rank 0.
+  void EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store);
+  void EndKeptEpochIfPast(const ElasticEnd& elastic, gradsync::Store* store);
 
   Backend* const backend_;
   BufferImporter* const importer_;

@@ -5,7 +5,9 @@
 #include <tuple>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "common/bounded_text.h"
 #include "common/job_id.h"
 #include "common/logging.h"
@@ -204,26 +206,51 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
     Log()->info("job ended job={}", job->id);
     if (peer_watch_ != nullptr) peer_watch_->Unwatch(job->id);  // its peers see it left
     if (on_job_end_) {
-      // An elastic job's epoch E > 0 ended: the namespace of epoch E - 1, kept for its decision
-      // (read by survivors that had not yet), goes now.
-      std::string previous;
-      if (job->elastic && job->epoch > 0) {
+      ElasticEnd elastic;
+      if (job->elastic && job->root_store != nullptr) {
         if (absl::StatusOr<std::string> base = ElasticBase(job->id, job->epoch); base.ok()) {
-          previous = ElasticJobId(*base, job->epoch - 1);
+          elastic.base = *std::move(base);
+          elastic.epoch = job->epoch;
+          absl::MutexLock lock(&job->mu);
+          elastic.held_rank0 = !job->node_of_rank.empty() && job->node_of_rank[0] == job->node;
         }
       }
-      EndJobLater(job->id, job->root_store, std::move(previous));
-      if (job->elastic && job->root_store != nullptr) {
+      EndJobLater(job->id, job->root_store, elastic);
+      if (!elastic.base.empty()) {
         // A decision of its next membership keeps its namespace (server.cc) for survivors that
         // have not read it yet; the next epoch's end deletes it, else this, once no op could
         // still wait for it.
         timer_.Schedule(absl::Now() + options_.default_op_timeout,
-                        [this, id = job->id, store = job->root_store] {
-                          pool_->Schedule([this, id, store] { EndKeptEpoch(id, store); });
+                        [this, elastic, store = job->root_store] {
+                          pool_->Schedule([this, elastic, store] { EndAbandoned(elastic, store); });
                         });
       }
     }
   }
+}
+
+void Engine::EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store) {
+  const std::string prefix = absl::StrCat(elastic.base, ".e");  // of epochs past 0 (job_id.h)
+  auto later = [&](absl::string_view id) {
+    int epoch = 0;
+    return absl::ConsumePrefix(&id, prefix) && absl::SimpleAtoi(id, &epoch) &&
+           epoch > elastic.epoch;
+  };
+  bool runs_later = false;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, job] : jobs_) runs_later = runs_later || later(id);
+    for (const std::string& id : ending_) runs_later = runs_later || later(id);
+  }
+  EndKeptEpochIfPast(elastic, store);
+  // No later epoch runs on the node that held rank 0 (which stays in the job while it lives):
+  // the job was abandoned after its last decision, and its home goes too.
+  if (elastic.held_rank0 && !runs_later) EndKeptEpoch(ElasticJobId(elastic.base, 0), store);
+}
+
+void Engine::EndKeptEpochIfPast(const ElasticEnd& elastic, gradsync::Store* store) {
+  // Epoch 0's namespace is the job's home (its joiners' keys): it lives as long as the job.
+  if (elastic.epoch > 0) EndKeptEpoch(ElasticJobId(elastic.base, elastic.epoch), store);
 }
 
 void Engine::EndKeptEpoch(const std::string& id, gradsync::Store* store) {
@@ -235,7 +262,7 @@ void Engine::EndKeptEpoch(const std::string& id, gradsync::Store* store) {
   on_job_end_(id);
 }
 
-void Engine::EndJobLater(const std::string& id, gradsync::Store* store, std::string previous) {
+void Engine::EndJobLater(const std::string& id, gradsync::Store* store, ElasticEnd elastic) {
   std::vector<std::thread> finished;  // their on_job_end_ has returned: joined outside the lock
   {
     absl::MutexLock lock(&mu_);
@@ -248,10 +275,23 @@ void Engine::EndJobLater(const std::string& id, gradsync::Store* store, std::str
       finished.push_back(std::move(it->second));
       job_ends_.erase(it++);
     }
-    job_ends_[id] = std::thread([this, id, store, previous = std::move(previous)] {
+    job_ends_[id] = std::thread([this, id, store, elastic = std::move(elastic)] {
+      // An elastic epoch that ended with no decision of a next one was the job's last.
+      bool last = false;
+      if (!elastic.base.empty()) {
+        absl::StatusOr<std::vector<std::string>> decided =
+            store->List(id, std::string(kElasticDecisionKey));
+        last = decided.ok() && decided->empty();
+      }
       on_job_end_(id);
-      // The previous epoch's namespace has no decision left to keep it.
-      if (!previous.empty() && store != nullptr) EndKeptEpoch(previous, store);
+      if (!elastic.base.empty()) {
+        // The previous epoch's namespace has no decision left to keep it (epoch 0's is the
+        // job's home: it goes with the job's last epoch).
+        if (elastic.epoch >= 2) {
+          EndKeptEpoch(ElasticJobId(elastic.base, elastic.epoch - 1), store);
+        }
+        if (last && elastic.epoch >= 1) EndKeptEpoch(ElasticJobId(elastic.base, 0), store);
+      }
       absl::MutexLock lock(&mu_);
       ending_.erase(id);
     });

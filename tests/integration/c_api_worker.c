@@ -1,5 +1,5 @@
 /* A trainer written in C against client/gradsync.h: all-reduce (sync), broadcast (async),
- * and one error. Exit 0 when every check passes.
+ * one error, and (rank 0) a client of the job's store alone. Exit 0 when every check passes.
  *   c_api_worker <target> <job> <world_size> <rank> */
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,6 +49,38 @@ int main(int argc, char** argv) {
   rc = gs_all_reduce(client, GS_FLOAT64, GS_SUM, &unknown, 1, NULL);
   CHECK(rc == 5 && strstr(gs_last_error(), "4242") != NULL, "unknown buffer rc=%d %s", rc,
         gs_last_error());
+
+  if (rank == 0) {
+    /* A client of the job's store alone: the same keys as the session's, no ops. */
+    gs_client* store = NULL;
+    rc = gs_store_connect(argv[1], argv[2], NULL, &store);
+    CHECK(rc == 0, "store connect rc=%d %s", rc, gs_last_error());
+    int swapped = 0;
+    void* value = NULL;
+    size_t n = 0;
+    rc = gs_store_compare_set(store, "cas", NULL, 0, "one", 3, &swapped, &value, &n);
+    CHECK(rc == 0 && swapped == 1 && n == 3 && memcmp(value, "one", 3) == 0, "cas rc=%d %s", rc,
+          gs_last_error());
+    gs_free(value);
+    rc = gs_store_compare_set(store, "cas", "two", 3, "three", 5, &swapped, &value, &n);
+    CHECK(rc == 0 && swapped == 0 && n == 3 && memcmp(value, "one", 3) == 0,
+          "cas (wrong expected) rc=%d %s", rc, gs_last_error());
+    gs_free(value);
+    rc = gs_store_compare_set(store, "cas", "one", 3, "", 0, &swapped, &value, &n);
+    CHECK(rc == 0 && swapped == 1 && n == 0, "cas to empty rc=%d %s", rc, gs_last_error());
+    gs_free(value);
+    rc = gs_store_get(client, "cas", 1000, &value, &n); /* the session sees the same key */
+    CHECK(rc == 0 && n == 0, "session get rc=%d %s", rc, gs_last_error());
+    gs_free(value);
+    rc = gs_all_reduce(store, GS_FLOAT64, GS_SUM, &whole, 1, NULL);
+    CHECK(rc == 9 && strstr(gs_last_error(), "no session") != NULL, "store op rc=%d %s", rc,
+          gs_last_error());
+    CHECK(gs_default_op_timeout_ms(store) == 0, "store-only default timeout");
+    gs_client* bad = NULL;
+    rc = gs_store_connect(argv[1], "../bad", NULL, &bad);
+    CHECK(rc == 3 && bad == NULL, "bad job rc=%d %s", rc, gs_last_error());
+    gs_close(store);
+  }
 
   rc = gs_buffer_destroy(client, buffer);
   CHECK(rc == 0, "destroy rc=%d %s", rc, gs_last_error());

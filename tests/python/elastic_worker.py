@@ -1,6 +1,7 @@
 """A trainer of an elastic job (test_elastic.py): a small model trained with
 gradsync.torch.DistributedOptimizer under gradsync.elastic.run, one JSON line per step and one
-at the end. The test kills a node under it; the survivors go on with the new membership.
+at the end. The test kills a node under it; the survivors go on with the new membership. With
+GRADSYNC_JOIN=1 it joins the running job instead (its rank and world size come from the job).
 
     elastic_worker.py STEPS PAUSE_S
 """
@@ -45,14 +46,15 @@ def main(steps, pause_s):
             try:
                 model(x).pow(2).mean().backward()
                 opt.step()
+                state.step += 1
+                state.commit()  # where joining nodes are admitted
             except gradsync.elastic.MembershipChanged as change:
                 changes.append({"message": str(change), "rank": change.rank,
                                 "world": change.world_size, "epoch": change.epoch,
                                 "lost_ranks": list(change.lost_ranks),
-                                "lost_nodes": list(change.lost_nodes)})
+                                "lost_nodes": list(change.lost_nodes),
+                                "joined": change.joined})
                 raise
-            state.step += 1
-            state.commit()
             emit(step=state.step, rank=gradsync.get_rank(), world=gradsync.get_world_size(),
                  t=time.time())
             time.sleep(pause_s)
@@ -65,6 +67,7 @@ def main(steps, pause_s):
     digest = float(sum(p.detach().double().sum() for p in model.parameters()))
     params = [p.detach().tolist() for p in model.parameters()]
     emit(done=True, rank=gradsync.get_rank(), world=gradsync.get_world_size(), changes=changes,
+         epoch=gradsync._ctx().epoch,
          resets=resets, digest=digest, params=params, step=state.step)
     return 0
 

@@ -196,3 +196,94 @@ def test_an_elastic_job_that_loses_its_root_node_says_why_it_cannot_go_on(tmp, t
 def test_below_min_world_size_the_survivors_stop_with_a_clear_error(tmp, three_daemons):
     _survivors_stop(tmp, three_daemons, "elastic-min", 2, {"GRADSYNC_MIN_WORLD_SIZE": "3"},
                     "2 rank(s) left, fewer than min_world_size=3")
+
+
+def _wait_world(ranks, indices, world, timeout_s=60):
+    """Until trainers `indices` report a step with `world` ranks (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(any(l.get("world") == world for l in _lines(ranks, i)) for i in indices):
+        for i in indices:
+            assert ranks.procs[i].poll() is None, ranks.output(i)[-3000:]
+        assert time.monotonic() < deadline, ranks.output(indices[0])[-3000:]
+        time.sleep(0.02)
+
+
+JOIN_ENV = {"GRADSYNC_ELASTIC": "1", "GRADSYNC_JOIN": "1", "GRADSYNC_JOIN_TIMEOUT": "60"}
+
+
+def test_a_replacement_node_joins_and_the_world_grows_back(tmp, monkeypatch):
+    """Node 2 is killed; the survivors go on as epoch 1; a new node (its own daemon) starts a
+    trainer with join=True: it is admitted at the survivors' next commit, receives their state
+    and trains on as rank 2 of epoch 2; every rank's parameters end identical."""
+    ds = tcp_daemons(tmp, monkeypatch, 4)
+    steps = 200
+    ranks = launch(tmp, ds[:3], "elastic-replace", lambda r: [WORKER, str(steps), "0.05"],
+                   local=1, root=ds[0].tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
+    joiner = None
+    try:
+        _wait_steps(ranks, 5)
+        ds[2].proc.kill()
+        ranks.procs[2].kill()
+        _wait_world(ranks, [0, 1], 2)
+        # Its RANK and WORLD_SIZE say nothing: the job gives them.
+        joiner = launch(tmp, [ds[3]], "elastic-replace", lambda r: [WORKER, str(steps), "0.05"],
+                        local=1, root=ds[0].tcp, extra_env=JOIN_ENV)
+        done = _finish(ranks, [0, 1], timeout_s=120)
+        joined = _finish(joiner, [0], timeout_s=60)[0]
+    finally:
+        for group in (ranks, joiner):
+            for p in (group.procs if group else []):
+                if p.poll() is None:
+                    p.kill()
+        for d in ds:
+            d.stop()
+    for r in (0, 1):
+        result = done[r]
+        assert (result["rank"], result["world"], result["step"], result["epoch"]) == (
+            r, 3, steps, 2), result
+        assert result["resets"] == [2, 3], result
+        loss, join = result["changes"]
+        assert (loss["epoch"], loss["world"], loss["lost_ranks"], loss["joined"]) == (
+            1, 2, [2], 0), loss
+        assert (join["epoch"], join["world"], join["lost_ranks"], join["joined"]) == (
+            2, 3, [], 1), join
+        assert "1 rank(s) joining" in join["message"], join
+    assert (joined["rank"], joined["world"], joined["step"], joined["epoch"]) == (
+        2, 3, steps, 2), joined
+    assert joined["changes"] == [] and joined["resets"] == [], joined
+    assert done[0]["params"] == done[1]["params"] == joined["params"]
+
+
+def test_an_extra_node_of_two_ranks_joins_a_running_job(tmp, monkeypatch):
+    """Two nodes train; a third with two trainers joins (its ranks learn their ticket from their
+    daemon): the world grows from 2 to 4 at one commit, the joiners taking ranks 2 and 3."""
+    ds = tcp_daemons(tmp, monkeypatch, 3)
+    steps = 200
+    ranks = launch(tmp, ds[:2], "elastic-extra", lambda r: [WORKER, str(steps), "0.05"],
+                   local=1, root=ds[0].tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
+    joiner = None
+    try:
+        _wait_steps(ranks, 5)
+        joiner = launch(tmp, [ds[2], ds[2]], "elastic-extra",
+                        lambda r: [WORKER, str(steps), "0.05"], local=2, root=ds[0].tcp,
+                        extra_env=JOIN_ENV)
+        done = _finish(ranks, [0, 1], timeout_s=120)
+        joined = _finish(joiner, [0, 1], timeout_s=60)
+    finally:
+        for group in (ranks, joiner):
+            for p in (group.procs if group else []):
+                if p.poll() is None:
+                    p.kill()
+        for d in ds:
+            d.stop()
+    for r in (0, 1):
+        result = done[r]
+        assert (result["rank"], result["world"], result["step"], result["epoch"]) == (
+            r, 4, steps, 1), result
+        assert result["resets"] == [4], result
+        assert [(c["joined"], c["world"]) for c in result["changes"]] == [(2, 4)], result
+    assert sorted(j["rank"] for j in joined.values()) == [2, 3], joined
+    for j in joined.values():
+        assert (j["world"], j["step"], j["epoch"]) == (4, steps, 1), j
+        assert j["params"] == done[0]["params"]
+    assert done[0]["params"] == done[1]["params"]

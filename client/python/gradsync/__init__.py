@@ -34,6 +34,7 @@ import threading
 from . import _cuda, _device, _native, elastic
 from ._native import Error, plan_packs
 from .elastic import MembershipChanged
+from .elastic import join as _elastic_join
 
 __all__ = [
     "Error", "Group", "WORLD", "Work", "init", "is_initialized", "shutdown", "get_rank",
@@ -150,6 +151,8 @@ class _Context:
         self.root_address = ""
         self.connect = {}  # init()'s connection arguments, for a reset to the next epoch
         self.membership_change = None
+        self.home = None  # rank 0 of an elastic job: a client of the job's home keys
+        self.joined = False  # this session joined a running elastic job (init(join=True))
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -178,7 +181,7 @@ def _env_int(name, default):
 
 def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size=None,
          root_address=None, socket=None, token_file=None, rpc_timeout=None, tls=None,
-         elastic=None, min_world_size=None, _epoch=0):
+         elastic=None, min_world_size=None, join=None, _epoch=0):
     """Connects to this node's gradsyncd and registers the rank.
 
     Omitted arguments come from the environment torchrun sets: RANK, WORLD_SIZE, LOCAL_RANK,
@@ -192,6 +195,9 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
     GRADSYNC_TLS_CERT, GRADSYNC_TLS_KEY and GRADSYNC_TLS_CA.
     `elastic` (else GRADSYNC_ELASTIC=1): the job goes on when one of its nodes is lost, with at
     least `min_world_size` ranks (else GRADSYNC_MIN_WORLD_SIZE, default 1): see gradsync.elastic.
+    `join` (else GRADSYNC_JOIN=1): this node joins the running elastic job as a replacement or
+    an extra node; `rank` and `world_size` are ignored (the job gives them, at its ranks' next
+    state.commit(); waiting at most GRADSYNC_JOIN_TIMEOUT seconds, default 300).
     After shutdown() (or a session ended by Ctrl-C) init() may be called again.
     """
     global _context
@@ -224,6 +230,15 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
         elastic = os.environ.get("GRADSYNC_ELASTIC", "") not in ("", "0")
     if min_world_size is None:
         min_world_size = _env_int("GRADSYNC_MIN_WORLD_SIZE", 1)
+    if join is None:
+        join = os.environ.get("GRADSYNC_JOIN", "") not in ("", "0")
+    connect = {"root_address": root_address, "socket": socket, "token_file": token_file,
+               "rpc_timeout": rpc_timeout, "tls": tls}
+    if join:
+        if not elastic:
+            raise Error("INVALID_ARGUMENT", f"job {job}: join=True needs elastic=True")
+        _epoch, rank, world_size = _elastic_join(job, local_rank, local_world_size, socket,
+                                                 connect)
     session_job = job if _epoch == 0 else f"{job}.e{_epoch}"
     client = _native.Client(socket, session_job, world_size, rank, local_rank, local_world_size,
                             root_address=root_address, token=token,
@@ -232,10 +247,21 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
     ctx = _Context(client, session_job, rank, world_size, local_rank, local_world_size)
     ctx.base_job, ctx.epoch, ctx.elastic = job, _epoch, bool(elastic)
     ctx.min_world_size, ctx.root_address = int(min_world_size), root_address
-    ctx.connect = {"root_address": root_address, "socket": socket, "token_file": token_file,
-                   "rpc_timeout": rpc_timeout, "tls": tls}
+    ctx.connect, ctx.joined = connect, bool(join)
     _context = ctx
     return _context
+
+
+def _open_store(job, connect):
+    """A client of job `job`'s store alone (no session), reached as init()'s `connect` says."""
+    token = ""
+    if connect.get("token_file"):
+        with open(connect["token_file"]) as f:
+            token = f.read().strip()
+    return _native.Client(connect["socket"], job, 0, 0, 0, 0,
+                          root_address=connect.get("root_address") or "", token=token,
+                          rpc_timeout_s=float(connect.get("rpc_timeout") or 0),
+                          tls=connect.get("tls"), store_only=True)
 
 
 def _reinit(change):
@@ -245,7 +271,7 @@ def _reinit(change):
     shutdown()
     init(job=ctx.base_job, rank=change.rank, world_size=change.world_size,
          local_rank=ctx.local_rank, local_world_size=ctx.local_world_size, elastic=True,
-         min_world_size=ctx.min_world_size, _epoch=change.epoch, **ctx.connect)
+         min_world_size=ctx.min_world_size, join=False, _epoch=change.epoch, **ctx.connect)
 
 
 def is_initialized():
@@ -261,6 +287,8 @@ def shutdown():
     ctx, _context = _context, None
     if ctx is not None:
         ctx.client.close()  # waits in other threads return within _native.WAKE_S
+        if ctx.home is not None:
+            ctx.home.close()
         ctx.device.drop()   # the daemon dropped the CUDA registrations with the session
     for hook in list(_shutdown_hooks):
         hook()

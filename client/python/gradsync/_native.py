@@ -75,6 +75,7 @@ def _load():
     sigs = {
         "gs_last_error": ([], cs),
         "gs_connect_ex": ([cs, cs, I, I, I, I, ctypes.POINTER(_ConnectOptions), pp], I),
+        "gs_store_connect": ([cs, cs, ctypes.POINTER(_ConnectOptions), pp], I),
         "gs_close": ([P], None),
         "gs_default_op_timeout_ms": ([P], I64),
         "gs_buffer_create": ([P, I64, I, pp], I),
@@ -104,6 +105,8 @@ def _load():
         "gs_store_set": ([P, cs, ctypes.c_char_p, SZ], I),
         "gs_store_add": ([P, cs, I64, i64p], I),
         "gs_store_get": ([P, cs, I64, pp, ctypes.POINTER(SZ)], I),
+        "gs_store_compare_set": ([P, cs, ctypes.c_char_p, SZ, ctypes.c_char_p, SZ, ip, pp,
+                                  ctypes.POINTER(SZ)], I),
         "gs_free": ([P], None),
         "gs_set_pack_list": ([P, cs, cs], I),
         "gs_get_pack_list": ([P, cs, I64, pp], I),
@@ -295,7 +298,8 @@ class Client:
 
     def __init__(self, target, job, world_size, rank, local_rank, local_world_size,
                  root_address="", token="", rpc_timeout_s=0.0, tls=None, elastic=False,
-                 epoch=0):
+                 epoch=0, store_only=False):
+        """`store_only`: no session (rank and sizes unused), only the job's store calls."""
         self.job = job
         self._pid = os.getpid()
         self._cv = threading.Condition()
@@ -306,9 +310,13 @@ class Client:
         opts = _ConnectOptions(enc(root_address), enc(token), int(rpc_timeout_s * 1000),
                                enc(cert), enc(key), enc(ca), 1 if elastic else 0, int(epoch))
         ptr = ctypes.c_void_p()
-        _check(_lib.gs_connect_ex(target.encode(), job.encode(), int(world_size), int(rank),
-                                  int(local_rank), int(local_world_size), ctypes.byref(opts),
-                                  ctypes.byref(ptr)))
+        if store_only:
+            _check(_lib.gs_store_connect(target.encode(), job.encode(), ctypes.byref(opts),
+                                         ctypes.byref(ptr)))
+        else:
+            _check(_lib.gs_connect_ex(target.encode(), job.encode(), int(world_size), int(rank),
+                                      int(local_rank), int(local_world_size), ctypes.byref(opts),
+                                      ctypes.byref(ptr)))
         self._ptr = ptr
         self.default_op_timeout_s = _lib.gs_default_op_timeout_ms(ptr) / 1000.0
 
@@ -482,6 +490,20 @@ class Client:
             finally:
                 _lib.gs_free(out)
         return self._sliced(timeout_s, attempt)
+
+    def store_compare_set(self, key, expected, desired):
+        """Sets `key` to the bytes `desired` if its value is `expected` (None: if it has none).
+        Returns (swapped, the key's value after the call)."""
+        desired = bytes(desired)
+        exp = None if expected is None else bytes(expected)
+        swapped, out, n = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t()
+        _check(self._call(_lib.gs_store_compare_set, key.encode(), exp,
+                          0 if exp is None else len(exp), desired, len(desired),
+                          ctypes.byref(swapped), ctypes.byref(out), ctypes.byref(n)))
+        try:
+            return bool(swapped.value), ctypes.string_at(out, n.value)
+        finally:
+            _lib.gs_free(out)
 
     def set_pack_list(self, group, plan):
         """Stores the pack plan (plan_packs' dict) of the group named `group`."""

@@ -22,16 +22,28 @@ ring all-reduce that stopped midway may have added part of the sum).
 
     train(state)
 
+A replacement (or an extra) node joins a running job: its daemon starts as the others did, and
+its trainers call gradsync.init(job=..., elastic=True, join=True) (or GRADSYNC_JOIN=1; their
+rank and world size are given to them). Each joining node takes a ticket in the job's home keys
+(the store namespace of the job's own id); the ranks admit the waiting nodes at their next
+state.commit(): rank 0 records the decision (the world grows, the joiners take the ranks after
+the others'), commit() raises MembershipChanged on every rank, and the run decorator resets and
+syncs the state from rank 0, which the joiners receive in their first sync(). A joiner not
+admitted within its join timeout withdraws its ticket and fails.
+
 Each membership is an epoch: epoch E of job J runs as job "J.eE" in the daemons (E = 0: "J").
-Not built yet: a replacement node joining a running job (the world only shrinks), groups other
-than the world following a change (their ranks keep their old meaning), and a node whose
-trainers all die while its daemon lives (that node leaves as at a job's end: no change is
-decided, and the job fails as one that is not elastic does).
+Not built yet: groups other than the world following a change (their ranks keep their old
+meaning); survivors waiting for joiners when they fall below min_world_size (they fail at
+once); a node whose trainers all die while its daemon lives (that node leaves as at a job's
+end: no change is decided, and the job fails as one that is not elastic does).
 """
 import copy
 import functools
 import io
 import weakref
+
+import os
+import time
 
 from ._native import Error
 
@@ -44,6 +56,24 @@ DECISION_WAIT_S = 5.0
 # The most membership changes one run() call goes through before it gives up.
 MAX_RESETS = 64
 _DECISION_KEY = "_gradsync_elastic/decision"
+# The job's home keys (the namespace of its own id, which lives as long as the job): joining
+# nodes' tickets, each one's ranks ("ranks=K", "claimed" while rank 0 admits it, "withdrawn"),
+# how many tickets were handled, and each admitted ticket's place ("epoch=E world=W rank=R",
+# R the rank of the node's local rank 0).
+_TICKETS = "_gradsync_elastic/tickets"
+_HANDLED = "_gradsync_elastic/handled"
+# The most tickets one commit() admits.
+MAX_TICKETS_PER_COMMIT = 64
+# How long a joiner waits to be admitted (GRADSYNC_JOIN_TIMEOUT): until the job's next commit().
+JOIN_TIMEOUT_S = 300.0
+
+
+def _ticket_key(ticket):
+    return f"_gradsync_elastic/ticket/{ticket}"
+
+
+def _admit_key(ticket):
+    return f"_gradsync_elastic/admit/{ticket}"
 # Codes an op fails with when a peer node is lost (the peer watch's word, a link that broke,
 # an aborted device group): only these make a trainer look for a decision.
 _LOSS_CODES = ("UNAVAILABLE", "ABORTED", "CANCELLED")
@@ -58,7 +88,7 @@ class MembershipChanged(Error):
     run decorator does) before the next op."""
 
     def __init__(self, code, detail, epoch=0, world_size=0, rank=-1, lost_ranks=(),
-                 lost_nodes=(), why=""):
+                 lost_nodes=(), why="", joined=0):
         super().__init__(code, detail)
         self.epoch = epoch
         self.world_size = world_size
@@ -66,15 +96,16 @@ class MembershipChanged(Error):
         self.lost_ranks = tuple(lost_ranks)
         self.lost_nodes = tuple(lost_nodes)
         self.why = why
+        self.joined = joined  # ranks joining (they take the ranks after the others')
 
     def __reduce__(self):
         return type(self), (self.code, self.detail, self.epoch, self.world_size, self.rank,
-                            self.lost_ranks, self.lost_nodes, self.why)
+                            self.lost_ranks, self.lost_nodes, self.why, self.joined)
 
 
 def parse_decision(text):
-    """The fields of a decision as the daemons record it: "epoch=E world=N lost_ranks=a,b
-    lost_nodes=x,y why=..." (why last: it may hold spaces)."""
+    """The fields of a decision as the daemons (or, for joins, rank 0) record it: "epoch=E
+    world=N lost_ranks=a,b lost_nodes=x,y [joined=K] why=..." (why last: it may hold spaces)."""
     head, _, why = text.partition(" why=")
     fields = dict(part.split("=", 1) for part in head.split() if "=" in part)
     try:
@@ -83,6 +114,7 @@ def parse_decision(text):
             "world_size": int(fields["world"]),
             "lost_ranks": [int(r) for r in fields.get("lost_ranks", "").split(",") if r],
             "lost_nodes": [n for n in fields.get("lost_nodes", "").split(",") if n],
+            "joined": int(fields.get("joined", "0")),
             "why": why,
         }
     except (KeyError, ValueError) as e:
@@ -110,29 +142,38 @@ def classify(ctx, err):
                              f"cannot be read from {where}: {e.detail}. An elastic job "
                              "survives the loss of its root's node only with its store on "
                              "etcd (gradsyncd --store=etcd)")
-    d = parse_decision(raw.decode(errors="replace"))
-    lost = d["lost_ranks"]
-    if ctx.rank in lost:
-        change = Error("UNAVAILABLE", f"elastic job {ctx.base_job}: this rank ({ctx.rank}) is "
-                                      f"out of the job: the other nodes lost its node "
-                                      f"({d['why']}) and go on without it")
-    elif d["world_size"] < ctx.min_world_size:
-        change = Error("UNAVAILABLE", f"elastic job {ctx.base_job}: ranks "
-                                      f"{','.join(map(str, lost))} lost ({d['why']}); "
-                                      f"{d['world_size']} rank(s) left, fewer than "
-                                      f"min_world_size={ctx.min_world_size}")
-    else:
-        rank = ctx.rank - sum(1 for r in lost if r < ctx.rank)
-        change = MembershipChanged(
-            "ABORTED",
-            f"membership of elastic job {ctx.base_job} changed: rank(s) "
-            f"{','.join(map(str, lost))} on node(s) {','.join(d['lost_nodes'])} lost "
-            f"({d['why']}); it goes on as epoch {d['epoch']} with {d['world_size']} rank(s), "
-            f"this rank becoming {rank} (was {ctx.rank})",
-            epoch=d["epoch"], world_size=d["world_size"], rank=rank, lost_ranks=lost,
-            lost_nodes=d["lost_nodes"], why=d["why"])
+    change = _change_of(ctx, parse_decision(raw.decode(errors="replace")))
     ctx.membership_change = change
     return change
+
+
+def _change_of(ctx, d):
+    """What decision `d` means to this rank: MembershipChanged, or an Error when this rank is
+    out of the job or the job would fall below min_world_size."""
+    lost = d["lost_ranks"]
+    if ctx.rank in lost:
+        return Error("UNAVAILABLE", f"elastic job {ctx.base_job}: this rank ({ctx.rank}) is "
+                                    f"out of the job: the other nodes lost its node "
+                                    f"({d['why']}) and go on without it")
+    if d["world_size"] < ctx.min_world_size:
+        return Error("UNAVAILABLE", f"elastic job {ctx.base_job}: ranks "
+                                    f"{','.join(map(str, lost))} lost ({d['why']}); "
+                                    f"{d['world_size']} rank(s) left, fewer than "
+                                    f"min_world_size={ctx.min_world_size}")
+    rank = ctx.rank - sum(1 for r in lost if r < ctx.rank)
+    what = []
+    if lost:
+        what.append(f"rank(s) {','.join(map(str, lost))} on node(s) "
+                    f"{','.join(d['lost_nodes'])} lost")
+    if d["joined"]:
+        what.append(f"{d['joined']} rank(s) joining")
+    return MembershipChanged(
+        "ABORTED",
+        f"membership of elastic job {ctx.base_job} changed: {' and '.join(what)} "
+        f"({d['why']}); it goes on as epoch {d['epoch']} with {d['world_size']} rank(s), "
+        f"this rank becoming {rank} (was {ctx.rank})",
+        epoch=d["epoch"], world_size=d["world_size"], rank=rank, lost_ranks=lost,
+        lost_nodes=d["lost_nodes"], why=d["why"], joined=d["joined"])
 
 
 def reset(change=None):
@@ -183,7 +224,13 @@ class State:
             callback()
 
     def commit(self):
-        """Keeps a copy of the state in memory: what restore() goes back to."""
+        """Keeps a copy of the state in memory (what restore() goes back to), then admits the
+        nodes waiting to join an elastic job: if there are, the membership changes here, and
+        MembershipChanged is raised on every rank (the run decorator resets and syncs)."""
+        self._save()
+        _admit_joiners()
+
+    def _save(self):
         self._saved_scalars = copy.deepcopy(self._scalars)
 
     def restore(self):
@@ -207,11 +254,11 @@ class TorchState(State):
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "_saved", None)
-        self.commit()
+        self._save()
 
-    def commit(self):
+    def _save(self):
         """Keeps a copy of the model's and optimizer's state_dict() and the scalars."""
-        super().commit()
+        super()._save()
         self._saved = (
             copy.deepcopy(self.model.state_dict()) if self.model is not None else None,
             copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None)
@@ -271,6 +318,133 @@ def _broadcast_object(obj):
     from . import get_rank  # noqa: PLC0415
     data = pickle.dumps(obj) if get_rank() == 0 else b""
     return pickle.loads(_broadcast_bytes(data))
+
+
+def _admit_joiners():
+    """commit()'s part in an elastic job: rank 0 looks for joining nodes' tickets, every rank
+    learns whether there are (a broadcast), and if so rank 0 records the decision that admits
+    them and every rank raises MembershipChanged."""
+    from . import _context, _open_store  # noqa: PLC0415 - the package imports this module
+    ctx = _context
+    if ctx is None or not ctx.elastic or ctx.client.closed:
+        return
+    plan = []
+    if ctx.rank == 0:
+        if ctx.home is None:
+            ctx.home = _open_store(ctx.base_job, ctx.connect)
+        plan = _waiting_tickets(ctx.home)
+    import array  # noqa: PLC0415
+    from . import broadcast  # noqa: PLC0415
+    waiting = array.array("q", [len(plan)])
+    broadcast(waiting, src=0)  # a loss meanwhile raises MembershipChanged here
+    if waiting[0] == 0:
+        return
+    if ctx.rank == 0 and not _record_admission(ctx, plan):
+        return  # every waiting ticket was withdrawn: nothing changes
+    try:
+        raw = ctx.client.store_get(_DECISION_KEY, DECISION_WAIT_S)
+    except Error as e:
+        if e.code == "DEADLINE_EXCEEDED":
+            return  # rank 0 found every ticket withdrawn: nothing changes
+        raise
+    change = _change_of(ctx, parse_decision(raw.decode(errors="replace")))
+    ctx.membership_change = change
+    raise change
+
+
+def _waiting_tickets(home):
+    """[(ticket, "ranks=K")] of the joining nodes not handled yet, in ticket order."""
+    tickets = home.store_add(_TICKETS, 0)
+    handled = home.store_add(_HANDLED, 0)
+    plan = []
+    for ticket in range(handled + 1, min(tickets, handled + MAX_TICKETS_PER_COMMIT) + 1):
+        try:
+            plan.append((ticket, home.store_get(_ticket_key(ticket), 1.0)))
+        except Error as e:
+            if e.code != "DEADLINE_EXCEEDED":
+                raise
+            break  # its node is still writing it: the next commit() takes it
+    return plan
+
+
+def _record_admission(ctx, plan):
+    """Rank 0: claims the waiting tickets, records the decision that admits them and tells each
+    its place. False when there was none left to admit (all withdrawn)."""
+    home = ctx.home
+    claimed = []  # (ticket, its value, ranks)
+    for ticket, value in plan:
+        if not value.startswith(b"ranks="):
+            continue  # withdrawn
+        swapped, _ = home.store_compare_set(_ticket_key(ticket), value, b"claimed")
+        if swapped:
+            claimed.append((ticket, value, int(value[len(b"ranks="):])))
+    joined = sum(ranks for _, _, ranks in claimed)
+    if joined == 0:
+        home.store_add(_HANDLED, len(plan))
+        return False
+    epoch, world = ctx.epoch + 1, ctx.world_size + joined
+    decision = (f"epoch={epoch} world={world} lost_ranks= lost_nodes= joined={joined} "
+                f"why={len(claimed)} node(s) joining ({joined} rank(s))")
+    swapped, _ = ctx.client.store_compare_set(_DECISION_KEY, None, decision.encode())
+    if not swapped:
+        # A loss was decided first: its change goes ahead, and these join at a later commit.
+        for ticket, value, _ in claimed:
+            home.store_compare_set(_ticket_key(ticket), b"claimed", value)
+        return True
+    rank = ctx.world_size
+    for ticket, _, ranks in claimed:
+        home.store_set(_admit_key(ticket), f"epoch={epoch} world={world} rank={rank}".encode())
+        rank += ranks
+    home.store_add(_HANDLED, len(plan))
+    return True
+
+
+def join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
+    """A joining node's rank: takes this node's ticket (local rank 0; the node's other ranks
+    learn it from their daemon), waits to be admitted at the job's next commit() and returns
+    (epoch, rank, world_size) to register as. Called by gradsync.init(join=True)."""
+    from . import _native, _open_store  # noqa: PLC0415
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("GRADSYNC_JOIN_TIMEOUT") or JOIN_TIMEOUT_S)
+    home = _open_store(job, connect)
+    lobby = None
+    try:
+        if local_world_size > 1:  # the node's ranks, on this daemon alone
+            lobby = _native.Client(socket, f"{job}.join", local_world_size, local_rank,
+                                   local_rank, local_world_size,
+                                   rpc_timeout_s=float(connect.get("rpc_timeout") or 0))
+        ranks = f"ranks={local_world_size}".encode()
+        if local_rank == 0:
+            ticket = home.store_add(_TICKETS, 1)
+            home.store_set(_ticket_key(ticket), ranks)
+            if lobby is not None:
+                lobby.store_set("ticket", str(ticket).encode())
+        if lobby is not None:
+            lobby.barrier(timeout_s=timeout_s).wait()  # every local rank has come
+            if local_rank != 0:
+                ticket = int(lobby.store_get("ticket", DECISION_WAIT_S))
+            lobby.close()
+            lobby = None
+        try:
+            raw = home.store_get(_admit_key(ticket), timeout_s)
+        except Error as e:
+            if e.code != "DEADLINE_EXCEEDED":
+                raise
+            if local_rank == 0:
+                withdrawn, _ = home.store_compare_set(_ticket_key(ticket), ranks, b"withdrawn")
+                if withdrawn:
+                    raise Error("DEADLINE_EXCEEDED",
+                                f"elastic job {job}: not admitted within {timeout_s:g} s "
+                                "(the job's ranks admit joining nodes at state.commit()); "
+                                "this node's ticket is withdrawn") from None
+            # Admitted (or being admitted) as the wait ended: its place comes at once.
+            raw = home.store_get(_admit_key(ticket), DECISION_WAIT_S)
+        fields = dict(part.split("=", 1) for part in raw.decode().split() if "=" in part)
+        return (int(fields["epoch"]), int(fields["rank"]) + local_rank, int(fields["world"]))
+    finally:
+        if lobby is not None:
+            lobby.close()
+        home.close()
 
 
 def run(func):

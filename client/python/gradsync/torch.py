@@ -220,7 +220,8 @@ class DistributedOptimizer:
                 acc.register_hook(self._make_hook(i))
                 self._hooks.append(acc)  # the node lives as long as we hold it
         gradsync.elastic._reset_hooks.add(self)  # follows an elastic job's membership changes
-        if bcast_period != -1:
+        # A rank joining a running elastic job gets its parameters from the state's sync().
+        if bcast_period != -1 and not (self._distributed and gradsync._ctx().joined):
             self.bcast_param()
 
     def _reset_membership(self):
@@ -234,6 +235,7 @@ class DistributedOptimizer:
             self._works, self._fired, self._pack_streams = [], set(), {}
             self._plan, self._pack_of, self._pending = None, {}, []
         self._queued = False
+        self._iteration = 0  # as on a rank joining now: bcast_period counts from here on all
         n = len(self._params)
         self._reduced = [False] * n
         self._stash, self._local = {}, {}
