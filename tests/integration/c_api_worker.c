@@ -69,8 +69,8 @@ int main(int argc, char** argv) {
     rc = gs_store_compare_set(store, "cas", "one", 3, "", 0, &swapped, &value, &n);
     CHECK(rc == 0 && swapped == 1 && n == 0, "cas to empty rc=%d %s", rc, gs_last_error());
     gs_free(value);
-    rc = gs_store_get(client, "cas", 1000, &value, &n); /* the session sees the same key */
-    CHECK(rc == 0 && n == 0, "session get rc=%d %s", rc, gs_last_error());
+    rc = gs_store_get(store, "cas", 1000, &value, &n);
+    CHECK(rc == 0 && n == 0, "get rc=%d %s", rc, gs_last_error());
     gs_free(value);
     rc = gs_all_reduce(store, GS_FLOAT64, GS_SUM, &whole, 1, NULL);
     CHECK(rc == 9 && strstr(gs_last_error(), "no session") != NULL, "store op rc=%d %s", rc,

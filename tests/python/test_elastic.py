@@ -211,25 +211,41 @@ def _wait_world(ranks, indices, world, timeout_s=60):
 JOIN_ENV = {"GRADSYNC_ELASTIC": "1", "GRADSYNC_JOIN": "1", "GRADSYNC_JOIN_TIMEOUT": "60"}
 
 
-def test_a_replacement_node_joins_and_the_world_grows_back(tmp, monkeypatch):
+@pytest.mark.parametrize("when", ["after", "during"])
+def test_a_replacement_node_joins_and_the_world_grows_back(tmp, monkeypatch, when):
     """Node 2 is killed; the survivors go on as epoch 1; a new node (its own daemon) starts a
     trainer with join=True: it is admitted at the survivors' next commit, receives their state
-    and trains on as rank 2 of epoch 2; every rank's parameters end identical."""
+    and trains on as rank 2 of epoch 2; every rank's parameters end identical. `during`: the
+    replacement starts as soon as the loss is decided, while the survivors reset."""
     ds = tcp_daemons(tmp, monkeypatch, 4)
     steps = 200
-    ranks = launch(tmp, ds[:3], "elastic-replace", lambda r: [WORKER, str(steps), "0.05"],
+    job = "elastic-replace-" + when
+    ranks = launch(tmp, ds[:3], job, lambda r: [WORKER, str(steps), "0.05"],
                    local=1, root=ds[0].tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
     joiner = None
     try:
         _wait_steps(ranks, 5)
         ds[2].proc.kill()
         ranks.procs[2].kill()
-        _wait_world(ranks, [0, 1], 2)
+        if when == "after":
+            _wait_world(ranks, [0, 1], 2)
+        else:
+            deadline = time.monotonic() + 60
+            while not any("membership changed, epoch 0 -> 1" in open(d.log).read()
+                          for d in ds[:2]):
+                assert time.monotonic() < deadline, open(ds[0].log).read()[-3000:]
+                time.sleep(0.01)
         # Its RANK and WORLD_SIZE say nothing: the job gives them.
-        joiner = launch(tmp, [ds[3]], "elastic-replace", lambda r: [WORKER, str(steps), "0.05"],
+        joiner = launch(tmp, [ds[3]], job, lambda r: [WORKER, str(steps), "0.05"],
                         local=1, root=ds[0].tcp, extra_env=JOIN_ENV)
         done = _finish(ranks, [0, 1], timeout_s=120)
         joined = _finish(joiner, [0], timeout_s=60)[0]
+        # The job's keys (its home's tickets included) leave the root's store with its end.
+        deadline = time.monotonic() + 20
+        while job in ds[0].ctl("jobs").stdout and time.monotonic() < deadline:
+            time.sleep(0.1)
+        jobs = ds[0].ctl("jobs")
+        assert jobs.returncode == 0 and job not in jobs.stdout, jobs
     finally:
         for group in (ranks, joiner):
             for p in (group.procs if group else []):
