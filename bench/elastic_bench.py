@@ -5,13 +5,17 @@ trainer rank per daemon (tests/python/elastic_worker.py: a small MLP, Distribute
 gradsync.elastic.run, a commit every step, a step every 50 ms).
 
     /usr/bin/python3 bench/elastic_bench.py --build build [--sizes 4,8] [--reps 3]
-         [--faults kill,freeze] [--json out.json]
+         [--faults kill,freeze,replace] [--json out.json]
 
 Per repetition: N daemons, N trainers of a fresh elastic job; once every trainer has done 5
 steps the last node is lost: its daemon and trainer killed (kill), or its daemon stopped
 (freeze: SIGSTOP, the kernel still ACKs its links). The figure, per survivor: seconds from the
 fault to its first completed step on the new membership (world N-1), read from the step lines
-the trainers print (time.time() on the same machine). The peer: the same N-1 trainers started
+the trainers print (time.time() on the same machine). `replace`: after a kill, once the
+survivors train as N-1, a new daemon and a trainer started with GRADSYNC_JOIN=1 (a replacement
+node): the figure is the seconds from that trainer's process start until every rank has
+completed a step with N ranks again (the joiner having received rank 0's state), and, in
+brackets, the same from the moment its Python, torch and gradsync were loaded. The peer: the same N-1 trainers started
 afresh as a new job (new processes: Python, torch, gradsync.init, formation, the first step),
 the least a restart of the job's trainers costs before any checkpoint is loaded; torchrun
 must first notice the failure too, which this does not count. Ratio: resume / restart.
@@ -71,15 +75,16 @@ class Daemon:
                 self.proc.wait(10)
 
 
-def start_trainers(build, tmp, daemons, job, ranks, steps, elastic, tag):
+def start_trainers(build, tmp, daemons, job, ranks, steps, elastic, tag, join=False):
     procs, outs = [], []
     for r in ranks:
         d = daemons[r]
         env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"), GRADSYNC_SOCKET=d.socket,
                    GRADSYNC_JOB=job, RANK=str(ranks.index(r)), WORLD_SIZE=str(len(ranks)),
                    LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1",
-                   GRADSYNC_ROOT_ADDRESS=daemons[ranks[0]].tcp, GRADSYNC_TOKEN_FILE=d.token,
-                   GRADSYNC_ELASTIC="1" if elastic else "0")
+                   GRADSYNC_ROOT_ADDRESS=daemons[0 if join else ranks[0]].tcp,
+                   GRADSYNC_TOKEN_FILE=d.token, GRADSYNC_ELASTIC="1" if elastic else "0",
+                   GRADSYNC_JOIN="1" if join else "0")
         out = os.path.join(tmp, f"{tag}-{r}.out")
         outs.append(out)
         with open(out, "w") as f:
@@ -115,27 +120,42 @@ def rep(build, n, fault, index, bound):
                         120):
             raise RuntimeError("trainers did not reach step 5: " + open(outs[0]).read()[-2000:])
         t_fault = time.time()
-        if fault == "kill":
+        if fault in ("kill", "replace"):
             daemons[-1].proc.kill()
             procs[-1].kill()
         else:
             daemons[-1].proc.send_signal(signal.SIGSTOP)
 
-        def resumed(o):
-            return [l["t"] - t_fault for l in lines(o) if l.get("world") == n - 1 and "t" in l]
+        def resumed(o, world=n - 1, since=t_fault):
+            return [l["t"] - since for l in lines(o) if l.get("world") == world and "t" in l]
         wait_for(lambda: all(resumed(o) for o in outs[:-1]), bound)
         resume = [min(resumed(o)) if resumed(o) else None for o in outs[:-1]]
+        joined = None
+        if fault == "replace":
+            daemons.append(Daemon(build, tmp, f"node{n}"))
+            t_start = time.time()
+            more, more_outs = start_trainers(build, tmp, daemons, job, [n], 10_000, True, "j",
+                                             join=True)
+            procs += more
+            everyone = outs[:-1] + more_outs
+            wait_for(lambda: all(resumed(o, n, t_start) for o in everyone), bound)
+            if all(resumed(o, n, t_start) for o in everyone):
+                full = max(min(resumed(o, n, t_start)) for o in everyone)
+                imported = [l["imported"] for l in lines(more_outs[0]) if "imported" in l]
+                joined = [full, full - (imported[0] - t_start) if imported else None]
         for p in procs:
             p.kill()
             p.wait()
-        # The peer: the survivors' trainers started afresh as a new job of N-1 ranks.
+        # The peer: the survivors' trainers (and the replacement's) started afresh as a new
+        # job.
         t0 = time.time()
-        procs, outs = start_trainers(build, tmp, daemons, job + "-restart", list(range(n - 1)),
-                                     10_000, False, "r")
+        again = list(range(n - 1)) + ([n] if fault == "replace" else [])
+        procs, outs = start_trainers(build, tmp, daemons, job + "-restart", again, 10_000,
+                                     False, "r")
         wait_for(lambda: all(any("t" in l for l in lines(o)) for o in outs), bound)
         restart = [min(l["t"] for l in lines(o) if "t" in l) - t0
                    if any("t" in l for l in lines(o)) else None for o in outs]
-        return {"resume": resume, "restart": restart}
+        return {"resume": resume, "restart": restart, "joined": joined}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -150,7 +170,7 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--sizes", default="4,8")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--faults", default="kill,freeze")
+    ap.add_argument("--faults", default="kill,freeze,replace")
     ap.add_argument("--bound", type=float, default=60.0, help="seconds one wait may take")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -164,6 +184,12 @@ def main():
             for i in range(args.reps):
                 r = rep(build, n, fault, i, args.bound)
                 results.append({"nodes": n, "fault": fault, "rep": i, **r})
+                if fault == "replace":  # the figure is the world's growing back
+                    r["resume"] = [r["joined"][0] if r["joined"] else None]
+                    if r["joined"] and r["joined"][1] is not None:
+                        print(f"  rep {i}: world of {n} again {r['joined'][0]:.2f} s after "
+                              f"the replacement started ({r['joined'][1]:.2f} s after its "
+                              "imports)")
                 resume += [x for x in r["resume"] if x is not None]
                 restart += [x for x in r["restart"] if x is not None]
                 missing = sum(x is None for x in r["resume"] + r["restart"])

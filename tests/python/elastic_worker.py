@@ -22,6 +22,7 @@ def emit(**kw):
 
 
 def main(steps, pause_s):
+    emit(imported=time.time())  # Python, torch and gradsync loaded
     gradsync.init()  # elastic, job, ranks from the environment
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
