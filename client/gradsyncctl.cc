@@ -46,6 +46,7 @@ constexpr char kUsage[] =
     "  ops [JOB]                   pending ops of JOB (default --job) on every node: who is "
     "missing\n"
     "  history JOB [GROUP]         this node's last ops of GROUP (default world)\n"
+    "  epochs [JOB]                memberships of elastic jobs formed here, and each change\n"
     "  store get KEY               value of KEY (waits up to --timeout)\n"
     "  store set KEY VALUE\n"
     "  store add KEY DELTA         atomic counter\n"
@@ -91,6 +92,7 @@ class Ctl {
     if (cmd == "sessions" && args.size() <= 2) return Sessions(arg(1));
     if (cmd == "ops" && args.size() <= 2) return Ops(args.size() == 2 ? args[1] : job_);
     if (cmd == "history" && (args.size() == 2 || args.size() == 3)) return History(args[1], arg(2));
+    if (cmd == "epochs" && args.size() <= 2) return Epochs(arg(1));
     if (cmd == "store" && args.size() >= 2) {
       const std::string& sub = args[1];
       if (sub == "get" && args.size() == 3) return StoreGet(args[2]);
@@ -265,6 +267,26 @@ class Ctl {
                                    e.fingerprint(), e.error().empty() ? "" : "  " + e.error());
     }
     if (resp.dropped() > 0) std::cout << "(" << resp.dropped() << " older ops not kept)\n";
+    return 0;
+  }
+
+  int Epochs(const std::string& job) {
+    v1::ListEpochsRequest req;
+    req.set_job(job);
+    v1::ListEpochsResponse resp;
+    if (absl::Status s = CallInspect(&v1::Inspect::Stub::ListEpochs, req, &resp); !s.ok()) {
+      return Fail(s);
+    }
+    std::cout << absl::StrFormat("%-24s %5s %5s %-23s %8s  %s\n", "JOB", "EPOCH", "WORLD", "FORMED",
+                                 "TOOK", "CHANGE");
+    for (const v1::Epoch& e : resp.epochs()) {
+      const std::string formed = absl::FormatTime(
+          "%Y-%m-%d %H:%M:%E3S", absl::FromUnixMicros(e.formed_unix_us()), absl::LocalTimeZone());
+      std::cout << absl::StrFormat(
+          "%-24s %5d %5d %-23s %8s  %s\n", e.job(), e.epoch(), e.world_size(), formed,
+          e.took_seconds() > 0 ? absl::StrFormat("%.2fs", e.took_seconds()) : std::string("-"),
+          e.change().empty() ? std::string("(first)") : e.change());
+    }
     return 0;
   }
 

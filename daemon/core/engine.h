@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -189,6 +190,20 @@ class Engine {
     std::vector<HistoryEntry> ops;  // oldest first
     uint64_t dropped = 0;           // older ops the ring no longer holds
   };
+  /// An elastic job's membership formed on this node (ListEpochs).
+  struct EpochRecord {
+    std::string job;  // the job's own id
+    int epoch = 0;
+    int world_size = 0;
+    std::string change;  // the decision that made it; empty for epoch 0
+    absl::Time formed;
+    absl::Duration took;  // from the decision's time to `formed`; zero when unknown
+  };
+  /// The epochs of elastic job `job` (empty: of every job) formed here, oldest first (the
+  /// last kMaxEpochRecords of all jobs).
+  std::vector<EpochRecord> Epochs(const std::string& job) const;
+  static constexpr size_t kMaxEpochRecords = 256;
+
   /// The group's last EngineOptions::history_size ops finished on this node. NOT_FOUND for a
   /// job with no rank attached here or a group that never had an op.
   absl::StatusOr<GroupHistory> GetHistory(const std::string& job, const std::string& group) const;
@@ -249,6 +264,9 @@ class Engine {
   // An elastic job lost node(s): records the new membership in the job's store, once for the
   // job (the first daemon's decision stands; the others' CompareSet finds it).
   void DecideMembership(const std::weak_ptr<Job>& job);
+  // An elastic epoch formed here: kept for Epochs(), with the decision that made it (read
+  // from the previous epoch's namespace).
+  void RecordEpoch(const std::weak_ptr<Job>& job, absl::Time formed);
   void ScheduleDecisionLocked(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   void OnPeerLost(const std::weak_ptr<Job>& job, const std::string& node,
                   const absl::Status& cause);
@@ -282,6 +300,7 @@ class Engine {
   const JobEndCallback on_job_end_;
   const StoreResolver resolve_store_;
   mutable absl::Mutex mu_;  // acquired before any Job::mu
+  std::deque<EpochRecord> epochs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   // Ids of jobs whose last session ended and whose on_job_end_ is still running (its thread
   // in job_ends_); a Register of such an id waits for it.

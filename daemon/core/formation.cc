@@ -4,8 +4,11 @@
 #include <algorithm>
 #include <random>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/bounded_text.h"
 #include "common/job_id.h"
 #include "common/logging.h"
@@ -168,6 +171,9 @@ void Engine::OnFormed(const std::weak_ptr<Job>& weak,
     return;
   }
   Log()->info("job formed job={} nodes={}", job->id, nodes_listed);
+  if (job->elastic && job->root_store != nullptr) {  // a store call: not before the replay
+    pool_->Schedule([this, weak, formed = absl::Now()] { RecordEpoch(weak, formed); });
+  }
   if (peer_watch_ != nullptr) {  // the job's other daemons, watched until the job ends here
     std::vector<std::string> nodes;
     std::string run, me;
@@ -276,9 +282,10 @@ void Engine::DecideMembership(const std::weak_ptr<Job>& weak) {
   std::sort(lost_ranks.begin(), lost_ranks.end());
   const int world = job->world_size - static_cast<int>(lost_ranks.size());
   // One line the trainers parse (gradsync.elastic); `why` last, as it may hold spaces.
-  const std::string decision = absl::StrCat(
-      "epoch=", job->epoch + 1, " world=", world, " lost_ranks=", absl::StrJoin(lost_ranks, ","),
-      " lost_nodes=", absl::StrJoin(lost_nodes, ","), " why=", why);
+  const std::string decision = absl::StrCat("epoch=", job->epoch + 1, " world=", world,
+                                            " lost_ranks=", absl::StrJoin(lost_ranks, ","),
+                                            " lost_nodes=", absl::StrJoin(lost_nodes, ","),
+                                            " at=", absl::ToUnixMillis(absl::Now()), " why=", why);
   absl::StatusOr<CompareSetResult> recorded = job->root_store->CompareSet(
       job->id, std::string(kElasticDecisionKey), std::nullopt, decision);
   if (!recorded.ok()) {
@@ -300,6 +307,42 @@ void Engine::DecideMembership(const std::weak_ptr<Job>& weak) {
     Log()->info("elastic job={}: the membership decision recorded by another daemon stands: {}",
                 job->id, recorded->value);
   }
+}
+
+void Engine::RecordEpoch(const std::weak_ptr<Job>& weak, absl::Time formed) {
+  std::shared_ptr<Job> job = weak.lock();
+  if (!job) return;
+  absl::StatusOr<std::string> base = ElasticBase(job->id, job->epoch);
+  if (!base.ok()) return;
+  EpochRecord record{*base, job->epoch, job->world_size, "", formed, absl::ZeroDuration()};
+  if (job->epoch > 0) {  // the previous epoch's namespace keeps its decision while this runs
+    absl::StatusOr<std::vector<std::string>> decision = job->root_store->WaitBlocking(
+        ElasticJobId(*base, job->epoch - 1), {std::string(kElasticDecisionKey)},
+        absl::Now() + absl::Milliseconds(500));
+    if (decision.ok() && decision->size() == 1) {
+      record.change = (*decision)[0];
+      const absl::string_view head =
+          absl::string_view(record.change).substr(0, record.change.find(" why="));
+      for (absl::string_view field : absl::StrSplit(head, ' ')) {
+        int64_t ms = 0;
+        if (absl::ConsumePrefix(&field, "at=") && absl::SimpleAtoi(field, &ms)) {
+          record.took = formed - absl::FromUnixMillis(ms);
+        }
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  epochs_.push_back(std::move(record));
+  while (epochs_.size() > kMaxEpochRecords) epochs_.pop_front();
+}
+
+std::vector<Engine::EpochRecord> Engine::Epochs(const std::string& job) const {
+  std::vector<EpochRecord> out;
+  absl::MutexLock lock(&mu_);
+  for (const EpochRecord& e : epochs_) {
+    if (job.empty() || e.job == job) out.push_back(e);
+  }
+  return out;
 }
 
 }  // namespace gradsync::core

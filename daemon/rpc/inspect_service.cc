@@ -380,4 +380,23 @@ grpc::ServerUnaryReactor* InspectService::GetHistory(grpc::CallbackServerContext
   return Reply(ctx, absl::OkStatus());
 }
 
+grpc::ServerUnaryReactor* InspectService::ListEpochs(grpc::CallbackServerContext* ctx,
+                                                     const v1::ListEpochsRequest* req,
+                                                     v1::ListEpochsResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  if (!req->job().empty()) {
+    if (absl::Status s = CheckJobId(req->job()); !s.ok()) return Reply(ctx, s);
+  }
+  for (const core::Engine::EpochRecord& e : engine_->Epochs(req->job())) {
+    v1::Epoch* out = resp->add_epochs();
+    out->set_job(e.job);
+    out->set_epoch(e.epoch);
+    out->set_world_size(e.world_size);
+    out->set_change(e.change);
+    out->set_formed_unix_us(UnixMicros(e.formed));
+    out->set_took_seconds(absl::ToDoubleSeconds(e.took));
+  }
+  return Reply(ctx, absl::OkStatus());
+}
+
 }  // namespace gradsync::rpc

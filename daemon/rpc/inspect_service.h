@@ -79,6 +79,9 @@ class InspectService final : public v1::Inspect::CallbackService {
   grpc::ServerUnaryReactor* GetHistory(grpc::CallbackServerContext* ctx,
                                        const v1::GetHistoryRequest* req,
                                        v1::GetHistoryResponse* resp) override;
+  grpc::ServerUnaryReactor* ListEpochs(grpc::CallbackServerContext* ctx,
+                                       const v1::ListEpochsRequest* req,
+                                       v1::ListEpochsResponse* resp) override;
 
  private:
   store::JobStore* const store_;

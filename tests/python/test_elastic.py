@@ -193,9 +193,54 @@ def test_an_elastic_job_that_loses_its_root_node_says_why_it_cannot_go_on(tmp, t
                     "survives the loss of its root's node only with its store on etcd")
 
 
-def test_below_min_world_size_the_survivors_stop_with_a_clear_error(tmp, three_daemons):
-    _survivors_stop(tmp, three_daemons, "elastic-min", 2, {"GRADSYNC_MIN_WORLD_SIZE": "3"},
-                    "2 rank(s) left, fewer than min_world_size=3")
+def test_below_min_world_size_the_survivors_wait_then_stop_with_a_clear_error(
+        tmp, three_daemons):
+    _survivors_stop(tmp, three_daemons, "elastic-min", 2,
+                    {"GRADSYNC_MIN_WORLD_SIZE": "3", "GRADSYNC_ELASTIC_TIMEOUT": "2"},
+                    "2 rank(s) left, fewer than min_world_size=3, and not enough nodes joined "
+                    "within 2 s")
+
+
+def test_below_min_world_size_the_survivors_wait_for_a_replacement(tmp, monkeypatch):
+    """min_world_size=3 and node 2 is killed: the survivors reset to 2 ranks and wait there
+    (no step) until a replacement joins; then all three train on and end identical."""
+    ds = tcp_daemons(tmp, monkeypatch, 4)
+    steps = 60
+    env = {"GRADSYNC_ELASTIC": "1", "GRADSYNC_MIN_WORLD_SIZE": "3",
+           "GRADSYNC_ELASTIC_TIMEOUT": "60"}
+    ranks = launch(tmp, ds[:3], "elastic-wait", lambda r: [WORKER, str(steps), "0.05"],
+                   local=1, root=ds[0].tcp, extra_env=env)
+    joiner = None
+    try:
+        _wait_steps(ranks, 5)
+        ds[2].proc.kill()
+        ranks.procs[2].kill()
+        deadline = time.monotonic() + 60
+        while not any("membership changed, epoch 0 -> 1" in open(d.log).read()
+                      for d in ds[:2]):
+            assert time.monotonic() < deadline, open(ds[0].log).read()[-3000:]
+            time.sleep(0.01)
+        time.sleep(1.0)  # they wait: no step with 2 ranks
+        joiner = launch(tmp, [ds[3]], "elastic-wait", lambda r: [WORKER, str(steps), "0.05"],
+                        local=1, root=ds[0].tcp, extra_env={**JOIN_ENV, **env})
+        done = _finish(ranks, [0, 1], timeout_s=120)
+        joined = _finish(joiner, [0], timeout_s=60)[0]
+    finally:
+        for group in (ranks, joiner):
+            for p in (group.procs if group else []):
+                if p.poll() is None:
+                    p.kill()
+        for d in ds:
+            d.stop()
+    for r in (0, 1):
+        assert not any(l.get("world") == 2 for l in _lines(ranks, r)), _lines(ranks, r)
+        result = done[r]
+        assert (result["rank"], result["world"], result["step"], result["epoch"]) == (
+            r, 3, steps, 2), result
+        assert result["resets"] == [3], result  # reset callbacks run once the world is whole
+        assert [(c["world"], c["joined"]) for c in result["changes"]] == [(2, 0)], result
+    assert (joined["rank"], joined["world"], joined["epoch"]) == (2, 3, 2), joined
+    assert done[0]["params"] == done[1]["params"] == joined["params"]
 
 
 def _wait_world(ranks, indices, world, timeout_s=60):

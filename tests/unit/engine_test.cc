@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/job_id.h"
@@ -869,6 +870,14 @@ TEST_F(TwoNodeEngineTest, AnElasticJobsDaemonsRecordOneDecisionOfItsNextMembersh
       continue;
     }
     ASSERT_TRUE(decision.ok()) << decision.status();
+    // It says when it was made (Inspect's epochs measure the change from it).
+    const size_t at = decision->find(" at="), why = decision->find(" why=");
+    ASSERT_TRUE(at != std::string::npos && why != std::string::npos && at < why) << *decision;
+    int64_t at_ms = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(decision->substr(at + 4, why - at - 4), &at_ms)) << *decision;
+    EXPECT_LE(at_ms, absl::ToUnixMillis(absl::Now()));
+    EXPECT_GE(at_ms, absl::ToUnixMillis(absl::Now() - absl::Seconds(30)));
+    const std::string made = decision->substr(0, at) + decision->substr(why);
     // Whichever side came first: one decision, the survivors in order.
     const std::string a_decides =
         "epoch=1 world=2 lost_ranks=2 lost_nodes=b:7451 why=node b:7451 (ranks 2) lost: the "
@@ -876,9 +885,19 @@ TEST_F(TwoNodeEngineTest, AnElasticJobsDaemonsRecordOneDecisionOfItsNextMembersh
     const std::string b_decides =
         "epoch=1 world=1 lost_ranks=0,1 lost_nodes=a:7451 why=node a:7451 (ranks 0,1) lost: no "
         "word for 1.5 s";
-    EXPECT_TRUE(*decision == a_decides || *decision == b_decides) << *decision;
+    EXPECT_TRUE(made == a_decides || made == b_decides) << *decision;
     absl::SleepFor(absl::Seconds(1));  // both have decided by now: the first stands
     EXPECT_EQ(*store_.Get(job, std::string(kElasticDecisionKey), absl::InfinitePast()), *decision);
+    // Each node keeps the membership it formed, epoch 0 of 3 ranks.
+    for (Node* node : {&a_, &b_}) {
+      const std::vector<Engine::EpochRecord> epochs = node->engine.Epochs(job);
+      ASSERT_EQ(epochs.size(), 1u);
+      EXPECT_EQ(epochs[0].job, job);
+      EXPECT_EQ(epochs[0].epoch, 0);
+      EXPECT_EQ(epochs[0].world_size, 3);
+      EXPECT_EQ(epochs[0].change, "");
+    }
+    EXPECT_TRUE(a_.engine.Epochs("plain").empty());  // a job that is not elastic has none
   }
 }
 

@@ -1160,6 +1160,62 @@ TEST_F(TwoNodesTest, ALostNodeAbortsTheJobsCommunicatorsThroughTheGroupsAbort) {
   a_pair->Abort(absl::UnavailableError("again"));  // idempotent: nothing left to abort
 }
 
+TEST_F(TwoNodesTest, AnElasticJobsEpochsBuildTheirDeviceGroupsAfreshGrownThenShrunk) {
+  // Each membership of an elastic job is a job of its own ("j", "j.e1", ...): its device
+  // groups are made afresh for its members, never the old communicators reused. Epoch 0 (nodes
+  // A and B) ran in SetUp; node C joins (epoch 1, three ranks), then is lost (epoch 2, two).
+  FakeGpu gpu_c;
+  NcclBackend c_backend{&gpu_c};
+  auto spec = [&](const std::string& job, int size, int rank, const std::string& node,
+                  std::vector<std::string> nodes) {
+    core::CommunicatorSpec s = Spec({rank}, size, "world", &store_);
+    s.job = job;
+    s.node = node;
+    s.member_nodes = std::move(nodes);
+    s.run = job + "-run";
+    EXPECT_TRUE(store_.Set(job, core::kRunKey, s.run).ok());
+    return s;
+  };
+  const std::vector<std::string> three = {"a:7451", "b:7451", "c:7451"};
+  auto a1 = Make(spec("j.e1", 3, 0, "a:7451", three));
+  auto b1 = *b_backend_.CreateCommunicator(spec("j.e1", 3, 1, "b:7451", three));
+  auto c1 = *c_backend.CreateCommunicator(spec("j.e1", 3, 2, "c:7451", three));
+  absl::Status on_b, on_c;
+  std::thread tb([&] { on_b = b1->Run(AllReduce({{1, 0}}, 3, 0, absl::Seconds(20))); });
+  std::thread tc([&] { on_c = c1->Run(AllReduce({{2, 0}}, 3, 0, absl::Seconds(20))); });
+  const absl::Status on_a = a1->Run(AllReduce({{0, 0}}, 3, 0, absl::Seconds(20)));
+  tb.join();
+  tc.join();
+  ASSERT_TRUE(on_a.ok() && on_b.ok() && on_c.ok()) << on_a << " " << on_b << " " << on_c;
+  // One new group of three, its id agreed in epoch 1's namespace: not epoch 0's.
+  EXPECT_EQ(gpu_.ids.back(), gpu_b_.ids.back());
+  EXPECT_EQ(gpu_.ids.back(), gpu_c.ids.back());
+  EXPECT_NE(gpu_.ids.back(), gpu_.ids.front());
+  auto inits = [](FakeGpu& gpu, const std::string& what) {
+    return std::count_if(gpu.log.begin(), gpu.log.end(), [&](const std::string& line) {
+      return absl::StartsWith(line, "init ") && absl::EndsWith(line, what);
+    });
+  };
+  EXPECT_EQ(inits(gpu_, "rank 0/3"), 1);
+  EXPECT_EQ(inits(gpu_c, "rank 2/3"), 1);
+  // Node C lost: the peer watch aborts the epoch's groups on the survivors.
+  const int aborts = gpu_.aborts;
+  a1->Abort(absl::UnavailableError("node c:7451 (ranks 2) lost: no word for 1.5 s"));
+  b1->Abort(absl::UnavailableError("node c:7451 (ranks 2) lost: no word for 1.5 s"));
+  EXPECT_GT(gpu_.aborts, aborts);
+  const std::vector<std::string> two = {"a:7451", "b:7451"};
+  auto a2 = Make(spec("j.e2", 2, 0, "a:7451", two));
+  auto b2 = *b_backend_.CreateCommunicator(spec("j.e2", 2, 1, "b:7451", two));
+  std::thread tb2([&] { on_b = b2->Run(AllReduce({{1, 0}}, 2, 0, absl::Seconds(20))); });
+  const absl::Status a_again = a2->Run(AllReduce({{0, 0}}, 2, 0, absl::Seconds(20)));
+  tb2.join();
+  ASSERT_TRUE(a_again.ok() && on_b.ok()) << a_again << " " << on_b;
+  EXPECT_EQ(gpu_.ids.back(), gpu_b_.ids.back());
+  EXPECT_NE(gpu_.ids.back(), gpu_c.ids.back());
+  EXPECT_EQ(inits(gpu_b_, "rank 1/2"), 2);  // epoch 0's and epoch 2's
+  EXPECT_EQ(inits(gpu_b_, "rank 1/3"), 1);
+}
+
 TEST_F(TwoNodesTest, CommunicatorsAbandonedOnOneNodeFailTheOthersNextOpAtOnce) {
   auto b_pair = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "pair"));
   auto a_pair = Make(NodeSpec({0}, "a:7451", "pair"));

@@ -32,18 +32,20 @@ syncs the state from rank 0, which the joiners receive in their first sync(). A 
 admitted within its join timeout withdraws its ticket and fails.
 
 Each membership is an epoch: epoch E of job J runs as job "J.eE" in the daemons (E = 0: "J").
+Below min_world_size the survivors reset to their smaller world and wait there (at most
+GRADSYNC_ELASTIC_TIMEOUT seconds, default 600, then DEADLINE_EXCEEDED) until joining nodes
+bring it back to min_world_size, as Horovod does.
+
 Not built yet: groups other than the world following a change (their ranks keep their old
-meaning); survivors waiting for joiners when they fall below min_world_size (they fail at
-once); a node whose trainers all die while its daemon lives (that node leaves as at a job's
+meaning); a node whose trainers all die while its daemon lives (that node leaves as at a job's
 end: no change is decided, and the job fails as one that is not elastic does).
 """
 import copy
 import functools
 import io
-import weakref
-
 import os
 import time
+import weakref
 
 from ._native import Error
 
@@ -62,6 +64,8 @@ _DECISION_KEY = "_gradsync_elastic/decision"
 # R the rank of the node's local rank 0).
 _TICKETS = "_gradsync_elastic/tickets"
 _HANDLED = "_gradsync_elastic/handled"
+# How long ranks below min_world_size wait for nodes to join (GRADSYNC_ELASTIC_TIMEOUT).
+ELASTIC_TIMEOUT_S = 600.0
 # The most tickets one commit() admits.
 MAX_TICKETS_PER_COMMIT = 64
 # How long a joiner waits to be admitted (GRADSYNC_JOIN_TIMEOUT): until the job's next commit().
@@ -123,8 +127,8 @@ def parse_decision(text):
 
 def classify(ctx, err):
     """`err` as the trainer should see it in an elastic job: MembershipChanged when the job's
-    daemons recorded a new membership, an Error saying why the job cannot go on when this rank
-    is not part of it or it would fall below min_world_size, else `err` itself."""
+    daemons recorded a new membership, an Error saying why when this rank is not part of it,
+    else `err` itself."""
     if (ctx is None or not ctx.elastic or isinstance(err, MembershipChanged)
             or not isinstance(err, Error) or err.code not in _LOSS_CODES):
         return err
@@ -149,17 +153,12 @@ def classify(ctx, err):
 
 def _change_of(ctx, d):
     """What decision `d` means to this rank: MembershipChanged, or an Error when this rank is
-    out of the job or the job would fall below min_world_size."""
+    out of the job."""
     lost = d["lost_ranks"]
     if ctx.rank in lost:
         return Error("UNAVAILABLE", f"elastic job {ctx.base_job}: this rank ({ctx.rank}) is "
                                     f"out of the job: the other nodes lost its node "
                                     f"({d['why']}) and go on without it")
-    if d["world_size"] < ctx.min_world_size:
-        return Error("UNAVAILABLE", f"elastic job {ctx.base_job}: ranks "
-                                    f"{','.join(map(str, lost))} lost ({d['why']}); "
-                                    f"{d['world_size']} rank(s) left, fewer than "
-                                    f"min_world_size={ctx.min_world_size}")
     rank = ctx.rank - sum(1 for r in lost if r < ctx.rank)
     what = []
     if lost:
@@ -167,6 +166,9 @@ def _change_of(ctx, d):
                     f"{','.join(d['lost_nodes'])} lost")
     if d["joined"]:
         what.append(f"{d['joined']} rank(s) joining")
+    if d["world_size"] < ctx.min_world_size:
+        what.append(f"fewer than min_world_size={ctx.min_world_size}: after reset() it waits "
+                    "for nodes to join")
     return MembershipChanged(
         "ABORTED",
         f"membership of elastic job {ctx.base_job} changed: {' and '.join(what)} "
@@ -189,6 +191,50 @@ def reset(change=None):
     _reinit(change)
     for obj in list(_reset_hooks):
         obj._reset_membership()
+    if change.world_size < ctx.min_world_size:
+        _wait_for_joiners()
+
+
+def _wait_for_joiners():
+    """Fewer ranks than min_world_size: rank 0 admits joining nodes once they bring the world
+    back to it (or a loss is decided meanwhile), and every rank raises that change; Error
+    DEADLINE_EXCEEDED after GRADSYNC_ELASTIC_TIMEOUT seconds (default 600) without."""
+    from . import _context, _open_store  # noqa: PLC0415
+    ctx = _context
+    timeout_s = float(os.environ.get("GRADSYNC_ELASTIC_TIMEOUT") or ELASTIC_TIMEOUT_S)
+    need = ctx.min_world_size - ctx.world_size
+    deadline = time.monotonic() + timeout_s
+    late = Error("DEADLINE_EXCEEDED",
+                 f"elastic job {ctx.base_job}: {ctx.world_size} rank(s) left, fewer than "
+                 f"min_world_size={ctx.min_world_size}, and not enough nodes joined within "
+                 f"{timeout_s:g} s (GRADSYNC_ELASTIC_TIMEOUT)")
+    if ctx.rank == 0:
+        if ctx.home is None:
+            ctx.home = _open_store(ctx.base_job, ctx.connect)
+        while True:
+            plan = _waiting_tickets(ctx.home)
+            waiting = sum(int(v[len(b"ranks="):]) for _, v in plan if v.startswith(b"ranks="))
+            if waiting >= need and _record_admission(ctx, plan):
+                break
+            if time.monotonic() >= deadline:
+                raise late
+            try:  # a pause, which also ends when a loss is decided meanwhile
+                ctx.client.store_get(_DECISION_KEY, 0.2)
+                break
+            except Error as e:
+                if e.code != "DEADLINE_EXCEEDED":
+                    raise
+    try:
+        # Past the deadline, rank 0 has given up first.
+        raw = ctx.client.store_get(_DECISION_KEY,
+                                   max(0.1, deadline - time.monotonic()) + DECISION_WAIT_S)
+    except Error as e:
+        if e.code == "DEADLINE_EXCEEDED":
+            raise late from None
+        raise
+    change = _change_of(ctx, parse_decision(raw.decode(errors="replace")))
+    ctx.membership_change = change
+    raise change
 
 
 class State:
@@ -384,7 +430,8 @@ def _record_admission(ctx, plan):
         return False
     epoch, world = ctx.epoch + 1, ctx.world_size + joined
     decision = (f"epoch={epoch} world={world} lost_ranks= lost_nodes= joined={joined} "
-                f"why={len(claimed)} node(s) joining ({joined} rank(s))")
+                f"at={int(time.time() * 1000)} why={len(claimed)} node(s) joining "
+                f"({joined} rank(s))")
     swapped, _ = ctx.client.store_compare_set(_DECISION_KEY, None, decision.encode())
     if not swapped:
         # A loss was decided first: its change goes ahead, and these join at a later commit.
