@@ -34,7 +34,7 @@ import threading
 from . import _cuda, _device, _native, elastic
 from ._native import Error, plan_packs
 from .elastic import MembershipChanged
-from .elastic import join as _elastic_join
+from .elastic import _join as _elastic_join
 
 __all__ = [
     "Error", "Group", "WORLD", "Work", "init", "is_initialized", "shutdown", "get_rank",

@@ -446,7 +446,7 @@ def _record_admission(ctx, plan):
     return True
 
 
-def join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
+def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
     """A joining node's rank: takes this node's ticket (local rank 0; the node's other ranks
     learn it from their daemon), waits to be admitted at the job's next commit() and returns
     (epoch, rank, world_size) to register as. Called by gradsync.init(join=True)."""
