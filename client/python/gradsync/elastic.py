@@ -66,8 +66,11 @@ _TICKETS = "_gradsync_elastic/tickets"
 _HANDLED = "_gradsync_elastic/handled"
 # How long ranks below min_world_size wait for nodes to join (GRADSYNC_ELASTIC_TIMEOUT).
 ELASTIC_TIMEOUT_S = 600.0
-# The most tickets one commit() admits.
+# The most tickets one commit() admits, the most ranks one node may bring, and how many
+# tickets a joining node takes before it gives up (each voided as too slow to be written).
 MAX_TICKETS_PER_COMMIT = 64
+MAX_JOIN_RANKS = 1024
+MAX_TICKET_TRIES = 5
 # How long a joiner waits to be admitted (GRADSYNC_JOIN_TIMEOUT): until the job's next commit().
 JOIN_TIMEOUT_S = 300.0
 
@@ -213,7 +216,7 @@ def _wait_for_joiners():
             ctx.home = _open_store(ctx.base_job, ctx.connect)
         while True:
             plan = _waiting_tickets(ctx.home)
-            waiting = sum(int(v[len(b"ranks="):]) for _, v in plan if v.startswith(b"ranks="))
+            waiting = sum(_ticket_ranks(v) for _, v in plan)
             if waiting >= need and _record_admission(ctx, plan):
                 break
             if time.monotonic() >= deadline:
@@ -405,12 +408,27 @@ def _waiting_tickets(home):
     plan = []
     for ticket in range(handled + 1, min(tickets, handled + MAX_TICKETS_PER_COMMIT) + 1):
         try:
-            plan.append((ticket, home.store_get(_ticket_key(ticket), 1.0)))
+            plan.append((ticket, home.store_get(_ticket_key(ticket), 0.2)))
         except Error as e:
             if e.code != "DEADLINE_EXCEEDED":
                 raise
-            break  # its node is still writing it: the next commit() takes it
+            # Taken but not written (its node is slow, or gone): void it, so that no commit
+            # waits for it again; a node that writes it later finds it taken and takes another.
+            _, value = home.store_compare_set(_ticket_key(ticket), None, b"withdrawn")
+            plan.append((ticket, value))
     return plan
+
+
+def _ticket_ranks(value):
+    """The ranks a ticket's value asks to admit: "ranks=K" with 1 <= K <= MAX_JOIN_RANKS, else
+    0 (withdrawn, claimed, or not a ticket)."""
+    if not value.startswith(b"ranks="):
+        return 0
+    try:
+        ranks = int(value[len(b"ranks="):])
+    except ValueError:
+        return 0
+    return ranks if 1 <= ranks <= MAX_JOIN_RANKS else 0
 
 
 def _record_admission(ctx, plan):
@@ -419,11 +437,11 @@ def _record_admission(ctx, plan):
     home = ctx.home
     claimed = []  # (ticket, its value, ranks)
     for ticket, value in plan:
-        if not value.startswith(b"ranks="):
-            continue  # withdrawn
+        if _ticket_ranks(value) == 0:
+            continue  # withdrawn (or not a ticket)
         swapped, _ = home.store_compare_set(_ticket_key(ticket), value, b"claimed")
         if swapped:
-            claimed.append((ticket, value, int(value[len(b"ranks="):])))
+            claimed.append((ticket, value, _ticket_ranks(value)))
     joined = sum(ranks for _, _, ranks in claimed)
     if joined == 0:
         home.store_add(_HANDLED, len(plan))
@@ -462,8 +480,15 @@ def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
                                    rpc_timeout_s=float(connect.get("rpc_timeout") or 0))
         ranks = f"ranks={local_world_size}".encode()
         if local_rank == 0:
-            ticket = home.store_add(_TICKETS, 1)
-            home.store_set(_ticket_key(ticket), ranks)
+            for _ in range(MAX_TICKET_TRIES):
+                ticket = home.store_add(_TICKETS, 1)
+                # Written only if rank 0 has not voided it as too slow to come: else another.
+                written, _ = home.store_compare_set(_ticket_key(ticket), None, ranks)
+                if written:
+                    break
+            else:
+                raise Error("UNAVAILABLE", f"elastic job {job}: no join ticket written in "
+                                           f"{MAX_TICKET_TRIES} tries (the store is too slow)")
             if lobby is not None:
                 lobby.store_set("ticket", str(ticket).encode())
         if lobby is not None:
@@ -486,8 +511,13 @@ def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
                                 "this node's ticket is withdrawn") from None
             # Admitted (or being admitted) as the wait ended: its place comes at once.
             raw = home.store_get(_admit_key(ticket), DECISION_WAIT_S)
-        fields = dict(part.split("=", 1) for part in raw.decode().split() if "=" in part)
-        return (int(fields["epoch"]), int(fields["rank"]) + local_rank, int(fields["world"]))
+        fields = dict(part.split("=", 1) for part in raw.decode(errors="replace").split()
+                      if "=" in part)
+        try:
+            return (int(fields["epoch"]), int(fields["rank"]) + local_rank,
+                    int(fields["world"]))
+        except (KeyError, ValueError):
+            raise Error("INTERNAL", f"elastic job {job}: unreadable admission {raw!r}") from None
     finally:
         if lobby is not None:
             lobby.close()
