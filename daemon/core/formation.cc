@@ -296,7 +296,6 @@ void Engine::DecideMembership(const std::weak_ptr<Job>& weak) {
         recorded.status().ToString(), decision);
     return;
   }
-  if (options_.counters != nullptr) options_.counters->membership_changes.fetch_add(1);
   if (recorded->swapped) {
     Log()->warn(
         "elastic job={}: membership changed, epoch {} -> {}: world {} -> {}, ranks {} of "
@@ -330,6 +329,10 @@ void Engine::RecordEpoch(const std::weak_ptr<Job>& weak, absl::Time formed) {
         }
       }
     }
+  }
+  // A membership change this node took part in (a loss or a join): counted once it formed.
+  if (job->epoch > 0 && options_.counters != nullptr) {
+    options_.counters->membership_changes.fetch_add(1);
   }
   absl::MutexLock lock(&mu_);
   epochs_.push_back(std::move(record));

@@ -62,7 +62,7 @@ class OpCounters {
   std::atomic<uint64_t> desyncs{0};                 // fingerprint mismatches seen here
   std::atomic<uint64_t> stalls{0};                  // stall warnings logged (--stall_warn)
   std::atomic<uint64_t> nccl_aborts{0};             // NCCL communicators aborted
-  std::atomic<uint64_t> membership_changes{0};      // elastic jobs' decisions seen here
+  std::atomic<uint64_t> membership_changes{0};      // elastic epochs past 0 formed here
   std::atomic<uint64_t> nccl_rebuilds{0};           // NCCL communicators built again after an abort
   std::atomic<uint64_t> nccl_launched_failures{0};  // GPU ops failed after they were answered
 

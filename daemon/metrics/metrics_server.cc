@@ -118,7 +118,7 @@ std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
     AddScalar(out, "gradsync_nccl_aborts_total", "NCCL communicators aborted on this node",
               MetricType::Counter, static_cast<double>(c->nccl_aborts.load()));
     AddScalar(out, "gradsync_membership_changes_total",
-              "Membership changes of elastic jobs on this node (a node lost; one per change)",
+              "Membership changes of elastic jobs formed on this node (a loss or a join)",
               MetricType::Counter, static_cast<double>(c->membership_changes.load()));
     AddScalar(out, "gradsync_nccl_rebuilds_total", "NCCL communicators built again after an abort",
               MetricType::Counter, static_cast<double>(c->nccl_rebuilds.load()));

@@ -5,7 +5,9 @@ their state restored and synced, and train on; their parameters end identical.""
 import json
 import os
 import signal
+import socket
 import time
+import urllib.request
 
 import pytest
 
@@ -262,7 +264,10 @@ def test_a_replacement_node_joins_and_the_world_grows_back(tmp, monkeypatch, whe
     trainer with join=True: it is admitted at the survivors' next commit, receives their state
     and trains on as rank 2 of epoch 2; every rank's parameters end identical. `during`: the
     replacement starts as soon as the loss is decided, while the survivors reset."""
-    ds = tcp_daemons(tmp, monkeypatch, 4)
+    with socket.socket() as s:  # a free port for the root's metrics
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    ds = tcp_daemons(tmp, monkeypatch, 4, root_flags=[f"--metrics_port={metrics_port}"])
     steps = 200
     job = "elastic-replace-" + when
     ranks = launch(tmp, ds[:3], job, lambda r: [WORKER, str(steps), "0.05"],
@@ -285,6 +290,18 @@ def test_a_replacement_node_joins_and_the_world_grows_back(tmp, monkeypatch, whe
                         local=1, root=ds[0].tcp, extra_env=JOIN_ENV)
         done = _finish(ranks, [0, 1], timeout_s=120)
         joined = _finish(joiner, [0], timeout_s=60)[0]
+        # The root's daemon shows the three memberships it formed, and the change to each.
+        epochs = ds[0].ctl("epochs", job)
+        assert epochs.returncode == 0, epochs
+        rows = [l.split() for l in epochs.stdout.splitlines()[1:]]
+        assert [(r[0], r[1], r[2]) for r in rows] == [
+            (job, "0", "3"), (job, "1", "2"), (job, "2", "3")], epochs.stdout
+        assert "(first)" in rows[0] and "lost_ranks=2" in rows[1] and "joined=1" in rows[2], rows
+        assert all(r[5].endswith("s") for r in rows[1:]), rows  # how long each change took
+        # Its metrics count both changes, the loss and the join.
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert "\ngradsync_membership_changes_total 2\n" in metrics, metrics[-2000:]
         # The job's keys (its home's tickets included) leave the root's store with its end.
         deadline = time.monotonic() + 20
         while job in ds[0].ctl("jobs").stdout and time.monotonic() < deadline:
