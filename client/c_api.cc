@@ -96,7 +96,8 @@ gradsync::client::OpOptions Options(const gs_op_options* o) {
 gradsync::DType ToDType(int dtype) { return static_cast<gradsync::DType>(dtype); }
 gradsync::v1::ReduceOp ToReduce(int op) { return static_cast<gradsync::v1::ReduceOp>(op); }
 
-// Every call but the store's needs a session (a client from gs_store_connect has none).
+// Checks chain as `if (int rc = 0; (rc = A) || (rc = B)) return rc;`: the first failing one's
+// code and message. Every call but the store's needs a session (gs_store_connect gives none).
 int NeedSession(const gs_client* client) {
   if (int rc = Check(client, "client"); rc != 0) return rc;
   if (client->impl) return 0;
@@ -154,7 +155,9 @@ const char* gs_last_error(void) { return last_error.c_str(); }
 
 int gs_connect(const char* target, const char* job, int world_size, int rank, int local_rank,
                int local_world_size, gs_client** out) {
-  if (int rc = Check(target, "target") + Check(job, "job") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0;
+      (rc = Check(target, "target")) || (rc = Check(job, "job")) || (rc = Check(out, "out")))
+    return rc;
   gradsync::client::Placement placement{job, world_size, rank, local_rank, local_world_size, ""};
   auto client = gradsync::client::Client::Connect(target, placement);
   if (!client.ok()) return Fail(client.status());
@@ -197,7 +200,9 @@ std::unique_ptr<gradsync::client::StoreClient> StoreOf(
 
 int gs_connect_ex(const char* target, const char* job, int world_size, int rank, int local_rank,
                   int local_world_size, const gs_connect_options* options, gs_client** out) {
-  if (int rc = Check(target, "target") + Check(job, "job") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0;
+      (rc = Check(target, "target")) || (rc = Check(job, "job")) || (rc = Check(out, "out")))
+    return rc;
   const std::string root = RootOf(options);
   gradsync::client::Placement placement{job, world_size, rank, local_rank, local_world_size, root};
   if (options != nullptr) {
@@ -214,7 +219,9 @@ int gs_connect_ex(const char* target, const char* job, int world_size, int rank,
 
 int gs_store_connect(const char* target, const char* job, const gs_connect_options* options,
                      gs_client** out) {
-  if (int rc = Check(target, "target") + Check(job, "job") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0;
+      (rc = Check(target, "target")) || (rc = Check(job, "job")) || (rc = Check(out, "out")))
+    return rc;
   if (absl::Status s = gradsync::CheckJobId(job); !s.ok()) return Fail(s);
   auto client_options = ClientOptionsOf(options);
   if (!client_options.ok()) return Fail(client_options.status());
@@ -229,7 +236,7 @@ int64_t gs_default_op_timeout_ms(const gs_client* client) {
 }
 
 int gs_buffer_create(gs_client* client, int64_t bytes, int dtype, gs_buffer** out) {
-  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(out, "out"))) return rc;
   auto buffer = client->impl->CreateBuffer(bytes, ToDType(dtype));
   if (!buffer.ok()) return Fail(buffer.status());
   *out = new gs_buffer{*std::move(buffer)};
@@ -241,14 +248,14 @@ uint64_t gs_buffer_id(const gs_buffer* buffer) { return buffer ? buffer->impl->i
 int64_t gs_buffer_size(const gs_buffer* buffer) { return buffer ? buffer->impl->size() : 0; }
 
 int gs_buffer_destroy(gs_client* client, gs_buffer* buffer) {
-  if (int rc = NeedSession(client) + Check(buffer, "buffer"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(buffer, "buffer"))) return rc;
   const int rc = Report(client->impl->DestroyBuffer(std::move(buffer->impl)));
   delete buffer;
   return rc;
 }
 
 int gs_buffer_deregister(gs_client* client, const gs_buffer* buffer) {
-  if (int rc = NeedSession(client) + Check(buffer, "buffer"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(buffer, "buffer"))) return rc;
   if (!buffer->impl) return Fail(absl::InvalidArgumentError("buffer was destroyed"));
   return Report(client->impl->DeregisterBuffer(buffer->impl->id()));
 }
@@ -256,7 +263,7 @@ int gs_buffer_deregister(gs_client* client, const gs_buffer* buffer) {
 void gs_buffer_free(gs_buffer* buffer) { delete buffer; }
 
 int gs_buffer_register_fd(gs_client* client, int fd, int64_t bytes, int dtype, uint64_t* id) {
-  if (int rc = NeedSession(client) + Check(id, "id"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(id, "id"))) return rc;
   auto token = client->impl->ShareFd(fd);
   if (!token.ok()) return Fail(token.status());
   gradsync::v1::RegisterBufferRequest request;
@@ -284,7 +291,7 @@ int gs_cuda_allocation_of(const void* ptr, gs_cuda_allocation* out) {
 
 int gs_cuda_buffer_register(gs_client* client, void* device_ptr, int64_t bytes, int dtype,
                             gs_cuda_buffer** out) {
-  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(out, "out"))) return rc;
   auto buffer = client->impl->RegisterCudaBuffer(device_ptr, bytes, ToDType(dtype));
   if (!buffer.ok()) return Fail(buffer.status());
   *out = new gs_cuda_buffer{*std::move(buffer)};
@@ -304,7 +311,7 @@ int gs_cuda_buffer_wait_done(gs_cuda_buffer* buffer, void* stream) {
 }
 
 int gs_cuda_buffer_deregister(gs_client* client, const gs_cuda_buffer* buffer) {
-  if (int rc = NeedSession(client) + Check(buffer, "buffer"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(buffer, "buffer"))) return rc;
   return Report(client->impl->DeregisterBuffer(buffer->impl->id()));
 }
 
@@ -312,7 +319,7 @@ void gs_cuda_buffer_free(gs_cuda_buffer* buffer) { delete buffer; }
 
 int gs_all_reduce_async(gs_client* client, int dtype, int reduce_op, const gs_segment* data,
                         size_t n, const gs_op_options* options, gs_op** out) {
-  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(out, "out"))) return rc;
   if (n > 0 && data == nullptr) return Check(data, "data");
   return Emit(client->impl->AllReduceAsync(ToDType(dtype), ToReduce(reduce_op), Segments(data, n),
                                            Options(options)),
@@ -321,21 +328,21 @@ int gs_all_reduce_async(gs_client* client, int dtype, int reduce_op, const gs_se
 
 int gs_broadcast_async(gs_client* client, int dtype, int root, const gs_segment* data, size_t n,
                        const gs_op_options* options, gs_op** out) {
-  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(out, "out"))) return rc;
   if (n > 0 && data == nullptr) return Check(data, "data");
   return Emit(
       client->impl->BroadcastAsync(ToDType(dtype), root, Segments(data, n), Options(options)), out);
 }
 
 int gs_barrier_async(gs_client* client, const gs_op_options* options, gs_op** out) {
-  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(out, "out"))) return rc;
   return Emit(client->impl->BarrierAsync(Options(options)), out);
 }
 
 int gs_all_gather_async(gs_client* client, int dtype, const gs_segment* input, size_t n_input,
                         const gs_segment* output, size_t n_output, const gs_op_options* options,
                         gs_op** out) {
-  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(out, "out"))) return rc;
   if ((n_input > 0 && input == nullptr) || (n_output > 0 && output == nullptr)) {
     return Check(nullptr, "segments");
   }
@@ -347,7 +354,7 @@ int gs_all_gather_async(gs_client* client, int dtype, const gs_segment* input, s
 int gs_reduce_scatter_async(gs_client* client, int dtype, int reduce_op, const gs_segment* input,
                             size_t n_input, const gs_segment* output, size_t n_output,
                             const gs_op_options* options, gs_op** out) {
-  if (int rc = NeedSession(client) + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(out, "out"))) return rc;
   if ((n_input > 0 && input == nullptr) || (n_output > 0 && output == nullptr)) {
     return Check(nullptr, "segments");
   }
@@ -363,7 +370,7 @@ int gs_op_wait(gs_op* op) {
 }
 
 int gs_op_wait_for(gs_op* op, int64_t timeout_ms, int* done) {
-  if (int rc = Check(op, "op") + Check(done, "done"); rc != 0) return rc;
+  if (int rc = 0; (rc = Check(op, "op")) || (rc = Check(done, "done"))) return rc;
   absl::Status status;
   *done = op->impl.WaitFor(absl::Milliseconds(timeout_ms), &status) ? 1 : 0;
   return *done ? Report(status) : 0;
@@ -372,7 +379,7 @@ int gs_op_wait_for(gs_op* op, int64_t timeout_ms, int* done) {
 uint64_t gs_op_seq(gs_op* op) { return op ? op->impl.seq() : 0; }
 
 int gs_op_test(gs_op* op, int* done) {
-  if (int rc = Check(op, "op") + Check(done, "done"); rc != 0) return rc;
+  if (int rc = 0; (rc = Check(op, "op")) || (rc = Check(done, "done"))) return rc;
   *done = op->impl.Done() ? 1 : 0;
   return 0;
 }
@@ -391,14 +398,15 @@ int gs_all_reduce(gs_client* client, int dtype, int reduce_op, const gs_segment*
 }
 
 int gs_store_set(gs_client* client, const char* key, const void* value, size_t n) {
-  if (int rc = NeedStore(client) + Check(key, "key"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(key, "key"))) return rc;
   if (n > 0 && value == nullptr) return Check(value, "value");
   return Report(
       client->store->Set(client->job, key, std::string(static_cast<const char*>(value), n)));
 }
 
 int gs_store_add(gs_client* client, const char* key, int64_t delta, int64_t* out) {
-  if (int rc = NeedStore(client) + Check(key, "key") + Check(out, "out"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(key, "key")) || (rc = Check(out, "out")))
+    return rc;
   auto v = client->store->Add(client->job, key, delta);
   if (!v.ok()) return Fail(v.status());
   *out = *v;
@@ -406,8 +414,8 @@ int gs_store_add(gs_client* client, const char* key, int64_t delta, int64_t* out
 }
 
 int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** value, size_t* n) {
-  if (int rc = NeedStore(client) + Check(key, "key") + Check(value, "value") + Check(n, "n");
-      rc != 0) {
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(key, "key")) ||
+                  (rc = Check(value, "value")) || (rc = Check(n, "n"))) {
     return rc;
   }
   auto v = client->store->WaitBlocking(client->job, {key}, Within(timeout_ms));
@@ -423,9 +431,9 @@ int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** 
 int gs_store_compare_set(gs_client* client, const char* key, const void* expected,
                          size_t expected_n, const void* desired, size_t desired_n, int* swapped,
                          void** value, size_t* n) {
-  if (int rc = NeedStore(client) + Check(key, "key") + Check(swapped, "swapped") +
-               Check(value, "value") + Check(n, "n");
-      rc != 0) {
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(key, "key")) ||
+                  (rc = Check(swapped, "swapped")) || (rc = Check(value, "value")) ||
+                  (rc = Check(n, "n"))) {
     return rc;
   }
   if (desired_n > 0 && desired == nullptr) return Check(desired, "desired");
@@ -446,14 +454,15 @@ int gs_store_compare_set(gs_client* client, const char* key, const void* expecte
 void gs_free(void* p) { std::free(p); }
 
 int gs_set_pack_list(gs_client* client, const char* group, const char* plan_json) {
-  if (int rc = NeedStore(client) + Check(group, "group"); rc != 0) return rc;
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(group, "group"))) return rc;
   gradsync::v1::PackList plan;
   if (int rc = FromJson(plan_json, &plan); rc != 0) return rc;
   return Report(client->store->SetPackList(client->job, group, plan));
 }
 
 int gs_get_pack_list(gs_client* client, const char* group, int64_t timeout_ms, char** plan_json) {
-  if (int rc = NeedStore(client) + Check(group, "group") + Check(plan_json, "plan_json"); rc != 0) {
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(group, "group")) ||
+                  (rc = Check(plan_json, "plan_json"))) {
     return rc;
   }
   auto plan = client->store->GetPackList(client->job, group, Within(timeout_ms));

@@ -52,6 +52,10 @@ struct EngineOptions {
   /// Elastic jobs: how long after the first node lost the daemon waits for more losses before
   /// it records the new membership (nodes lost together go in one decision).
   absl::Duration elastic_settle = absl::Milliseconds(300);
+  /// Elastic jobs: how long an epoch past 0 may take to form (its members are running
+  /// processes that register at once). Ranks missing then are decided lost, and the others go
+  /// on without them: a node lost, or an admitted joiner gone, during a change.
+  absl::Duration elastic_form_timeout = absl::Seconds(15);
   /// Bumped as ops finish; may be null. Must outlive the engine.
   OpCounters* counters = nullptr;
 };
@@ -264,6 +268,10 @@ class Engine {
   // An elastic job lost node(s): records the new membership in the job's store, once for the
   // job (the first daemon's decision stands; the others' CompareSet finds it).
   void DecideMembership(const std::weak_ptr<Job>& job);
+  // An elastic epoch past 0 that did not form in time: records the next membership without
+  // the ranks that never published (a store call) and returns the error its waiting ops fail
+  // with (UNAVAILABLE); OK when nothing could be decided.
+  absl::Status DecideUnformed(Job& job, absl::Duration timeout);
   // An elastic epoch formed here: kept for Epochs(), with the decision that made it (read
   // from the previous epoch's namespace).
   void RecordEpoch(const std::weak_ptr<Job>& job, absl::Time formed);
@@ -289,7 +297,8 @@ class Engine {
   // epoch (one that ended with no decision of a next).
   void EndJobLater(const std::string& job, gradsync::Store* store, ElasticEnd elastic);
   // Once no op could still wait for an ended epoch's decision: its namespace goes, and the
-  // job's home too if no later epoch runs on the node that held rank 0.
+  // job's home too if no epoch of the job (nor of a new run of its id) runs on the node that
+  // held rank 0.
   void EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store);
   void EndKeptEpochIfPast(const ElasticEnd& elastic, gradsync::Store* store);
 

@@ -118,22 +118,60 @@ void Engine::OnFormationDeadline(const std::weak_ptr<Job>& weak, absl::Duration 
       job->root_store->WaitBlocking(job->id, keys, absl::Now() + absl::Milliseconds(100));
   std::deque<Job::Parked> failed;
   absl::Status error;
+  if (!missing.ok() && job->elastic && job->epoch > 0) {
+    error = DecideUnformed(*job, timeout);  // OK: no decision could be made
+  }
   {
     absl::MutexLock lock(&job->mu);
     if (job->formation != Job::Formation::kLocal && job->formation != Job::Formation::kForming) {
       return;  // formed (or failed) meanwhile
     }
     job->formation = Job::Formation::kFailed;
-    job->formation_error = absl::DeadlineExceededError(
-        absl::StrCat("job ", job->id, " did not form across nodes (root ", job->root_address,
-                     ") within its first op's deadline (", absl::FormatDuration(timeout), "): ",
-                     missing.ok() ? "its ranks' daemons published only now"
-                                  : std::string(missing.status().message())));
+    job->formation_error =
+        !error.ok()
+            ? error
+            : absl::DeadlineExceededError(absl::StrCat(
+                  "job ", job->id, " did not form across nodes (root ", job->root_address,
+                  ") within its first op's deadline (", absl::FormatDuration(timeout), "): ",
+                  missing.ok() ? "its ranks' daemons published only now"
+                               : std::string(missing.status().message())));
     error = job->formation_error;
     failed.swap(job->parked);
   }
   Log()->warn("{}", std::string(error.message()));
   for (Job::Parked& p : failed) p.sink->OpDone(p.tag, 0, error);
+}
+
+absl::Status Engine::DecideUnformed(Job& job, absl::Duration timeout) {
+  constexpr absl::string_view kPrefix = "daemon/rank/";
+  absl::StatusOr<std::vector<std::string>> published = job.root_store->List(job.id, kPrefix);
+  if (!published.ok()) return absl::OkStatus();
+  std::vector<bool> here(job.world_size, false);
+  for (absl::string_view key : *published) {
+    int rank = -1;
+    absl::ConsumePrefix(&key, kPrefix);
+    if (absl::SimpleAtoi(key, &rank) && rank >= 0 && rank < job.world_size) here[rank] = true;
+  }
+  std::vector<int> lost;
+  for (int r = 0; r < job.world_size; ++r) {
+    if (!here[r]) lost.push_back(r);
+  }
+  if (lost.empty() || lost.size() == here.size()) return absl::OkStatus();
+  const std::string why = absl::StrCat("rank(s) ", JoinBounded(lost, ","), " did not join epoch ",
+                                       job.epoch, " within ", absl::FormatDuration(timeout));
+  const std::string decision = absl::StrCat(
+      "epoch=", job.epoch + 1, " world=", job.world_size - static_cast<int>(lost.size()),
+      " lost_ranks=", absl::StrJoin(lost, ","), " lost_nodes= at=", absl::ToUnixMillis(absl::Now()),
+      " why=", why);
+  absl::StatusOr<CompareSetResult> recorded =
+      job.root_store->CompareSet(job.id, std::string(kElasticDecisionKey), std::nullopt, decision);
+  if (!recorded.ok()) return absl::OkStatus();
+  if (recorded->swapped) {
+    Log()->warn("elastic job={}: membership changed, epoch {} -> {}: it did not form, {}", job.id,
+                job.epoch, job.epoch + 1, why);
+  }
+  return absl::UnavailableError(absl::StrCat("job ", job.id, " did not form: ", why,
+                                             " (their node is lost or gone); the others go on"));
 }
 
 void Engine::OnFormed(const std::weak_ptr<Job>& weak,
@@ -319,7 +357,12 @@ void Engine::RecordEpoch(const std::weak_ptr<Job>& weak, absl::Time formed) {
         ElasticJobId(*base, job->epoch - 1), {std::string(kElasticDecisionKey)},
         absl::Now() + absl::Milliseconds(500));
     if (decision.ok() && decision->size() == 1) {
-      record.change = (*decision)[0];
+      // Store bytes, shown to operators: printable ASCII, bounded.
+      constexpr size_t kMaxChange = 1024;
+      record.change = (*decision)[0].substr(0, kMaxChange);
+      for (char& c : record.change) {
+        if (c < 0x20 || c > 0x7e) c = '?';
+      }
       const absl::string_view head =
           absl::string_view(record.change).substr(0, record.change.find(" why="));
       for (absl::string_view field : absl::StrSplit(head, ' ')) {

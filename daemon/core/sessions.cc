@@ -231,21 +231,21 @@ void Engine::Unregister(Session& session, absl::string_view reason) {
 
 void Engine::EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store) {
   const std::string prefix = absl::StrCat(elastic.base, ".e");  // of epochs past 0 (job_id.h)
-  auto later = [&](absl::string_view id) {
+  // An epoch of the job: a later one, or one of a new run of the same id.
+  auto of_job = [&](absl::string_view id) {
     int epoch = 0;
-    return absl::ConsumePrefix(&id, prefix) && absl::SimpleAtoi(id, &epoch) &&
-           epoch > elastic.epoch;
+    return id == elastic.base || (absl::ConsumePrefix(&id, prefix) && absl::SimpleAtoi(id, &epoch));
   };
-  bool runs_later = false;
+  bool runs = false;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, job] : jobs_) runs_later = runs_later || later(id);
-    for (const std::string& id : ending_) runs_later = runs_later || later(id);
+    for (const auto& [id, job] : jobs_) runs = runs || of_job(id);
+    for (const std::string& id : ending_) runs = runs || of_job(id);
   }
   EndKeptEpochIfPast(elastic, store);
-  // No later epoch runs on the node that held rank 0 (which stays in the job while it lives):
-  // the job was abandoned after its last decision, and its home goes too.
-  if (elastic.held_rank0 && !runs_later) EndKeptEpoch(ElasticJobId(elastic.base, 0), store);
+  // No epoch of the job runs on the node that held rank 0 (which stays in the job while it
+  // lives): the job was abandoned after its last decision, and its home goes too.
+  if (elastic.held_rank0 && !runs) EndKeptEpoch(ElasticJobId(elastic.base, 0), store);
 }
 
 void Engine::EndKeptEpochIfPast(const ElasticEnd& elastic, gradsync::Store* store) {
@@ -281,7 +281,8 @@ void Engine::EndJobLater(const std::string& id, gradsync::Store* store, ElasticE
       if (!elastic.base.empty()) {
         absl::StatusOr<std::vector<std::string>> decided =
             store->List(id, std::string(kElasticDecisionKey));
-        last = decided.ok() && decided->empty();
+        last = decided.ok() ? decided->empty()
+                            : decided.status().code() == absl::StatusCode::kNotFound;
       }
       on_job_end_(id);
       if (!elastic.base.empty()) {

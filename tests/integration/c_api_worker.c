@@ -76,6 +76,10 @@ int main(int argc, char** argv) {
     CHECK(rc == 9 && strstr(gs_last_error(), "no session") != NULL, "store op rc=%d %s", rc,
           gs_last_error());
     CHECK(gs_default_op_timeout_ms(store) == 0, "store-only default timeout");
+    /* Two bad arguments: the first one's code and message, never a sum of codes. */
+    rc = gs_buffer_create(store, 8, GS_FLOAT64, NULL);
+    CHECK(rc == 9 && strstr(gs_last_error(), "no session") != NULL, "two errors rc=%d %s", rc,
+          gs_last_error());
     gs_client* bad = NULL;
     rc = gs_store_connect(argv[1], "../bad", NULL, &bad);
     CHECK(rc == 3 && bad == NULL, "bad job rc=%d %s", rc, gs_last_error());

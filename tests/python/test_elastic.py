@@ -381,3 +381,35 @@ def test_an_extra_node_of_two_ranks_joins_a_running_job(tmp, monkeypatch):
         assert (j["world"], j["step"], j["epoch"]) == (4, steps, 1), j
         assert j["params"] == done[0]["params"]
     assert done[0]["params"] == done[1]["params"]
+
+
+def test_a_rank_that_never_joins_the_next_epoch_is_left_behind(tmp, monkeypatch):
+    """Four nodes; node 2's trainer is frozen (its daemon lives) and node 3 is killed: the
+    decision of epoch 1 still counts rank 2, which never registers. The epoch does not form
+    within the daemons' bound (15 s), they decide rank 2 lost, and ranks 0 and 1 go on as
+    epoch 2: a node lost during a change does not end the job."""
+    ds = tcp_daemons(tmp, monkeypatch, 4)
+    ranks = launch(tmp, ds, "elastic-unformed", lambda r: [WORKER, "100", "0.05"], local=1,
+                   root=ds[0].tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
+    try:
+        _wait_steps(ranks, 5)
+        ranks.procs[2].send_signal(signal.SIGSTOP)
+        ds[3].proc.kill()
+        ranks.procs[3].kill()
+        done = _finish(ranks, [0, 1], timeout_s=120)
+    finally:
+        for p in ranks.procs:
+            if p.poll() is None:
+                p.kill()
+        for d in ds:
+            d.stop()
+    logs = "".join(open(d.log).read() for d in ds[:2])
+    assert "membership changed, epoch 1 -> 2: it did not form, rank(s) 2 did not join epoch 1" \
+        in logs, logs[-3000:]
+    for r in (0, 1):
+        result = done[r]
+        assert (result["rank"], result["world"], result["step"], result["epoch"]) == (
+            r, 2, 100, 2), result
+        assert result["resets"] == [2], result  # epoch 1 never formed: no sync, no callback
+        assert [c["lost_ranks"] for c in result["changes"]] == [[3]], result
+    assert done[0]["params"] == done[1]["params"]

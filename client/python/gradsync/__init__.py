@@ -213,9 +213,12 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
     if job is None:
         job = os.environ.get("GRADSYNC_JOB") or (
             "torchrun-" + os.environ.get("TORCHELASTIC_RUN_ID", "default"))
+    if join is None:
+        join = os.environ.get("GRADSYNC_JOIN", "") not in ("", "0")
     if root_address is None:
         root_address = os.environ.get("GRADSYNC_ROOT_ADDRESS", "")
-        if not root_address and local_world_size < world_size and os.environ.get("MASTER_ADDR"):
+        if (not root_address and (local_world_size < world_size or join)
+                and os.environ.get("MASTER_ADDR")):
             port = _env_int("GRADSYNC_DAEMON_PORT", DEFAULT_DAEMON_PORT)
             root_address = f"{os.environ['MASTER_ADDR']}:{port}"
     socket = socket or os.environ.get("GRADSYNC_SOCKET") or DEFAULT_SOCKET
@@ -230,15 +233,14 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
         elastic = os.environ.get("GRADSYNC_ELASTIC", "") not in ("", "0")
     if min_world_size is None:
         min_world_size = _env_int("GRADSYNC_MIN_WORLD_SIZE", 1)
-    if join is None:
-        join = os.environ.get("GRADSYNC_JOIN", "") not in ("", "0")
     connect = {"root_address": root_address, "socket": socket, "token_file": token_file,
                "rpc_timeout": rpc_timeout, "tls": tls}
     if join:
         if not elastic:
             raise Error("INVALID_ARGUMENT", f"job {job}: join=True needs elastic=True")
-        _epoch, rank, world_size = _elastic_join(job, local_rank, local_world_size, socket,
-                                                 connect)
+        # The job's own min_world_size: the joiners wait (or not) as its other ranks do.
+        _epoch, rank, world_size, min_world_size = _elastic_join(
+            job, local_rank, local_world_size, socket, connect)
     session_job = job if _epoch == 0 else f"{job}.e{_epoch}"
     client = _native.Client(socket, session_job, world_size, rank, local_rank, local_world_size,
                             root_address=root_address, token=token,

@@ -71,6 +71,9 @@ ELASTIC_TIMEOUT_S = 600.0
 MAX_TICKETS_PER_COMMIT = 64
 MAX_JOIN_RANKS = 1024
 MAX_TICKET_TRIES = 5
+# The daemons' largest world, and how long a joining node's ranks wait for each other.
+MAX_WORLD_SIZE = 1 << 16
+LOBBY_WAIT_S = 60.0
 # How long a joiner waits to be admitted (GRADSYNC_JOIN_TIMEOUT): until the job's next commit().
 JOIN_TIMEOUT_S = 300.0
 
@@ -370,32 +373,31 @@ def _broadcast_object(obj):
 
 
 def _admit_joiners():
-    """commit()'s part in an elastic job: rank 0 looks for joining nodes' tickets, every rank
-    learns whether there are (a broadcast), and if so rank 0 records the decision that admits
-    them and every rank raises MembershipChanged."""
+    """commit()'s part in an elastic job: rank 0 admits the joining nodes waiting (it records
+    the decision), every rank learns whether it did (a broadcast), and if so every rank raises
+    MembershipChanged."""
     from . import _context, _open_store  # noqa: PLC0415 - the package imports this module
     ctx = _context
     if ctx is None or not ctx.elastic or ctx.client.closed:
         return
-    plan = []
+    if not ctx.root_address and ctx.local_world_size == ctx.world_size:
+        return  # one node on its daemon's own store: no node can join it (alike on every rank)
+    decided = 0
     if ctx.rank == 0:
-        if ctx.home is None:
-            ctx.home = _open_store(ctx.base_job, ctx.connect)
-        plan = _waiting_tickets(ctx.home)
+        try:
+            if ctx.home is None:
+                ctx.home = _open_store(ctx.base_job, ctx.connect)
+            plan = _waiting_tickets(ctx.home)
+            decided = 1 if plan and _record_admission(ctx, plan) else 0
+        except Error:
+            decided = 0  # the store failed: the joiners wait for a later commit
     import array  # noqa: PLC0415
     from . import broadcast  # noqa: PLC0415
-    waiting = array.array("q", [len(plan)])
-    broadcast(waiting, src=0)  # a loss meanwhile raises MembershipChanged here
-    if waiting[0] == 0:
+    flag = array.array("q", [decided])
+    broadcast(flag, src=0)  # a loss meanwhile raises MembershipChanged here
+    if flag[0] == 0:
         return
-    if ctx.rank == 0 and not _record_admission(ctx, plan):
-        return  # every waiting ticket was withdrawn: nothing changes
-    try:
-        raw = ctx.client.store_get(_DECISION_KEY, DECISION_WAIT_S)
-    except Error as e:
-        if e.code == "DEADLINE_EXCEEDED":
-            return  # rank 0 found every ticket withdrawn: nothing changes
-        raise
+    raw = ctx.client.store_get(_DECISION_KEY, DECISION_WAIT_S)  # there: rank 0 saw it
     change = _change_of(ctx, parse_decision(raw.decode(errors="replace")))
     ctx.membership_change = change
     raise change
@@ -432,96 +434,148 @@ def _ticket_ranks(value):
 
 
 def _record_admission(ctx, plan):
-    """Rank 0: claims the waiting tickets, records the decision that admits them and tells each
-    its place. False when there was none left to admit (all withdrawn)."""
+    """Rank 0: claims the waiting tickets (in order, while the world stays within
+    MAX_WORLD_SIZE), records the decision that admits them and tells each its place. True when
+    the epoch has a decision now (this one, or a loss decided first); False when nothing was
+    left to admit."""
     home = ctx.home
     claimed = []  # (ticket, its value, ranks)
-    for ticket, value in plan:
-        if _ticket_ranks(value) == 0:
-            continue  # withdrawn (or not a ticket)
-        swapped, _ = home.store_compare_set(_ticket_key(ticket), value, b"claimed")
-        if swapped:
-            claimed.append((ticket, value, _ticket_ranks(value)))
-    joined = sum(ranks for _, _, ranks in claimed)
-    if joined == 0:
-        home.store_add(_HANDLED, len(plan))
-        return False
-    epoch, world = ctx.epoch + 1, ctx.world_size + joined
-    decision = (f"epoch={epoch} world={world} lost_ranks= lost_nodes= joined={joined} "
-                f"at={int(time.time() * 1000)} why={len(claimed)} node(s) joining "
-                f"({joined} rank(s))")
-    swapped, _ = ctx.client.store_compare_set(_DECISION_KEY, None, decision.encode())
+    handled = 0   # tickets of `plan` dealt with (the rest wait for a later commit)
+    try:
+        for ticket, value in plan:
+            ranks = _ticket_ranks(value)
+            if ranks and ctx.world_size + sum(r for _, _, r in claimed) + ranks > MAX_WORLD_SIZE:
+                break
+            handled += 1
+            if ranks == 0:
+                continue  # withdrawn (or not a ticket)
+            swapped, _ = home.store_compare_set(_ticket_key(ticket), value, b"claimed")
+            if swapped:
+                claimed.append((ticket, value, ranks))
+        joined = sum(ranks for _, _, ranks in claimed)
+        if joined == 0:
+            home.store_add(_HANDLED, handled)
+            return False
+        epoch, world = ctx.epoch + 1, ctx.world_size + joined
+        decision = (f"epoch={epoch} world={world} lost_ranks= lost_nodes= joined={joined} "
+                    f"at={int(time.time() * 1000)} why={len(claimed)} node(s) joining "
+                    f"({joined} rank(s))")
+        swapped, _ = ctx.client.store_compare_set(_DECISION_KEY, None, decision.encode())
+    except BaseException:
+        _unclaim(home, claimed)  # they wait for a later commit
+        raise
     if not swapped:
         # A loss was decided first: its change goes ahead, and these join at a later commit.
-        for ticket, value, _ in claimed:
-            home.store_compare_set(_ticket_key(ticket), b"claimed", value)
+        _unclaim(home, claimed)
         return True
-    rank = ctx.world_size
-    for ticket, _, ranks in claimed:
-        home.store_set(_admit_key(ticket), f"epoch={epoch} world={world} rank={rank}".encode())
-        rank += ranks
-    home.store_add(_HANDLED, len(plan))
+    try:
+        rank = ctx.world_size
+        for ticket, _, ranks in claimed:
+            home.store_set(_admit_key(ticket), f"epoch={epoch} world={world} rank={rank} "
+                                               f"min={ctx.min_world_size}".encode())
+            rank += ranks
+        home.store_add(_HANDLED, handled)
+    except Error:
+        pass  # a joiner told nothing does not come: the epoch forms without its ranks
     return True
 
 
+def _unclaim(home, claimed):
+    for ticket, value, _ in claimed:
+        try:
+            home.store_compare_set(_ticket_key(ticket), b"claimed", value)
+        except Error:
+            pass  # its node withdraws, or the next epoch forms without it
+
+
+def _lobby_id(job):
+    """The one-node job in which a joining node's ranks share its ticket."""
+    lobby = f"{job}.join"
+    if len(lobby) <= 128:
+        return lobby
+    import hashlib  # noqa: PLC0415
+    return "gradsync-join-" + hashlib.sha256(job.encode()).hexdigest()[:32]
+
+
 def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
-    """A joining node's rank: takes this node's ticket (local rank 0; the node's other ranks
-    learn it from their daemon), waits to be admitted at the job's next commit() and returns
-    (epoch, rank, world_size) to register as. Called by gradsync.init(join=True)."""
+    """A joining node's rank: takes this node's ticket (local rank 0, once every local rank has
+    come; the others learn it from their daemon), waits to be admitted at the job's next
+    commit() and returns (epoch, rank, world_size, min_world_size) to register as. Called by
+    gradsync.init(join=True)."""
     from . import _native, _open_store  # noqa: PLC0415
     if timeout_s is None:
         timeout_s = float(os.environ.get("GRADSYNC_JOIN_TIMEOUT") or JOIN_TIMEOUT_S)
+    ranks = f"ranks={local_world_size}".encode()
     home = _open_store(job, connect)
     lobby = None
+    ticket = None
     try:
         if local_world_size > 1:  # the node's ranks, on this daemon alone
-            lobby = _native.Client(socket, f"{job}.join", local_world_size, local_rank,
+            lobby = _native.Client(socket, _lobby_id(job), local_world_size, local_rank,
                                    local_rank, local_world_size,
                                    rpc_timeout_s=float(connect.get("rpc_timeout") or 0))
-        ranks = f"ranks={local_world_size}".encode()
+            lobby.barrier(timeout_s=LOBBY_WAIT_S).wait()  # every local rank has come
         if local_rank == 0:
-            for _ in range(MAX_TICKET_TRIES):
-                ticket = home.store_add(_TICKETS, 1)
-                # Written only if rank 0 has not voided it as too slow to come: else another.
-                written, _ = home.store_compare_set(_ticket_key(ticket), None, ranks)
-                if written:
-                    break
-            else:
-                raise Error("UNAVAILABLE", f"elastic job {job}: no join ticket written in "
-                                           f"{MAX_TICKET_TRIES} tries (the store is too slow)")
+            ticket = _take_ticket(home, job, ranks)
             if lobby is not None:
                 lobby.store_set("ticket", str(ticket).encode())
+        else:
+            ticket = int(lobby.store_get("ticket", LOBBY_WAIT_S))
         if lobby is not None:
-            lobby.barrier(timeout_s=timeout_s).wait()  # every local rank has come
-            if local_rank != 0:
-                ticket = int(lobby.store_get("ticket", DECISION_WAIT_S))
             lobby.close()
             lobby = None
-        try:
-            raw = home.store_get(_admit_key(ticket), timeout_s)
-        except Error as e:
-            if e.code != "DEADLINE_EXCEEDED":
-                raise
-            if local_rank == 0:
-                withdrawn, _ = home.store_compare_set(_ticket_key(ticket), ranks, b"withdrawn")
-                if withdrawn:
-                    raise Error("DEADLINE_EXCEEDED",
-                                f"elastic job {job}: not admitted within {timeout_s:g} s "
-                                "(the job's ranks admit joining nodes at state.commit()); "
-                                "this node's ticket is withdrawn") from None
-            # Admitted (or being admitted) as the wait ended: its place comes at once.
-            raw = home.store_get(_admit_key(ticket), DECISION_WAIT_S)
-        fields = dict(part.split("=", 1) for part in raw.decode(errors="replace").split()
-                      if "=" in part)
-        try:
-            return (int(fields["epoch"]), int(fields["rank"]) + local_rank,
-                    int(fields["world"]))
-        except (KeyError, ValueError):
-            raise Error("INTERNAL", f"elastic job {job}: unreadable admission {raw!r}") from None
+        raw = _wait_admission(home, job, ticket, ranks, local_rank == 0, timeout_s)
+    except BaseException:
+        if local_rank == 0 and ticket is not None:  # not admitted: nobody waits for it
+            try:
+                home.store_compare_set(_ticket_key(ticket), ranks, b"withdrawn")
+            except Error:
+                pass
+        raise
     finally:
         if lobby is not None:
             lobby.close()
         home.close()
+    fields = dict(part.split("=", 1) for part in raw.decode(errors="replace").split()
+                  if "=" in part)
+    try:
+        return (int(fields["epoch"]), int(fields["rank"]) + local_rank, int(fields["world"]),
+                int(fields["min"]))
+    except (KeyError, ValueError):
+        raise Error("INTERNAL", f"elastic job {job}: unreadable admission {raw!r}") from None
+
+
+def _take_ticket(home, job, ranks):
+    for _ in range(MAX_TICKET_TRIES):
+        ticket = home.store_add(_TICKETS, 1)
+        # Written only if rank 0 has not voided it as too slow to come: else another.
+        written, _ = home.store_compare_set(_ticket_key(ticket), None, ranks)
+        if written:
+            return ticket
+    raise Error("UNAVAILABLE", f"elastic job {job}: no join ticket written in "
+                               f"{MAX_TICKET_TRIES} tries (the store is too slow)")
+
+
+def _wait_admission(home, job, ticket, ranks, withdraws, timeout_s):
+    """The admission of `ticket`, waited for at most timeout_s; then the node's local rank 0
+    (`withdraws`) withdraws it, unless rank 0 of the job claimed it meanwhile (then its answer
+    comes at once, or the claim is undone and it withdraws)."""
+    late = Error("DEADLINE_EXCEEDED",
+                 f"elastic job {job}: not admitted within {timeout_s:g} s (the job's ranks "
+                 "admit joining nodes at state.commit()); this node's ticket is withdrawn")
+    wait = timeout_s
+    for _ in range(MAX_TICKET_TRIES):
+        try:
+            return home.store_get(_admit_key(ticket), wait)
+        except Error as e:
+            if e.code != "DEADLINE_EXCEEDED":
+                raise
+        if withdraws:
+            withdrawn, value = home.store_compare_set(_ticket_key(ticket), ranks, b"withdrawn")
+            if withdrawn or value != b"claimed":
+                raise late
+        wait = DECISION_WAIT_S  # claimed: being admitted (or the claim undone) now
+    raise late
 
 
 def run(func):
