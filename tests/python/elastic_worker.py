@@ -21,6 +21,30 @@ def emit(**kw):
     print(json.dumps(kw), flush=True)
 
 
+def run_batch(batches):
+    """Three async ops queued at once, then waited: on a change, every wait raises it and no
+    operand is written (the record goes to `batches`, the first change is raised)."""
+    g = torch.Generator().manual_seed(gradsync.get_rank())
+    a, b, c = (torch.randn(1000, generator=g) for _ in range(3))
+    before = [t.clone() for t in (a, b, c)]
+    works = [gradsync.all_reduce(a, async_op=True),
+             gradsync.all_reduce(b, op="max", async_op=True),
+             gradsync.broadcast(c, src=0, async_op=True)]
+    raised = []
+    for w in works:
+        try:
+            w.wait()
+        except gradsync.Error as e:
+            raised.append(e)
+    if raised:
+        batches.append({
+            "waits": len(works),
+            "changed": [type(e).__name__ for e in raised],
+            "epochs": [getattr(e, "epoch", None) for e in raised],
+            "unchanged": all(bool(torch.equal(t, u)) for t, u in zip((a, b, c), before))})
+        raise raised[0]
+
+
 def main(steps, pause_s):
     emit(imported=time.time())  # Python, torch and gradsync loaded
     gradsync.init()  # elastic, job, ranks from the environment
@@ -35,6 +59,11 @@ def main(steps, pause_s):
     state = gradsync.elastic.TorchState(model=model, optimizer=opt, step=0)
     changes = []
     resets = []
+    batches = []
+    # ELASTIC_BATCH=1: each step also queues a batch of async ops; ELASTIC_STALL_AT=N: this
+    # rank stops before step N's batch.
+    batch = os.environ.get("ELASTIC_BATCH") == "1"
+    stall_at = int(os.environ.get("ELASTIC_STALL_AT", "-1"))
     state.register_reset_callbacks([lambda: resets.append(gradsync.get_world_size())])
 
     @gradsync.elastic.run
@@ -47,6 +76,11 @@ def main(steps, pause_s):
             try:
                 model(x).pow(2).mean().backward()
                 opt.step()
+                if state.step == stall_at:  # this rank stops coming (the test kills it)
+                    emit(stalled=state.step)
+                    time.sleep(3600)
+                if batch:
+                    run_batch(batches)
                 state.step += 1
                 state.commit()  # where joining nodes are admitted
             except gradsync.elastic.MembershipChanged as change:
@@ -69,7 +103,7 @@ def main(steps, pause_s):
     params = [p.detach().tolist() for p in model.parameters()]
     emit(done=True, rank=gradsync.get_rank(), world=gradsync.get_world_size(), changes=changes,
          epoch=gradsync._ctx().epoch,
-         resets=resets, digest=digest, params=params, step=state.step)
+         resets=resets, digest=digest, params=params, step=state.step, batches=batches)
     return 0
 
 

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from conftest import launch, tcp_daemons
+from conftest import Ranks, env_for, launch, tcp_daemons
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
 
@@ -412,4 +412,38 @@ def test_a_rank_that_never_joins_the_next_epoch_is_left_behind(tmp, monkeypatch)
             r, 2, 100, 2), result
         assert result["resets"] == [2], result  # epoch 1 never formed: no sync, no callback
         assert [c["lost_ranks"] for c in result["changes"]] == [[3]], result
+    assert done[0]["params"] == done[1]["params"]
+
+
+
+def test_a_change_during_a_batch_of_queued_ops_fails_each_of_them_and_writes_nothing(
+        tmp, three_daemons):
+    """Every rank queues three async ops per step; node 2's trainer stops before step 8's, so
+    the others' batch waits for it; then node 2 is killed. Each of the survivors' three waits
+    raises MembershipChanged of epoch 1, none of their operands is written, and they go on."""
+    ds = three_daemons
+    envs = [env_for(d, "elastic-batch", r, 3, 0, 1, ds[0].tcp) for r, d in enumerate(ds)]
+    for env in envs:
+        env.update({"GRADSYNC_ELASTIC": "1", "ELASTIC_BATCH": "1"})
+    envs[2]["ELASTIC_STALL_AT"] = "8"
+    ranks = Ranks(tmp, [[WORKER, "30", "0.02"]] * 3, envs)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(l.get("stalled") == 8 for l in _lines(ranks, 2)):
+            assert time.monotonic() < deadline, ranks.output(2)[-3000:]
+            assert ranks.procs[2].poll() is None, ranks.output(2)[-3000:]
+            time.sleep(0.02)
+        time.sleep(0.5)  # the others' batch of step 8 is queued, waiting for rank 2
+        ds[2].proc.kill()
+        ranks.procs[2].kill()
+        done = _finish(ranks, [0, 1])
+    finally:
+        for p in ranks.procs:
+            if p.poll() is None:
+                p.kill()
+    for r in (0, 1):
+        result = done[r]
+        assert (result["rank"], result["world"], result["step"]) == (r, 2, 30), result
+        assert result["batches"] == [{"waits": 3, "changed": ["MembershipChanged"] * 3,
+                                      "epochs": [1, 1, 1], "unchanged": True}], result
     assert done[0]["params"] == done[1]["params"]
