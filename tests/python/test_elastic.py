@@ -60,6 +60,25 @@ def _finish(ranks, survivors, timeout_s=90):
     return out
 
 
+def _stop(daemons, *groups):
+    """Kills what is left of the trainer groups (None: not started), then stops the daemons."""
+    for group in groups:
+        for p in (group.procs if group else []):
+            if p.poll() is None:
+                p.kill()
+    for d in daemons:
+        d.stop()
+
+
+def _wait_job_gone(daemon, job):
+    """Until the daemon's store holds no key of `job` (bounded), then asserts it."""
+    deadline = time.monotonic() + 20
+    while job in daemon.ctl("jobs").stdout and time.monotonic() < deadline:
+        time.sleep(0.1)
+    jobs = daemon.ctl("jobs")
+    assert jobs.returncode == 0 and job not in jobs.stdout, jobs
+
+
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_a_node_lost_mid_training_the_survivors_go_on_with_the_new_membership(
         tmp, three_daemons, fault):
@@ -77,9 +96,7 @@ def test_a_node_lost_mid_training_the_survivors_go_on_with_the_new_membership(
             d2.proc.send_signal(signal.SIGSTOP)  # the kernel still ACKs; the daemon says nothing
         done = _finish(ranks, [0, 1])
     finally:
-        for p in ranks.procs:
-            if p.poll() is None:
-                p.kill()
+        _stop([], ranks)
     for old_rank, result in done.items():
         assert result["world"] == 2, result
         assert result["rank"] == old_rank, result  # ranks 0 and 1 keep theirs: rank 2 went
@@ -118,9 +135,7 @@ def test_a_node_of_two_ranks_lost_with_packed_reductions(tmp, three_daemons):
         ranks.procs[3].kill()
         done = _finish(ranks, [0, 1, 4, 5])
     finally:
-        for p in ranks.procs:
-            if p.poll() is None:
-                p.kill()
+        _stop([], ranks)
     for old_rank, new_rank in ((0, 0), (1, 1), (4, 2), (5, 3)):
         result = done[old_rank]
         assert (result["rank"], result["world"], result["step"]) == (new_rank, 4, 30), result
@@ -148,17 +163,9 @@ def test_two_changes_in_a_row(tmp, monkeypatch):
         done = _finish(ranks, [0, 1])
         # Every epoch's namespace leaves the root's store: epoch 0's and 1's (kept for their
         # decisions) when the epoch after ended, epoch 2's when the job ended.
-        deadline = time.monotonic() + 20
-        while "elastic-twice" in ds[0].ctl("jobs").stdout and time.monotonic() < deadline:
-            time.sleep(0.1)
-        jobs = ds[0].ctl("jobs")
-        assert jobs.returncode == 0 and "elastic-twice" not in jobs.stdout, jobs
+        _wait_job_gone(ds[0], "elastic-twice")
     finally:
-        for p in ranks.procs:
-            if p.poll() is None:
-                p.kill()
-        for d in ds:
-            d.stop()
+        _stop(ds, ranks)
     for r in (0, 1):
         result = done[r]
         assert (result["rank"], result["world"], result["step"]) == (r, 2, 60), result
@@ -181,9 +188,7 @@ def _survivors_stop(tmp, daemons, job, victim, env, want):
         for i in others:
             ranks.procs[i].wait(60)
     finally:
-        for p in ranks.procs:
-            if p.poll() is None:
-                p.kill()
+        _stop([], ranks)
     for i in others:
         assert ranks.procs[i].returncode == 3, ranks.output(i)[-3000:]
         err = [l for l in _lines(ranks, i) if l.get("error")][0]
@@ -228,12 +233,7 @@ def test_below_min_world_size_the_survivors_wait_for_a_replacement(tmp, monkeypa
         done = _finish(ranks, [0, 1], timeout_s=120)
         joined = _finish(joiner, [0], timeout_s=60)[0]
     finally:
-        for group in (ranks, joiner):
-            for p in (group.procs if group else []):
-                if p.poll() is None:
-                    p.kill()
-        for d in ds:
-            d.stop()
+        _stop(ds, ranks, joiner)
     for r in (0, 1):
         assert not any(l.get("world") == 2 for l in _lines(ranks, r)), _lines(ranks, r)
         result = done[r]
@@ -303,18 +303,9 @@ def test_a_replacement_node_joins_and_the_world_grows_back(tmp, monkeypatch, whe
             metrics = r.read().decode()
         assert "\ngradsync_membership_changes_total 2\n" in metrics, metrics[-2000:]
         # The job's keys (its home's tickets included) leave the root's store with its end.
-        deadline = time.monotonic() + 20
-        while job in ds[0].ctl("jobs").stdout and time.monotonic() < deadline:
-            time.sleep(0.1)
-        jobs = ds[0].ctl("jobs")
-        assert jobs.returncode == 0 and job not in jobs.stdout, jobs
+        _wait_job_gone(ds[0], job)
     finally:
-        for group in (ranks, joiner):
-            for p in (group.procs if group else []):
-                if p.poll() is None:
-                    p.kill()
-        for d in ds:
-            d.stop()
+        _stop(ds, ranks, joiner)
     for r in (0, 1):
         result = done[r]
         assert (result["rank"], result["world"], result["step"], result["epoch"]) == (
@@ -364,12 +355,7 @@ def test_an_extra_node_of_two_ranks_joins_a_running_job(tmp, monkeypatch):
         done = _finish(ranks, [0, 1], timeout_s=120)
         joined = _finish(joiner, [0, 1], timeout_s=60)
     finally:
-        for group in (ranks, joiner):
-            for p in (group.procs if group else []):
-                if p.poll() is None:
-                    p.kill()
-        for d in ds:
-            d.stop()
+        _stop(ds, ranks, joiner)
     for r in (0, 1):
         result = done[r]
         assert (result["rank"], result["world"], result["step"], result["epoch"]) == (
@@ -398,11 +384,7 @@ def test_a_rank_that_never_joins_the_next_epoch_is_left_behind(tmp, monkeypatch)
         ranks.procs[3].kill()
         done = _finish(ranks, [0, 1], timeout_s=120)
     finally:
-        for p in ranks.procs:
-            if p.poll() is None:
-                p.kill()
-        for d in ds:
-            d.stop()
+        _stop(ds, ranks)
     logs = "".join(open(d.log).read() for d in ds[:2])
     assert "membership changed, epoch 1 -> 2: it did not form, rank(s) 2 did not join epoch 1" \
         in logs, logs[-3000:]
@@ -438,9 +420,7 @@ def test_a_change_during_a_batch_of_queued_ops_fails_each_of_them_and_writes_not
         ranks.procs[2].kill()
         done = _finish(ranks, [0, 1])
     finally:
-        for p in ranks.procs:
-            if p.poll() is None:
-                p.kill()
+        _stop([], ranks)
     for r in (0, 1):
         result = done[r]
         assert (result["rank"], result["world"], result["step"]) == (r, 2, 30), result
