@@ -125,7 +125,15 @@ class Engine {
 
   /// Ends a session (idempotent): unmaps its buffers once no running op uses them, fails the
   /// pending ops of its groups on the other ranks with UNAVAILABLE naming the rank and `reason`.
-  void Unregister(Session& session, absl::string_view reason);
+  /// How a session ended: the trainer closed it, or its connection was lost (it died).
+  enum class End { kClosed, kLost };
+  /// Ends a session (idempotent); see above. In an elastic job spanning nodes, a trainer lost
+  /// (End::kLost) makes its node lost: this daemon records the next membership without the
+  /// node's ranks (the others' ops fail, and they go on without it).
+  void Unregister(Session& session, absl::string_view reason, End how);
+  void Unregister(Session& session, absl::string_view reason) {
+    Unregister(session, reason, End::kClosed);
+  }
 
   /// Maps a buffer for the session. Errors from the importer; RESOURCE_EXHAUSTED past
   /// max_buffers_per_session or the node's max_buffers.
@@ -268,6 +276,8 @@ class Engine {
   // An elastic job lost node(s): records the new membership in the job's store, once for the
   // job (the first daemon's decision stands; the others' CompareSet finds it).
   void DecideMembership(const std::weak_ptr<Job>& job);
+  // Unregister of a trainer lost in an elastic job: its node's ranks go (see Unregister).
+  void NoteTrainerLost(Session& session, absl::string_view reason);
   // An elastic epoch past 0 that did not form in time: records the next membership without
   // the ranks that never published (a store call) and returns the error its waiting ops fail
   // with (UNAVAILABLE); OK when nothing could be decided.

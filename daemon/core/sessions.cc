@@ -156,7 +156,24 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
 
 const std::string& Engine::SessionId(const Session& session) { return session.id; }
 
-void Engine::Unregister(Session& session, absl::string_view reason) {
+void Engine::NoteTrainerLost(Session& session, absl::string_view reason) {
+  const std::shared_ptr<Job> job = session.job;
+  if (!job->elastic || job->root_store == nullptr) return;
+  absl::MutexLock lock(&job->mu);
+  internal::AssertSessionOf(*job, session);
+  if (!session.attached || job->node.empty() || job->node_of_rank.empty() ||
+      job->membership_decision_due) {
+    return;  // not formed (nothing to decide), or a decision is on its way
+  }
+  job->lost_nodes.emplace(job->node, absl::StrCat("node ", job->node, " (its trainer of rank ",
+                                                  session.rank, " is gone: ", reason, ")"));
+  job->membership_decision_due = true;
+  // Now, with the job held: its last session may be this one.
+  pool_->Schedule([this, job] { DecideMembership(job); });
+}
+
+void Engine::Unregister(Session& session, absl::string_view reason, End how) {
+  if (how == End::kLost) NoteTrainerLost(session, reason);
   Completions out;
   bool job_ended = false;
   const std::shared_ptr<Job>& job = session.job;

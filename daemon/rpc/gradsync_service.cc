@@ -88,7 +88,11 @@ class GradSyncService::SessionReactor final
       if (finished_ && !session_) return;
     }
     if (!ok) {  // the trainer closed its side, died, or the call was cancelled
-      EndSession(ctx_->IsCancelled() ? "connection lost" : "trainer closed the session");
+      if (ctx_->IsCancelled()) {
+        EndSession("connection lost", core::Engine::End::kLost);
+      } else {
+        EndSession("trainer closed the session", core::Engine::End::kClosed);
+      }
       return;
     }
     if (Handle()) ReadNext();
@@ -114,7 +118,9 @@ class GradSyncService::SessionReactor final
   void OnDone() override {
     sink_->Detach();
     if (doorbell_) doorbell_->Stop();
-    if (session_) engine().Unregister(*session_, "connection lost");  // no-op if ended
+    if (session_) {  // no-op if ended
+      engine().Unregister(*session_, "connection lost", core::Engine::End::kLost);
+    }
     service_->Forget(this);
     delete this;
   }
@@ -212,9 +218,9 @@ class GradSyncService::SessionReactor final
     return true;
   }
 
-  void EndSession(absl::string_view reason) {
+  void EndSession(absl::string_view reason, core::Engine::End how) {
     if (doorbell_) doorbell_->Stop();
-    if (session_) engine().Unregister(*session_, reason);
+    if (session_) engine().Unregister(*session_, reason, how);
     absl::MutexLock lock(&mu_);
     finish_when_flushed_ = true;
     FlushLocked();

@@ -427,3 +427,26 @@ def test_a_change_during_a_batch_of_queued_ops_fails_each_of_them_and_writes_not
         assert result["batches"] == [{"waits": 3, "changed": ["MembershipChanged"] * 3,
                                       "epochs": [1, 1, 1], "unchanged": True}], result
     assert done[0]["params"] == done[1]["params"]
+
+
+def test_a_node_whose_trainers_all_die_is_lost_while_its_daemon_lives(tmp, three_daemons):
+    """Node 2's trainer is killed (SIGKILL: its connection is lost, not closed) and its daemon
+    lives: that daemon records the node lost, and ranks 0 and 1 go on as epoch 1."""
+    d0, d1, d2 = three_daemons
+    ranks = launch(tmp, [d0, d1, d2], "elastic-trainer-dies", lambda r: [WORKER, "40", "0.05"],
+                   local=1, root=d0.tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
+    try:
+        _wait_steps(ranks, 5)
+        ranks.procs[2].kill()
+        done = _finish(ranks, [0, 1])
+    finally:
+        _stop([], ranks)
+    assert d2.proc.poll() is None  # the daemon lived through it
+    for r in (0, 1):
+        result = done[r]
+        assert (result["rank"], result["world"], result["step"], result["epoch"]) == (
+            r, 2, 40, 1), result
+        change = result["changes"][0]
+        assert change["lost_ranks"] == [2] and change["lost_nodes"] == [d2.tcp], change
+        assert "its trainer of rank 2 is gone: connection lost" in change["message"], change
+    assert done[0]["params"] == done[1]["params"]

@@ -36,9 +36,9 @@ Below min_world_size the survivors reset to their smaller world and wait there (
 GRADSYNC_ELASTIC_TIMEOUT seconds, default 600, then DEADLINE_EXCEEDED) until joining nodes
 bring it back to min_world_size, as Horovod does.
 
-Not built yet: groups other than the world following a change (their ranks keep their old
-meaning); a node whose trainers all die while its daemon lives (that node leaves as at a job's
-end: no change is decided, and the job fails as one that is not elastic does).
+A node whose trainers die (their connections lost) while its daemon lives is lost too: its
+daemon decides so. Not built yet: groups other than the world following a change (their ranks
+keep their old meaning).
 """
 import copy
 import functools
