@@ -365,7 +365,11 @@ class Run:
         work = Work(handle, finish=lambda: self._finish(finish), result=result,
                     release=self._release, on_complete=self._wait_done)
         if not async_op:
-            return work.wait()
+            out = work.wait()
+            # Unwaited ops answered before this one (its group's answers come in order) go
+            # now, not only at the next op's start.
+            self.registry.settle_orphans()
+            return out
         weakref.finalize(work, self.registry.adopt, handle, self)
         return work
 
