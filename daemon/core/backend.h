@@ -81,6 +81,9 @@ struct Collective {
 
 /// The job's store key holding the token of its current run (CommunicatorSpec::run).
 inline constexpr char kRunKey[] = "daemon/run";
+/// An elastic epoch past 0: "formed" or "unformed", whichever its daemons set first (by
+/// CompareSet) once every rank published, or once its first op's deadline passed without.
+inline constexpr char kFormationKey[] = "daemon/formation";
 
 /// What a communicator is built for: one group of one job, and which of its members are local.
 struct CommunicatorSpec {

@@ -239,11 +239,8 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
       } else if (job->formation != Job::Formation::kFormed) {
         if (job->parked.empty() && job->formation != Job::Formation::kReplaying) {
           // Formation may take no longer than the first op waiting for it.
-          absl::Duration timeout = op.timeout_ms() > 0 ? absl::Milliseconds(op.timeout_ms())
-                                                       : options_.default_op_timeout;
-          if (job->elastic && job->epoch > 0) {
-            timeout = std::min(timeout, options_.elastic_form_timeout);
-          }
+          const absl::Duration timeout = op.timeout_ms() > 0 ? absl::Milliseconds(op.timeout_ms())
+                                                             : options_.default_op_timeout;
           timer_.Schedule(absl::Now() + timeout, [this, weak = std::weak_ptr<Job>(job), timeout] {
             // Off the timer's thread: it asks the store who is missing.
             pool_->Schedule([this, weak, timeout] { OnFormationDeadline(weak, timeout); });

@@ -8,6 +8,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -52,10 +53,6 @@ struct EngineOptions {
   /// Elastic jobs: how long after the first node lost the daemon waits for more losses before
   /// it records the new membership (nodes lost together go in one decision).
   absl::Duration elastic_settle = absl::Milliseconds(300);
-  /// Elastic jobs: how long an epoch past 0 may take to form (its members are running
-  /// processes that register at once). Ranks missing then are decided lost, and the others go
-  /// on without them: a node lost, or an admitted joiner gone, during a change.
-  absl::Duration elastic_form_timeout = absl::Seconds(15);
   /// Bumped as ops finish; may be null. Must outlive the engine.
   OpCounters* counters = nullptr;
 };
@@ -278,10 +275,14 @@ class Engine {
   void DecideMembership(const std::weak_ptr<Job>& job);
   // Unregister of a trainer lost in an elastic job: its node's ranks go (see Unregister).
   void NoteTrainerLost(Session& session, absl::string_view reason);
-  // An elastic epoch past 0 that did not form in time: records the next membership without
-  // the ranks that never published (a store call) and returns the error its waiting ops fail
-  // with (UNAVAILABLE); OK when nothing could be decided.
-  absl::Status DecideUnformed(Job& job, absl::Duration timeout);
+  // An elastic epoch past 0 that did not form by its first op's deadline: unless it formed
+  // meanwhile (kFormationKey), records the next membership without the ranks that never
+  // published (store calls). The error its waiting ops fail with (UNAVAILABLE); OK when it
+  // formed after all (nothing fails); std::nullopt when nothing could be decided.
+  std::optional<absl::Status> DecideUnformed(Job& job, absl::Duration timeout);
+  // An elastic epoch past 0 formed here (every rank published): OK unless its daemons decided
+  // it unformed first (then the error its parked ops fail with).
+  absl::Status ClaimFormed(Job& job);
   // An elastic epoch formed here: kept for Epochs(), with the decision that made it (read
   // from the previous epoch's namespace).
   void RecordEpoch(const std::weak_ptr<Job>& job, absl::Time formed);

@@ -119,7 +119,9 @@ void Engine::OnFormationDeadline(const std::weak_ptr<Job>& weak, absl::Duration 
   std::deque<Job::Parked> failed;
   absl::Status error;
   if (!missing.ok() && job->elastic && job->epoch > 0) {
-    error = DecideUnformed(*job, timeout);  // OK: no decision could be made
+    std::optional<absl::Status> decided = DecideUnformed(*job, timeout);
+    if (decided.has_value() && decided->ok()) return;  // it formed after all: OnFormed goes on
+    if (decided.has_value()) error = *std::move(decided);
   }
   {
     absl::MutexLock lock(&job->mu);
@@ -142,10 +144,16 @@ void Engine::OnFormationDeadline(const std::weak_ptr<Job>& weak, absl::Duration 
   for (Job::Parked& p : failed) p.sink->OpDone(p.tag, 0, error);
 }
 
-absl::Status Engine::DecideUnformed(Job& job, absl::Duration timeout) {
+std::optional<absl::Status> Engine::DecideUnformed(Job& job, absl::Duration timeout) {
+  // One outcome for every daemon of the epoch: formed, or not (then decided without the
+  // ranks missing now; a rank publishing later finds it so in OnFormed).
+  absl::StatusOr<CompareSetResult> outcome =
+      job.root_store->CompareSet(job.id, kFormationKey, std::nullopt, "unformed");
+  if (!outcome.ok()) return std::nullopt;
+  if (outcome->value == "formed") return absl::OkStatus();
   constexpr absl::string_view kPrefix = "daemon/rank/";
   absl::StatusOr<std::vector<std::string>> published = job.root_store->List(job.id, kPrefix);
-  if (!published.ok()) return absl::OkStatus();
+  if (!published.ok()) return std::nullopt;
   std::vector<bool> here(job.world_size, false);
   for (absl::string_view key : *published) {
     int rank = -1;
@@ -156,7 +164,7 @@ absl::Status Engine::DecideUnformed(Job& job, absl::Duration timeout) {
   for (int r = 0; r < job.world_size; ++r) {
     if (!here[r]) lost.push_back(r);
   }
-  if (lost.empty() || lost.size() == here.size()) return absl::OkStatus();
+  if (lost.empty() || lost.size() == here.size()) return std::nullopt;
   const std::string why = absl::StrCat("rank(s) ", JoinBounded(lost, ","), " did not join epoch ",
                                        job.epoch, " within ", absl::FormatDuration(timeout));
   const std::string decision = absl::StrCat(
@@ -165,13 +173,23 @@ absl::Status Engine::DecideUnformed(Job& job, absl::Duration timeout) {
       " why=", why);
   absl::StatusOr<CompareSetResult> recorded =
       job.root_store->CompareSet(job.id, std::string(kElasticDecisionKey), std::nullopt, decision);
-  if (!recorded.ok()) return absl::OkStatus();
+  if (!recorded.ok()) return std::nullopt;
   if (recorded->swapped) {
     Log()->warn("elastic job={}: membership changed, epoch {} -> {}: it did not form, {}", job.id,
                 job.epoch, job.epoch + 1, why);
   }
   return absl::UnavailableError(absl::StrCat("job ", job.id, " did not form: ", why,
                                              " (their node is lost or gone); the others go on"));
+}
+
+absl::Status Engine::ClaimFormed(Job& job) {
+  absl::StatusOr<CompareSetResult> outcome =
+      job.root_store->CompareSet(job.id, kFormationKey, std::nullopt, "formed");
+  if (!outcome.ok() || outcome->value == "formed") return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat("job ", job.id,
+                   " did not form by its first op's deadline: its daemons went "
+                   "on without the ranks missing then (this node's came too late)"));
 }
 
 void Engine::OnFormed(const std::weak_ptr<Job>& weak,
@@ -181,6 +199,16 @@ void Engine::OnFormed(const std::weak_ptr<Job>& weak,
   {
     absl::MutexLock lock(&job->mu);
     if (job->formation == Job::Formation::kFailed) return;  // its deadline came first
+  }
+  // An elastic epoch past 0 formed here: unless its daemons already went on without some of
+  // its ranks (the deadline of the first op, on another node).
+  if (nodes.ok() && job->elastic && job->epoch > 0) {
+    if (absl::Status s = ClaimFormed(*job); !s.ok()) nodes = s;
+  } else if (job->elastic && job->epoch > 0 &&
+             nodes.status().code() == absl::StatusCode::kDeadlineExceeded) {
+    // Its wait for every rank ended first (the same bound as its first op's deadline).
+    std::optional<absl::Status> decided = DecideUnformed(*job, options_.default_op_timeout);
+    if (decided.has_value() && !decided->ok()) nodes = *std::move(decided);
   }
   std::deque<Job::Parked> failed;
   absl::Status error;
@@ -256,6 +284,7 @@ void Engine::OnPeerLost(const std::weak_ptr<Job>& weak, const std::string& node,
     // (No membership decision for an elastic job: a node whose trainers end on purpose, as
     // every node's do at a job's end or a reset, is not lost.)
     job->lost_nodes.emplace(node, absl::StrCat("node ", node, " ", cause.message()));
+    job->left_nodes.insert(node);
     return;
   }
   Completions out;
@@ -309,6 +338,7 @@ void Engine::DecideMembership(const std::weak_ptr<Job>& weak) {
   {
     absl::MutexLock lock(&job->mu);
     for (const auto& [node, reason] : job->lost_nodes) {
+      if (job->left_nodes.count(node) > 0) continue;  // left on purpose: not lost
       lost_nodes.push_back(node);
       if (why.empty()) why = reason;
       for (int r = 0; r < static_cast<int>(job->node_of_rank.size()); ++r) {

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -151,6 +152,7 @@ struct Job : std::enable_shared_from_this<Job> {
   std::string node ABSL_GUARDED_BY(mu);                       // this daemon's, once formed
   // Nodes the peer watch declared lost (or left), with why: groups spanning them fail.
   std::map<std::string, std::string> lost_nodes ABSL_GUARDED_BY(mu);
+  std::set<std::string> left_nodes ABSL_GUARDED_BY(mu);  // of those, the ones that left on purpose
   bool membership_decision_due ABSL_GUARDED_BY(mu) = false;  // elastic: scheduled once
   std::deque<Parked> parked ABSL_GUARDED_BY(mu);
   // Groups are never removed while the job lives: a Group* stays valid as long as its job.

@@ -159,17 +159,19 @@ const std::string& Engine::SessionId(const Session& session) { return session.id
 void Engine::NoteTrainerLost(Session& session, absl::string_view reason) {
   const std::shared_ptr<Job> job = session.job;
   if (!job->elastic || job->root_store == nullptr) return;
-  absl::MutexLock lock(&job->mu);
-  internal::AssertSessionOf(*job, session);
-  if (!session.attached || job->node.empty() || job->node_of_rank.empty() ||
-      job->membership_decision_due) {
-    return;  // not formed (nothing to decide), or a decision is on its way
+  {
+    absl::MutexLock lock(&job->mu);
+    internal::AssertSessionOf(*job, session);
+    if (!session.attached || job->node.empty() || job->node_of_rank.empty()) return;  // unformed
+    job->lost_nodes.emplace(job->node, absl::StrCat("node ", job->node, " (its trainer of rank ",
+                                                    session.rank, " is gone: ", reason, ")"));
+    job->left_nodes.erase(job->node);
+    if (job->membership_decision_due) return;  // the decision on its way takes this node too
+    job->membership_decision_due = true;
   }
-  job->lost_nodes.emplace(job->node, absl::StrCat("node ", job->node, " (its trainer of rank ",
-                                                  session.rank, " is gone: ", reason, ")"));
-  job->membership_decision_due = true;
-  // Now, with the job held: its last session may be this one.
-  pool_->Schedule([this, job] { DecideMembership(job); });
+  // Now, before the session ends (its job's end must find the decision there): one store
+  // round trip, when a trainer of an elastic job dies.
+  DecideMembership(job);
 }
 
 void Engine::Unregister(Session& session, absl::string_view reason, End how) {

@@ -92,11 +92,11 @@ def daemon(tmp):
     d.stop()
 
 
-def tcp_daemons(tmp, monkeypatch, n, root_flags=()):
-    """n daemons with TCP on loopback standing for n nodes (node<i>); node0 (the root) also
-    gets `root_flags`."""
-    ds = [Daemon(tmp, f"node{i}", tcp=True, flags=root_flags if i == 0 else ())
-          for i in range(n)]
+def tcp_daemons(tmp, monkeypatch, n, root_flags=(), flags=()):
+    """n daemons with TCP on loopback standing for n nodes (node<i>), with `flags`; node0 (the
+    root) also gets `root_flags`."""
+    ds = [Daemon(tmp, f"node{i}", tcp=True,
+                 flags=[*flags, *(root_flags if i == 0 else ())]) for i in range(n)]
     # Trainers reach the root daemon's store over TCP (GRADSYNC_ROOT_ADDRESS): with its token.
     monkeypatch.setenv("GRADSYNC_TOKEN_FILE", ds[0].token_file)
     return ds

@@ -371,10 +371,10 @@ def test_an_extra_node_of_two_ranks_joins_a_running_job(tmp, monkeypatch):
 
 def test_a_rank_that_never_joins_the_next_epoch_is_left_behind(tmp, monkeypatch):
     """Four nodes; node 2's trainer is frozen (its daemon lives) and node 3 is killed: the
-    decision of epoch 1 still counts rank 2, which never registers. The epoch does not form
-    within the daemons' bound (15 s), they decide rank 2 lost, and ranks 0 and 1 go on as
-    epoch 2: a node lost during a change does not end the job."""
-    ds = tcp_daemons(tmp, monkeypatch, 4)
+    decision of epoch 1 still counts rank 2, which never registers. Epoch 1 does not form by
+    its first op's deadline (--op_timeout=15s here), its daemons decide rank 2 lost, and ranks 0
+    and 1 go on as epoch 2: a node lost during a change does not end the job."""
+    ds = tcp_daemons(tmp, monkeypatch, 4, flags=["--op_timeout=15s"])
     ranks = launch(tmp, ds, "elastic-unformed", lambda r: [WORKER, "100", "0.05"], local=1,
                    root=ds[0].tcp, extra_env={"GRADSYNC_ELASTIC": "1"})
     try:

@@ -218,8 +218,10 @@ class Registry:
         with self._lock:
             if not self._orphans:
                 return
-            ready = [(h, r) for h, r in self._orphans if h.done()]
-            self._orphans = [(h, r) for h, r in self._orphans if not h.done()]
+            ready, waiting = [], []
+            for h, r in self._orphans:  # done() asked once: an op may finish meanwhile
+                (ready if h.done() else waiting).append((h, r))
+            self._orphans = waiting
         for handle, run in ready:
             run.settle_orphan(handle)
 

@@ -382,7 +382,7 @@ def _admit_joiners():
         return
     if not ctx.root_address and ctx.local_world_size == ctx.world_size:
         return  # one node on its daemon's own store: no node can join it (alike on every rank)
-    decided = 0
+    decided, failure = 0, None
     if ctx.rank == 0:
         try:
             if ctx.home is None:
@@ -391,10 +391,15 @@ def _admit_joiners():
             decided = 1 if plan and _record_admission(ctx, plan) else 0
         except Error:
             decided = 0  # the store failed: the joiners wait for a later commit
+        except Exception as e:  # noqa: BLE001 - raised after the others are told
+            failure = e
+            decided = 1 if _decided(ctx) else 0
     import array  # noqa: PLC0415
     from . import broadcast  # noqa: PLC0415
     flag = array.array("q", [decided])
     broadcast(flag, src=0)  # a loss meanwhile raises MembershipChanged here
+    if failure is not None:
+        raise failure
     if flag[0] == 0:
         return
     raw = ctx.client.store_get(_DECISION_KEY, DECISION_WAIT_S)  # there: rank 0 saw it
@@ -460,7 +465,14 @@ def _record_admission(ctx, plan):
         decision = (f"epoch={epoch} world={world} lost_ranks= lost_nodes= joined={joined} "
                     f"at={int(time.time() * 1000)} why={len(claimed)} node(s) joining "
                     f"({joined} rank(s))")
-        swapped, _ = ctx.client.store_compare_set(_DECISION_KEY, None, decision.encode())
+        try:
+            swapped, _ = ctx.client.store_compare_set(_DECISION_KEY, None, decision.encode())
+        except Error:
+            # Applied or not? The key says (absent: not, and the claims are undone below).
+            now = _decided(ctx)
+            if now is None:
+                raise
+            swapped = now == decision.encode()
     except BaseException:
         _unclaim(home, claimed)  # they wait for a later commit
         raise
@@ -480,6 +492,14 @@ def _record_admission(ctx, plan):
     return True
 
 
+def _decided(ctx):
+    """The decision recorded in this epoch's namespace, or None (none, or unreadable)."""
+    try:
+        return ctx.client.store_get(_DECISION_KEY, 0.5)
+    except Error:
+        return None
+
+
 def _unclaim(home, claimed):
     for ticket, value, _ in claimed:
         try:
@@ -488,13 +508,16 @@ def _unclaim(home, claimed):
             pass  # its node withdraws, or the next epoch forms without it
 
 
-def _lobby_id(job):
-    """The one-node job in which a joining node's ranks share its ticket."""
-    lobby = f"{job}.join"
+def _lobby_id(job, socket):
+    """The one-node job in which a joining node's ranks share its ticket: named after the node
+    (its host and daemon socket), as with --store=etcd every node's daemon reaches one store."""
+    import hashlib  # noqa: PLC0415
+    import socket as sockets  # noqa: PLC0415
+    node = hashlib.sha256(f"{sockets.gethostname()}:{socket}".encode()).hexdigest()[:16]
+    lobby = f"{job}.join-{node}"
     if len(lobby) <= 128:
         return lobby
-    import hashlib  # noqa: PLC0415
-    return "gradsync-join-" + hashlib.sha256(job.encode()).hexdigest()[:32]
+    return "gradsync-join-" + hashlib.sha256(f"{job}:{node}".encode()).hexdigest()[:32]
 
 
 def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
@@ -511,7 +534,7 @@ def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
     ticket = None
     try:
         if local_world_size > 1:  # the node's ranks, on this daemon alone
-            lobby = _native.Client(socket, _lobby_id(job), local_world_size, local_rank,
+            lobby = _native.Client(socket, _lobby_id(job, socket), local_world_size, local_rank,
                                    local_rank, local_world_size,
                                    rpc_timeout_s=float(connect.get("rpc_timeout") or 0))
             lobby.barrier(timeout_s=LOBBY_WAIT_S).wait()  # every local rank has come
