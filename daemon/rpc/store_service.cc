@@ -31,8 +31,8 @@ absl::Status CheckWritable(absl::string_view key) {
   return absl::OkStatus();
 }
 
-// A unary call that completes when the store's wait does. Deleted once both the wait callback
-// and gRPC's OnDone have run; OnCancel (client gone) cancels the store wait.
+// A unary call that completes when the store's wait does. Deleted once the wait callback,
+// gRPC's OnDone and Start have all run; OnCancel (client gone) cancels the store wait.
 class WaitReactor final : public grpc::ServerUnaryReactor {
  public:
   using OnValues = std::function<absl::Status(std::vector<std::string>)>;
@@ -47,9 +47,12 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
           Finish(ToGrpcStatus(status));
           Unref();
         });
-    absl::MutexLock lock(&mu_);
-    id_ = id;
-    if (cancel_requested_) store_->CancelWait(id);
+    {
+      absl::MutexLock lock(&mu_);
+      id_ = id;
+      if (cancel_requested_) store_->CancelWait(id);
+    }
+    Unref();  // Start's own: the wait may have answered and gRPC be done already
   }
 
   void OnCancel() override {
@@ -69,7 +72,7 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
 
   gradsync::Store* const store_;
   const OnValues on_values_;
-  std::atomic<int> refs_{2};  // the store callback and OnDone
+  std::atomic<int> refs_{3};  // the store callback, OnDone and Start
   absl::Mutex mu_;
   std::optional<Store::WaitId> id_ ABSL_GUARDED_BY(mu_);
   bool cancel_requested_ ABSL_GUARDED_BY(mu_) = false;
