@@ -971,6 +971,9 @@ class TwoNodesTest : public NcclBackendTest {
   }
 
   store::MemoryStore store_;
+  // A test's gated view of store_: gone after node B's backend and after TearDown stopped node
+  // A's watchdog, so no settling op's watch (its publisher thread) outlives it.
+  std::unique_ptr<GatedStore> gated_;
   FakeGpu gpu_b_;
   NcclBackend b_backend_{&gpu_b_};
   std::shared_ptr<core::Communicator> a_, b_;
@@ -1106,7 +1109,8 @@ TEST_F(TwoNodesTest, TheJobsEndDoesNotWaitBehindAnOpWaitingForItsId) {
 }
 
 TEST_F(TwoNodesTest, ALaunchedOpsWatchMakesNoStoreCallUnderItsGroupsLock) {
-  GatedStore gated(&store_);
+  gated_ = std::make_unique<GatedStore>(&store_);
+  GatedStore& gated = *gated_;
   core::CommunicatorSpec spec_a = NodeSpec({0}, "a:7451", "gated"),
                          spec_b = NodeSpec({1}, "b:7451", "gated");
   spec_a.rendezvous = spec_b.rendezvous = &gated;
