@@ -311,7 +311,6 @@ class Engine {
   // job's home too if no epoch of the job (nor of a new run of its id) runs on the node that
   // held rank 0.
   void EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store);
-  void EndKeptEpochIfPast(const ElasticEnd& elastic, gradsync::Store* store);
 
   Backend* const backend_;
   BufferImporter* const importer_;

@@ -32,6 +32,16 @@ const absl::Status& StatusOf(const absl::StatusOr<T>& s) {
   return s.status();
 }
 
+// The next membership as the trainers parse it (gradsync.elastic): `why` last, as it may hold
+// spaces; `at` when it was decided (Inspect's epochs measure the change from it).
+std::string DecisionText(int epoch, int world, const std::vector<int>& lost_ranks,
+                         const std::vector<std::string>& lost_nodes, absl::string_view why) {
+  return absl::StrCat("epoch=", epoch, " world=", world,
+                      " lost_ranks=", absl::StrJoin(lost_ranks, ","),
+                      " lost_nodes=", absl::StrJoin(lost_nodes, ","),
+                      " at=", absl::ToUnixMillis(absl::Now()), " why=", why);
+}
+
 // 16 random hex digits.
 std::string RunToken() {
   std::random_device device;
@@ -167,10 +177,8 @@ std::optional<absl::Status> Engine::DecideUnformed(Job& job, absl::Duration time
   if (lost.empty() || lost.size() == here.size()) return std::nullopt;
   const std::string why = absl::StrCat("rank(s) ", JoinBounded(lost, ","), " did not join epoch ",
                                        job.epoch, " within ", absl::FormatDuration(timeout));
-  const std::string decision = absl::StrCat(
-      "epoch=", job.epoch + 1, " world=", job.world_size - static_cast<int>(lost.size()),
-      " lost_ranks=", absl::StrJoin(lost, ","), " lost_nodes= at=", absl::ToUnixMillis(absl::Now()),
-      " why=", why);
+  const std::string decision =
+      DecisionText(job.epoch + 1, job.world_size - static_cast<int>(lost.size()), lost, {}, why);
   absl::StatusOr<CompareSetResult> recorded =
       job.root_store->CompareSet(job.id, std::string(kElasticDecisionKey), std::nullopt, decision);
   if (!recorded.ok()) return std::nullopt;
@@ -349,11 +357,7 @@ void Engine::DecideMembership(const std::weak_ptr<Job>& weak) {
   if (lost_ranks.empty()) return;
   std::sort(lost_ranks.begin(), lost_ranks.end());
   const int world = job->world_size - static_cast<int>(lost_ranks.size());
-  // One line the trainers parse (gradsync.elastic); `why` last, as it may hold spaces.
-  const std::string decision = absl::StrCat("epoch=", job->epoch + 1, " world=", world,
-                                            " lost_ranks=", absl::StrJoin(lost_ranks, ","),
-                                            " lost_nodes=", absl::StrJoin(lost_nodes, ","),
-                                            " at=", absl::ToUnixMillis(absl::Now()), " why=", why);
+  const std::string decision = DecisionText(job->epoch + 1, world, lost_ranks, lost_nodes, why);
   absl::StatusOr<CompareSetResult> recorded = job->root_store->CompareSet(
       job->id, std::string(kElasticDecisionKey), std::nullopt, decision);
   if (!recorded.ok()) {

@@ -165,7 +165,6 @@ void Engine::NoteTrainerLost(Session& session, absl::string_view reason) {
     if (!session.attached || job->node.empty() || job->node_of_rank.empty()) return;  // unformed
     job->lost_nodes.emplace(job->node, absl::StrCat("node ", job->node, " (its trainer of rank ",
                                                     session.rank, " is gone: ", reason, ")"));
-    job->left_nodes.erase(job->node);
     if (job->membership_decision_due) return;  // the decision on its way takes this node too
     job->membership_decision_due = true;
   }
@@ -261,15 +260,11 @@ void Engine::EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store) {
     for (const auto& [id, job] : jobs_) runs = runs || of_job(id);
     for (const std::string& id : ending_) runs = runs || of_job(id);
   }
-  EndKeptEpochIfPast(elastic, store);
+  // Epoch 0's namespace is the job's home (its joiners' keys): it lives as long as the job.
+  if (elastic.epoch > 0) EndKeptEpoch(ElasticJobId(elastic.base, elastic.epoch), store);
   // No epoch of the job runs on the node that held rank 0 (which stays in the job while it
   // lives): the job was abandoned after its last decision, and its home goes too.
   if (elastic.held_rank0 && !runs) EndKeptEpoch(ElasticJobId(elastic.base, 0), store);
-}
-
-void Engine::EndKeptEpochIfPast(const ElasticEnd& elastic, gradsync::Store* store) {
-  // Epoch 0's namespace is the job's home (its joiners' keys): it lives as long as the job.
-  if (elastic.epoch > 0) EndKeptEpoch(ElasticJobId(elastic.base, elastic.epoch), store);
 }
 
 void Engine::EndKeptEpoch(const std::string& id, gradsync::Store* store) {

@@ -113,11 +113,17 @@ class MembershipChanged(Error):
                             self.lost_ranks, self.lost_nodes, self.why, self.joined)
 
 
+def _fields(text):
+    """The key=value fields of a record of the job's store ("epoch=E world=N ...")."""
+    return dict(part.split("=", 1) for part in text.split() if "=" in part)
+
+
 def parse_decision(text):
     """The fields of a decision as the daemons (or, for joins, rank 0) record it: "epoch=E
-    world=N lost_ranks=a,b lost_nodes=x,y [joined=K] why=..." (why last: it may hold spaces)."""
+    world=N lost_ranks=a,b lost_nodes=x,y [joined=K] at=MS why=..." (why last: it may hold
+    spaces)."""
     head, _, why = text.partition(" why=")
-    fields = dict(part.split("=", 1) for part in head.split() if "=" in part)
+    fields = _fields(head)
     try:
         return {
             "epoch": int(fields["epoch"]),
@@ -152,9 +158,14 @@ def classify(ctx, err):
                              f"cannot be read from {where}: {e.detail}. An elastic job "
                              "survives the loss of its root's node only with its store on "
                              "etcd (gradsyncd --store=etcd)")
-    change = _change_of(ctx, parse_decision(raw.decode(errors="replace")))
-    ctx.membership_change = change
-    return change
+    return _seen(ctx, raw)
+
+
+def _seen(ctx, raw):
+    """What the decision `raw` (its bytes in the store) means to this rank, kept as the change
+    this session saw."""
+    ctx.membership_change = _change_of(ctx, parse_decision(raw.decode(errors="replace")))
+    return ctx.membership_change
 
 
 def _change_of(ctx, d):
@@ -205,7 +216,7 @@ def _wait_for_joiners():
     """Fewer ranks than min_world_size: rank 0 admits joining nodes once they bring the world
     back to it (or a loss is decided meanwhile), and every rank raises that change; Error
     DEADLINE_EXCEEDED after GRADSYNC_ELASTIC_TIMEOUT seconds (default 600) without."""
-    from . import _context, _open_store  # noqa: PLC0415
+    from . import _context  # noqa: PLC0415
     ctx = _context
     timeout_s = float(os.environ.get("GRADSYNC_ELASTIC_TIMEOUT") or ELASTIC_TIMEOUT_S)
     need = ctx.min_world_size - ctx.world_size
@@ -215,10 +226,8 @@ def _wait_for_joiners():
                  f"min_world_size={ctx.min_world_size}, and not enough nodes joined within "
                  f"{timeout_s:g} s (GRADSYNC_ELASTIC_TIMEOUT)")
     if ctx.rank == 0:
-        if ctx.home is None:
-            ctx.home = _open_store(ctx.base_job, ctx.connect)
         while True:
-            plan = _waiting_tickets(ctx.home)
+            plan = _waiting_tickets(_home(ctx))
             waiting = sum(_ticket_ranks(v) for _, v in plan)
             if waiting >= need and _record_admission(ctx, plan):
                 break
@@ -238,9 +247,7 @@ def _wait_for_joiners():
         if e.code == "DEADLINE_EXCEEDED":
             raise late from None
         raise
-    change = _change_of(ctx, parse_decision(raw.decode(errors="replace")))
-    ctx.membership_change = change
-    raise change
+    raise _seen(ctx, raw)
 
 
 class State:
@@ -376,7 +383,7 @@ def _admit_joiners():
     """commit()'s part in an elastic job: rank 0 admits the joining nodes waiting (it records
     the decision), every rank learns whether it did (a broadcast), and if so every rank raises
     MembershipChanged."""
-    from . import _context, _open_store  # noqa: PLC0415 - the package imports this module
+    from . import _context  # noqa: PLC0415 - the package imports this module
     ctx = _context
     if ctx is None or not ctx.elastic or ctx.client.closed:
         return
@@ -385,9 +392,7 @@ def _admit_joiners():
     decided, failure = 0, None
     if ctx.rank == 0:
         try:
-            if ctx.home is None:
-                ctx.home = _open_store(ctx.base_job, ctx.connect)
-            plan = _waiting_tickets(ctx.home)
+            plan = _waiting_tickets(_home(ctx))
             decided = 1 if plan and _record_admission(ctx, plan) else 0
         except Error:
             decided = 0  # the store failed: the joiners wait for a later commit
@@ -403,9 +408,15 @@ def _admit_joiners():
     if flag[0] == 0:
         return
     raw = ctx.client.store_get(_DECISION_KEY, DECISION_WAIT_S)  # there: rank 0 saw it
-    change = _change_of(ctx, parse_decision(raw.decode(errors="replace")))
-    ctx.membership_change = change
-    raise change
+    raise _seen(ctx, raw)
+
+
+def _home(ctx):
+    """Rank 0's client of the job's home keys, opened once per session."""
+    if ctx.home is None:
+        from . import _open_store  # noqa: PLC0415
+        ctx.home = _open_store(ctx.base_job, ctx.connect)
+    return ctx.home
 
 
 def _waiting_tickets(home):
@@ -559,8 +570,7 @@ def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
         if lobby is not None:
             lobby.close()
         home.close()
-    fields = dict(part.split("=", 1) for part in raw.decode(errors="replace").split()
-                  if "=" in part)
+    fields = _fields(raw.decode(errors="replace"))
     try:
         return (int(fields["epoch"]), int(fields["rank"]) + local_rank, int(fields["world"]),
                 int(fields["min"]))
