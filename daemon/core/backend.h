@@ -100,6 +100,10 @@ struct CommunicatorSpec {
   // store under kRunKey), so that keys a backend writes in one run are never read in a later
   // run of a job with the same id.
   std::string run;
+  // The job is elastic: its members' buffers outlive an op that fails because a node was lost
+  // (the survivors go on with them), so such an op must leave them untouched even when it is
+  // cut off mid-way; a communicator may pay a copy of the op's data for that.
+  bool elastic = false;
 };
 
 /// Runs collectives for one group. Calls for one group never overlap (the core runs a group's
@@ -126,7 +130,8 @@ class Communicator {
   }
   /// A node of the group was lost (the job's peer watch said so, naming it and the cause in
   /// `status`, UNAVAILABLE): the op running now and every later one fail with `status` as soon
-  /// as possible, writing no member buffer, instead of waiting out their deadlines. Thread-safe:
+  /// as possible, instead of waiting out their deadlines; in an elastic job (spec.elastic) they
+  /// write no member buffer, even cut off mid-way. Thread-safe:
   /// called from another thread than Run's, with no engine lock held; returns without waiting
   /// for the running op. Idempotent (the first status stays). Default: nothing (the op ends by
   /// its deadline).

@@ -151,6 +151,7 @@ absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vecto
     spec.node = job.node;
     spec.rendezvous = job.root_store;
     spec.run = job.run;
+    spec.elastic = job.elastic;
     spans_nodes = spec.local_members.size() != members.size();
   } else {
     for (size_t i = 0; i < members.size(); ++i) local_group_ranks.push_back(static_cast<int>(i));

@@ -48,6 +48,17 @@ def run_batch(batches):
 def main(steps, pause_s):
     emit(imported=time.time())  # Python, torch and gradsync loaded
     gradsync.init()  # elastic, job, ranks from the environment
+    if os.environ.get("ELASTIC_PLAN_STALL") == "1" and gradsync.get_rank() == 0:
+        # Rank 0 of epoch 0 stops as it would store its first pack plan (the test kills it):
+        # the other ranks are left waiting for that plan.
+        set_pack_list = gradsync.set_pack_list
+
+        def stalling_set_pack_list(plan, group=gradsync.WORLD):
+            if gradsync._ctx().epoch == 0:
+                emit(plan_stalled=True)
+                time.sleep(3600)
+            set_pack_list(plan, group)
+        gradsync.set_pack_list = stalling_set_pack_list
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     # ELASTIC_PARAM_PACK=1: packed reductions, whose pack plan rank 0 makes after the first
@@ -65,6 +76,12 @@ def main(steps, pause_s):
     batch = os.environ.get("ELASTIC_BATCH") == "1"
     stall_at = int(os.environ.get("ELASTIC_STALL_AT", "-1"))
     state.register_reset_callbacks([lambda: resets.append(gradsync.get_world_size())])
+    # ELASTIC_GROUP=a,b,...: a group of those ranks, made once; each step its members
+    # all-reduce their rank there (the group follows each change: its ranks are renumbered).
+    group = None
+    group_sums = []
+    if os.environ.get("ELASTIC_GROUP"):
+        group = gradsync.new_group(int(r) for r in os.environ["ELASTIC_GROUP"].split(","))
 
     @gradsync.elastic.run
     def train(state):
@@ -81,6 +98,10 @@ def main(steps, pause_s):
                     time.sleep(3600)
                 if batch:
                     run_batch(batches)
+                if group is not None and group.rank >= 0:
+                    t = torch.tensor([float(gradsync.get_rank())])
+                    gradsync.all_reduce(t, group=group)
+                    group_sums.append([list(group.ranks), t.item()])
                 state.step += 1
                 state.commit()  # where joining nodes are admitted
             except gradsync.elastic.MembershipChanged as change:
@@ -103,7 +124,8 @@ def main(steps, pause_s):
     params = [p.detach().tolist() for p in model.parameters()]
     emit(done=True, rank=gradsync.get_rank(), world=gradsync.get_world_size(), changes=changes,
          epoch=gradsync._ctx().epoch,
-         resets=resets, digest=digest, params=params, step=state.step, batches=batches)
+         resets=resets, digest=digest, params=params, step=state.step, batches=batches,
+         group=list(group.ranks) if group is not None else None, group_sums=group_sums)
     return 0
 
 

@@ -6,12 +6,15 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 import urllib.request
 
 import pytest
 
-from conftest import Ranks, env_for, launch, tcp_daemons
+from conftest import BUILD, Ranks, env_for, launch, tcp_daemons
+
+sys.path.insert(0, os.path.join(BUILD, "python"))  # the package, for the tests without daemons
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
 
@@ -119,6 +122,34 @@ def test_a_node_lost_mid_training_the_survivors_go_on_with_the_new_membership(
         assert "could not be recorded" not in log, log[-3000:]
     assert sum("membership changed, epoch 0 -> 1: world 3 -> 2" in log for log in logs) == 1, logs
     assert sum("decision recorded by another daemon stands" in log for log in logs) <= 1, logs
+
+
+def test_a_group_of_some_ranks_follows_the_change(tmp, three_daemons):
+    """Group {0,2} of a three-rank job: rank 1's node is lost, the group becomes {0,1} (old
+    rank 2 is now 1) on both its members, and its all-reduces go on over the new ranks."""
+    d0, d1, d2 = three_daemons
+    steps = 12
+    ranks = launch(tmp, [d0, d1, d2], "elastic-group", lambda r: [WORKER, str(steps), "0.05"],
+                   local=1, root=d0.tcp,
+                   extra_env={"GRADSYNC_ELASTIC": "1", "ELASTIC_GROUP": "0,2"})
+    try:
+        _wait_steps(ranks, 4)
+        d1.proc.kill()
+        ranks.procs[1].kill()
+        done = _finish(ranks, [0, 2])
+    finally:
+        _stop([], ranks)
+    for old_rank, result in done.items():
+        assert result["world"] == 2 and result["step"] == steps, result
+        assert result["group"] == [0, 1], result
+        sums = result["group_sums"]
+        before = [s for s in sums if s[0] == [0, 2]]
+        after = [s for s in sums if s[0] == [0, 1]]
+        assert len(before) + len(after) == len(sums), sums
+        assert len(before) >= 3 and len(after) >= steps - len(before), sums
+        assert all(s[1] == 2.0 for s in before), sums  # ranks 0 + 2
+        assert all(s[1] == 1.0 for s in after), sums   # ranks 0 + 1
+    assert done[0]["params"] == done[2]["params"]
 
 
 def test_a_node_of_two_ranks_lost_with_packed_reductions(tmp, three_daemons):
@@ -450,3 +481,58 @@ def test_a_node_whose_trainers_all_die_is_lost_while_its_daemon_lives(tmp, three
         assert change["lost_ranks"] == [2] and change["lost_nodes"] == [d2.tcp], change
         assert "its trainer of rank 2 is gone: connection lost" in change["message"], change
     assert done[0]["params"] == done[1]["params"]
+
+
+def test_a_change_during_a_pack_plan_exchange(tmp, three_daemons):
+    """Packed reductions: ranks 1 and 2 wait in the store for rank 0's first pack plan when rank
+    0's trainer is killed (its daemon, the job's root, lives). A store wait is no op, so the
+    loss does not fail it: the waiters look for a decision between slices of their wait (not
+    at the plan's timeout, DEADLINE_EXCEEDED) and go on as ranks 0 and 1, the new rank 0 making the plan."""
+    d0, d1, d2 = three_daemons
+    steps = 10
+    ranks = launch(tmp, [d0, d1, d2], "elastic-plan", lambda r: [WORKER, str(steps), "0.05"],
+                   local=1, root=d0.tcp,
+                   extra_env={"GRADSYNC_ELASTIC": "1", "ELASTIC_PARAM_PACK": "1",
+                              "ELASTIC_PLAN_STALL": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while (not any(l.get("plan_stalled") for l in _lines(ranks, 0))
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        assert any(l.get("plan_stalled") for l in _lines(ranks, 0)), ranks.output(0)[-3000:]
+        time.sleep(1.0)  # ranks 1 and 2 are in get_pack_list by now
+        ranks.procs[0].kill()
+        done = _finish(ranks, [1, 2])  # waiting the plan out (30 s) would fail them
+    finally:
+        _stop([], ranks)
+    for old_rank, result in done.items():
+        assert (result["rank"], result["world"], result["step"], result["epoch"]) == (
+            old_rank - 1, 2, steps, 1), result
+        assert [c["lost_ranks"] for c in result["changes"]] == [[0]], result
+    assert done[1]["params"] == done[2]["params"]
+
+
+def test_groups_follow_each_change_in_turn_and_a_group_left_with_no_member_says_so():
+    """Group._follow alone (no daemon): two changes in a row renumber explicit groups as the
+    survivors' ranks are renumbered; WORLD stays the world; an emptied group fails each use."""
+    import gradsync
+    from gradsync.elastic import MembershipChanged
+
+    def change(epoch, lost):
+        return MembershipChanged("ABORTED", "test", epoch=epoch, lost_ranks=lost)
+
+    a, b, c = gradsync.Group([0, 2, 5]), gradsync.Group([3]), gradsync.Group([1, 4, 5])
+    gradsync.Group._follow(change(1, (1, 3)))  # 0,2,4,5 -> 0,1,2,3
+    assert (a.ranks, c.ranks) == ((0, 1, 3), (2, 3))
+    same = gradsync.Group([0, 1, 3])
+    assert a.key == "0,1,3" and a == same and hash(a) == hash(same)
+    gradsync.Group._follow(change(2, (0,)))
+    assert (a.ranks, c.ranks) == ((0, 2), (1, 2))
+    assert gradsync.WORLD.key == "world"
+    assert repr(b) == "Group(no members left)"
+    for use in (lambda: b.ranks, lambda: b.key, lambda: b.size):
+        with pytest.raises(gradsync.Error) as e:
+            use()
+        assert e.value.code == "FAILED_PRECONDITION"
+        assert str(e.value) == ("FAILED_PRECONDITION: group 3 has no members left: membership "
+                                "change to epoch 1 lost rank(s) 1,3")

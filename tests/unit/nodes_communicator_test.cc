@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstring>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -453,6 +454,86 @@ TEST(NodesCommunicatorPeerTest, ARecordAfterALargeOpsRecordFailsItAsOutOfStepAnd
   EXPECT_TRUE(absl::StrContains(status.message(), "out of step")) << status;
   EXPECT_TRUE(absl::StrContains(status.message(), nodes[1])) << status;
   for (int64_t i = 0; i < kCount; ++i) ASSERT_EQ(data[i], 1.0f) << i;
+}
+
+// Node 0 of a two-node group (one member: `data`) runs a ring all-reduce whose peer, a raw
+// RecordLinks node, agrees to it, sends node 0 the whole of its block 1 (the ring's only
+// reduce-scatter step: node 0 finishes block 1 with it) and leaves before the all-gather.
+// Returns node 0's status.
+absl::Status RingCutAfterItsFirstStep(bool elastic, std::vector<float>& data) {
+  ::signal(SIGPIPE, SIG_IGN);
+  store::MemoryStore store;
+  const std::vector<std::string> nodes = {"127.0.0.1:1", "127.0.0.1:2"};
+  core::CommunicatorSpec spec;
+  spec.job = "j";
+  spec.group = "world";
+  spec.members = {0, 1};
+  spec.local_members = {0};
+  spec.member_nodes = nodes;
+  spec.node = nodes[0];
+  spec.rendezvous = &store;
+  spec.run = "r1";
+  spec.elastic = elastic;
+  CpuTuning tuning;
+  tuning.inline_max_bytes = 4096;  // `data` takes the ring, its blocks fit the sockets' buffers
+  NodesCommunicator comm(spec, tuning);
+  const int64_t count = static_cast<int64_t>(data.size());
+  core::Collective op = AllReduce(0, count, v1::SUM, "w");
+  op.group_size = 2;
+  op.deadline = absl::Now() + absl::Seconds(20);
+  op.local.push_back({0, {{reinterpret_cast<std::byte*>(data.data()), count}}, {}});
+  absl::Status status = absl::UnknownError("not run");
+  std::thread t([&] { status = comm.Run(op); });
+
+  RecordLinks::Spec peer_spec;
+  peer_spec.store = &store;
+  peer_spec.job = "j";
+  peer_spec.prefix = "records/r1/world/";
+  peer_spec.nodes = nodes;
+  peer_spec.me = 1;
+  peer_spec.max_message_bytes = 2 << 20;
+  auto peer = RecordLinks::Connect(peer_spec, absl::Now() + absl::Seconds(20));
+  EXPECT_TRUE(peer.ok()) << peer.status();
+  if (peer.ok()) {
+    // Its record of seq 0 (agreeing, no payload: a ring op) in one stream message.
+    constexpr size_t kRecord = 512;
+    std::vector<std::byte> message(64 + kRecord);
+    const uint64_t header[3] = {0x67737265636f7264, message.size(), 1};
+    std::memcpy(message.data(), header, sizeof(header));
+    const uint64_t hash = FingerprintHash(op.fingerprint);
+    std::memcpy(message.data() + 64 + 16, &hash, sizeof(hash));
+    std::memcpy(message.data() + 64 + 24, op.fingerprint.data(), op.fingerprint.size());
+    EXPECT_TRUE((*peer)->Send(message, absl::Now() + absl::Seconds(20)).ok());
+    // Block 1 (elements [count/2, count)) as one ring segment of step 0, all 1.0.
+    const size_t block = static_cast<size_t>(count - count / 2) * sizeof(float);
+    std::vector<std::byte> segment(SegmentMessageBytes(block));
+    const uint64_t seg_header[6] = {0x677373656730310a, 0, /*kind ring, step 0*/ 1, 0, block, 0};
+    std::memcpy(segment.data(), seg_header, sizeof(seg_header));
+    const std::vector<float> ones(count - count / 2, 1.0f);
+    std::memcpy(segment.data() + 64, ones.data(), block);
+    EXPECT_TRUE((*peer)->Send(segment, absl::Now() + absl::Seconds(20)).ok());
+    peer->reset();
+  }
+  t.join();
+  return status;
+}
+
+TEST(NodesCommunicatorPeerTest, ARingCutOffMidWayWritesNoMemberBufferInAnElasticJob) {
+  // An elastic job's survivors go on with their buffers: the lost peer's half-done ring must
+  // leave them as they were.
+  std::vector<float> data(8192, 2.0f);  // 32 KB: one segment per block
+  const absl::Status status = RingCutAfterItsFirstStep(/*elastic=*/true, data);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "127.0.0.1:2")) << status;
+  for (size_t i = 0; i < data.size(); ++i) ASSERT_EQ(data[i], 2.0f) << i;
+
+  // The same cut in a job that is not elastic (which must form again after it) reduces in
+  // the member's buffer: block 1 holds the finished sum. So the cut falls mid-ring.
+  std::vector<float> direct(8192, 2.0f);
+  EXPECT_EQ(RingCutAfterItsFirstStep(/*elastic=*/false, direct).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(direct[0], 2.0f);
+  EXPECT_EQ(direct[4096], 3.0f);
 }
 
 // Two nodes, one member each (group ranks 0 and 1): node `me`'s communicator.

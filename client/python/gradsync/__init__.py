@@ -97,22 +97,53 @@ def _format_dtype(fmt, itemsize):
 
 
 class Group:
-    """Ranks that run collectives together. WORLD is every rank of the job."""
+    """Ranks that run collectives together. WORLD is every rank of the job.
+
+    In an elastic job a group follows the membership: after a change (gradsync.elastic.reset)
+    its ranks are its surviving members' new ranks, the same on every survivor; ranks joining
+    enter WORLD only. A group whose members were all lost fails every use, saying so. Its key
+    (and hash) change with its ranks: do not keep groups as dict keys across a change."""
+
+    _made = None  # the groups of explicit ranks (a WeakSet, filled once one is made)
 
     def __init__(self, ranks=None):
         self._ranks = None if ranks is None else tuple(sorted(set(int(r) for r in ranks)))
+        self._gone = None  # why it has no members left (an elastic change lost them all)
         if self._ranks is not None and not self._ranks:
             raise ValueError("a group needs at least one rank")
+        if self._ranks is not None:
+            if Group._made is None:
+                import weakref  # noqa: PLC0415 - only groups of explicit ranks need it
+                Group._made = weakref.WeakSet()
+            Group._made.add(self)
+
+    @classmethod
+    def _follow(cls, change):
+        """Every group of explicit ranks takes the membership `change` (a MembershipChanged)
+        made: lost ranks leave, the others take their new ranks (survivors keep their order)."""
+        lost = sorted(change.lost_ranks)
+        for group in list(cls._made or ()):
+            if group._gone is not None:
+                continue
+            old = group._ranks
+            group._ranks = tuple(r - bisect.bisect_left(lost, r) for r in old
+                                 if r not in change.lost_ranks)
+            if not group._ranks:
+                group._gone = (f"group {','.join(map(str, old))} has no members left: membership "
+                               f"change to epoch {change.epoch} lost rank(s) "
+                               f"{','.join(map(str, lost))}")
 
     @property
     def ranks(self):
         """The members' global ranks, ascending."""
+        if self._gone is not None:
+            raise Error("FAILED_PRECONDITION", self._gone)
         return self._ranks if self._ranks is not None else tuple(range(_ctx().world_size))
 
     @property
     def key(self):
         """The group's name on the wire: 'world', or its ranks ascending joined by ','."""
-        return "world" if self._ranks is None else ",".join(map(str, self._ranks))
+        return "world" if self._ranks is None else ",".join(map(str, self.ranks))
 
     @property
     def size(self):
@@ -126,13 +157,16 @@ class Group:
         return self.ranks.index(me) if me in self.ranks else -1
 
     def __eq__(self, other):
-        return isinstance(other, Group) and self.key == other.key
+        return (isinstance(other, Group) and self._ranks == other._ranks
+                and self._gone == other._gone)
 
     def __hash__(self):
-        return hash(self.key)
+        return hash(self._ranks)
 
     def __repr__(self):
-        return f"Group({self.key})"
+        if self._gone is not None:
+            return "Group(no members left)"
+        return f"Group({'world' if self._ranks is None else ','.join(map(str, self._ranks))})"
 
 
 WORLD = Group()
@@ -271,6 +305,7 @@ def _reinit(change):
     registers again as `change` says."""
     ctx = _ctx()
     shutdown()
+    Group._follow(change)
     init(job=ctx.base_job, rank=change.rank, world_size=change.world_size,
          local_rank=ctx.local_rank, local_world_size=ctx.local_world_size, elastic=True,
          min_world_size=ctx.min_world_size, join=False, _epoch=change.epoch, **ctx.connect)
@@ -789,5 +824,10 @@ def set_pack_list(plan, group=WORLD):
 
 
 def get_pack_list(group=WORLD, timeout=60.0):
-    """Waits for `group`'s pack plan in the job's store (gradsync.Error at the deadline)."""
-    return _ctx().client.get_pack_list(group.key, _timeout(timeout))
+    """Waits for `group`'s pack plan in the job's store (gradsync.Error at the deadline; in an
+    elastic job, MembershipChanged as soon as the membership changes meanwhile)."""
+    ctx = _ctx()
+    if not ctx.elastic:
+        return ctx.client.get_pack_list(group.key, _timeout(timeout))
+    return elastic._until_changed(ctx, lambda t: ctx.client.get_pack_list(group.key, t),
+                                 _timeout(timeout))

@@ -37,8 +37,8 @@ GRADSYNC_ELASTIC_TIMEOUT seconds, default 600, then DEADLINE_EXCEEDED) until joi
 bring it back to min_world_size, as Horovod does.
 
 A node whose trainers die (their connections lost) while its daemon lives is lost too: its
-daemon decides so. Not built yet: groups other than the world following a change (their ranks
-keep their old meaning).
+daemon decides so. Groups made by new_group follow each change (gradsync.Group): lost ranks
+leave them, the others take their new ranks.
 """
 import copy
 import functools
@@ -55,6 +55,8 @@ __all__ = ["MembershipChanged", "State", "TorchState", "run", "reset", "classify
 # How long a trainer waits for its daemons' decision after an op failed on a lost node: their
 # settle time (300 ms) plus a store round trip, with room for a loaded machine.
 DECISION_WAIT_S = 5.0
+# How often a store wait of an elastic job looks for a membership decision (_until_changed).
+CHECK_S = 0.5
 # The most membership changes one run() call goes through before it gives up.
 MAX_RESETS = 64
 _DECISION_KEY = "_gradsync_elastic/decision"
@@ -93,7 +95,8 @@ _reset_hooks = weakref.WeakSet()  # objects with _reset_membership() (Distribute
 
 class MembershipChanged(Error):
     """The job's membership changed: the op that raised this (and every later op of the old
-    membership) did not complete; what it left in its buffers is not a result. `lost_ranks` and `lost_nodes` say who went, `world_size` the new
+    membership) did not complete and wrote no operand on the CPU plane (a device op cut off
+    may have). `lost_ranks` and `lost_nodes` say who went, `world_size` the new
     size, `rank` this rank's new rank, `epoch` the new membership's number. Call reset() (the
     run decorator does) before the next op."""
 
@@ -159,6 +162,29 @@ def classify(ctx, err):
                              "survives the loss of its root's node only with its store on "
                              "etcd (gradsyncd --store=etcd)")
     return _seen(ctx, raw)
+
+
+def _until_changed(ctx, wait, timeout_s):
+    """wait(slice_s) in slices of at most CHECK_S seconds until it returns (its result) or
+    timeout_s passes (its DEADLINE_EXCEEDED). A store wait is no op on a group, so a node's loss
+    does not wake it: between slices, a membership decision recorded for this epoch raises what
+    it means to this rank (MembershipChanged)."""
+    deadline = time.monotonic() + max(float(timeout_s), 0.0)
+    while True:
+        try:
+            return wait(max(0.001, min(deadline - time.monotonic(), CHECK_S)))
+        except Error as e:
+            if e.code != "DEADLINE_EXCEEDED" or time.monotonic() >= deadline:
+                raise
+        if ctx.membership_change is not None:
+            raise ctx.membership_change
+        try:
+            raw = ctx.client.store_get(_DECISION_KEY, 0)
+        except Error as e:
+            if e.code != "DEADLINE_EXCEEDED":
+                raise
+            continue
+        raise _seen(ctx, raw)
 
 
 def _seen(ctx, raw):

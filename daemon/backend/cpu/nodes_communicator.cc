@@ -655,15 +655,18 @@ absl::Status NodesCommunicator::RunLarge(const core::Collective& op) {
   switch (op.kind) {
     case v1::ALL_REDUCE: {
       // Contiguous members (the usual case): the ring reduces them in its own passes and
-      // writes each finished block (MEAN divided) to every member.
+      // writes each finished block (MEAN divided) to every member. Not in an elastic job, whose
+      // members keep their buffers past a lost node: a ring cut off there would leave them
+      // partial sums.
       std::vector<std::byte*> contiguous;
       for (const core::LocalMember& m : op.local) {
         if (m.input.size() == 1 && m.input[0].count == n) contiguous.push_back(m.input[0].data);
       }
-      if (contiguous.size() == op.local.size()) {
+      if (contiguous.size() == op.local.size() && !spec_.elastic) {
         return AllreduceAcrossNodes(op, n, contiguous, /*finish=*/true);
       }
-      // Fused ops (members' segments): through one contiguous scratch buffer.
+      // Fused ops (members' segments), elastic jobs: through one contiguous scratch buffer,
+      // copied to the members once the ring is done.
       GRADSYNC_RETURN_IF_ERROR(ReduceIntoScratch(op, n));
       const core::View scratch = {{scratch_.data(), n}};
       const Slice from{&scratch, 0};

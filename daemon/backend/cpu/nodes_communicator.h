@@ -70,7 +70,8 @@ class NodesCommunicator final : public core::Communicator {
   /// op running fails with it (its code, its message after the op's label) as soon as the wait
   /// it is in wakes (the record links' cancel fd), and so does every later op, before it writes
   /// anything. The links are closed (the peers see this node gone). A ring all-reduce cut off
-  /// mid-way leaves partial sums in its members' buffers, as a link lost there does.
+  /// mid-way leaves partial sums in its members' buffers, as a link lost there does, unless the
+  /// job is elastic (spec.elastic: the ring then runs in scratch_, copied out on success).
   void Abort(const absl::Status& status) override;
 
   /// The smallest stream message that holds an op travelling inline with `inline_bytes` of
