@@ -5,11 +5,13 @@ trainer rank per daemon (tests/python/elastic_worker.py: a small MLP, Distribute
 gradsync.elastic.run, a commit every step, a step every 50 ms).
 
     /usr/bin/python3 bench/elastic_bench.py --build build [--sizes 4,8] [--reps 3]
-         [--faults kill,freeze,replace] [--json out.json]
+         [--faults kill,freeze,cut,replace] [--json out.json]
 
 Per repetition: N daemons, N trainers of a fresh elastic job; once every trainer has done 5
-steps the last node is lost: its daemon and trainer killed (kill), or its daemon stopped
-(freeze: SIGSTOP, the kernel still ACKs its links). The figure, per survivor: seconds from the
+steps the last node is lost: its daemon and trainer killed (kill), its daemon stopped
+(freeze: SIGSTOP, the kernel still ACKs its links), or its link cut (cut: each daemon in a
+network namespace of its own, on a bridge, as tests/faults/netlab.py lays them out; the lost
+node's switch port is set down, nothing tells either side; needs root). The figure, per survivor: seconds from the
 fault to its first completed step on the new membership (world N-1), read from the step lines
 the trainers print (time.time() on the same machine). `replace`: after a kill, once the
 survivors train as N-1, a new daemon and a trainer started with GRADSYNC_JOIN=1 (a replacement
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -32,12 +35,32 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "faults"))
+import netlab  # noqa: E402 - the fault suite's network namespaces, for a cut link
 WORKER = os.path.join(ROOT, "tests", "python", "elastic_worker.py")
 PYTHON = "/usr/bin/python3"
 TOKEN = "elastic-bench-token\n"
 
 
+class LabNode:
+    """gradsyncd of node k of a netlab.Lab (its own network namespace)."""
+
+    def __init__(self, lab, k):
+        self.lab, self.k, self.daemon = lab, k, lab.daemons[k]
+        self.socket, self.token, self.tcp = self.daemon.socket, lab.token_file, self.daemon.target
+        self.prefix = (netlab.IP, "netns", "exec", self.daemon.ns)
+
+    def lose(self, fault):
+        self.lab.cut(self.k)
+
+    def stop(self):
+        pass  # the lab's cleanup stops it
+
+
 class Daemon:
+    """gradsyncd on loopback."""
+    prefix = ()  # what a trainer's command line starts with to run on the daemon's node
+
     def __init__(self, build, tmp, name):
         self.socket = os.path.join(tmp, f"{name}.sock")
         self.log = os.path.join(tmp, f"{name}.log")
@@ -64,6 +87,12 @@ class Daemon:
         if self.tcp is None:
             sys.exit(f"gradsyncd not up in 20 s: {open(self.log).read()[-2000:]}")
 
+    def lose(self, fault):
+        if fault == "freeze":
+            self.proc.send_signal(signal.SIGSTOP)
+        else:
+            self.proc.kill()
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
@@ -88,7 +117,7 @@ def start_trainers(build, tmp, daemons, job, ranks, steps, elastic, tag, join=Fa
         out = os.path.join(tmp, f"{tag}-{r}.out")
         outs.append(out)
         with open(out, "w") as f:
-            procs.append(subprocess.Popen([PYTHON, WORKER, str(steps), "0.05"], env=env,
+            procs.append(subprocess.Popen([*d.prefix, PYTHON, WORKER, str(steps), "0.05"], env=env,
                                           stdout=f, stderr=subprocess.STDOUT))
     return procs, outs
 
@@ -111,20 +140,26 @@ def wait_for(pred, bound_s):
 
 def rep(build, n, fault, index, bound):
     tmp = tempfile.mkdtemp(prefix="gradsync-elastic-bench-")
-    daemons = [Daemon(build, tmp, f"node{i}") for i in range(n)]
-    procs = []
+    lab = None
+    if fault == "cut":
+        lab = netlab.Lab(build, n, link="veth", log=lambda *a: None)
+    procs, daemons = [], []
     try:
+        if lab is not None:
+            lab.up()
+            lab.start_daemons()
+            daemons = [LabNode(lab, k) for k in range(n)]
+        else:
+            daemons = [Daemon(build, tmp, f"node{i}") for i in range(n)]
         job = f"eb-{fault}-{n}-{index}"
         procs, outs = start_trainers(build, tmp, daemons, job, list(range(n)), 10_000, True, "e")
         if not wait_for(lambda: all(any(l.get("step", 0) >= 5 for l in lines(o)) for o in outs),
                         120):
             raise RuntimeError("trainers did not reach step 5: " + open(outs[0]).read()[-2000:])
         t_fault = time.time()
+        daemons[-1].lose(fault)
         if fault in ("kill", "replace"):
-            daemons[-1].proc.kill()
             procs[-1].kill()
-        else:
-            daemons[-1].proc.send_signal(signal.SIGSTOP)
 
         def resumed(o, world=n - 1, since=t_fault):
             return [l["t"] - since for l in lines(o) if l.get("world") == world and "t" in l]
@@ -161,8 +196,13 @@ def rep(build, n, fault, index, bound):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for d in daemons:
-            d.stop()
+        try:
+            for d in daemons:
+                d.stop()
+        finally:
+            if lab is not None:
+                lab.cleanup()
+                shutil.rmtree(lab.tmp, ignore_errors=True)
 
 
 def main():
@@ -170,16 +210,24 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--sizes", default="4,8")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--faults", default="kill,freeze,replace")
+    ap.add_argument("--faults", default="kill,freeze,cut,replace")
     ap.add_argument("--bound", type=float, default=60.0, help="seconds one wait may take")
     ap.add_argument("--json")
     args = ap.parse_args()
     build = os.path.abspath(args.build)
+    faults = args.faults.split(",")
+    if "cut" in faults:
+        allowed, why = netlab.namespaces_permitted()
+        if not allowed:
+            print(f"skipping the cut link: {why}")
+            faults.remove("cut")
+        else:
+            netlab.sweep_stale()  # namespaces a killed run left
     results = []
     print(f"{'nodes':>5} {'fault':>6} {'resume s (median, max)':>24} "
           f"{'restart s (median)':>19} {'resume/restart':>15}")
     for n in [int(s) for s in args.sizes.split(",")]:
-        for fault in args.faults.split(","):
+        for fault in faults:
             resume, restart = [], []
             for i in range(args.reps):
                 r = rep(build, n, fault, i, args.bound)

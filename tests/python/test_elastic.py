@@ -522,15 +522,17 @@ def test_groups_follow_each_change_in_turn_and_a_group_left_with_no_member_says_
         return MembershipChanged("ABORTED", "test", epoch=epoch, lost_ranks=lost)
 
     a, b, c = gradsync.Group([0, 2, 5]), gradsync.Group([3]), gradsync.Group([1, 4, 5])
+    twin = gradsync.Group([5, 2, 0])  # equal to a, followed all the same
     gradsync.Group._follow(change(1, (1, 3)))  # 0,2,4,5 -> 0,1,2,3
-    assert (a.ranks, c.ranks) == ((0, 1, 3), (2, 3))
+    assert (a.ranks, c.ranks, twin.ranks) == ((0, 1, 3), (2, 3), (0, 1, 3))
     same = gradsync.Group([0, 1, 3])
     assert a.key == "0,1,3" and a == same and hash(a) == hash(same)
     gradsync.Group._follow(change(2, (0,)))
     assert (a.ranks, c.ranks) == ((0, 2), (1, 2))
     assert gradsync.WORLD.key == "world"
     assert repr(b) == "Group(no members left)"
-    for use in (lambda: b.ranks, lambda: b.key, lambda: b.size):
+    assert (b.rank, b.size) == (-1, 0)  # "am I a member" works as for any group
+    for use in (lambda: b.ranks, lambda: b.key):
         with pytest.raises(gradsync.Error) as e:
             use()
         assert e.value.code == "FAILED_PRECONDITION"

@@ -101,10 +101,12 @@ class Group:
 
     In an elastic job a group follows the membership: after a change (gradsync.elastic.reset)
     its ranks are its surviving members' new ranks, the same on every survivor; ranks joining
-    enter WORLD only. A group whose members were all lost fails every use, saying so. Its key
-    (and hash) change with its ranks: do not keep groups as dict keys across a change."""
+    enter WORLD only (a joiner, or code making a group after a change, names the ranks of the
+    membership it runs in: get_rank(), get_world_size()). A group whose members were all lost
+    has rank -1 and size 0 everywhere, and an op on it fails saying why. Its key (and hash)
+    change with its ranks: do not keep groups as dict keys across a change."""
 
-    _made = None  # the groups of explicit ranks (a WeakSet, filled once one is made)
+    _made = None  # the groups of explicit ranks by id (a WeakValueDictionary, once one is made)
 
     def __init__(self, ranks=None):
         self._ranks = None if ranks is None else tuple(sorted(set(int(r) for r in ranks)))
@@ -112,17 +114,17 @@ class Group:
         if self._ranks is not None and not self._ranks:
             raise ValueError("a group needs at least one rank")
         if self._ranks is not None:
-            if Group._made is None:
+            if Group._made is None:  # by identity: equal groups are each followed
                 import weakref  # noqa: PLC0415 - only groups of explicit ranks need it
-                Group._made = weakref.WeakSet()
-            Group._made.add(self)
+                Group._made = weakref.WeakValueDictionary()
+            Group._made[id(self)] = self
 
     @classmethod
     def _follow(cls, change):
         """Every group of explicit ranks takes the membership `change` (a MembershipChanged)
         made: lost ranks leave, the others take their new ranks (survivors keep their order)."""
         lost = sorted(change.lost_ranks)
-        for group in list(cls._made or ()):
+        for group in list((cls._made or {}).values()):
             if group._gone is not None:
                 continue
             old = group._ranks
@@ -148,11 +150,13 @@ class Group:
     @property
     def size(self):
         """The number of members."""
-        return len(self.ranks)
+        return 0 if self._gone is not None else len(self.ranks)
 
     @property
     def rank(self):
         """This process's rank within the group (-1 if it is not a member)."""
+        if self._gone is not None:
+            return -1
         me = _ctx().rank
         return self.ranks.index(me) if me in self.ranks else -1
 

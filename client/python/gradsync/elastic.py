@@ -95,8 +95,10 @@ _reset_hooks = weakref.WeakSet()  # objects with _reset_membership() (Distribute
 
 class MembershipChanged(Error):
     """The job's membership changed: the op that raised this (and every later op of the old
-    membership) did not complete and wrote no operand on the CPU plane (a device op cut off
-    may have). `lost_ranks` and `lost_nodes` say who went, `world_size` the new
+    membership) did not complete on this rank and wrote none of its operands on the CPU plane
+    (a device op cut off may have; a survivor whose last bytes arrived before the loss may
+    have completed the same op: run's restore() brings every rank back to the last commit).
+    `lost_ranks` and `lost_nodes` say who went, `world_size` the new
     size, `rank` this rank's new rank, `epoch` the new membership's number. Call reset() (the
     run decorator does) before the next op."""
 
@@ -175,14 +177,14 @@ def _until_changed(ctx, wait, timeout_s):
             return wait(max(0.001, min(deadline - time.monotonic(), CHECK_S)))
         except Error as e:
             if e.code != "DEADLINE_EXCEEDED" or time.monotonic() >= deadline:
-                raise
+                raise classify(ctx, e) from None
         if ctx.membership_change is not None:
             raise ctx.membership_change
         try:
             raw = ctx.client.store_get(_DECISION_KEY, 0)
         except Error as e:
             if e.code != "DEADLINE_EXCEEDED":
-                raise
+                raise classify(ctx, e) from None
             continue
         raise _seen(ctx, raw)
 
