@@ -63,10 +63,21 @@ def main(steps, pause_s):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     # ELASTIC_PARAM_PACK=1: packed reductions, whose pack plan rank 0 makes after the first
     # step and makes again after each change.
-    opt = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                  reduce_method="mean", timeout=30,
-                                  param_pack=os.environ.get("ELASTIC_PARAM_PACK") == "1",
-                                  param_pack_thd=256)
+    net = model
+    if os.environ.get("ELASTIC_DDP_PG"):
+        # torch DDP with gradsync's comm hook (a gloo process group for DDP's construction
+        # only: a model without buffers needs none afterwards) and a plain optimizer.
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://" + os.environ["ELASTIC_DDP_PG"],
+                                rank=gradsync.get_rank(), world_size=gradsync.get_world_size())
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        net.register_comm_hook(state=None, hook=gt.allreduce_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    else:
+        opt = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                      reduce_method="mean", timeout=30,
+                                      param_pack=os.environ.get("ELASTIC_PARAM_PACK") == "1",
+                                      param_pack_thd=256)
     state = gradsync.elastic.TorchState(model=model, optimizer=opt, step=0)
     changes = []
     resets = []
@@ -91,7 +102,7 @@ def main(steps, pause_s):
             x = torch.randn(4, 8, generator=g)
             opt.zero_grad()
             try:
-                model(x).pow(2).mean().backward()
+                net(x).pow(2).mean().backward()
                 opt.step()
                 if state.step == stall_at:  # this rank stops coming (the test kills it)
                     emit(stalled=state.step)
@@ -104,12 +115,17 @@ def main(steps, pause_s):
                     group_sums.append([list(group.ranks), t.item()])
                 state.step += 1
                 state.commit()  # where joining nodes are admitted
-            except gradsync.elastic.MembershipChanged as change:
-                changes.append({"message": str(change), "rank": change.rank,
-                                "world": change.world_size, "epoch": change.epoch,
-                                "lost_ranks": list(change.lost_ranks),
-                                "lost_nodes": list(change.lost_nodes),
-                                "joined": change.joined})
+            except Exception as raised:
+                # DDP raises its comm hook's MembershipChanged as a RuntimeError: the change
+                # is the one the session saw.
+                change = gradsync._ctx().membership_change
+                if isinstance(change, gradsync.elastic.MembershipChanged):
+                    changes.append({"message": str(change), "rank": change.rank,
+                                    "world": change.world_size, "epoch": change.epoch,
+                                    "lost_ranks": list(change.lost_ranks),
+                                    "lost_nodes": list(change.lost_nodes),
+                                    "joined": change.joined,
+                                    "raised": type(raised).__name__})
                 raise
             emit(step=state.step, rank=gradsync.get_rank(), world=gradsync.get_world_size(),
                  t=time.time())

@@ -512,6 +512,32 @@ def test_a_change_during_a_pack_plan_exchange(tmp, three_daemons):
     assert done[1]["params"] == done[2]["params"]
 
 
+def test_torch_ddp_with_the_comm_hook_follows_the_change(tmp, three_daemons):
+    """torch's DistributedDataParallel with gradsync.torch.allreduce_hook and a plain optimizer:
+    node 2 is killed; the hook's failure reaches the run decorator wrapped by DDP, which still
+    resets, and the survivors' means are over 2 ranks from then on."""
+    d0, d1, d2 = three_daemons
+    steps = 20
+    ranks = launch(tmp, [d0, d1, d2], "elastic-ddp", lambda r: [WORKER, str(steps), "0.05"],
+                   local=1, root=d0.tcp,
+                   extra_env={"GRADSYNC_ELASTIC": "1",
+                              "ELASTIC_DDP_PG": os.path.join(str(tmp), "ddp-pg")})
+    try:
+        _wait_steps(ranks, 5)
+        d2.proc.kill()
+        ranks.procs[2].kill()
+        done = _finish(ranks, [0, 1])
+    finally:
+        _stop([], ranks)
+    for r in (0, 1):
+        result = done[r]
+        assert (result["rank"], result["world"], result["step"], result["epoch"]) == (
+            r, 2, steps, 1), result
+        assert [c["lost_ranks"] for c in result["changes"]] == [[2]], result
+        assert result["resets"] == [2], result
+    assert done[0]["params"] == done[1]["params"]
+
+
 def test_groups_follow_each_change_in_turn_and_a_group_left_with_no_member_says_so():
     """Group._follow alone (no daemon): two changes in a row renumber explicit groups as the
     survivors' ranks are renumbered; WORLD stays the world; an emptied group fails each use."""

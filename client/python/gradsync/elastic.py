@@ -657,10 +657,27 @@ def run(func):
                     change = None
                     state.on_reset()
                 return func(state, *args, **kwargs)
-            except MembershipChanged as e:
+            except Exception as e:  # noqa: BLE001 - a change may come wrapped (below)
+                seen = _change_behind(e)
+                if seen is None:
+                    raise
+                if not isinstance(seen, MembershipChanged):
+                    raise seen from e  # this rank is out of the job
                 changes += 1
                 if changes > MAX_RESETS:
                     raise Error("RESOURCE_EXHAUSTED", f"the membership changed {MAX_RESETS} "
                                                       "times in one run; giving up") from e
-                change = e
+                change = seen
     return wrapper
+
+
+def _change_behind(err):
+    """The membership change `err` stands for: itself when it is one; else the change this
+    session saw, when there is one (torch's DDP raises a comm hook's MembershipChanged as a
+    RuntimeError of its own); else None."""
+    if isinstance(err, MembershipChanged):
+        return err
+    from . import _context  # noqa: PLC0415 - the package imports this module
+    if _context is None or not _context.elastic:
+        return None
+    return _context.membership_change
