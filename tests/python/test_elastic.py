@@ -73,6 +73,18 @@ def _stop(daemons, *groups):
         d.stop()
 
 
+def _lose_node(ranks, daemon, k, survivors, at_step):
+    """Once every trainer has reported `at_step`: node k's daemon and trainer killed; the
+    survivors' results (each trainer's "done" line)."""
+    try:
+        _wait_steps(ranks, at_step)
+        daemon.proc.kill()
+        ranks.procs[k].kill()
+        return _finish(ranks, survivors)
+    finally:
+        _stop([], ranks)
+
+
 def _wait_job_gone(daemon, job):
     """Until the daemon's store holds no key of `job` (bounded), then asserts it."""
     deadline = time.monotonic() + 20
@@ -132,13 +144,7 @@ def test_a_group_of_some_ranks_follows_the_change(tmp, three_daemons):
     ranks = launch(tmp, [d0, d1, d2], "elastic-group", lambda r: [WORKER, str(steps), "0.05"],
                    local=1, root=d0.tcp,
                    extra_env={"GRADSYNC_ELASTIC": "1", "ELASTIC_GROUP": "0,2"})
-    try:
-        _wait_steps(ranks, 4)
-        d1.proc.kill()
-        ranks.procs[1].kill()
-        done = _finish(ranks, [0, 2])
-    finally:
-        _stop([], ranks)
+    done = _lose_node(ranks, d1, 1, [0, 2], at_step=4)
     for old_rank, result in done.items():
         assert result["world"] == 2 and result["step"] == steps, result
         assert result["group"] == [0, 1], result
@@ -522,13 +528,7 @@ def test_torch_ddp_with_the_comm_hook_follows_the_change(tmp, three_daemons):
                    local=1, root=d0.tcp,
                    extra_env={"GRADSYNC_ELASTIC": "1",
                               "ELASTIC_DDP_PG": os.path.join(str(tmp), "ddp-pg")})
-    try:
-        _wait_steps(ranks, 5)
-        d2.proc.kill()
-        ranks.procs[2].kill()
-        done = _finish(ranks, [0, 1])
-    finally:
-        _stop([], ranks)
+    done = _lose_node(ranks, d2, 2, [0, 1], at_step=5)
     for r in (0, 1):
         result = done[r]
         assert (result["rank"], result["world"], result["step"], result["epoch"]) == (

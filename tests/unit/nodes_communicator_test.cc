@@ -400,23 +400,40 @@ uint64_t FingerprintHash(std::string_view s) {
   return h;
 }
 
+// Two nodes, one member each (group ranks 0 and 1): node `me`'s spec, rendezvous in `store`.
+core::CommunicatorSpec TwoNodeSpec(store::MemoryStore& store, int me) {
+  core::CommunicatorSpec spec;
+  spec.job = "j";
+  spec.group = "world";
+  spec.members = {0, 1};
+  spec.local_members = {me};
+  spec.member_nodes = {"127.0.0.1:1", "127.0.0.1:2"};
+  spec.node = spec.member_nodes[me];
+  spec.rendezvous = &store;
+  spec.run = "r1";
+  return spec;
+}
+
+// Node 1 of TwoNodeSpec's group as raw record links (a peer speaking the wire by hand).
+absl::StatusOr<std::unique_ptr<RecordLinks>> RawPeerOfTwo(store::MemoryStore& store) {
+  RecordLinks::Spec spec;
+  spec.store = &store;
+  spec.job = "j";
+  spec.prefix = "records/r1/world/";
+  spec.nodes = TwoNodeSpec(store, 1).member_nodes;
+  spec.me = 1;
+  spec.max_message_bytes = 2 << 20;
+  return RecordLinks::Connect(spec, absl::Now() + absl::Seconds(20));
+}
+
 TEST(NodesCommunicatorPeerTest, ARecordAfterALargeOpsRecordFailsItAsOutOfStepAndWritesNothing) {
   // A peer (authenticated, but out of step or hostile) puts a record after a large op's in the
   // same message. The node fails the op at once, before the collective reads that stream on
   // (which would drop the message the left-over record sits in), and writes no buffer.
   ::signal(SIGPIPE, SIG_IGN);
   store::MemoryStore store;
-  const std::vector<std::string> nodes = {"127.0.0.1:1", "127.0.0.1:2"};
-  core::CommunicatorSpec spec;
-  spec.job = "j";
-  spec.group = "world";
-  spec.members = {0, 1};
-  spec.local_members = {0};
-  spec.member_nodes = nodes;
-  spec.node = nodes[0];
-  spec.rendezvous = &store;
-  spec.run = "r1";
-  NodesCommunicator comm(spec);
+  const std::vector<std::string> nodes = TwoNodeSpec(store, 0).member_nodes;
+  NodesCommunicator comm(TwoNodeSpec(store, 0));
   constexpr int64_t kCount = 100000;  // 400 KB: past the inline limit, so a ring op
   std::vector<float> data(kCount, 1.0f);
   core::Collective op = AllReduce(0, kCount, v1::SUM, "w");
@@ -426,14 +443,7 @@ TEST(NodesCommunicatorPeerTest, ARecordAfterALargeOpsRecordFailsItAsOutOfStepAnd
   absl::Status status;
   std::thread t([&] { status = comm.Run(op); });
 
-  RecordLinks::Spec peer_spec;
-  peer_spec.store = &store;
-  peer_spec.job = "j";
-  peer_spec.prefix = "records/r1/world/";
-  peer_spec.nodes = nodes;
-  peer_spec.me = 1;
-  peer_spec.max_message_bytes = 2 << 20;
-  auto peer = RecordLinks::Connect(peer_spec, absl::Now() + absl::Seconds(20));
+  auto peer = RawPeerOfTwo(store);
   ASSERT_TRUE(peer.ok()) << peer.status();
   // One stream message: its header, then the records of seq 0 (agreeing) and seq 1.
   constexpr size_t kRecord = 512;
@@ -464,16 +474,7 @@ TEST(NodesCommunicatorPeerTest, ARecordAfterALargeOpsRecordFailsItAsOutOfStepAnd
 absl::Status RingCutAfterItsFirstStep(bool elastic, std::vector<float>& data) {
   ::signal(SIGPIPE, SIG_IGN);
   store::MemoryStore store;
-  const std::vector<std::string> nodes = {"127.0.0.1:1", "127.0.0.1:2"};
-  core::CommunicatorSpec spec;
-  spec.job = "j";
-  spec.group = "world";
-  spec.members = {0, 1};
-  spec.local_members = {0};
-  spec.member_nodes = nodes;
-  spec.node = nodes[0];
-  spec.rendezvous = &store;
-  spec.run = "r1";
+  core::CommunicatorSpec spec = TwoNodeSpec(store, 0);
   spec.elastic = elastic;
   CpuTuning tuning;
   tuning.inline_max_bytes = 4096;  // `data` takes the ring, its blocks fit the sockets' buffers
@@ -486,14 +487,7 @@ absl::Status RingCutAfterItsFirstStep(bool elastic, std::vector<float>& data) {
   absl::Status status = absl::UnknownError("not run");
   std::thread t([&] { status = comm.Run(op); });
 
-  RecordLinks::Spec peer_spec;
-  peer_spec.store = &store;
-  peer_spec.job = "j";
-  peer_spec.prefix = "records/r1/world/";
-  peer_spec.nodes = nodes;
-  peer_spec.me = 1;
-  peer_spec.max_message_bytes = 2 << 20;
-  auto peer = RecordLinks::Connect(peer_spec, absl::Now() + absl::Seconds(20));
+  auto peer = RawPeerOfTwo(store);
   EXPECT_TRUE(peer.ok()) << peer.status();
   if (peer.ok()) {
     // Its record of seq 0 (agreeing, no payload: a ring op) in one stream message.
@@ -545,16 +539,7 @@ TEST(NodesCommunicatorPeerTest, ARingCutOffMidWayWritesNoMemberBufferInAnElastic
 // Two nodes, one member each (group ranks 0 and 1): node `me`'s communicator.
 std::unique_ptr<NodesCommunicator> TwoNodeCommunicator(store::MemoryStore& store, int me,
                                                        const CpuTuning& tuning) {
-  core::CommunicatorSpec spec;
-  spec.job = "j";
-  spec.group = "world";
-  spec.members = {0, 1};
-  spec.local_members = {me};
-  spec.member_nodes = {"127.0.0.1:1", "127.0.0.1:2"};
-  spec.node = spec.member_nodes[me];
-  spec.rendezvous = &store;
-  spec.run = "r1";
-  return std::make_unique<NodesCommunicator>(spec, tuning);
+  return std::make_unique<NodesCommunicator>(TwoNodeSpec(store, me), tuning);
 }
 
 // An all-reduce of `data` (node `rank`'s member) in a two-node group.
