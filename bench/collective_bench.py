@@ -4,6 +4,9 @@
 Runs, one after another:
   membw                      <build>/bench/membw: this machine's copy and read bandwidth
   gradsync                   a private gradsyncd plus N <build>/bench/collective_bench_worker
+  gradsync_elastic           the same as an elastic job (only when asked with --only): across
+                             nodes its large all-reduces run the ring in the daemon's scratch
+                             buffer, copied to the members once done (a change writes nothing)
   torch_gloo                 bench/torch_gloo_allreduce.py (Debian's /usr/bin/python3 + torch)
   openmpi                    mpirun -np N <build>/bench/mpi_allreduce (shared memory, unbound)
 and prints, per rank count:
@@ -34,7 +37,8 @@ import sys
 import tempfile
 import time
 
-IMPLS = ("gradsync", "torch_gloo", "openmpi")
+IMPLS = ("gradsync", "gradsync_elastic", "torch_gloo", "openmpi")
+DEFAULT_IMPLS = ("gradsync", "torch_gloo", "openmpi")
 DEFAULT_SIZES = "4096,65536,1048576,16777216,67108864,268435456"
 FLAT_GRADS_BYTES = 200 * 40 * 1024  # the 200 x 40 KiB gradients as one flat buffer
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -139,7 +143,7 @@ def run_membw(args):
     return parse_lines(out, "membw")
 
 
-def run_gradsync(args, n, tmp):
+def run_gradsync(args, n, tmp, impl="gradsync"):
     build = args.build
     daemon_bin = need(os.path.join(build, "daemon", "gradsyncd"))
     ctl_bin = need(os.path.join(build, "client", "gradsyncctl"))
@@ -207,7 +211,8 @@ def run_gradsync(args, n, tmp):
                     [worker_bin, f"--socket={socks[r // local]}", f"--job={job}",
                      f"--world_size={n}", f"--rank={r}", "--sizes=" + ",".join(map(str, sizes)),
                      f"--min_iters={args.min_iters}", f"--max_iters={args.max_iters}",
-                     f"--seconds={args.seconds:g}"] + extra, stdout=out, stderr=err))
+                     f"--seconds={args.seconds:g}", "--elastic=" + ("true" if impl == "gradsync_elastic" else "false")]
+                    + extra, stdout=out, stderr=err))
         try:
             wait_all(procs, args.timeout)
         except RuntimeError as e:
@@ -217,7 +222,10 @@ def run_gradsync(args, n, tmp):
                 errs.append("gradsyncd: " + tail_file(daemon_log, 4))
             raise RuntimeError("\n    ".join([f"collective_bench_worker: {e}", *errs]))
         with open(outs[0]) as f:
-            return parse_lines(f.read(), "gradsync")
+            recs = parse_lines(f.read(), "gradsync")  # the worker's records name "gradsync"
+            for rec in recs:
+                rec["impl"] = impl
+            return recs
     finally:
         for daemon in daemons:
             if daemon.poll() is None:
@@ -374,7 +382,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=2.0, help="target time per case")
     ap.add_argument("--min-iters", type=int, default=5)
     ap.add_argument("--max-iters", type=int, default=200)
-    ap.add_argument("--only", default=",".join(IMPLS), help="subset of " + ",".join(IMPLS))
+    ap.add_argument("--only", default=",".join(DEFAULT_IMPLS), help="subset of " + ",".join(IMPLS))
     ap.add_argument("--membw-bytes", type=int, default=1 << 30,
                     help="membw buffer size; keep it well above the last-level cache")
     ap.add_argument("--timeout", type=float, default=0,
@@ -420,8 +428,8 @@ def main():
                 log(f"{impl}, {n} ranks ...")
                 t0 = time.monotonic()
                 try:
-                    if impl == "gradsync":
-                        results += run_gradsync(args, n, tmp)
+                    if impl.startswith("gradsync"):
+                        results += run_gradsync(args, n, tmp, impl)
                     elif impl == "torch_gloo":
                         results += run_torch_gloo(args, n)
                     else:

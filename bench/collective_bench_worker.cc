@@ -27,6 +27,7 @@ ABSL_FLAG(int, max_iters, 200, "most timed iterations per size");
 ABSL_FLAG(double, seconds, 2.0, "target time per size");
 ABSL_FLAG(int, local_world_size, 0, "ranks on this node (0: all); a smaller value spans daemons");
 ABSL_FLAG(std::string, root_address, "", "host:port of rank 0's daemon (jobs spanning daemons)");
+ABSL_FLAG(bool, elastic, false, "an elastic job (its cross-node ops write members only on success)");
 
 namespace gradsync {
 namespace {
@@ -70,6 +71,7 @@ int Main() {
   client::Placement placement{
       absl::GetFlag(FLAGS_job), world,       rank,
       rank % local_world,       local_world, absl::GetFlag(FLAGS_root_address)};
+  placement.elastic = absl::GetFlag(FLAGS_elastic);
   auto c = client::Client::Connect(absl::GetFlag(FLAGS_socket), placement);
   if (!c.ok()) Die("connect", c.status());
   client::Client& client = **c;

@@ -37,9 +37,11 @@ struct Case {
 };
 
 // Runs one ring over `nodes` nodes (members[node] members each) and checks every buffer.
+// `separate`: each node's result goes to a buffer of its own, its members only read.
 template <typename T>
 void ExpectRing(std::vector<std::unique_ptr<RecordLinks>>& links, const std::vector<int>& members,
-                Case c, int64_t count, size_t segment_bytes, uint64_t seq, int64_t window = 2) {
+                Case c, int64_t count, size_t segment_bytes, uint64_t seq, int64_t window = 2,
+                bool separate = false) {
   const int nodes = static_cast<int>(links.size());
   int total_members = 0;
   for (int node = 0; node < nodes; ++node) total_members += members[node];
@@ -66,6 +68,7 @@ void ExpectRing(std::vector<std::unique_ptr<RecordLinks>>& links, const std::vec
     }
   }
   std::vector<std::vector<std::vector<T>>> data(nodes);
+  std::vector<std::vector<T>> results(nodes, std::vector<T>(static_cast<size_t>(count)));
   std::vector<absl::Status> status(nodes);
   RunOnEach(nodes, [&](int node) {
     std::vector<std::byte*> buffers;
@@ -84,15 +87,25 @@ void ExpectRing(std::vector<std::unique_ptr<RecordLinks>>& links, const std::vec
     spec.op = c.op;
     spec.divisor = total_members;
     spec.count = count;
-    status[node] = RingAllreduce(*links[node], op, spec, buffers);
+    status[node] =
+        RingAllreduce(*links[node], op, spec, buffers,
+                      separate ? reinterpret_cast<std::byte*>(results[node].data()) : nullptr);
   });
   for (int node = 0; node < nodes; ++node) {
     ASSERT_TRUE(status[node].ok()) << "node " << node << ": " << status[node];
+    if (count == 0) continue;
     for (int m = 0; m < members[node]; ++m) {
-      if (count == 0) continue;
-      ASSERT_EQ(std::memcmp(data[node][m].data(), want.data(), count * sizeof(T)), 0)
+      std::vector<T> input(static_cast<size_t>(count));
+      for (int64_t i = 0; i < count; ++i) input[i] = FromInt<T>(c.dtype, Input(node, m, i));
+      ASSERT_EQ(
+          std::memcmp(data[node][m].data(), (separate ? input : want).data(), count * sizeof(T)), 0)
           << "dtype " << c.dtype << " op " << c.op << " count " << count << " segment "
-          << segment_bytes << " node " << node << " member " << m;
+          << segment_bytes << " node " << node << " member " << m << " separate " << separate;
+    }
+    if (separate) {
+      ASSERT_EQ(std::memcmp(results[node].data(), want.data(), count * sizeof(T)), 0)
+          << "dtype " << c.dtype << " op " << c.op << " count " << count << " segment "
+          << segment_bytes << " node " << node << "'s result";
     }
     for (int from = 0; from < nodes; ++from) {
       if (from != node) {
@@ -105,12 +118,13 @@ void ExpectRing(std::vector<std::unique_ptr<RecordLinks>>& links, const std::vec
 TEST(RingAllreduceTest, EveryMemberOfEveryNodeGetsTheExactResultForEveryShape) {
   // Counts below the node count (empty chunks), uneven chunks, segments of one element to
   // whole chunks; nodes with one, two and three members.
-  for (int nodes : {2, 3}) {
+  for (int nodes : {1, 2, 3}) {
     store::MemoryStore store;
     auto links = ConnectAll(&store, nodes, 2 << 20);
     ASSERT_EQ(links.size(), static_cast<size_t>(nodes));
-    const std::vector<int> members =
-        nodes == 2 ? std::vector<int>{2, 1} : std::vector<int>{2, 1, 3};
+    const std::vector<int> members = nodes == 1   ? std::vector<int>{3}
+                                     : nodes == 2 ? std::vector<int>{2, 1}
+                                                  : std::vector<int>{2, 1, 3};
     uint64_t seq = 0;
     for (int64_t count : {0, 1, 2, 5, 4099}) {
       for (size_t segment : {size_t{8}, size_t{256}, size_t{1} << 20}) {
@@ -122,6 +136,11 @@ TEST(RingAllreduceTest, EveryMemberOfEveryNodeGetsTheExactResultForEveryShape) {
         ExpectRing<int8_t>(links, members, {v1::INT8, v1::SUM}, count, segment, ++seq);
         ExpectRing<uint16_t>(links, members, {v1::FLOAT16, v1::SUM}, count, segment, ++seq);
         ExpectRing<uint16_t>(links, members, {v1::BFLOAT16, v1::MEAN}, count, segment, ++seq);
+        // The result in a buffer of its own, the members only read (elastic jobs).
+        ExpectRing<float>(links, members, {v1::FLOAT32, v1::MEAN}, count, segment, ++seq, 2,
+                          /*separate=*/true);
+        ExpectRing<int32_t>(links, members, {v1::INT32, v1::MAX}, count, segment, ++seq, 2,
+                            /*separate=*/true);
         if (::testing::Test::HasFatalFailure()) return;
       }
     }

@@ -108,27 +108,10 @@ class LocalCommunicator final : public core::Communicator {
     }
   }
 
-  // Runs kernel(begin, n) over the elements [0, count), split into parts of whole elements
-  // across the pool when the traffic (`bytes` per member) makes it worth a thread hand-off.
-  // Returns the first part's failure (the kernels check their arguments before writing, so
-  // every part fails alike and nothing is written).
+  // SplitAcross this daemon's pool (`bytes` per member).
   absl::Status Split(int64_t bytes, int64_t count,
                      const std::function<absl::Status(int64_t begin, int64_t n)>& kernel) {
-    // Large ops run on a pool worker, which takes a part itself: one part per worker keeps
-    // every core busy without a straggler part (3 parts on 2 cores take 2/3 of the time, not 1/2).
-    const int parts = static_cast<int>(
-        std::clamp<int64_t>(bytes / min_bytes_per_part_, 1, std::max(1, pool_->size())));
-    if (parts == 1) return kernel(0, count);
-    std::vector<absl::Status> status(parts);
-    pool_->ParallelFor(parts, [&](int part) {
-      const int64_t begin = count * part / parts;
-      const int64_t end = count * (part + 1) / parts;
-      status[part] = kernel(begin, end - begin);
-    });
-    for (absl::Status& s : status) {
-      if (!s.ok()) return s;
-    }
-    return absl::OkStatus();
+    return SplitAcross(pool_, min_bytes_per_part_, bytes, count, kernel);
   }
 
   WorkerPool* const pool_;
@@ -136,6 +119,27 @@ class LocalCommunicator final : public core::Communicator {
 };
 
 }  // namespace
+
+absl::Status SplitAcross(WorkerPool* pool, int64_t min_bytes_per_part, int64_t bytes, int64_t count,
+                         const std::function<absl::Status(int64_t begin, int64_t n)>& kernel) {
+  // Large ops run on a pool worker, which takes a part itself: one part per worker keeps
+  // every core busy without a straggler part (3 parts on 2 cores take 2/3 of the time, not 1/2).
+  const int parts = pool == nullptr
+                        ? 1
+                        : static_cast<int>(std::clamp<int64_t>(bytes / min_bytes_per_part, 1,
+                                                               std::max(1, pool->size())));
+  if (parts == 1) return kernel(0, count);
+  std::vector<absl::Status> status(parts);
+  pool->ParallelFor(parts, [&](int part) {
+    const int64_t begin = count * part / parts;
+    const int64_t end = count * (part + 1) / parts;
+    status[part] = kernel(begin, end - begin);
+  });
+  for (absl::Status& s : status) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ValidateCpuTuning(const CpuTuning& t) {
   auto invalid = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
@@ -194,7 +198,7 @@ absl::StatusOr<std::shared_ptr<core::Communicator>> CpuBackend::CreateCommunicat
                        " spans nodes but this "
                        "daemon has no job store or TCP address to reach its peers"));
     }
-    return std::make_shared<NodesCommunicator>(spec, tuning_);
+    return std::make_shared<NodesCommunicator>(spec, tuning_, pool_);
   }
   if (spec.local_members != spec.members) {
     return absl::FailedPreconditionError(absl::StrCat(

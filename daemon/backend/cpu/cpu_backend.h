@@ -4,6 +4,7 @@
 // over TCP links between the daemons for a group that spans nodes; its tuning.
 
 #include <cstdint>
+#include <functional>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -43,6 +44,14 @@ struct CpuTuning {
   /// survivor reports the loss the same way, whichever link saw it first. 0: no wait.
   absl::Duration await_peer_watch = absl::ZeroDuration();
 };
+
+/// Runs kernel(begin, n) over the elements [0, count), split into parts of whole elements
+/// across `pool` (the caller takes one) when the traffic (`bytes`) makes it worth a thread
+/// hand-off (min_bytes_per_part a part); one part without a pool. Returns the first part's
+/// failure (the kernels check their arguments before writing, so every part fails alike and
+/// nothing is written).
+absl::Status SplitAcross(WorkerPool* pool, int64_t min_bytes_per_part, int64_t bytes, int64_t count,
+                         const std::function<absl::Status(int64_t begin, int64_t n)>& kernel);
 
 /// InvalidArgument naming the first bad field by its flag (--cpu_segment_bytes=...), OK when
 /// the data plane can run with `tuning`.

@@ -70,7 +70,7 @@ absl::StatusOr<const std::byte*> ReceiveSegment(RecordLinks& links, const LinkOp
 class Ring {
  public:
   Ring(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
-       absl::Span<std::byte* const> buffers)
+       absl::Span<std::byte* const> buffers, std::byte* result)
       : links_(links),
         op_(op),
         spec_(spec),
@@ -80,12 +80,15 @@ class Ring {
         segment_(std::max<int64_t>(1, static_cast<int64_t>(op.segment_bytes) / esize_)),
         partial_(spec.op == v1::MEAN ? v1::SUM : spec.op) {
     for (std::byte* b : buffers) views_.push_back({{b, spec.count}});
+    // The running sums and the result: in `result` when given (the buffers only read), else
+    // in the first buffer (and the result in every one).
+    acc_ = result != nullptr ? core::View{{result, spec.count}} : views_[0];
+    separate_ = result != nullptr;
   }
 
   absl::Status Run() {
     if (n_ == 1) {  // nothing to exchange: the members' reduction is the result
-      const std::vector<Slice> all = Members(0);
-      return Reduce(spec_.dtype, spec_.op, spec_.divisor, all, all, spec_.count);
+      return Reduce(spec_.dtype, spec_.op, spec_.divisor, Members(0), Results(0), spec_.count);
     }
     for (int t = 0; t < 2 * (n_ - 1); ++t) GRADSYNC_RETURN_IF_ERROR(Step(t));
     return absl::OkStatus();
@@ -107,6 +110,10 @@ class Ring {
     for (const core::View& v : views_) out.push_back({&v, at});
     return out;
   }
+  // Where finished elements go: the result buffer, or every member.
+  std::vector<Slice> Results(int64_t at) const {
+    return separate_ ? std::vector<Slice>{{&acc_, at}} : Members(at);
+  }
 
   // Step t: reduce-scatter steps 0..n-2 (a node completes chunk me+1), then all-gather steps.
   absl::Status Step(int t) {
@@ -127,15 +134,19 @@ class Ring {
     return absl::OkStatus();
   }
 
-  // `first`: the node's own block, whose members are summed here first.
+  // `first`: the node's own block, whose members are summed here first (one member: sent as
+  // it is).
   absl::Status Send(int t, bool first, int chunk, int64_t k) {
     const auto [b, e] = Bounds(chunk, k);
+    const core::View* from = &acc_;
     if (first && views_.size() > 1) {
-      const Slice into{&views_[0], b};
+      const Slice into{&acc_, b};
       GRADSYNC_RETURN_IF_ERROR(Reduce(spec_.dtype, partial_, 1, Members(b), {&into, 1}, e - b));
+    } else if (first) {
+      from = &views_[0];
     }
     return SendSegment(links_, op_, Mod(me_ + 1), kRing, static_cast<uint32_t>(t),
-                       static_cast<uint64_t>(k), views_[0][0].data + b * esize_,
+                       static_cast<uint64_t>(k), (*from)[0].data + b * esize_,
                        static_cast<size_t>((e - b) * esize_));
   }
 
@@ -149,17 +160,17 @@ class Ring {
     // Read only: core::View names writable runs.
     const core::View received = {{const_cast<std::byte*>(data), e - b}};
     const Slice from_link{&received, 0};
-    if (!scatter) {  // a finished block: into every member
-      return Copy(spec_.dtype, from_link, Members(b), e - b);
+    if (!scatter) {  // a finished block: into every member (or the result)
+      return Copy(spec_.dtype, from_link, Results(b), e - b);
     }
     // Every chunk reaches a node once in the scatter: the peers' sum so far, plus this node's
     // members.
     std::vector<Slice> srcs = Members(b);
     srcs.push_back(from_link);
-    if (last) {  // the result, into every member
-      return Reduce(spec_.dtype, spec_.op, spec_.divisor, srcs, Members(b), e - b);
+    if (last) {  // the result, into every member (or the result)
+      return Reduce(spec_.dtype, spec_.op, spec_.divisor, srcs, Results(b), e - b);
     }
-    const Slice into{&views_[0], b};
+    const Slice into{&acc_, b};
     return Reduce(spec_.dtype, partial_, 1, srcs, {&into, 1}, e - b);
   }
 
@@ -172,6 +183,8 @@ class Ring {
   const int64_t segment_;  // elements
   const v1::ReduceOp partial_;
   std::vector<core::View> views_;  // one per buffer
+  core::View acc_;                 // running sums (and the result when separate_)
+  bool separate_ = false;          // the result goes to acc_ alone
 };
 
 // Segments of `bytes` bytes, and the bounds of segment k.
@@ -190,12 +203,12 @@ size_t SegmentMessageBytes(size_t segment_bytes) {
 }
 
 absl::Status RingAllreduce(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
-                           absl::Span<std::byte* const> buffers) {
+                           absl::Span<std::byte* const> buffers, std::byte* result) {
   if (buffers.empty() || spec.count < 0 || DTypeSize(spec.dtype) <= 0 || op.window < 1) {
     return absl::InvalidArgumentError(
         "ring all-reduce: no buffers, a negative count, an unknown dtype or a window below 1");
   }
-  return Ring(links, op, spec, buffers).Run();
+  return Ring(links, op, spec, buffers, result).Run();
 }
 
 absl::Status LinkBroadcast(RecordLinks& links, const LinkOp& op, int root,

@@ -51,14 +51,18 @@ struct RingSpec {
 /// is written to every member at once, and each block received in the all-gather is copied
 /// from the link into every member.
 ///
+/// With `result` (count elements, overlapping no buffer), the buffers are only read: the
+/// running sums and the result go there instead (a ring cut off leaves the buffers as they
+/// were; the caller copies the result out).
+///
 /// Each block is reduced on one node and sent to the others, so every node ends with the same
-/// bits. On failure the buffers hold partial results and the links' state is undefined: the
-/// caller fails the group. The status keeps the links' code (UNAVAILABLE a link lost,
-/// DEADLINE_EXCEEDED the deadline passed, CANCELLED the links' cancel fd); a peer out of step is
-/// INTERNAL, and so is a spec the kernels cannot reduce (an op that is not a reduction).
-/// Every node of the links must call it for the same op with the same spec.
+/// bits. On failure the buffers (or `result`) hold partial results and the links' state is
+/// undefined: the caller fails the group. The status keeps the links' code (UNAVAILABLE a link
+/// lost, DEADLINE_EXCEEDED the deadline passed, CANCELLED the links' cancel fd); a peer out of step
+/// is INTERNAL, and so is a spec the kernels cannot reduce (an op that is not a reduction). Every
+/// node of the links must call it for the same op with the same spec.
 absl::Status RingAllreduce(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
-                           absl::Span<std::byte* const> buffers);
+                           absl::Span<std::byte* const> buffers, std::byte* result = nullptr);
 
 /// `buffer` of node `root` into `buffer` of every other node: the root sends each segment to
 /// every peer (a tree would spare the root's link on many nodes; groups here span few). Failures

@@ -91,8 +91,9 @@ size_t NodesCommunicator::MinStreamMessageBytes(int64_t inline_bytes) {
          RecordLinks::Padded(static_cast<size_t>(std::max<int64_t>(0, inline_bytes)));
 }
 
-NodesCommunicator::NodesCommunicator(core::CommunicatorSpec spec, const CpuTuning& tuning)
-    : spec_(std::move(spec)), tuning_(tuning) {
+NodesCommunicator::NodesCommunicator(core::CommunicatorSpec spec, const CpuTuning& tuning,
+                                     WorkerPool* pool)
+    : spec_(std::move(spec)), tuning_(tuning), pool_(pool) {
   nodes_ = spec_.member_nodes;
   std::sort(nodes_.begin(), nodes_.end());
   nodes_.erase(std::unique(nodes_.begin(), nodes_.end()), nodes_.end());
@@ -626,14 +627,14 @@ LinkOp NodesCommunicator::LinkOpOf(const core::Collective& op) const {
 
 absl::Status NodesCommunicator::AllreduceAcrossNodes(const core::Collective& op, int64_t n,
                                                      absl::Span<std::byte* const> buffers,
-                                                     bool finish) {
+                                                     bool finish, std::byte* result) {
   RingSpec ring;
   ring.dtype = op.dtype;
   // Unfinished, MEAN sums: the caller divides once at the end, by the group size.
   ring.op = finish || op.reduce_op != v1::MEAN ? op.reduce_op : v1::SUM;
   ring.divisor = op.group_size;
   ring.count = n;
-  return RingAllreduce(*links_, LinkOpOf(op), ring, buffers);
+  return RingAllreduce(*links_, LinkOpOf(op), ring, buffers, result);
 }
 
 absl::Status NodesCommunicator::ReduceIntoScratch(const core::Collective& op, int64_t n) {
@@ -655,9 +656,10 @@ absl::Status NodesCommunicator::RunLarge(const core::Collective& op) {
   switch (op.kind) {
     case v1::ALL_REDUCE: {
       // Contiguous members (the usual case): the ring reduces them in its own passes and
-      // writes each finished block (MEAN divided) to every member. Not in an elastic job, whose
-      // members keep their buffers past a lost node: a ring cut off there would leave them
-      // partial sums.
+      // writes each finished block (MEAN divided) to every member. In an elastic job, whose
+      // members keep their buffers past a lost node (a ring cut off would leave them partial
+      // sums), the ring only reads them: its sums and result go to scratch_, copied to the
+      // members once it is done.
       std::vector<std::byte*> contiguous;
       for (const core::LocalMember& m : op.local) {
         if (m.input.size() == 1 && m.input[0].count == n) contiguous.push_back(m.input[0].data);
@@ -665,8 +667,22 @@ absl::Status NodesCommunicator::RunLarge(const core::Collective& op) {
       if (contiguous.size() == op.local.size() && !spec_.elastic) {
         return AllreduceAcrossNodes(op, n, contiguous, /*finish=*/true);
       }
-      // Fused ops (members' segments), elastic jobs: through one contiguous scratch buffer,
-      // copied to the members once the ring is done.
+      if (contiguous.size() == op.local.size()) {
+        scratch_.resize(static_cast<size_t>(n * esize));
+        GRADSYNC_RETURN_IF_ERROR(
+            AllreduceAcrossNodes(op, n, contiguous, /*finish=*/true, scratch_.data()));
+        const core::View result = {{scratch_.data(), n}};
+        return SplitAcross(pool_, tuning_.min_bytes_per_part,
+                           n * esize * static_cast<int64_t>(op.local.size()), n,
+                           [&](int64_t begin, int64_t k) {
+                             std::vector<Slice> locals;
+                             for (const core::LocalMember& m : op.local) {
+                               locals.push_back({&m.input, begin});
+                             }
+                             return Copy(op.dtype, {&result, begin}, locals, k);
+                           });
+      }
+      // Fused ops (members' segments): through one contiguous scratch buffer.
       GRADSYNC_RETURN_IF_ERROR(ReduceIntoScratch(op, n));
       const core::View scratch = {{scratch_.data(), n}};
       const Slice from{&scratch, 0};

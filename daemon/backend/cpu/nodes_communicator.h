@@ -61,7 +61,10 @@ class RecordLinks;
 class NodesCommunicator final : public core::Communicator {
  public:
   /// `tuning` must be valid (ValidateCpuTuning); if not, every op fails INVALID_ARGUMENT.
-  explicit NodesCommunicator(core::CommunicatorSpec spec, const CpuTuning& tuning = {});
+  /// `pool` (optional; it must outlive this) takes part in copying an elastic job's results
+  /// out to its members.
+  explicit NodesCommunicator(core::CommunicatorSpec spec, const CpuTuning& tuning = {},
+                             WorkerPool* pool = nullptr);
   ~NodesCommunicator() override;
   absl::Status Run(const core::Collective& op) override;
   void RunBatch(absl::Span<const core::Collective* const> ops,
@@ -71,7 +74,8 @@ class NodesCommunicator final : public core::Communicator {
   /// it is in wakes (the record links' cancel fd), and so does every later op, before it writes
   /// anything. The links are closed (the peers see this node gone). A ring all-reduce cut off
   /// mid-way leaves partial sums in its members' buffers, as a link lost there does, unless the
-  /// job is elastic (spec.elastic: the ring then runs in scratch_, copied out on success).
+  /// job is elastic (spec.elastic: the ring then keeps its sums in scratch_, copied out on
+  /// success).
   void Abort(const absl::Status& status) override;
 
   /// The smallest stream message that holds an op travelling inline with `inline_bytes` of
@@ -134,10 +138,12 @@ class NodesCommunicator final : public core::Communicator {
   absl::Status RunLarge(const core::Collective& op);
   LinkOp LinkOpOf(const core::Collective& op) const;
   // All-reduces n elements of `buffers` (the local members') across the nodes, over the record
-  // links (link_collectives.h), leaving the result in every one of them: the op's reduction
-  // when `finish`, else MEAN as SUM (the caller divides).
+  // links (link_collectives.h), leaving the result in every one of them (or, given `result`,
+  // there alone, the buffers only read): the op's reduction when `finish`, else MEAN as SUM
+  // (the caller divides).
   absl::Status AllreduceAcrossNodes(const core::Collective& op, int64_t n,
-                                    absl::Span<std::byte* const> buffers, bool finish);
+                                    absl::Span<std::byte* const> buffers, bool finish,
+                                    std::byte* result = nullptr);
   // Reduces the local members' inputs [0, n) into scratch_, then all-reduces it.
   absl::Status ReduceIntoScratch(const core::Collective& op, int64_t n);
   std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..."
@@ -146,6 +152,7 @@ class NodesCommunicator final : public core::Communicator {
 
   const core::CommunicatorSpec spec_;
   const CpuTuning tuning_;
+  WorkerPool* const pool_;
   std::vector<std::string> nodes_;  // the group's nodes, sorted (link index)
   std::vector<int> node_of_group_rank_;
   std::vector<int> members_on_node_;  // by node index
