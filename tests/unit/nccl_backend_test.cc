@@ -849,9 +849,12 @@ TEST_F(NcclBackendTest, ARestartedJobReusesCommunicatorsKeptOnItsNode) {
   ASSERT_TRUE((*keeping.CreateCommunicator(other))->Run(AllReduce({{0, 1}}, 1)).ok());
   EXPECT_EQ(gpu.Aborts(), 4);
   keeping.JobEnded("k");
-  // Nobody comes back: kept communicators go when their time is up.
+  // Nobody comes back: kept communicators go when their time is up (aborted, then their
+  // streams closed: both are awaited).
   const absl::Time give_up = absl::Now() + absl::Seconds(5);
-  while (gpu.Aborts() < 5 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  while ((gpu.Aborts() < 5 || gpu.StreamsOpen() != 0) && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
   EXPECT_EQ(gpu.Aborts(), 5);
   EXPECT_EQ(gpu.StreamsOpen(), 0);
   ASSERT_TRUE((*keeping.CreateCommunicator(Spec({0, 1}, 2, "0,1")))
