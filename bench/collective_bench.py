@@ -211,8 +211,9 @@ def run_gradsync(args, n, tmp, impl="gradsync"):
                     [worker_bin, f"--socket={socks[r // local]}", f"--job={job}",
                      f"--world_size={n}", f"--rank={r}", "--sizes=" + ",".join(map(str, sizes)),
                      f"--min_iters={args.min_iters}", f"--max_iters={args.max_iters}",
-                     f"--seconds={args.seconds:g}", "--elastic=" + ("true" if impl == "gradsync_elastic" else "false")]
-                    + extra, stdout=out, stderr=err))
+                     f"--seconds={args.seconds:g}",
+                     "--elastic=" + ("true" if impl == "gradsync_elastic" else "false")] + extra,
+                    stdout=out, stderr=err))
         try:
             wait_all(procs, args.timeout)
         except RuntimeError as e:

@@ -27,7 +27,8 @@ ABSL_FLAG(int, max_iters, 200, "most timed iterations per size");
 ABSL_FLAG(double, seconds, 2.0, "target time per size");
 ABSL_FLAG(int, local_world_size, 0, "ranks on this node (0: all); a smaller value spans daemons");
 ABSL_FLAG(std::string, root_address, "", "host:port of rank 0's daemon (jobs spanning daemons)");
-ABSL_FLAG(bool, elastic, false, "an elastic job (its cross-node ops write members only on success)");
+ABSL_FLAG(bool, elastic, false,
+          "an elastic job (its cross-node ops write members only on success)");
 
 namespace gradsync {
 namespace {

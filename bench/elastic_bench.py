@@ -11,14 +11,14 @@ Per repetition: N daemons, N trainers of a fresh elastic job; once every trainer
 steps the last node is lost: its daemon and trainer killed (kill), its daemon stopped
 (freeze: SIGSTOP, the kernel still ACKs its links), or its link cut (cut: each daemon in a
 network namespace of its own, on a bridge, as tests/faults/netlab.py lays them out; the lost
-node's switch port is set down, nothing tells either side; needs root). The figure, per survivor: seconds from the
-fault to its first completed step on the new membership (world N-1), read from the step lines
-the trainers print (time.time() on the same machine). `replace`: after a kill, once the
-survivors train as N-1, a new daemon and a trainer started with GRADSYNC_JOIN=1 (a replacement
-node): the figure is the seconds from that trainer's process start until every rank has
-completed a step with N ranks again (the joiner having received rank 0's state), and, in
-brackets, the same from the moment its Python, torch and gradsync were loaded. The peer: the same N-1 trainers started
-afresh as a new job (new processes: Python, torch, gradsync.init, formation, the first step),
+node's switch port is set down, nothing tells either side; needs root). The figure, per
+survivor: seconds from the fault to its first completed step on the new membership (world N-1),
+read from the step lines the trainers print (time.time() on the same machine). `replace`: after
+a kill, once the survivors train as N-1, a new daemon and a trainer started with
+GRADSYNC_JOIN=1 (a replacement node): the figure is the seconds from that trainer's process
+start until every rank has completed a step with N ranks again (the joiner having received rank
+0's state), and, in brackets, the same from the moment its Python, torch and gradsync were
+loaded. The peer: the same N-1 trainers started afresh as a new job (new processes: Python, torch, gradsync.init, formation, the first step),
 the least a restart of the job's trainers costs before any checkpoint is loaded; torchrun
 must first notice the failure too, which this does not count. Ratio: resume / restart.
 """

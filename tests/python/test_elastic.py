@@ -493,7 +493,8 @@ def test_a_change_during_a_pack_plan_exchange(tmp, three_daemons):
     """Packed reductions: ranks 1 and 2 wait in the store for rank 0's first pack plan when rank
     0's trainer is killed (its daemon, the job's root, lives). A store wait is no op, so the
     loss does not fail it: the waiters look for a decision between slices of their wait (not
-    at the plan's timeout, DEADLINE_EXCEEDED) and go on as ranks 0 and 1, the new rank 0 making the plan."""
+    at the plan's timeout, DEADLINE_EXCEEDED) and go on as ranks 0 and 1, the new rank 0
+    making the plan."""
     d0, d1, d2 = three_daemons
     steps = 10
     ranks = launch(tmp, [d0, d1, d2], "elastic-plan", lambda r: [WORKER, str(steps), "0.05"],

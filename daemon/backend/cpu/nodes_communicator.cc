@@ -650,6 +650,19 @@ absl::Status NodesCommunicator::ReduceIntoScratch(const core::Collective& op, in
   return AllreduceAcrossNodes(op, n, {&buffer, 1}, /*finish=*/false);
 }
 
+absl::Status NodesCommunicator::ScratchToMembers(const core::Collective& op, int64_t n,
+                                                 bool finished) {
+  const core::View scratch = {{scratch_.data(), n}};
+  const int64_t bytes = n * DTypeSize(op.dtype) * static_cast<int64_t>(op.local.size());
+  return SplitAcross(pool_, tuning_.min_bytes_per_part, bytes, n, [&](int64_t begin, int64_t k) {
+    const Slice from{&scratch, begin};
+    std::vector<Slice> locals;
+    for (const core::LocalMember& m : op.local) locals.push_back({&m.input, begin});
+    return finished ? Copy(op.dtype, from, locals, k)
+                    : Reduce(op.dtype, op.reduce_op, op.group_size, {&from, 1}, locals, k);
+  });
+}
+
 absl::Status NodesCommunicator::RunLarge(const core::Collective& op) {
   const int64_t esize = DTypeSize(op.dtype);
   const int64_t n = op.count;
@@ -664,31 +677,16 @@ absl::Status NodesCommunicator::RunLarge(const core::Collective& op) {
       for (const core::LocalMember& m : op.local) {
         if (m.input.size() == 1 && m.input[0].count == n) contiguous.push_back(m.input[0].data);
       }
-      if (contiguous.size() == op.local.size() && !spec_.elastic) {
-        return AllreduceAcrossNodes(op, n, contiguous, /*finish=*/true);
-      }
       if (contiguous.size() == op.local.size()) {
+        if (!spec_.elastic) return AllreduceAcrossNodes(op, n, contiguous, /*finish=*/true);
         scratch_.resize(static_cast<size_t>(n * esize));
         GRADSYNC_RETURN_IF_ERROR(
             AllreduceAcrossNodes(op, n, contiguous, /*finish=*/true, scratch_.data()));
-        const core::View result = {{scratch_.data(), n}};
-        return SplitAcross(pool_, tuning_.min_bytes_per_part,
-                           n * esize * static_cast<int64_t>(op.local.size()), n,
-                           [&](int64_t begin, int64_t k) {
-                             std::vector<Slice> locals;
-                             for (const core::LocalMember& m : op.local) {
-                               locals.push_back({&m.input, begin});
-                             }
-                             return Copy(op.dtype, {&result, begin}, locals, k);
-                           });
+        return ScratchToMembers(op, n, /*finished=*/true);
       }
       // Fused ops (members' segments): through one contiguous scratch buffer.
       GRADSYNC_RETURN_IF_ERROR(ReduceIntoScratch(op, n));
-      const core::View scratch = {{scratch_.data(), n}};
-      const Slice from{&scratch, 0};
-      std::vector<Slice> locals;
-      for (const core::LocalMember& m : op.local) locals.push_back({&m.input, 0});
-      return Reduce(op.dtype, op.reduce_op, op.group_size, {&from, 1}, locals, n);
+      return ScratchToMembers(op, n, /*finished=*/false);
     }
     case v1::BROADCAST: {
       scratch_.resize(static_cast<size_t>(n * esize));

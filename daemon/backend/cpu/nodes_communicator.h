@@ -146,6 +146,10 @@ class NodesCommunicator final : public core::Communicator {
                                     std::byte* result = nullptr);
   // Reduces the local members' inputs [0, n) into scratch_, then all-reduces it.
   absl::Status ReduceIntoScratch(const core::Collective& op, int64_t n);
+  // scratch_[0, n) into every local member's input, split across the pool: as it is when
+  // `finished` (the ring's result), else through the op's reduction of one source (MEAN
+  // divides the ring's sums by the group size).
+  absl::Status ScratchToMembers(const core::Collective& op, int64_t n, bool finished);
   std::string PeersWithRanks() const;  // "node h:p (ranks 2,3); node ..."
   // A message buffer (tuning_.stream_message_bytes) for sending, reused across stages.
   std::unique_ptr<std::byte[]> TakeSendMemory();
