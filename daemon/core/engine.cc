@@ -8,6 +8,7 @@
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_id.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "daemon/core/inspect.h"
@@ -153,6 +154,11 @@ absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vecto
     spec.run = job.run;
     spec.elastic = job.elastic;
     spans_nodes = spec.local_members.size() != members.size();
+    if (job.elastic && spans_nodes && static_cast<int>(members.size()) == job.world_size) {
+      absl::StatusOr<std::string> home = ElasticBase(job.id, job.epoch);
+      if (home.ok()) spec.elastic_home = *std::move(home);
+      spec.epoch = job.epoch;
+    }
   } else {
     for (size_t i = 0; i < members.size(); ++i) local_group_ranks.push_back(static_cast<int>(i));
   }

@@ -4,6 +4,7 @@ lost rank and node, they reset to the new membership (contiguous ranks, the new 
 their state restored and synced, and train on; their parameters end identical."""
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -85,6 +86,14 @@ def _lose_node(ranks, daemon, k, survivors, at_step):
         _stop([], ranks)
 
 
+def _relinked(log, job):
+    """(links taken over, links of the group) that the daemon's log says `job`'s world group
+    took over from an earlier epoch; None when it logged none."""
+    found = re.findall(r"job=%s group=\S+: (\d+) of (\d+) links taken over" % re.escape(job), log)
+    assert len(found) <= 1, found
+    return tuple(int(x) for x in found[0]) if found else None
+
+
 def _wait_job_gone(daemon, job):
     """Until the daemon's store holds no key of `job` (bounded), then asserts it."""
     deadline = time.monotonic() + 20
@@ -132,6 +141,8 @@ def test_a_node_lost_mid_training_the_survivors_go_on_with_the_new_membership(
     for log in logs:
         assert "job=elastic-%s.e1" % fault in log, log[-3000:]
         assert "could not be recorded" not in log, log[-3000:]
+        # The survivors' world group took their link over: only the lost node's pairs went.
+        assert _relinked(log, "elastic-%s.e1" % fault) == (1, 1), log[-3000:]
     assert sum("membership changed, epoch 0 -> 1: world 3 -> 2" in log for log in logs) == 1, logs
     assert sum("decision recorded by another daemon stands" in log for log in logs) <= 1, logs
 
@@ -210,6 +221,10 @@ def test_two_changes_in_a_row(tmp, monkeypatch):
         assert [c["lost_ranks"] for c in result["changes"]] == [[3], [2]], result
         assert result["resets"] == [3, 2], result
     assert done[0]["params"] == done[1]["params"]
+    for d in ds[:2]:  # each change re-linked only the lost node's pairs
+        log = open(d.log).read()
+        assert _relinked(log, "elastic-twice.e1") == (2, 2), log[-3000:]
+        assert _relinked(log, "elastic-twice.e2") == (1, 1), log[-3000:]
 
 
 def _survivors_stop(tmp, daemons, job, victim, env, want):
@@ -357,6 +372,12 @@ def test_a_replacement_node_joins_and_the_world_grows_back(tmp, monkeypatch, whe
     assert (joined["rank"], joined["world"], joined["step"], joined["epoch"]) == (
         2, 3, steps, 2), joined
     assert joined["changes"] == [] and joined["resets"] == [], joined
+    # The survivors kept their pair through both changes; the joiner's pairs were made.
+    for d in ds[:2]:
+        log = open(d.log).read()
+        assert _relinked(log, job + ".e1") == (1, 1), log[-3000:]
+        assert _relinked(log, job + ".e2") == (1, 2), log[-3000:]
+    assert _relinked(open(ds[3].log).read(), job + ".e2") is None
     assert done[0]["params"] == done[1]["params"] == joined["params"]
 
 

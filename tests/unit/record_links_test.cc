@@ -351,3 +351,234 @@ TEST(RecordLinksHandshakeTest, ACancelFdEndsAWaitForAPeerAtOnce) {
 
 }  // namespace
 }  // namespace gradsync::backend::cpu
+
+namespace gradsync::backend::cpu {
+namespace {
+
+// One "daemon" per node: its own park. Epoch `epoch` of job "j" over `nodes` (indices into
+// kNodes), connected on one thread per node; links[i] is node nodes[i]'s (all must connect).
+std::vector<std::unique_ptr<RecordLinks>> ConnectEpoch(gradsync::Store* store,
+                                                       std::vector<LinkPark>& parks,
+                                                       const std::vector<int>& nodes, int epoch) {
+  const int n = static_cast<int>(nodes.size());
+  std::vector<std::unique_ptr<RecordLinks>> links(n);
+  std::vector<absl::Status> status(n);
+  RunOnEach(n, [&](int me) {
+    RecordLinks::Spec spec = SpecOf(store, me, n, absl::StrCat("e", epoch, "/"));
+    spec.nodes.clear();
+    for (int i : nodes) spec.nodes.push_back(kNodes[i]);
+    spec.park = &parks[nodes[me]];
+    spec.home = "j";
+    spec.epoch = epoch;
+    auto l = RecordLinks::Connect(std::move(spec), absl::Now() + absl::Seconds(20));
+    status[me] = l.status();
+    if (l.ok()) links[me] = *std::move(l);
+  });
+  for (int i = 0; i < n; ++i) EXPECT_TRUE(status[i].ok()) << i << ": " << status[i];
+  return links;
+}
+
+// Every node sends each peer `count` messages and reads the peers' back, checking each byte.
+void ExchangeChecked(std::vector<std::unique_ptr<RecordLinks>>& links, int count) {
+  const int n = static_cast<int>(links.size());
+  RunOnEach(n, [&](int me) {
+    for (int k = 0; k < count; ++k) {
+      ASSERT_TRUE(links[me]->Send(Message(me, k, 5000 + k), absl::Now() + absl::Seconds(20)).ok());
+    }
+    for (int from = 0; from < n; ++from) {
+      if (from == me) continue;
+      for (int k = 0; k < count; ++k) {
+        auto got = links[me]->Receive(from, absl::Now() + absl::Seconds(20));
+        ASSERT_TRUE(got.ok()) << "node " << me << " from " << from << ": " << got.status();
+        const std::vector<std::byte> want = Message(from, k, 5000 + k);
+        ASSERT_EQ(got->size(), want.size());
+        ASSERT_EQ(std::memcmp(got->data(), want.data(), want.size()), 0);
+      }
+    }
+  });
+}
+
+TEST(RecordLinksParkTest, TheNextEpochTakesEveryKeptConnectionOverPastWhatTheOldOneLeftUnread) {
+  store::MemoryStore store;
+  std::vector<LinkPark> parks(3);
+  auto old = ConnectEpoch(&store, parks, {0, 1, 2}, 1);
+  ASSERT_EQ(old.size(), 3u);
+  ExchangeChecked(old, 2);
+  // Left in the streams, never read: whole messages, and bytes of the old framing that a
+  // reader of the new epoch would take for a frame header.
+  for (int me = 0; me < 3; ++me) {
+    ASSERT_TRUE(old[me]->Send(Message(me, 9, 300000), absl::Now() + absl::Seconds(20)).ok());
+    std::vector<std::byte> fake(64, std::byte{0x01});
+    ASSERT_TRUE(old[me]->Send(fake, absl::Now() + absl::Seconds(20)).ok());
+  }
+  // Node 1 read part of what node 0 sent: its receive buffer is dropped with the epoch.
+  ASSERT_TRUE(old[1]->Receive(0, absl::Now() + absl::Seconds(20)).ok());
+  for (auto& l : old) l->Park();
+  EXPECT_EQ(parks[0].size(), 2u);
+  EXPECT_EQ(parks[1].size(), 2u);
+  EXPECT_EQ(parks[2].size(), 2u);
+  old.clear();
+
+  auto next = ConnectEpoch(&store, parks, {0, 1, 2}, 2);
+  ASSERT_EQ(next.size(), 3u);
+  for (int me = 0; me < 3; ++me) {
+    EXPECT_EQ(next[me]->adopted(), 2) << me;
+    EXPECT_EQ(parks[me].size(), 0u) << me;
+  }
+  ExchangeChecked(next, 3);
+  // And a bulk exchange both ways at once over the connections taken over.
+  RunOnEach(2, [&](int me) {
+    for (int k = 0; k < 16; ++k) {
+      ASSERT_TRUE(next[me]
+                      ->SendTo(1 - me, {absl::Span<const std::byte>(Message(me, k, 1 << 20))},
+                               absl::Now() + absl::Seconds(60))
+                      .ok());
+    }
+    for (int k = 0; k < 16; ++k) {
+      auto got = next[me]->Receive(1 - me, absl::Now() + absl::Seconds(60));
+      ASSERT_TRUE(got.ok()) << got.status();
+      const std::vector<std::byte> want = Message(1 - me, k, 1 << 20);
+      ASSERT_EQ(got->size(), want.size());
+      ASSERT_EQ(std::memcmp(got->data(), want.data(), want.size()), 0) << k;
+    }
+  });
+}
+
+TEST(RecordLinksParkTest, APeerStillInTheOldEpochFailsAtOnceWhenTheOtherEndParks) {
+  store::MemoryStore store;
+  std::vector<LinkPark> parks(3);
+  auto old = ConnectEpoch(&store, parks, {0, 1}, 1);
+  ASSERT_EQ(old.size(), 2u);
+  ASSERT_TRUE(old[0]->Send(Message(0, 0, 100), absl::Now() + absl::Seconds(20)).ok());
+  old[0]->Park();
+  auto first = old[1]->Receive(0, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(first.ok()) << first.status();  // sent before: read
+  const absl::Time start = absl::Now();
+  auto next = old[1]->Receive(0, absl::Now() + absl::Seconds(20));
+  ASSERT_FALSE(next.ok());
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kUnavailable) << next.status();
+  EXPECT_TRUE(absl::StrContains(next.status().message(), "ended")) << next.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // not its deadline
+  // It parks too (the end mark is no fault of the connection): the next epoch takes it over.
+  old[1]->Park();
+  old.clear();
+  auto epoch2 = ConnectEpoch(&store, parks, {0, 1}, 2);
+  ASSERT_EQ(epoch2.size(), 2u);
+  EXPECT_EQ(epoch2[0]->adopted(), 1);
+  EXPECT_EQ(epoch2[1]->adopted(), 1);
+  ExchangeChecked(epoch2, 2);
+}
+
+TEST(RecordLinksParkTest, APeerBlockedSendingToANodeThatParksFailsAtOnceNotAtItsDeadline) {
+  store::MemoryStore store;
+  std::vector<LinkPark> parks(2);
+  auto old = ConnectEpoch(&store, parks, {0, 1}, 1);
+  ASSERT_EQ(old.size(), 2u);
+  absl::Status sent;
+  absl::Duration took;
+  std::thread sender([&] {  // far more than the sockets hold: blocks, node 0 reading nothing
+    const absl::Time start = absl::Now();
+    sent = old[1]->SendTo(0, {absl::Span<const std::byte>(Message(1, 0, 64 << 20))},
+                          absl::Now() + absl::Seconds(30));
+    took = absl::Now() - start;
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  old[0]->Park();
+  sender.join();
+  EXPECT_EQ(sent.code(), absl::StatusCode::kUnavailable) << sent;
+  EXPECT_TRUE(absl::StrContains(sent.message(), "ended")) << sent;
+  EXPECT_LT(took, absl::Seconds(20));
+  // Its message went out in part: node 1 closes that stream, and the next epoch makes the pair
+  // afresh on both ends.
+  old[1]->Park();
+  EXPECT_EQ(parks[1].size(), 0u);
+  old.clear();
+  auto next = ConnectEpoch(&store, parks, {0, 1}, 2);
+  ASSERT_EQ(next.size(), 2u);
+  EXPECT_EQ(next[0]->adopted(), 0);
+  EXPECT_EQ(next[1]->adopted(), 0);
+  ExchangeChecked(next, 2);
+}
+
+TEST(RecordLinksParkTest, OnlyPairsBothOfWhoseEndsKeptTheConnectionTakeItOverTheOthersConnect) {
+  store::MemoryStore store;
+  std::vector<LinkPark> parks(3);
+  auto old = ConnectEpoch(&store, parks, {0, 1, 2}, 1);
+  ASSERT_EQ(old.size(), 3u);
+  // Node 0 cuts a message to node 1 in half (node 1 does not read; the send gives up at its
+  // deadline): that stream cannot go on, so node 0 does not keep it.
+  const absl::Status cut = old[0]->SendTo(1, {absl::Span<const std::byte>(Message(0, 0, 64 << 20))},
+                                          absl::Now() + absl::Milliseconds(300));
+  ASSERT_EQ(cut.code(), absl::StatusCode::kDeadlineExceeded) << cut;
+  for (auto& l : old) l->Park();
+  EXPECT_EQ(parks[0].size(), 1u);  // to node 2 only
+  EXPECT_EQ(parks[1].size(), 2u);  // node 1 keeps its end: node 0's decides
+  // Node 2 lost what it kept (restarted, say): nothing of node 2 is taken over either.
+  (void)parks[2].Take("j");
+  old.clear();
+  auto next = ConnectEpoch(&store, parks, {0, 1, 2}, 2);
+  ASSERT_EQ(next.size(), 3u);
+  for (int me = 0; me < 3; ++me) EXPECT_EQ(next[me]->adopted(), 0) << me;
+  ExchangeChecked(next, 2);
+
+  // A third epoch: everything was made afresh or taken over at the second, so all is kept.
+  for (auto& l : next) l->Park();
+  next.clear();
+  auto third = ConnectEpoch(&store, parks, {0, 1, 2}, 3);
+  ASSERT_EQ(third.size(), 3u);
+  for (int me = 0; me < 3; ++me) EXPECT_EQ(third[me]->adopted(), 2) << me;
+  ExchangeChecked(third, 2);
+}
+
+TEST(RecordLinksParkTest, ALossAndAJoinRelinkOnlyThePairsTheyChange) {
+  store::MemoryStore store;
+  std::vector<LinkPark> parks(3);
+  auto old = ConnectEpoch(&store, parks, {0, 1, 2}, 1);
+  ASSERT_EQ(old.size(), 3u);
+  // Node 1 is lost: nodes 0 and 2 go on; the pair 0-2 is taken over.
+  old[0]->Park();
+  old[2]->Park();
+  old.clear();
+  auto shrunk = ConnectEpoch(&store, parks, {0, 2}, 2);
+  ASSERT_EQ(shrunk.size(), 2u);
+  EXPECT_EQ(shrunk[0]->adopted(), 1);
+  EXPECT_EQ(shrunk[1]->adopted(), 1);
+  EXPECT_EQ(parks[0].size(), 0u);  // node 0's end to node 1 was closed at the take
+  ExchangeChecked(shrunk, 2);
+  // A node joins (at node 1's place, with nothing kept): its pairs are made, 0-2 kept again.
+  for (auto& l : shrunk) l->Park();
+  shrunk.clear();
+  (void)parks[1].Take("j");
+  auto grown = ConnectEpoch(&store, parks, {0, 1, 2}, 3);
+  ASSERT_EQ(grown.size(), 3u);
+  EXPECT_TRUE(grown[0]->Adopted(2));
+  EXPECT_FALSE(grown[0]->Adopted(1));
+  EXPECT_EQ(grown[1]->adopted(), 0);
+  EXPECT_TRUE(grown[2]->Adopted(0));
+  EXPECT_FALSE(grown[2]->Adopted(1));
+  ExchangeChecked(grown, 2);
+}
+
+TEST(LinkParkTest, KeepsTheLatestEpochsLinkPerPeerForItsTimeOnly) {
+  auto fd = [] { return UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)); };
+  LinkPark park;
+  park.Put("j", "a", {fd(), "two", 2, {}});
+  park.Put("j", "a", {fd(), "one", 1, {}});  // older: closed
+  park.Put("j", "b", {fd(), "b1", 1, {}});
+  park.Put("k", "a", {fd(), "k", 5, {}});
+  EXPECT_EQ(park.size(), 3u);
+  auto taken = park.Take("j");
+  ASSERT_EQ(taken.size(), 2u);
+  EXPECT_EQ(taken["a"].id, "two");
+  EXPECT_GE(taken["a"].fd.get(), 0);
+  EXPECT_EQ(taken["b"].id, "b1");
+  EXPECT_TRUE(park.Take("j").empty());
+  EXPECT_EQ(park.size(), 1u);
+
+  LinkPark brief(absl::ZeroDuration());
+  brief.Put("j", "a", {fd(), "x", 1, {}});
+  EXPECT_TRUE(brief.Take("j").empty());  // past its time: closed at the next call
+}
+
+}  // namespace
+}  // namespace gradsync::backend::cpu

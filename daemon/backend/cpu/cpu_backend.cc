@@ -13,6 +13,7 @@
 #include "common/logging.h"
 #include "daemon/backend/cpu/kernels.h"
 #include "daemon/backend/cpu/nodes_communicator.h"
+#include "daemon/backend/cpu/record_links.h"
 
 namespace gradsync::backend::cpu {
 namespace {
@@ -179,7 +180,8 @@ absl::Status ValidateCpuTuning(const CpuTuning& t) {
   return absl::OkStatus();
 }
 
-CpuBackend::CpuBackend(WorkerPool* pool, const CpuTuning& tuning) : pool_(pool), tuning_(tuning) {
+CpuBackend::CpuBackend(WorkerPool* pool, const CpuTuning& tuning)
+    : pool_(pool), tuning_(tuning), park_(std::make_shared<LinkPark>()) {
   Log()->info(
       "cpu data plane tuning inline_max_bytes={} segment_bytes={} window_segments={} "
       "max_stage_ops={} stream_message_bytes={} stream_flush_bytes={} peer_grace={} "
@@ -198,7 +200,7 @@ absl::StatusOr<std::shared_ptr<core::Communicator>> CpuBackend::CreateCommunicat
                        " spans nodes but this "
                        "daemon has no job store or TCP address to reach its peers"));
     }
-    return std::make_shared<NodesCommunicator>(spec, tuning_, pool_);
+    return std::make_shared<NodesCommunicator>(spec, tuning_, pool_, park_);
   }
   if (spec.local_members != spec.members) {
     return absl::FailedPreconditionError(absl::StrCat(

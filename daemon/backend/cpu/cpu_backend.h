@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -12,6 +13,8 @@
 #include "daemon/core/backend.h"
 
 namespace gradsync::backend::cpu {
+
+class LinkPark;
 
 /// The CPU data plane's tuning: gradsyncd's --cpu_* flags (config.cc), logged at start. The
 /// defaults were chosen by measurement; the flags are for benchmarking, not for everyday use.
@@ -74,6 +77,8 @@ class CpuBackend final : public core::Backend {
  private:
   WorkerPool* const pool_;
   const CpuTuning tuning_;
+  // The connections elastic jobs' world groups keep for their next epoch on this daemon.
+  const std::shared_ptr<LinkPark> park_;
 };
 
 }  // namespace gradsync::backend::cpu

@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "daemon/backend/cpu/kernels.h"
 #include "daemon/backend/cpu/link_collectives.h"
@@ -19,6 +20,8 @@
 
 namespace gradsync::backend::cpu {
 namespace {
+
+auto Log() { return logging::Logger("cpu"); }
 
 // Send buffers a communicator keeps between stages (a 200 x 40 KiB batch takes about 30).
 constexpr size_t kKeptSendMessages = 32;
@@ -92,8 +95,8 @@ size_t NodesCommunicator::MinStreamMessageBytes(int64_t inline_bytes) {
 }
 
 NodesCommunicator::NodesCommunicator(core::CommunicatorSpec spec, const CpuTuning& tuning,
-                                     WorkerPool* pool)
-    : spec_(std::move(spec)), tuning_(tuning), pool_(pool) {
+                                     WorkerPool* pool, std::shared_ptr<LinkPark> park)
+    : spec_(std::move(spec)), tuning_(tuning), pool_(pool), park_(std::move(park)) {
   nodes_ = spec_.member_nodes;
   std::sort(nodes_.begin(), nodes_.end());
   nodes_.erase(std::unique(nodes_.begin(), nodes_.end()), nodes_.end());
@@ -118,7 +121,13 @@ NodesCommunicator::NodesCommunicator(core::CommunicatorSpec spec, const CpuTunin
   }
 }
 
-NodesCommunicator::~NodesCommunicator() = default;
+NodesCommunicator::~NodesCommunicator() { ReleaseLinks(); }
+
+void NodesCommunicator::ReleaseLinks() {
+  if (links_) links_->Park();
+  streams_.clear();
+  links_.reset();
+}
 
 void NodesCommunicator::Abort(const absl::Status& status) {
   {
@@ -172,6 +181,11 @@ absl::Status NodesCommunicator::Connect(absl::Time deadline) {
       std::max(static_cast<size_t>(tuning_.stream_message_bytes),
                SegmentMessageBytes(static_cast<size_t>(tuning_.segment_bytes)));
   links.cancel_fd = cancel_fd_.get();
+  if (park_ != nullptr && !spec_.elastic_home.empty()) {
+    links.park = park_.get();
+    links.home = spec_.elastic_home;
+    links.epoch = spec_.epoch;
+  }
   absl::StatusOr<std::unique_ptr<RecordLinks>> connected =
       RecordLinks::Connect(std::move(links), deadline);
   if (!connected.ok()) {
@@ -181,6 +195,10 @@ absl::Status NodesCommunicator::Connect(absl::Time deadline) {
   }
   links_ = *std::move(connected);
   streams_.assign(nodes_.size(), PeerStream{});
+  if (const int kept = links_->adopted(); kept > 0) {
+    Log()->info("job={} group={}: {} of {} links taken over from an earlier epoch, the rest made",
+                spec_.job, spec_.group, kept, nodes_.size() - 1);
+  }
   return absl::OkStatus();
 }
 
@@ -199,8 +217,7 @@ absl::Status NodesCommunicator::FailLink(const core::Collective& op, const absl:
     // still open so that no peer takes our closing them for a loss of ours.
     (void)sock::WaitFor(cancel_fd_.get(), POLLIN, absl::Now() + tuning_.await_peer_watch);
   }
-  streams_.clear();
-  links_.reset();
+  ReleaseLinks();
   if (absl::Status aborted = Aborted(); !aborted.ok()) {
     broken_ = aborted;
     return Labeled(op, aborted);

@@ -21,6 +21,7 @@
 
 namespace gradsync::backend::cpu {
 
+class LinkPark;
 class RecordLinks;
 
 /// Collectives of a group whose members sit on several nodes, hierarchically: the local
@@ -62,9 +63,10 @@ class NodesCommunicator final : public core::Communicator {
  public:
   /// `tuning` must be valid (ValidateCpuTuning); if not, every op fails INVALID_ARGUMENT.
   /// `pool` (optional; it must outlive this) takes part in copying an elastic job's results
-  /// out to its members.
+  /// out to its members. `park` (optional): where a group with spec.elastic_home takes its
+  /// links over from the epoch before and leaves them at its end (RecordLinks::Spec::park).
   explicit NodesCommunicator(core::CommunicatorSpec spec, const CpuTuning& tuning = {},
-                             WorkerPool* pool = nullptr);
+                             WorkerPool* pool = nullptr, std::shared_ptr<LinkPark> park = nullptr);
   ~NodesCommunicator() override;
   absl::Status Run(const core::Collective& op) override;
   void RunBatch(absl::Span<const core::Collective* const> ops,
@@ -93,6 +95,8 @@ class NodesCommunicator final : public core::Communicator {
   absl::Status Unrunnable(const core::Collective& op) const;
   absl::Status Aborted() const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Connect(absl::Time deadline);
+  // Closes the links, leaving the sound ones to the next epoch where the group keeps them.
+  void ReleaseLinks();
   // The status of an op reached after the group's link failed.
   absl::Status BrokenStatus(const core::Collective& op) const;
   // Records that `op` failed on the link (`error`, as the links or a collective returned it):
@@ -157,6 +161,7 @@ class NodesCommunicator final : public core::Communicator {
   const core::CommunicatorSpec spec_;
   const CpuTuning tuning_;
   WorkerPool* const pool_;
+  const std::shared_ptr<LinkPark> park_;
   std::vector<std::string> nodes_;  // the group's nodes, sorted (link index)
   std::vector<int> node_of_group_rank_;
   std::vector<int> members_on_node_;  // by node index

@@ -22,6 +22,7 @@
 #include <map>
 #include <new>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/random_hex.h"
@@ -64,6 +65,8 @@ constexpr size_t kMaxBufferedBytes = size_t{256} << 20;
 // A frame: its length (8 bytes, then zeros to kAlign) and the message. kAlign bytes, so messages
 // whose size is a multiple of kAlign keep their bytes kAlign-aligned in the buffers.
 constexpr size_t kFrameHeader = RecordLinks::kAlign;
+// A frame header whose length is this is a node's last word on a stream it parks (Park).
+constexpr uint64_t kEndMark = ~uint64_t{0};
 
 struct Hello {
   uint64_t magic;
@@ -84,6 +87,17 @@ struct Proof {
 
 enum class Role : unsigned char { kListener = 'L', kConnector = 'C' };
 
+absl::Status Hmac(const std::string& key, const unsigned char* data, size_t size,
+                  unsigned char* out) {
+  size_t len = 0;
+  if (::EVP_Q_mac(nullptr, "HMAC", nullptr, "SHA256", nullptr, key.data(), key.size(), data, size,
+                  out, kMacBytes, &len) == nullptr ||
+      len != kMacBytes) {
+    return absl::InternalError("HMAC-SHA256 failed (OpenSSL)");
+  }
+  return absl::OkStatus();
+}
+
 // HMAC-SHA256 under `key` of (role, from, to, the connector's nonce, the listener's nonce).
 absl::Status Mac(const std::string& key, Role role, const Hello& hello,
                  const unsigned char* listener_nonce, unsigned char* out) {
@@ -93,13 +107,34 @@ absl::Status Mac(const std::string& key, Role role, const Hello& hello,
   std::memcpy(data + 5, &hello.to, 4);
   std::memcpy(data + 9, hello.nonce, kNonceBytes);
   std::memcpy(data + 9 + kNonceBytes, listener_nonce, kNonceBytes);
-  size_t len = 0;
-  if (::EVP_Q_mac(nullptr, "HMAC", nullptr, "SHA256", nullptr, key.data(), key.size(), data,
-                  sizeof(data), out, kMacBytes, &len) == nullptr ||
-      len != kMacBytes) {
-    return absl::InternalError("HMAC-SHA256 failed (OpenSSL)");
+  return Hmac(key, data, sizeof(data), out);
+}
+
+// A connection's id, the same at both ends: half of each side's handshake nonce, in hex.
+std::string LinkId(const Hello& hello, const unsigned char* listener_nonce) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id;
+  for (const unsigned char* half : {hello.nonce, listener_nonce}) {
+    for (size_t i = 0; i < kNonceBytes / 2; ++i) {
+      id.push_back(kHex[half[i] >> 4]);
+      id.push_back(kHex[half[i] & 15]);
+    }
   }
-  return absl::OkStatus();
+  return id;
+}
+
+// The mark a node sends on a connection taken over, after whatever its earlier epoch sent:
+// kResumeMagic, zeros, then an HMAC under the sender's key of this epoch (fresh, so no earlier
+// byte of the stream can equal it) over (from, to, the connection's id).
+constexpr uint64_t kResumeMagic = 0x67737265736d3031;  // "gsresm01"
+constexpr size_t kMarkBytes = 64;
+absl::Status ResumeMark(const std::string& sender_key, int from, int to, const std::string& id,
+                        unsigned char* out) {
+  std::string data = absl::StrCat("R ", from, " ", to, " ", id);
+  std::memset(out, 0, kMarkBytes);
+  std::memcpy(out, &kResumeMagic, sizeof(kResumeMagic));
+  return Hmac(sender_key, reinterpret_cast<const unsigned char*>(data.data()), data.size(),
+              out + kMarkBytes - kMacBytes);
 }
 
 absl::Status Nonce(unsigned char* out) {
@@ -176,7 +211,7 @@ std::string SourceOf(const sockaddr_storage& addr) {
 // the connected socket, or why not.
 absl::StatusOr<UniqueFd> Handshake(const std::string& host, const std::string& port,
                                    const std::string& key, int me, int to, absl::Time deadline,
-                                   int cancel_fd) {
+                                   int cancel_fd, std::string* id) {
   absl::StatusOr<addrinfo*> remote = Resolve(host, port);
   if (!remote.ok()) return remote.status();
   UniqueFd fd(::socket((*remote)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
@@ -233,6 +268,7 @@ absl::StatusOr<UniqueFd> Handshake(const std::string& host, const std::string& p
     return absl::Status(s.code(), absl::StrCat("not accepted: ", s.message()));
   }
   if (accepted != kAcceptMagic) return absl::UnavailableError("not accepted: a malformed answer");
+  *id = LinkId(hello, challenge.nonce);
   return fd;
 }
 
@@ -254,9 +290,25 @@ struct RecordLinks::Peer {
   size_t head = 0;
   size_t tail = 0;
   size_t returned = 0;  // the frame last returned by Receive, dropped at the next Receive
-  Buffer held;          // an earlier rx that still holds that frame
-  bool closed = false;  // the peer closed its end (what it sent before is still read)
-  absl::Status error;   // once set, every call that needs this peer fails with it
+  // Bytes past head + returned (a frame boundary) that are whole frames already looked at for
+  // the end mark (Walk).
+  size_t walked = 0;
+  Buffer held;                // an earlier rx that still holds that frame
+  bool closed = false;        // the peer closed its end (what it sent before is still read)
+  absl::Status error;         // once set, every call that needs this peer fails with it
+  std::string id;             // the connection's (LinkId), the same at both ends
+  bool adopted = false;       // taken over from an earlier epoch
+  bool cut = false;           // a message of ours went out in part: the stream cannot go on
+  bool ended = false;         // the peer parked the connection (its end mark came in)
+  bool write_closed = false;  // CloseWrite
+};
+
+struct RecordLinks::Resuming {
+  int node;
+  unsigned char send[kMarkBytes];
+  unsigned char expect[kMarkBytes];
+  size_t sent = 0;
+  bool found = false;
 };
 
 RecordLinks::RecordLinks(Spec spec) : spec_(std::move(spec)), peers_(spec_.nodes.size()) {}
@@ -318,18 +370,35 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
                                        : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   absl::StatusOr<std::string> key = RandomHex(kKeyBytes);
   if (!key.ok()) return key.status();
-  if (absl::Status st =
-          s.store->Set(s.job, absl::StrCat(s.prefix, me), absl::StrCat(host, " ", port, " ", *key));
+  // The connections an earlier epoch kept to this group's nodes (the others close here), their
+  // ids published with the address.
+  std::map<int, LinkPark::Link> kept;
+  std::string kept_ids;
+  if (s.park != nullptr) {
+    for (auto& [node, link] : s.park->Take(s.home)) {
+      const auto it = std::find(s.nodes.begin(), s.nodes.end(), node);
+      if (it == s.nodes.end() || it - s.nodes.begin() == me) continue;
+      absl::StrAppend(&kept_ids, kept_ids.empty() ? " " : ",", link.id);
+      kept.emplace(static_cast<int>(it - s.nodes.begin()), std::move(link));
+    }
+  }
+  if (absl::Status st = s.store->Set(s.job, absl::StrCat(s.prefix, me),
+                                     absl::StrCat(host, " ", port, " ", *key, kept_ids));
       !st.ok()) {
     return st;
   }
 
-  // The addresses of every earlier node, in one wait: a node's store calls do not grow with
-  // the number of nodes (one wait on etcd is one read and one watch, however many keys).
-  std::vector<std::string> addresses;
-  if (me > 0) {
+  // The addresses of every earlier node, and of every later one this node kept a connection
+  // to, in one wait: a node's store calls do not grow with the number of nodes (one wait on
+  // etcd is one read and one watch, however many keys).
+  std::vector<int> published;  // the nodes read, by index in `addresses`
+  for (int i = 0; i < n; ++i) {
+    if (i < me || (i > me && kept.count(i) > 0)) published.push_back(i);
+  }
+  std::vector<std::string> addresses(n);
+  if (!published.empty()) {
     std::vector<std::string> keys;
-    for (int i = 0; i < me; ++i) keys.push_back(absl::StrCat(s.prefix, i));
+    for (int i : published) keys.push_back(absl::StrCat(s.prefix, i));
     absl::StatusOr<std::vector<std::string>> values;
     for (;;) {  // sliced, so that a cancel is seen
       if (absl::StatusOr<bool> cancelled = sock::WaitFor(s.cancel_fd, POLLIN, absl::Now());
@@ -344,30 +413,58 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
     }
     if (!values.ok()) {
       // Name the first node whose address is missing (a look at each, on this failure only).
-      int missing = 0;
-      while (missing < me - 1 && s.store->Get(s.job, keys[missing], absl::InfinitePast()).ok()) {
+      size_t missing = 0;
+      while (missing + 1 < keys.size() &&
+             s.store->Get(s.job, keys[missing], absl::InfinitePast()).ok()) {
         ++missing;
       }
       return absl::Status(values.status().code(),
-                          absl::StrCat("record link to ", links->Name(missing),
+                          absl::StrCat("record link to ", links->Name(published[missing]),
                                        ": its address never came: ", values.status().message()));
     }
-    addresses = *std::move(values);
+    for (size_t k = 0; k < published.size(); ++k) addresses[published[k]] = (*values)[k];
   }
-
-  // Connect to every earlier node, proving we hold its key and checking that it does.
-  for (int i = 0; i < me; ++i) {
-    const std::vector<std::string> parts = absl::StrSplit(addresses[i], ' ');
-    if (parts.size() != 3 || parts[2].size() != 2 * kKeyBytes) {
+  // "host port key [id,id...]" of node i.
+  std::vector<std::vector<std::string>> parts_of(n);
+  for (int i : published) {
+    parts_of[i] = absl::StrSplit(addresses[i], ' ');
+    if ((parts_of[i].size() != 3 && parts_of[i].size() != 4) ||
+        parts_of[i][2].size() != 2 * kKeyBytes) {
       return absl::InternalError(
           absl::StrCat("record link to ", links->Name(i), ": malformed address ", addresses[i]));
     }
+  }
+
+  // Take over each kept connection its peer kept too; resume both ways.
+  std::vector<Resuming> resuming;
+  for (auto& [i, link] : kept) {
+    const std::vector<std::string>& parts = parts_of[i];
+    const std::vector<std::string> ids =
+        parts.size() == 4 ? absl::StrSplit(parts[3], ',') : std::vector<std::string>();
+    if (std::find(ids.begin(), ids.end(), link.id) == ids.end()) continue;  // closed below
+    Resuming r{};
+    r.node = i;
+    if (absl::Status st = ResumeMark(*key, me, i, link.id, r.send); !st.ok()) return st;
+    if (absl::Status st = ResumeMark(parts[2], i, me, link.id, r.expect); !st.ok()) return st;
+    Peer& p = links->peers_[i];
+    p.fd = std::move(link.fd);
+    p.id = link.id;
+    p.adopted = true;
+    resuming.push_back(r);
+  }
+  kept.clear();  // closes the connections not taken over
+  if (absl::Status st = links->Resume(resuming, deadline); !st.ok()) return st;
+
+  // Connect to every earlier node, proving we hold its key and checking that it does.
+  for (int i = 0; i < me; ++i) {
+    if (links->peers_[i].adopted) continue;
+    const std::vector<std::string>& parts = parts_of[i];
     // A handshake can fail for reasons that pass (our connection dropped among a stranger's
     // flood, a stranger on a reused port): tried again until the deadline, the last reason kept.
     absl::Status last;
     for (int attempt = 0;; ++attempt) {
-      absl::StatusOr<UniqueFd> fd =
-          Handshake(parts[0], parts[1], parts[2], me, i, deadline, s.cancel_fd);
+      absl::StatusOr<UniqueFd> fd = Handshake(parts[0], parts[1], parts[2], me, i, deadline,
+                                              s.cancel_fd, &links->peers_[i].id);
       if (fd.ok()) {
         links->peers_[i].fd = *std::move(fd);
         break;
@@ -410,7 +507,8 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
       per_source.erase(it);
     }
   };
-  int missing = n - me - 1;
+  int missing = 0;
+  for (int j = me + 1; j < n; ++j) missing += links->peers_[j].adopted ? 0 : 1;
   while (missing > 0) {
     const absl::Time now = absl::Now();
     if (now >= deadline) {
@@ -472,6 +570,7 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
             return links->Fail(from, st);
           }
           links->peers_[from].fd = std::move(c.fd);
+          links->peers_[from].id = LinkId(c.hello, c.nonce);
           drop_source(c.source);
           --missing;
           continue;
@@ -525,6 +624,146 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
   return links;
 }
 
+absl::Status RecordLinks::EndedError() {
+  return absl::UnavailableError(
+      "the peer ended the group's stream (it left the group, or its membership changed)");
+}
+
+absl::Status RecordLinks::Resume(std::vector<Resuming>& resuming, absl::Time deadline) {
+  std::vector<std::byte> chunk;
+  std::vector<std::string> tails(resuming.size());  // the last bytes read, a mark's start
+  std::vector<pollfd> fds;
+  std::vector<size_t> which;
+  for (;;) {
+    fds.clear();
+    which.clear();
+    for (size_t k = 0; k < resuming.size(); ++k) {
+      const Resuming& r = resuming[k];
+      const short events =
+          static_cast<short>((r.found ? 0 : POLLIN) | (r.sent < kMarkBytes ? POLLOUT : 0));
+      if (events == 0) continue;
+      fds.push_back({peers_[r.node].fd.get(), events, 0});
+      which.push_back(k);
+    }
+    if (fds.empty()) return absl::OkStatus();
+    absl::StatusOr<int> polled = sock::Poll(absl::MakeSpan(fds), deadline, spec_.cancel_fd);
+    if (!polled.ok()) {
+      return absl::Status(polled.status().code(),
+                          absl::StrCat("record links: resuming: ", polled.status().message()));
+    }
+    if (*polled == 0) {
+      return Fail(resuming[which[0]].node,
+                  absl::DeadlineExceededError(
+                      "the connection kept from the epoch before brought no resume mark by the "
+                      "deadline"));
+    }
+    for (size_t f = 0; f < fds.size(); ++f) {
+      Resuming& r = resuming[which[f]];
+      const int fd = fds[f].fd;
+      if ((fds[f].revents & POLLNVAL) != 0) {
+        return Fail(r.node, absl::InternalError("the socket is not open"));
+      }
+      if ((fds[f].revents & (POLLOUT | POLLERR | POLLHUP)) != 0 && r.sent < kMarkBytes) {
+        const iovec iov{r.send + r.sent, kMarkBytes - r.sent};
+        absl::StatusOr<sock::Io> io = sock::Send(fd, &iov, 1);
+        if (!io.ok()) return Fail(r.node, io.status());
+        r.sent += io->bytes;
+      }
+      if ((fds[f].revents & (POLLIN | POLLERR | POLLHUP)) == 0 || r.found) continue;
+      // Look at what came (left in the socket), after the tail of what was read before: read
+      // through the mark if it is there (what follows is this epoch's), else all of it.
+      chunk.resize(kReadChunk);
+      absl::StatusOr<sock::Io> io = sock::Recv(fd, chunk.data(), chunk.size(), /*peek=*/true);
+      if (!io.ok()) return Fail(r.node, io.status());
+      if (io->closed) {
+        return Fail(r.node, absl::UnavailableError("the peer closed the connection kept from the "
+                                                   "epoch before"));
+      }
+      if (io->would_block) continue;
+      std::string& tail = tails[which[f]];
+      std::string seen = tail;
+      seen.append(reinterpret_cast<const char*>(chunk.data()), io->bytes);
+      const size_t at =
+          seen.find(std::string_view(reinterpret_cast<const char*>(r.expect), kMarkBytes));
+      size_t take = io->bytes;
+      if (at != std::string::npos) {
+        take = at + kMarkBytes - tail.size();
+        r.found = true;
+      } else {
+        tail = seen.substr(seen.size() - std::min(seen.size(), kMarkBytes - 1));
+      }
+      for (size_t done = 0; done < take;) {  // bytes the peek saw: there to be read
+        absl::StatusOr<sock::Io> got = sock::Recv(fd, chunk.data(), take - done);
+        if (!got.ok()) return Fail(r.node, got.status());
+        if (got->closed || got->would_block) {
+          return Fail(r.node, absl::InternalError("bytes seen on the socket could not be read"));
+        }
+        done += got->bytes;
+      }
+    }
+  }
+}
+
+void RecordLinks::Park() {
+  if (spec_.park == nullptr) return;
+  const uint64_t end[kFrameHeader / sizeof(uint64_t)] = {kEndMark};
+  for (int i = 0; i < nodes(); ++i) {
+    Peer& p = peers_[i];
+    if (i == spec_.me || p.fd.get() < 0 || p.closed || p.cut || p.write_closed ||
+        (!p.error.ok() && !p.ended)) {
+      continue;
+    }
+    const iovec iov{const_cast<uint64_t*>(end), kFrameHeader};
+    absl::StatusOr<sock::Io> io = sock::Send(p.fd.get(), &iov, 1);
+    if (!io.ok() || io->bytes != kFrameHeader) continue;  // closed with the rest
+    spec_.park->Put(spec_.home, spec_.nodes[i], {std::move(p.fd), p.id, spec_.epoch, {}});
+  }
+}
+
+int RecordLinks::adopted() const {
+  return static_cast<int>(
+      std::count_if(peers_.begin(), peers_.end(), [](const Peer& p) { return p.adopted; }));
+}
+
+bool RecordLinks::Adopted(int node) const { return peers_[node].adopted; }
+
+void LinkPark::SweepLocked(absl::Time now) {
+  for (auto home = links_.begin(); home != links_.end();) {
+    for (auto it = home->second.begin(); it != home->second.end();) {
+      it = it->second.until <= now ? home->second.erase(it) : std::next(it);
+    }
+    home = home->second.empty() ? links_.erase(home) : std::next(home);
+  }
+}
+
+void LinkPark::Put(const std::string& home, const std::string& node, Link link) {
+  const absl::Time now = absl::Now();
+  link.until = now + keep_;
+  absl::MutexLock lock(&mu_);
+  SweepLocked(now);
+  auto [it, fresh] = links_[home].try_emplace(node);
+  if (!fresh && it->second.epoch > link.epoch) return;  // `link` closes
+  it->second = std::move(link);
+}
+
+std::map<std::string, LinkPark::Link> LinkPark::Take(const std::string& home) {
+  absl::MutexLock lock(&mu_);
+  SweepLocked(absl::Now());
+  std::map<std::string, Link> out;
+  if (auto it = links_.find(home); it != links_.end()) {
+    out = std::move(it->second);
+    links_.erase(it);
+  }
+  return out;
+}
+
+size_t LinkPark::size() const {
+  absl::MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const auto& [home, links] : links_) n += links.size();
+  return n;
+}
+
 void RecordLinks::Drop(int node, absl::Status status) {
   Peer& p = peers_[node];
   Fail(node, std::move(status)).IgnoreError();
@@ -532,6 +771,7 @@ void RecordLinks::Drop(int node, absl::Status status) {
 }
 
 void RecordLinks::CloseWrite(int node) {
+  peers_[node].write_closed = true;
   if (peers_[node].fd.get() >= 0) ::shutdown(peers_[node].fd.get(), SHUT_WR);
 }
 
@@ -583,11 +823,28 @@ absl::Status RecordLinks::ReadAvailable(int node) {
       p.closed = true;
       return absl::OkStatus();
     }
-    if (io->would_block) return absl::OkStatus();
+    if (io->would_block) break;
     p.tail += io->bytes;
-    if (io->bytes < room) return absl::OkStatus();  // drained
+    if (io->bytes < room) break;  // drained
   }
+  Walk(p);
   return absl::OkStatus();
+}
+
+void RecordLinks::Walk(Peer& p) const {
+  size_t at = p.head + p.returned + p.walked;
+  while (!p.ended && p.tail - at >= kFrameHeader) {
+    uint64_t length = 0;
+    std::memcpy(&length, p.rx.get() + at, sizeof(length));
+    if (length == kEndMark) {
+      p.ended = true;
+    } else if (length > spec_.max_message_bytes || p.tail - at - kFrameHeader < length) {
+      return;  // malformed (Receive says so), or not all here
+    } else {
+      at += kFrameHeader + length;
+      p.walked += kFrameHeader + length;
+    }
+  }
 }
 
 absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time deadline) {
@@ -620,6 +877,10 @@ absl::Status RecordLinks::SendTo(int to, absl::Span<const absl::Span<const std::
     if (!peers_[i].error.ok()) return peers_[i].error;
     sent[i] = 0;
   }
+  // However this returns, a peer that took part of the frame has a stream cut in half.
+  absl::Cleanup mark_cut = [&] {
+    for (int i = 0; i < n; ++i) peers_[i].cut = peers_[i].cut || (sent[i] > 0 && sent[i] < total);
+  };
   // Writes what `i`'s socket takes now. OK when it is full.
   auto push = [&](int i) -> absl::Status {
     while (sent[i] < total) {
@@ -685,6 +946,9 @@ absl::Status RecordLinks::SendTo(int to, absl::Span<const absl::Span<const std::
       }
       if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) != 0 && !peers_[i].closed) {
         if (absl::Status st = ReadAvailable(i); !st.ok()) return st;
+        // A peer that ended its stream reads no more: waiting to send it more would last to the
+        // deadline.
+        if (peers_[i].ended) return Fail(i, EndedError());
       }
       if ((fds[k].revents & (POLLOUT | POLLERR | POLLHUP)) != 0 && sent[i] < total) {
         if (absl::Status st = push(i); !st.ok()) return st;
@@ -710,6 +974,10 @@ absl::StatusOr<absl::Span<const std::byte>> RecordLinks::Receive(int node, absl:
     if (have >= kFrameHeader) {
       uint64_t length = 0;
       std::memcpy(&length, p.rx.get() + p.head, sizeof(length));
+      if (length == kEndMark) {
+        p.ended = true;
+        return Fail(node, EndedError());
+      }
       if (length > spec_.max_message_bytes) {
         return Fail(node, absl::UnavailableError(absl::StrCat("malformed stream: a message of ",
                                                               length, " bytes (at most ",
@@ -717,6 +985,7 @@ absl::StatusOr<absl::Span<const std::byte>> RecordLinks::Receive(int node, absl:
       }
       if (have >= kFrameHeader + length) {
         p.returned = kFrameHeader + length;
+        p.walked -= std::min(p.walked, p.returned);
         return absl::Span<const std::byte>(p.rx.get() + p.head + kFrameHeader, length);
       }
     }

@@ -4,17 +4,48 @@
 // read and written by the group's own thread (no transport thread, no hand-off).
 
 #include <cstddef>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/store.h"
+#include "common/unique_fd.h"
 
 namespace gradsync::backend::cpu {
+
+/// Connections an elastic job's world group leaves on this daemon at its epoch's end
+/// (RecordLinks::Park), for the next epoch's world group to take over where the peer kept the
+/// same connection (RecordLinks::Connect): a membership change re-links only the pairs of nodes
+/// it changed. One per (job, peer node), the latest epoch's; each is closed `keep` after it was
+/// parked unless taken (swept at every call). Thread-safe.
+class LinkPark {
+ public:
+  struct Link {
+    UniqueFd fd;
+    std::string id;  // the connection's id, the same at both ends (its handshake's nonces)
+    int epoch = 0;   // of the group that parked it
+    absl::Time until;
+  };
+  explicit LinkPark(absl::Duration keep = absl::Seconds(20)) : keep_(keep) {}
+  /// Keeps `link` to `node` for job `home`, unless one of a later epoch is there.
+  void Put(const std::string& home, const std::string& node, Link link);
+  /// Takes every link kept for `home`, by peer node.
+  std::map<std::string, Link> Take(const std::string& home);
+  size_t size() const;  // links kept now
+
+ private:
+  void SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const absl::Duration keep_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::map<std::string, Link>> links_ ABSL_GUARDED_BY(mu_);
+};
 
 /// One TCP connection per pair of the group's nodes, each carrying a stream of messages both
 /// ways (a message: a 64-byte frame header holding its length, then its bytes; a message whose
@@ -37,6 +68,16 @@ namespace gradsync::backend::cpu {
 /// handshake failed tries again until its deadline: silent or garbage connections cannot keep
 /// a peer out. (The records themselves are not encrypted.)
 ///
+/// Taking over (Spec::park): a node publishes with its address the ids of the connections it
+/// kept for this job (LinkPark), and reads the publication of every node it kept one for; a
+/// pair whose two ends both list the same connection takes it over and skips the handshake,
+/// any other pair connects afresh (and the kept end is closed), so both ends always decide
+/// alike. On a connection taken over, each end sends a resume mark (an HMAC under its fresh key
+/// of this epoch, so no byte of an earlier epoch can equal it) and reads, discarding, up to the
+/// peer's: whatever the old epoch left in the stream, even a message cut in half, is skipped.
+/// Park sends each peer an end mark first, so a peer still in the old epoch fails its wait on
+/// this node at once (UNAVAILABLE), as it did when the connection closed.
+///
 /// Sending never waits on a peer that is itself sending: while a peer's socket is full, Send
 /// reads whatever any peer sent into that peer's receive buffer, so two nodes sending each
 /// other a stage's records at once both progress (the buffer grows to what the peer sent ahead,
@@ -57,6 +98,12 @@ class RecordLinks {
     // An eventfd (or -1): once readable, every wait here (connecting included) returns
     // CANCELLED at once; the links stay as they were (the owner decides what follows).
     int cancel_fd = -1;
+    // An elastic job's world group: Connect takes over the connections to this group's nodes
+    // that `park` keeps for `home` (the job's id) where the peer kept the same one, and Park
+    // leaves them there for the next epoch (`epoch`: this group's).
+    LinkPark* park = nullptr;
+    std::string home;
+    int epoch = 0;
   };
 
   /// Connects to every other node of the group, by `deadline`.
@@ -99,10 +146,25 @@ class RecordLinks {
   /// Bytes received from `node` and not yet returned by Receive (for tests).
   size_t BufferedFrom(int node) const;
 
+  /// Leaves each sound connection in Spec::park (when set) after an end mark: one that did not
+  /// fail, was not closed by either end, and carries no message cut in half; the others close
+  /// when this is destroyed. Nothing may be sent or received after.
+  void Park();
+  /// Connections taken over from an earlier epoch at Connect.
+  int adopted() const;
+  bool Adopted(int node) const;
+
  private:
   struct Peer;
   explicit RecordLinks(Spec spec);
+  struct Resuming;
   absl::Status Fail(int node, absl::Status status);
+  static absl::Status EndedError();
+  // Looks at the frames `p` received past those looked at before, up to its end mark if it
+  // came (Peer::ended): a Send blocked on a peer that parked its end fails at once.
+  void Walk(Peer& p) const;
+  // The resume marks on the connections taken over, both ways, by `deadline`.
+  absl::Status Resume(std::vector<Resuming>& resuming, absl::Time deadline);
   // Reads what `node`'s socket holds into its buffer, without waiting. OK when nothing is there.
   absl::Status ReadAvailable(int node);
   std::string Name(int node) const;  // "node host:port"

@@ -62,9 +62,9 @@ absl::StatusOr<bool> WaitFor(int fd, short events, absl::Time deadline, int canc
   return *ready > 0;
 }
 
-absl::StatusOr<Io> Recv(int fd, void* buffer, size_t size) {
+absl::StatusOr<Io> Recv(int fd, void* buffer, size_t size, bool peek) {
   for (;;) {
-    const ssize_t rv = ::recv(fd, buffer, size, MSG_DONTWAIT);
+    const ssize_t rv = ::recv(fd, buffer, size, MSG_DONTWAIT | (peek ? MSG_PEEK : 0));
     if (rv > 0) return Io{static_cast<size_t>(rv), false, false};
     if (rv == 0) return Io{0, false, size > 0};
     if (errno == EINTR) continue;

@@ -37,8 +37,9 @@ struct Io {
   bool closed = false;       // reads: the peer closed its end (and sent nothing more)
 };
 
-/// recv(2) without waiting. Errors (ECONNRESET, ...) are UNAVAILABLE naming them.
-absl::StatusOr<Io> Recv(int fd, void* buffer, size_t size);
+/// recv(2) without waiting (with `peek`, MSG_PEEK: the bytes stay to be read). Errors
+/// (ECONNRESET, ...) are UNAVAILABLE naming them.
+absl::StatusOr<Io> Recv(int fd, void* buffer, size_t size, bool peek = false);
 /// sendmsg(2) without waiting, never raising SIGPIPE.
 absl::StatusOr<Io> Send(int fd, const iovec* iov, size_t iov_count);
 /// Sends all of `bytes` (small: a handshake message) by `deadline`.
