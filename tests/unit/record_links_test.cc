@@ -500,6 +500,97 @@ TEST(RecordLinksParkTest, APeerBlockedSendingToANodeThatParksFailsAtOnceNotAtIts
   ExchangeChecked(next, 2);
 }
 
+TEST(RecordLinksParkTest, ASendToAPeerWhoseEndMarkCameWithItsLastMessageFailsAtOnce) {
+  store::MemoryStore store;
+  std::vector<LinkPark> parks(2);
+  auto old = ConnectEpoch(&store, parks, {0, 1}, 1);
+  ASSERT_EQ(old.size(), 2u);
+  ASSERT_TRUE(old[0]->Send(Message(0, 0, 100), absl::Now() + absl::Seconds(20)).ok());
+  old[0]->Park();
+  absl::SleepFor(absl::Milliseconds(200));  // both in node 1's socket: read together
+  auto got = old[1]->Receive(0, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(got.ok()) << got.status();
+  const absl::Time start = absl::Now();
+  const absl::Status sent = old[1]->SendTo(
+      0, {absl::Span<const std::byte>(Message(1, 0, 64 << 20))}, absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(sent.code(), absl::StatusCode::kUnavailable) << sent;
+  EXPECT_TRUE(absl::StrContains(sent.message(), "ended")) << sent;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
+TEST(RecordLinksParkTest, ASendToOtherPeersGoesOnWhileANodeItIsNotSendingToParks) {
+  store::MemoryStore store;
+  std::vector<LinkPark> parks(3);
+  auto old = ConnectEpoch(&store, parks, {0, 1, 2}, 1);
+  ASSERT_EQ(old.size(), 3u);
+  constexpr int kMessages = 24;  // far more than the sockets hold
+  absl::Status sent;
+  std::thread sender([&] {  // blocks until node 2 reads; node 0 parks meanwhile
+    for (int k = 0; k < kMessages && sent.ok(); ++k) {
+      sent = old[1]->SendTo(2, {absl::Span<const std::byte>(Message(1, k, 1 << 20))},
+                            absl::Now() + absl::Seconds(60));
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  old[0]->Park();
+  absl::SleepFor(absl::Milliseconds(200));
+  for (int k = 0; k < kMessages; ++k) {
+    auto got = old[2]->Receive(1, absl::Now() + absl::Seconds(60));
+    ASSERT_TRUE(got.ok()) << k << ": " << got.status();
+    const std::vector<std::byte> want = Message(1, k, 1 << 20);
+    ASSERT_EQ(got->size(), want.size());
+    ASSERT_EQ(std::memcmp(got->data(), want.data(), want.size()), 0) << k;
+  }
+  sender.join();
+  EXPECT_TRUE(sent.ok()) << sent;
+  // Node 1's stream to node 2 is whole: kept by both, taken over by the next epoch.
+  for (int me = 1; me < 3; ++me) old[me]->Park();
+  old.clear();
+  auto next = ConnectEpoch(&store, parks, {1, 2}, 2);
+  ASSERT_EQ(next.size(), 2u);
+  EXPECT_EQ(next[0]->adopted(), 1);
+  ExchangeChecked(next, 2);
+}
+
+TEST(RecordLinksParkTest, AResumeMarkAcrossTwoReadsAndMessagesRightBehindItAreFound) {
+  // Node 1 reads nothing after the first exchange, so its socket holds exactly what node 0
+  // left: a frame of about 256 KiB (one read of Resume) before the end mark, so that node 0's
+  // resume mark is found in a later read than the first, past the tail of the earlier ones.
+  // Each node sends as soon as its Connect returns, so a read may hold the mark and the new
+  // epoch's first bytes behind it.
+  store::MemoryStore store;
+  std::vector<LinkPark> parks(2);
+  auto old = ConnectEpoch(&store, parks, {0, 1}, 1);
+  ASSERT_EQ(old.size(), 2u);
+  ExchangeChecked(old, 1);
+  constexpr size_t kChunk = 256 << 10;
+  ASSERT_TRUE(
+      old[0]->Send(Message(0, 7, kChunk - 32 - 2 * 64), absl::Now() + absl::Seconds(20)).ok());
+  for (auto& l : old) l->Park();
+  old.clear();
+  std::vector<std::unique_ptr<RecordLinks>> links(2);
+  RunOnEach(2, [&](int me) {
+    RecordLinks::Spec spec = SpecOf(&store, me, 2, "e2/");
+    spec.park = &parks[me];
+    spec.home = "j";
+    spec.epoch = 2;
+    auto l = RecordLinks::Connect(std::move(spec), absl::Now() + absl::Seconds(20));
+    ASSERT_TRUE(l.ok()) << l.status();
+    links[me] = *std::move(l);
+    EXPECT_EQ(links[me]->adopted(), 1);
+    for (int k = 0; k < 3; ++k) {
+      ASSERT_TRUE(links[me]->Send(Message(me, k, 100 + k), absl::Now() + absl::Seconds(20)).ok());
+    }
+    for (int k = 0; k < 3; ++k) {
+      auto got = links[me]->Receive(1 - me, absl::Now() + absl::Seconds(20));
+      ASSERT_TRUE(got.ok()) << got.status();
+      const std::vector<std::byte> want = Message(1 - me, k, 100 + k);
+      ASSERT_EQ(got->size(), want.size());
+      ASSERT_EQ(std::memcmp(got->data(), want.data(), want.size()), 0);
+    }
+  });
+}
+
 TEST(RecordLinksParkTest, OnlyPairsBothOfWhoseEndsKeptTheConnectionTakeItOverTheOthersConnect) {
   store::MemoryStore store;
   std::vector<LinkPark> parks(3);
@@ -578,6 +669,33 @@ TEST(LinkParkTest, KeepsTheLatestEpochsLinkPerPeerForItsTimeOnly) {
   LinkPark brief(absl::ZeroDuration());
   brief.Put("j", "a", {fd(), "x", 1, {}});
   EXPECT_TRUE(brief.Take("j").empty());  // past its time: closed at the next call
+}
+
+// Whether the peer of `end` closed its end (EOF), waiting up to 10 s.
+bool SeesEnd(int end) {
+  char c;
+  if (!sock::WaitFor(end, POLLIN, absl::Now() + absl::Seconds(10)).value_or(false)) return false;
+  return ::recv(end, &c, 1, MSG_DONTWAIT) == 0;
+}
+
+TEST(LinkParkTest, ALinkReplacedOrPastItsTimeIsClosedWithNoFurtherCall) {
+  int older[2], newer[2], brief[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, older), 0);
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, newer), 0);
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, brief), 0);
+  const UniqueFd older_peer(older[1]), newer_peer(newer[1]), brief_peer(brief[1]);
+  {
+    LinkPark park(absl::Seconds(30));
+    park.Put("j", "a", {UniqueFd(older[0]), "old", 1, {}});
+    park.Put("j", "a", {UniqueFd(newer[0]), "new", 2, {}});
+    EXPECT_TRUE(SeesEnd(older_peer.get()));  // replaced by a later epoch's
+    LinkPark short_lived(absl::Milliseconds(100));
+    short_lived.Put("j", "a", {UniqueFd(brief[0]), "b", 1, {}});
+    EXPECT_TRUE(SeesEnd(brief_peer.get()));  // its time passed: closed by the park's thread
+    EXPECT_EQ(short_lived.size(), 0u);
+    EXPECT_EQ(park.size(), 1u);
+  }
+  EXPECT_TRUE(SeesEnd(newer_peer.get()));  // the park's end closes what it kept
 }
 
 }  // namespace

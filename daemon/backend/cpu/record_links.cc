@@ -736,6 +736,31 @@ void LinkPark::SweepLocked(absl::Time now) {
   }
 }
 
+LinkPark::LinkPark(absl::Duration keep) : keep_(keep) {
+  thread_ = std::thread([this] { Sweep(); });
+}
+
+LinkPark::~LinkPark() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    changed_.Signal();
+  }
+  thread_.join();
+}
+
+void LinkPark::Sweep() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    absl::Time next = absl::InfiniteFuture();
+    for (const auto& [home, links] : links_) {
+      for (const auto& [node, link] : links) next = std::min(next, link.until);
+    }
+    changed_.WaitWithDeadline(&mu_, next);
+    SweepLocked(absl::Now());
+  }
+}
+
 void LinkPark::Put(const std::string& home, const std::string& node, Link link) {
   const absl::Time now = absl::Now();
   link.until = now + keep_;
@@ -744,6 +769,7 @@ void LinkPark::Put(const std::string& home, const std::string& node, Link link) 
   auto [it, fresh] = links_[home].try_emplace(node);
   if (!fresh && it->second.epoch > link.epoch) return;  // `link` closes
   it->second = std::move(link);
+  changed_.Signal();
 }
 
 std::map<std::string, LinkPark::Link> LinkPark::Take(const std::string& home) {
@@ -821,7 +847,7 @@ absl::Status RecordLinks::ReadAvailable(int node) {
     if (!io.ok()) return Fail(node, io.status());
     if (io->closed) {
       p.closed = true;
-      return absl::OkStatus();
+      break;
     }
     if (io->would_block) break;
     p.tail += io->bytes;
@@ -875,6 +901,8 @@ absl::Status RecordLinks::SendTo(int to, absl::Span<const absl::Span<const std::
   for (int i = 0; i < n; ++i) {
     if (i == spec_.me || (to != kEveryPeer && i != to)) continue;
     if (!peers_[i].error.ok()) return peers_[i].error;
+    // A peer that ended its stream reads no more: a send to it would wait to the deadline.
+    if (peers_[i].ended) return Fail(i, EndedError());
     sent[i] = 0;
   }
   // However this returns, a peer that took part of the frame has a stream cut in half.
@@ -946,9 +974,9 @@ absl::Status RecordLinks::SendTo(int to, absl::Span<const absl::Span<const std::
       }
       if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) != 0 && !peers_[i].closed) {
         if (absl::Status st = ReadAvailable(i); !st.ok()) return st;
-        // A peer that ended its stream reads no more: waiting to send it more would last to the
-        // deadline.
-        if (peers_[i].ended) return Fail(i, EndedError());
+        // Its end mark came while this waited to send it more (only then: a peer that took
+        // its part, or is not sent to, may have ended its stream without harm to this send).
+        if (peers_[i].ended && sent[i] < total) return Fail(i, EndedError());
       }
       if ((fds[k].revents & (POLLOUT | POLLERR | POLLHUP)) != 0 && sent[i] < total) {
         if (absl::Status st = push(i); !st.ok()) return st;

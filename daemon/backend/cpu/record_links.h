@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -24,7 +25,7 @@ namespace gradsync::backend::cpu {
 /// (RecordLinks::Park), for the next epoch's world group to take over where the peer kept the
 /// same connection (RecordLinks::Connect): a membership change re-links only the pairs of nodes
 /// it changed. One per (job, peer node), the latest epoch's; each is closed `keep` after it was
-/// parked unless taken (swept at every call). Thread-safe.
+/// parked unless taken (by a thread of its own: a job's last epoch parks too). Thread-safe.
 class LinkPark {
  public:
   struct Link {
@@ -33,7 +34,11 @@ class LinkPark {
     int epoch = 0;   // of the group that parked it
     absl::Time until;
   };
-  explicit LinkPark(absl::Duration keep = absl::Seconds(20)) : keep_(keep) {}
+  /// Starts the thread that closes links past their time.
+  explicit LinkPark(absl::Duration keep = absl::Seconds(20));
+  ~LinkPark();  // closes every link kept
+  LinkPark(const LinkPark&) = delete;
+  LinkPark& operator=(const LinkPark&) = delete;
   /// Keeps `link` to `node` for job `home`, unless one of a later epoch is there.
   void Put(const std::string& home, const std::string& node, Link link);
   /// Takes every link kept for `home`, by peer node.
@@ -42,9 +47,13 @@ class LinkPark {
 
  private:
   void SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Sweep() ABSL_LOCKS_EXCLUDED(mu_);  // the thread: closes each link at its time
   const absl::Duration keep_;
   mutable absl::Mutex mu_;
+  absl::CondVar changed_;
   std::map<std::string, std::map<std::string, Link>> links_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: started once the state above exists
 };
 
 /// One TCP connection per pair of the group's nodes, each carrying a stream of messages both
