@@ -104,10 +104,10 @@ struct CommunicatorSpec {
   // (the survivors go on with them), so such an op must leave them untouched even when it is
   // cut off mid-way; a communicator may pay a copy of the op's data for that.
   bool elastic = false;
-  // An elastic job's world group spanning nodes: the job's id (its epoch 0's) and this epoch.
-  // A communicator may keep its connections past the group's end for the next epoch's world
-  // group on this node, which takes over those whose peer kept them too (the pairs of nodes the
-  // change left alone). Empty otherwise.
+  // An elastic job's group spanning nodes: the job's id (its epoch 0's) and this epoch. A
+  // communicator may keep its connections past the group's end for the next epoch's groups on
+  // this node, which take over those whose peer kept them too (the pairs of nodes the change
+  // left alone). Empty otherwise.
   std::string elastic_home;
   int epoch = 0;
 };

@@ -154,7 +154,7 @@ absl::StatusOr<Engine::Group*> Engine::GetGroupLocked(Job& job, const std::vecto
     spec.run = job.run;
     spec.elastic = job.elastic;
     spans_nodes = spec.local_members.size() != members.size();
-    if (job.elastic && spans_nodes && static_cast<int>(members.size()) == job.world_size) {
+    if (job.elastic && spans_nodes) {
       absl::StatusOr<std::string> home = ElasticBase(job.id, job.epoch);
       if (home.ok()) spec.elastic_home = *std::move(home);
       spec.epoch = job.epoch;

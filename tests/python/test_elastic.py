@@ -86,10 +86,11 @@ def _lose_node(ranks, daemon, k, survivors, at_step):
         _stop([], ranks)
 
 
-def _relinked(log, job):
-    """(links taken over, links of the group) that the daemon's log says `job`'s world group
-    took over from an earlier epoch; None when it logged none."""
-    found = re.findall(r"job=%s group=\S+: (\d+) of (\d+) links taken over" % re.escape(job), log)
+def _relinked(log, job, group="world"):
+    """(links taken over, links of the group) that the daemon's log says `job`'s group took
+    over from an earlier epoch; None when it logged none."""
+    found = re.findall(r"job=%s group=%s: (\d+) of (\d+) links taken over"
+                       % (re.escape(job), re.escape(group)), log)
     assert len(found) <= 1, found
     return tuple(int(x) for x in found[0]) if found else None
 
@@ -167,6 +168,12 @@ def test_a_group_of_some_ranks_follows_the_change(tmp, three_daemons):
         assert all(s[1] == 2.0 for s in before), sums  # ranks 0 + 2
         assert all(s[1] == 1.0 for s in after), sums   # ranks 0 + 1
     assert done[0]["params"] == done[2]["params"]
+    # Nodes 0 and 2 kept both their connections (the world's and the group's): the world group
+    # of epoch 1 took one over, the group the other.
+    for d in (d0, d2):
+        log = open(d.log).read()
+        assert _relinked(log, "elastic-group.e1") == (1, 1), log[-3000:]
+        assert _relinked(log, "elastic-group.e1", "0,1") == (1, 1), log[-3000:]
 
 
 def test_a_node_of_two_ranks_lost_with_packed_reductions(tmp, three_daemons):

@@ -605,7 +605,7 @@ TEST(RecordLinksParkTest, OnlyPairsBothOfWhoseEndsKeptTheConnectionTakeItOverThe
   EXPECT_EQ(parks[0].size(), 1u);  // to node 2 only
   EXPECT_EQ(parks[1].size(), 2u);  // node 1 keeps its end: node 0's decides
   // Node 2 lost what it kept (restarted, say): nothing of node 2 is taken over either.
-  (void)parks[2].Take("j");
+  (void)parks[2].Take("j", kNodes);
   old.clear();
   auto next = ConnectEpoch(&store, parks, {0, 1, 2}, 2);
   ASSERT_EQ(next.size(), 3u);
@@ -634,12 +634,12 @@ TEST(RecordLinksParkTest, ALossAndAJoinRelinkOnlyThePairsTheyChange) {
   ASSERT_EQ(shrunk.size(), 2u);
   EXPECT_EQ(shrunk[0]->adopted(), 1);
   EXPECT_EQ(shrunk[1]->adopted(), 1);
-  EXPECT_EQ(parks[0].size(), 0u);  // node 0's end to node 1 was closed at the take
+  EXPECT_EQ(parks[0].size(), 1u);  // its end to node 1 stays there, untouched, until its time
   ExchangeChecked(shrunk, 2);
   // A node joins (at node 1's place, with nothing kept): its pairs are made, 0-2 kept again.
   for (auto& l : shrunk) l->Park();
   shrunk.clear();
-  (void)parks[1].Take("j");
+  (void)parks[1].Take("j", kNodes);
   auto grown = ConnectEpoch(&store, parks, {0, 1, 2}, 3);
   ASSERT_EQ(grown.size(), 3u);
   EXPECT_TRUE(grown[0]->Adopted(2));
@@ -650,25 +650,94 @@ TEST(RecordLinksParkTest, ALossAndAJoinRelinkOnlyThePairsTheyChange) {
   ExchangeChecked(grown, 2);
 }
 
+TEST(RecordLinksParkTest, TwoGroupsOfAnEpochEachTakeOneOfTheConnectionsKept) {
+  store::MemoryStore store;
+  std::vector<LinkPark> parks(2);
+  auto connect_group = [&](const std::string& group, int epoch) {
+    std::vector<std::unique_ptr<RecordLinks>> links(2);
+    RunOnEach(2, [&](int me) {
+      RecordLinks::Spec spec = SpecOf(&store, me, 2, absl::StrCat(group, epoch, "/"));
+      spec.park = &parks[me];
+      spec.home = "j";
+      spec.epoch = epoch;
+      auto l = RecordLinks::Connect(std::move(spec), absl::Now() + absl::Seconds(20));
+      ASSERT_TRUE(l.ok()) << l.status();
+      links[me] = *std::move(l);
+    });
+    return links;
+  };
+  auto a = connect_group("a", 1);
+  auto b = connect_group("b", 1);
+  for (auto* g : {&a, &b}) {
+    for (auto& l : *g) l->Park();
+  }
+  EXPECT_EQ(parks[0].size(), 2u);
+  a.clear();
+  b.clear();
+  // One group after the other: each takes one over.
+  auto a2 = connect_group("a", 2);
+  EXPECT_EQ(a2[0]->adopted(), 1);
+  EXPECT_EQ(a2[1]->adopted(), 1);
+  EXPECT_EQ(parks[0].size(), 1u);  // the other went back
+  auto b2 = connect_group("b", 2);
+  EXPECT_EQ(b2[0]->adopted(), 1);
+  EXPECT_EQ(b2[1]->adopted(), 1);
+  ExchangeChecked(a2, 2);
+  ExchangeChecked(b2, 2);
+  for (auto* g : {&a2, &b2}) {
+    for (auto& l : *g) l->Park();
+  }
+  a2.clear();
+  b2.clear();
+  // Both groups at once, in either order on each node: whichever connections each takes, both
+  // ends of every pair agree, and the streams are whole.
+  std::vector<std::vector<std::unique_ptr<RecordLinks>>> groups(2);
+  for (auto& g : groups) g.resize(2);
+  RunOnEach(4, [&](int k) {
+    const int me = k % 2, group = k / 2;
+    RecordLinks::Spec spec = SpecOf(&store, me, 2, absl::StrCat("g", group, "-3/"));
+    spec.park = &parks[me];
+    spec.home = "j";
+    spec.epoch = 3;
+    auto l = RecordLinks::Connect(std::move(spec), absl::Now() + absl::Seconds(20));
+    ASSERT_TRUE(l.ok()) << l.status();
+    groups[group][me] = *std::move(l);
+  });
+  for (auto& g : groups) {
+    ASSERT_TRUE(g[0] && g[1]);
+    EXPECT_EQ(g[0]->adopted(), g[1]->adopted());
+    ExchangeChecked(g, 2);
+  }
+}
+
 TEST(LinkParkTest, KeepsTheLatestEpochsLinkPerPeerForItsTimeOnly) {
   auto fd = [] { return UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)); };
   LinkPark park;
   park.Put("j", "a", {fd(), "two", 2, {}});
-  park.Put("j", "a", {fd(), "one", 1, {}});  // older: closed
+  park.Put("j", "a", {fd(), "one", 1, {}});   // older: closed
+  park.Put("j", "a", {fd(), "two'", 2, {}});  // another group's of the same epoch
   park.Put("j", "b", {fd(), "b1", 1, {}});
+  park.Put("j", "c", {fd(), "c1", 1, {}});
   park.Put("k", "a", {fd(), "k", 5, {}});
-  EXPECT_EQ(park.size(), 3u);
-  auto taken = park.Take("j");
+  EXPECT_EQ(park.size(), 5u);
+  auto taken = park.Take("j", {"a", "b", "z"});
   ASSERT_EQ(taken.size(), 2u);
-  EXPECT_EQ(taken["a"].id, "two");
-  EXPECT_GE(taken["a"].fd.get(), 0);
-  EXPECT_EQ(taken["b"].id, "b1");
-  EXPECT_TRUE(park.Take("j").empty());
-  EXPECT_EQ(park.size(), 1u);
+  ASSERT_EQ(taken["a"].size(), 2u);
+  EXPECT_EQ(taken["a"][0].id, "two");
+  EXPECT_EQ(taken["a"][1].id, "two'");
+  EXPECT_GE(taken["a"][0].fd.get(), 0);
+  EXPECT_EQ(taken["b"][0].id, "b1");
+  EXPECT_TRUE(park.Take("j", {"a", "b"}).empty());
+  EXPECT_EQ(park.size(), 2u);  // j's link to c, k's
+  park.Put("j", "b", {fd(), "b3", 3, {}});
+  for (size_t i = 0; i < LinkPark::kMaxPerPeer + 5; ++i) {
+    park.Put("j", "d", {fd(), absl::StrCat("d", i), 1, {}});
+  }
+  EXPECT_EQ(park.Take("j", {"d"})["d"].size(), LinkPark::kMaxPerPeer);
 
   LinkPark brief(absl::ZeroDuration());
   brief.Put("j", "a", {fd(), "x", 1, {}});
-  EXPECT_TRUE(brief.Take("j").empty());  // past its time: closed at the next call
+  EXPECT_TRUE(brief.Take("j", {"a"}).empty());  // past its time: closed at the next call
 }
 
 // Whether the peer of `end` closed its end (EOF), waiting up to 10 s.

@@ -77,7 +77,7 @@ class CpuBackend final : public core::Backend {
  private:
   WorkerPool* const pool_;
   const CpuTuning tuning_;
-  // The connections elastic jobs' world groups keep for their next epoch on this daemon.
+  // The connections elastic jobs' groups keep for their next epoch on this daemon.
   const std::shared_ptr<LinkPark> park_;
 };
 

@@ -370,16 +370,19 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
                                        : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   absl::StatusOr<std::string> key = RandomHex(kKeyBytes);
   if (!key.ok()) return key.status();
-  // The connections an earlier epoch kept to this group's nodes (the others close here), their
-  // ids published with the address.
-  std::map<int, LinkPark::Link> kept;
+  // The connections an earlier epoch kept to this group's nodes, their ids published with the
+  // address.
+  std::map<int, std::vector<LinkPark::Link>> kept;
   std::string kept_ids;
   if (s.park != nullptr) {
-    for (auto& [node, link] : s.park->Take(s.home)) {
-      const auto it = std::find(s.nodes.begin(), s.nodes.end(), node);
-      if (it == s.nodes.end() || it - s.nodes.begin() == me) continue;
-      absl::StrAppend(&kept_ids, kept_ids.empty() ? " " : ",", link.id);
-      kept.emplace(static_cast<int>(it - s.nodes.begin()), std::move(link));
+    std::vector<std::string> peers = s.nodes;
+    peers.erase(peers.begin() + me);
+    for (auto& [node, links_to] : s.park->Take(s.home, peers)) {
+      for (const LinkPark::Link& link : links_to) {
+        absl::StrAppend(&kept_ids, kept_ids.empty() ? " " : ",", link.id);
+      }
+      const auto at = std::find(s.nodes.begin(), s.nodes.end(), node) - s.nodes.begin();
+      kept.emplace(static_cast<int>(at), std::move(links_to));
     }
   }
   if (absl::Status st = s.store->Set(s.job, absl::StrCat(s.prefix, me),
@@ -435,24 +438,37 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
     }
   }
 
-  // Take over each kept connection its peer kept too; resume both ways.
+  // Take over, for each peer, the connection of least id that both ends kept and published
+  // (each end sees the same two lists); resume both ways. The others go back to the park, for
+  // the epoch's other groups.
   std::vector<Resuming> resuming;
-  for (auto& [i, link] : kept) {
+  for (auto& [i, links_to] : kept) {
     const std::vector<std::string>& parts = parts_of[i];
     const std::vector<std::string> ids =
         parts.size() == 4 ? absl::StrSplit(parts[3], ',') : std::vector<std::string>();
-    if (std::find(ids.begin(), ids.end(), link.id) == ids.end()) continue;  // closed below
-    Resuming r{};
-    r.node = i;
-    if (absl::Status st = ResumeMark(*key, me, i, link.id, r.send); !st.ok()) return st;
-    if (absl::Status st = ResumeMark(parts[2], i, me, link.id, r.expect); !st.ok()) return st;
-    Peer& p = links->peers_[i];
-    p.fd = std::move(link.fd);
-    p.id = link.id;
-    p.adopted = true;
-    resuming.push_back(r);
+    LinkPark::Link* best = nullptr;
+    for (LinkPark::Link& link : links_to) {
+      if (std::find(ids.begin(), ids.end(), link.id) != ids.end() &&
+          (best == nullptr || link.id < best->id)) {
+        best = &link;
+      }
+    }
+    if (best != nullptr) {
+      Resuming r{};
+      r.node = i;
+      if (absl::Status st = ResumeMark(*key, me, i, best->id, r.send); !st.ok()) return st;
+      if (absl::Status st = ResumeMark(parts[2], i, me, best->id, r.expect); !st.ok()) return st;
+      Peer& p = links->peers_[i];
+      p.fd = std::move(best->fd);
+      p.id = best->id;
+      p.adopted = true;
+      resuming.push_back(r);
+    }
+    for (LinkPark::Link& link : links_to) {
+      if (link.fd.get() >= 0) s.park->Put(s.home, s.nodes[i], std::move(link));
+    }
   }
-  kept.clear();  // closes the connections not taken over
+  kept.clear();
   if (absl::Status st = links->Resume(resuming, deadline); !st.ok()) return st;
 
   // Connect to every earlier node, proving we hold its key and checking that it does.
@@ -730,7 +746,11 @@ bool RecordLinks::Adopted(int node) const { return peers_[node].adopted; }
 void LinkPark::SweepLocked(absl::Time now) {
   for (auto home = links_.begin(); home != links_.end();) {
     for (auto it = home->second.begin(); it != home->second.end();) {
-      it = it->second.until <= now ? home->second.erase(it) : std::next(it);
+      std::vector<Link>& kept = it->second;
+      kept.erase(
+          std::remove_if(kept.begin(), kept.end(), [now](const Link& l) { return l.until <= now; }),
+          kept.end());
+      it = kept.empty() ? home->second.erase(it) : std::next(it);
     }
     home = home->second.empty() ? links_.erase(home) : std::next(home);
   }
@@ -754,7 +774,9 @@ void LinkPark::Sweep() {
   while (!stop_) {
     absl::Time next = absl::InfiniteFuture();
     for (const auto& [home, links] : links_) {
-      for (const auto& [node, link] : links) next = std::min(next, link.until);
+      for (const auto& [node, kept] : links) {
+        for (const Link& link : kept) next = std::min(next, link.until);
+      }
     }
     changed_.WaitWithDeadline(&mu_, next);
     SweepLocked(absl::Now());
@@ -766,27 +788,37 @@ void LinkPark::Put(const std::string& home, const std::string& node, Link link) 
   link.until = now + keep_;
   absl::MutexLock lock(&mu_);
   SweepLocked(now);
-  auto [it, fresh] = links_[home].try_emplace(node);
-  if (!fresh && it->second.epoch > link.epoch) return;  // `link` closes
-  it->second = std::move(link);
+  std::vector<Link>& kept = links_[home][node];
+  if (!kept.empty() && kept.front().epoch > link.epoch) return;  // `link` closes
+  if (!kept.empty() && kept.front().epoch < link.epoch) kept.clear();
+  if (kept.size() >= kMaxPerPeer) kept.erase(kept.begin());
+  kept.push_back(std::move(link));
   changed_.Signal();
 }
 
-std::map<std::string, LinkPark::Link> LinkPark::Take(const std::string& home) {
+std::map<std::string, std::vector<LinkPark::Link>> LinkPark::Take(
+    const std::string& home, const std::vector<std::string>& nodes) {
   absl::MutexLock lock(&mu_);
   SweepLocked(absl::Now());
-  std::map<std::string, Link> out;
-  if (auto it = links_.find(home); it != links_.end()) {
-    out = std::move(it->second);
-    links_.erase(it);
+  std::map<std::string, std::vector<Link>> out;
+  auto it = links_.find(home);
+  if (it == links_.end()) return out;
+  for (const std::string& node : nodes) {
+    if (auto kept = it->second.find(node); kept != it->second.end()) {
+      out[node] = std::move(kept->second);
+      it->second.erase(kept);
+    }
   }
+  if (it->second.empty()) links_.erase(it);
   return out;
 }
 
 size_t LinkPark::size() const {
   absl::MutexLock lock(&mu_);
   size_t n = 0;
-  for (const auto& [home, links] : links_) n += links.size();
+  for (const auto& [home, links] : links_) {
+    for (const auto& [node, kept] : links) n += kept.size();
+  }
   return n;
 }
 

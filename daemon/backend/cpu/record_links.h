@@ -21,11 +21,12 @@
 
 namespace gradsync::backend::cpu {
 
-/// Connections an elastic job's world group leaves on this daemon at its epoch's end
-/// (RecordLinks::Park), for the next epoch's world group to take over where the peer kept the
-/// same connection (RecordLinks::Connect): a membership change re-links only the pairs of nodes
-/// it changed. One per (job, peer node), the latest epoch's; each is closed `keep` after it was
-/// parked unless taken (by a thread of its own: a job's last epoch parks too). Thread-safe.
+/// Connections an elastic job's groups leave on this daemon at their epoch's end
+/// (RecordLinks::Park), for the next epoch's groups to take over where the peer kept the same
+/// connection (RecordLinks::Connect): a membership change re-links only the pairs of nodes it
+/// changed. Per (job, peer node): the latest epoch's, at most kMaxPerPeer (the oldest go); each
+/// is closed `keep` after it was parked unless taken (by a thread of its own: a job's last
+/// epoch parks too). Thread-safe.
 class LinkPark {
  public:
   struct Link {
@@ -39,10 +40,13 @@ class LinkPark {
   ~LinkPark();  // closes every link kept
   LinkPark(const LinkPark&) = delete;
   LinkPark& operator=(const LinkPark&) = delete;
-  /// Keeps `link` to `node` for job `home`, unless one of a later epoch is there.
+  static constexpr size_t kMaxPerPeer = 64;
+  /// Keeps `link` to `node` for job `home`; those of earlier epochs to `node` are closed (and
+  /// `link` is, when a later epoch's are there).
   void Put(const std::string& home, const std::string& node, Link link);
-  /// Takes every link kept for `home`, by peer node.
-  std::map<std::string, Link> Take(const std::string& home);
+  /// Takes every link kept for `home` to one of `nodes`, by node.
+  std::map<std::string, std::vector<Link>> Take(const std::string& home,
+                                                const std::vector<std::string>& nodes);
   size_t size() const;  // links kept now
 
  private:
@@ -51,7 +55,7 @@ class LinkPark {
   const absl::Duration keep_;
   mutable absl::Mutex mu_;
   absl::CondVar changed_;
-  std::map<std::string, std::map<std::string, Link>> links_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::map<std::string, std::vector<Link>>> links_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: started once the state above exists
 };
@@ -107,9 +111,9 @@ class RecordLinks {
     // An eventfd (or -1): once readable, every wait here (connecting included) returns
     // CANCELLED at once; the links stay as they were (the owner decides what follows).
     int cancel_fd = -1;
-    // An elastic job's world group: Connect takes over the connections to this group's nodes
-    // that `park` keeps for `home` (the job's id) where the peer kept the same one, and Park
-    // leaves them there for the next epoch (`epoch`: this group's).
+    // An elastic job's group: Connect takes over one of the connections to each of this
+    // group's nodes that `park` keeps for `home` (the job's id) where the peer kept the same
+    // one, and Park leaves them there for the next epoch (`epoch`: this group's).
     LinkPark* park = nullptr;
     std::string home;
     int epoch = 0;
