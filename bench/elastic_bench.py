@@ -5,7 +5,7 @@ trainer rank per daemon (tests/python/elastic_worker.py: a small MLP, Distribute
 gradsync.elastic.run, a commit every step, a step every 50 ms).
 
     /usr/bin/python3 bench/elastic_bench.py --build build [--sizes 4,8] [--reps 3]
-         [--faults kill,freeze,cut,replace] [--json out.json]
+         [--faults kill,freeze,cut,replace,torchrun] [--json out.json]
 
 Per repetition: N daemons, N trainers of a fresh elastic job; once every trainer has done 5
 steps the last node is lost: its daemon and trainer killed (kill), its daemon stopped
@@ -21,6 +21,13 @@ start until every rank has completed a step with N ranks again (the joiner havin
 loaded. The peer: the same N-1 trainers started afresh as a new job (new processes: Python, torch, gradsync.init, formation, the first step),
 the least a restart of the job's trainers costs before any checkpoint is loaded; torchrun
 must first notice the failure too, which this does not count. Ratio: resume / restart.
+
+`torchrun` (a fault of its own, the peer measured whole): N torchrun agents (Debian's torch,
+`--nnodes=N-1:N`, c10d rendezvous on loopback, `last_call_timeout=1`, `--max_restarts=3`,
+`--monitor_interval=0.1`), one worker each (bench/torchrun_worker.py: the same MLP under DDP
+over gloo, a step every 50 ms); once every worker has done 5 steps the last agent and its worker
+are killed (SIGKILL of its process group); the figure per survivor: seconds from the kill to
+its first step in the restarted world of N-1 (no checkpoint loaded).
 """
 import argparse
 import json
@@ -38,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "faults"))
 import netlab  # noqa: E402 - the fault suite's network namespaces, for a cut link
 WORKER = os.path.join(ROOT, "tests", "python", "elastic_worker.py")
+TORCHRUN_WORKER = os.path.join(ROOT, "bench", "torchrun_worker.py")
 PYTHON = "/usr/bin/python3"
 TOKEN = "elastic-bench-token\n"
 
@@ -205,12 +213,64 @@ def rep(build, n, fault, index, bound):
                 shutil.rmtree(lab.tmp, ignore_errors=True)
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_rep(n, index, bound):
+    """The torchrun peer: N agents, the last killed at step 5; seconds from the kill to each
+    survivor's first step in the restarted world (None: none within `bound`)."""
+    tmp = tempfile.mkdtemp(prefix="gradsync-torchrun-bench-")
+    port, agents, outs = free_port(), [], []
+    try:
+        for i in range(n):
+            out = os.path.join(tmp, f"steps-{i}.out")
+            outs.append(out)
+            env = dict(os.environ, BENCH_OUT=out, OMP_NUM_THREADS="1")
+            with open(os.path.join(tmp, f"agent-{i}.log"), "w") as log:
+                # --redirects/--tee 2: Debian's torch 1.13 under Python 3.11 reads 0 and 3 as
+                # None and fails; the steps go to BENCH_OUT.
+                agents.append(subprocess.Popen(
+                    [PYTHON, "-m", "torch.distributed.run", f"--nnodes={n - 1}:{n}",
+                     "--nproc_per_node=1", "--rdzv_backend=c10d",
+                     f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=tb{index}",
+                     "--rdzv_conf=last_call_timeout=1", "--max_restarts=3",
+                     "--monitor_interval=0.1", "--redirects=2", "--tee=2",
+                     f"--log_dir={os.path.join(tmp, f'logs-{i}')}", TORCHRUN_WORKER, "100000",
+                     "0.05"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True))
+            time.sleep(0.2)  # the first agent hosts the rendezvous store
+        if not wait_for(lambda: all(any(l.get("step", 0) >= 5 for l in lines(o)) for o in outs),
+                        120):
+            raise RuntimeError("torchrun workers did not reach step 5")
+        t_kill = time.time()
+        os.killpg(agents[-1].pid, signal.SIGKILL)
+
+        def resumed(o):
+            # Only restarted workers see N-1 (an agent restarted for the others' change counts
+            # no restart of its own, so TORCHELASTIC_RESTART_COUNT cannot tell).
+            return [l["t"] - t_kill for l in lines(o) if l.get("world") == n - 1 and "t" in l]
+        wait_for(lambda: all(resumed(o) for o in outs[:-1]), bound)
+        return [min(resumed(o)) if resumed(o) else None for o in outs[:-1]]
+    finally:
+        for a in agents:
+            try:
+                os.killpg(a.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            a.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--sizes", default="4,8")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--faults", default="kill,freeze,cut,replace")
+    ap.add_argument("--faults", default="kill,freeze,cut,replace,torchrun")
     ap.add_argument("--bound", type=float, default=60.0, help="seconds one wait may take")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -228,6 +288,19 @@ def main():
           f"{'restart s (median)':>19} {'resume/restart':>15}")
     for n in [int(s) for s in args.sizes.split(",")]:
         for fault in faults:
+            if fault == "torchrun":
+                took = []
+                for i in range(args.reps):
+                    r = torchrun_rep(n, i, args.bound)
+                    results.append({"nodes": n, "fault": fault, "rep": i, "resume": r})
+                    took += [x for x in r if x is not None]
+                    if None in r:
+                        print(f"  rep {i}: {r.count(None)} rank(s) gave no figure within "
+                              f"{args.bound} s")
+                if took:
+                    print(f"{n:>5} {'torchrun':>8} {statistics.median(took):>11.2f} "
+                          f"{max(took):>10.2f}   (a torchrun job's survivors, killed node)")
+                continue
             resume, restart = [], []
             for i in range(args.reps):
                 r = rep(build, n, fault, i, args.bound)
