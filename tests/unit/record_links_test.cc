@@ -398,6 +398,16 @@ void ExchangeChecked(std::vector<std::unique_ptr<RecordLinks>>& links, int count
   });
 }
 
+// The next epoch over `nodes`: node nodes[i] must take `adopted[i]` links over; then every
+// node sends each peer messages and checks the peers' (streams whole, old bytes skipped).
+void ExpectNextEpoch(gradsync::Store* store, std::vector<LinkPark>& parks,
+                     const std::vector<int>& nodes, int epoch, const std::vector<int>& adopted) {
+  auto next = ConnectEpoch(store, parks, nodes, epoch);
+  ASSERT_EQ(next.size(), nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) EXPECT_EQ(next[i]->adopted(), adopted[i]) << i;
+  ExchangeChecked(next, 2);
+}
+
 TEST(RecordLinksParkTest, TheNextEpochTakesEveryKeptConnectionOverPastWhatTheOldOneLeftUnread) {
   store::MemoryStore store;
   std::vector<LinkPark> parks(3);
@@ -462,11 +472,7 @@ TEST(RecordLinksParkTest, APeerStillInTheOldEpochFailsAtOnceWhenTheOtherEndParks
   // It parks too (the end mark is no fault of the connection): the next epoch takes it over.
   old[1]->Park();
   old.clear();
-  auto epoch2 = ConnectEpoch(&store, parks, {0, 1}, 2);
-  ASSERT_EQ(epoch2.size(), 2u);
-  EXPECT_EQ(epoch2[0]->adopted(), 1);
-  EXPECT_EQ(epoch2[1]->adopted(), 1);
-  ExchangeChecked(epoch2, 2);
+  ExpectNextEpoch(&store, parks, {0, 1}, 2, {1, 1});
 }
 
 TEST(RecordLinksParkTest, APeerBlockedSendingToANodeThatParksFailsAtOnceNotAtItsDeadline) {
@@ -493,11 +499,7 @@ TEST(RecordLinksParkTest, APeerBlockedSendingToANodeThatParksFailsAtOnceNotAtIts
   old[1]->Park();
   EXPECT_EQ(parks[1].size(), 0u);
   old.clear();
-  auto next = ConnectEpoch(&store, parks, {0, 1}, 2);
-  ASSERT_EQ(next.size(), 2u);
-  EXPECT_EQ(next[0]->adopted(), 0);
-  EXPECT_EQ(next[1]->adopted(), 0);
-  ExchangeChecked(next, 2);
+  ExpectNextEpoch(&store, parks, {0, 1}, 2, {0, 0});
 }
 
 TEST(RecordLinksParkTest, ASendToAPeerWhoseEndMarkCameWithItsLastMessageFailsAtOnce) {
@@ -546,10 +548,7 @@ TEST(RecordLinksParkTest, ASendToOtherPeersGoesOnWhileANodeItIsNotSendingToParks
   // Node 1's stream to node 2 is whole: kept by both, taken over by the next epoch.
   for (int me = 1; me < 3; ++me) old[me]->Park();
   old.clear();
-  auto next = ConnectEpoch(&store, parks, {1, 2}, 2);
-  ASSERT_EQ(next.size(), 2u);
-  EXPECT_EQ(next[0]->adopted(), 1);
-  ExchangeChecked(next, 2);
+  ExpectNextEpoch(&store, parks, {1, 2}, 2, {1, 1});
 }
 
 TEST(RecordLinksParkTest, AResumeMarkAcrossTwoReadsAndMessagesRightBehindItAreFound) {
