@@ -74,8 +74,9 @@ class NodesCommunicator final : public core::Communicator {
   /// Thread-safe; returns at once. The first status stays (an OK one counts as INTERNAL). The
   /// op running fails with it (its code, its message after the op's label) as soon as the wait
   /// it is in wakes (the record links' cancel fd), and so does every later op, before it writes
-  /// anything. The links are closed (the peers see this node gone). A ring all-reduce cut off
-  /// mid-way leaves partial sums in its members' buffers, as a link lost there does, unless the
+  /// anything. The links are closed, or, in an elastic job, parked for its next epoch after an
+  /// end mark (RecordLinks::Park): either way the peers see this node gone. A ring all-reduce cut
+  /// off mid-way leaves partial sums in its members' buffers, as a link lost there does, unless the
   /// job is elastic (spec.elastic: the ring then keeps its sums in scratch_, copied out on
   /// success).
   void Abort(const absl::Status& status) override;

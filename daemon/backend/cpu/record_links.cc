@@ -787,7 +787,6 @@ void LinkPark::Put(const std::string& home, const std::string& node, Link link) 
   const absl::Time now = absl::Now();
   link.until = now + keep_;
   absl::MutexLock lock(&mu_);
-  SweepLocked(now);
   std::vector<Link>& kept = links_[home][node];
   if (!kept.empty() && kept.front().epoch > link.epoch) return;  // `link` closes
   if (!kept.empty() && kept.front().epoch < link.epoch) kept.clear();

@@ -81,15 +81,16 @@ class LinkPark {
 /// handshake failed tries again until its deadline: silent or garbage connections cannot keep
 /// a peer out. (The records themselves are not encrypted.)
 ///
-/// Taking over (Spec::park): a node publishes with its address the ids of the connections it
-/// kept for this job (LinkPark), and reads the publication of every node it kept one for; a
-/// pair whose two ends both list the same connection takes it over and skips the handshake,
-/// any other pair connects afresh (and the kept end is closed), so both ends always decide
-/// alike. On a connection taken over, each end sends a resume mark (an HMAC under its fresh key
-/// of this epoch, so no byte of an earlier epoch can equal it) and reads, discarding, up to the
-/// peer's: whatever the old epoch left in the stream, even a message cut in half, is skipped.
-/// Park sends each peer an end mark first, so a peer still in the old epoch fails its wait on
-/// this node at once (UNAVAILABLE), as it did when the connection closed.
+/// Taking over (Spec::park): a node takes the connections kept for this job to the group's
+/// nodes (LinkPark), publishes their ids with its address, and reads the publication of every
+/// node it took one for; a pair takes over the connection of least id that both its ends
+/// published and skips the handshake, any other pair connects afresh; the connections taken
+/// and not used go back to the park (for the epoch's other groups). Both ends see the same two
+/// lists, so they always decide alike. On a connection taken over, each end sends a resume mark (an
+/// HMAC under its fresh key of this epoch, so no byte of an earlier epoch can equal it) and reads,
+/// discarding, up to the peer's: whatever the old epoch left in the stream, even a message cut in
+/// half, is skipped. Park sends each peer an end mark first, so a peer still in the old epoch fails
+/// its wait on this node at once (UNAVAILABLE), as it did when the connection closed.
 ///
 /// Sending never waits on a peer that is itself sending: while a peer's socket is full, Send
 /// reads whatever any peer sent into that peer's receive buffer, so two nodes sending each
