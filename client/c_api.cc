@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/gradsync.h"
 #include "client/gradsync_client.h"
@@ -187,10 +188,22 @@ std::string RootOf(const gs_connect_options* options) {
   return options != nullptr && options->root_address != nullptr ? options->root_address : "";
 }
 
-// The job's store: the root daemon's, else the daemon at `target`.
-std::unique_ptr<gradsync::client::StoreClient> StoreOf(
-    const char* target, const std::string& root,
-    const gradsync::client::ClientOptions& client_options) {
+// The job's store: the root daemon's, else the daemon at `target`. A client given no token
+// reaches a root daemon over TCP with the credential its own daemon (at `target`) hands out.
+absl::StatusOr<std::unique_ptr<gradsync::client::StoreClient>> StoreOf(
+    const char* target, const std::string& root, gradsync::client::ClientOptions client_options) {
+  if (!root.empty() && client_options.token.empty()) {
+    gradsync::client::StoreClient local(gradsync::client::Connect(target, client_options),
+                                        client_options);
+    absl::StatusOr<std::string> credential = local.ClientCredential();
+    if (!credential.ok()) {
+      return absl::Status(
+          credential.status().code(),
+          absl::StrCat("the credential for the root daemon ", root, " from the daemon at ", target,
+                       ": ", credential.status().message()));
+    }
+    client_options.token = *std::move(credential);
+  }
   return std::make_unique<gradsync::client::StoreClient>(
       gradsync::client::Connect(root.empty() ? std::string(target) : root, client_options),
       client_options);
@@ -213,7 +226,9 @@ int gs_connect_ex(const char* target, const char* job, int world_size, int rank,
   if (!client_options.ok()) return Fail(client_options.status());
   auto client = gradsync::client::Client::Connect(target, placement, *client_options);
   if (!client.ok()) return Fail(client.status());
-  *out = new gs_client{*std::move(client), StoreOf(target, root, *client_options), job};
+  auto store = StoreOf(target, root, *client_options);
+  if (!store.ok()) return Fail(store.status());
+  *out = new gs_client{*std::move(client), *std::move(store), job};
   return 0;
 }
 
@@ -225,7 +240,9 @@ int gs_store_connect(const char* target, const char* job, const gs_connect_optio
   if (absl::Status s = gradsync::CheckJobId(job); !s.ok()) return Fail(s);
   auto client_options = ClientOptionsOf(options);
   if (!client_options.ok()) return Fail(client_options.status());
-  *out = new gs_client{nullptr, StoreOf(target, RootOf(options), *client_options), job};
+  auto store = StoreOf(target, RootOf(options), *client_options);
+  if (!store.ok()) return Fail(store.status());
+  *out = new gs_client{nullptr, *std::move(store), job};
   return 0;
 }
 
@@ -448,6 +465,23 @@ int gs_store_compare_set(gs_client* client, const char* key, const void* expecte
   std::memcpy(*value, v->value.data(), v->value.size());
   *n = v->value.size();
   *swapped = v->swapped ? 1 : 0;
+  return 0;
+}
+
+int gs_store_decide_join(gs_client* client, int epoch, int joined, const char* why, int* decided,
+                         void** value, size_t* n) {
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(why, "why")) ||
+                  (rc = Check(decided, "decided")) || (rc = Check(value, "value")) ||
+                  (rc = Check(n, "n"))) {
+    return rc;
+  }
+  auto v = client->store->DecideJoin(client->job, epoch, joined, why);
+  if (!v.ok()) return Fail(v.status());
+  *value = std::malloc(v->second.empty() ? 1 : v->second.size());
+  if (*value == nullptr) return Fail(absl::ResourceExhaustedError("out of memory"));
+  std::memcpy(*value, v->second.data(), v->second.size());
+  *n = v->second.size();
+  *decided = v->first ? 1 : 0;
   return 0;
 }
 

@@ -188,6 +188,12 @@ int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** 
 int gs_store_compare_set(gs_client* client, const char* key, const void* expected,
                          size_t expected_n, const void* desired, size_t desired_n, int* swapped,
                          void** value, size_t* n);
+/* Elastic jobs: asks the daemons to record that epoch `epoch` (the client's job's epoch plus
+ * one) admits `joined` ranks; the daemon checks the request and writes the record itself.
+ * *decided: 1 if this call's record went in, 0 if another decision was there first; *value
+ * (released with gs_free) and *n: the record now there. */
+int gs_store_decide_join(gs_client* client, int epoch, int joined, const char* why, int* decided,
+                         void** value, size_t* n);
 void gs_free(void* p);
 
 /* Pack plans, as the JSON of gradsync.v1.PackList (proto field names, enums by name). */

@@ -25,9 +25,5 @@ std::string ElasticJobId(absl::string_view base, int epoch);
 /// The base of `id`, the id of epoch `epoch` of an elastic job; INVALID_ARGUMENT when `id` is
 /// not such an id.
 absl::StatusOr<std::string> ElasticBase(absl::string_view id, int epoch);
-/// Where the daemons of an elastic job record its next membership, in the job's store (trainers
-/// read it). Not under the reserved "_gradsync/" prefix: a daemon that is not the job's root
-/// writes it through the root's store service, which lets only typed calls write there.
-inline constexpr absl::string_view kElasticDecisionKey = "_gradsync_elastic/decision";
 
 }  // namespace gradsync

@@ -3,6 +3,7 @@
 
 #include "common/token.h"
 
+#include <openssl/evp.h>
 #include <sys/stat.h>
 
 #include <cerrno>
@@ -10,6 +11,7 @@
 #include <fstream>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 namespace gradsync {
@@ -34,6 +36,21 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
     return absl::FailedPreconditionError(absl::StrCat("token file ", path, " is empty"));
   }
   return token;
+}
+
+std::string ClientCredentialOf(absl::string_view token) {
+  if (token.empty()) return "";
+  static constexpr char kLabel[] = "gradsync client credential v1";
+  unsigned char mac[32];
+  size_t len = 0;
+  if (::EVP_Q_mac(nullptr, "HMAC", nullptr, "SHA256", nullptr, token.data(), token.size(),
+                  reinterpret_cast<const unsigned char*>(kLabel), sizeof(kLabel) - 1, mac,
+                  sizeof(mac), &len) == nullptr ||
+      len != sizeof(mac)) {
+    return "";  // OpenSSL failed: no credential, so no client is let in by one
+  }
+  return absl::StrCat(kClientCredentialPrefix,
+                      absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(mac), len)));
 }
 
 }  // namespace gradsync

@@ -73,6 +73,13 @@ ABSL_FLAG(int64_t, store_max_value_bytes, int64_t{1} << 20, "Largest store value
 ABSL_FLAG(int64_t, store_max_keys_per_job, 65536, "Most keys one job may hold");
 ABSL_FLAG(int64_t, store_max_jobs, 1024, "Most jobs the store holds at once");
 ABSL_FLAG(int64_t, store_max_waiters, 65536, "Most store waits pending at once");
+ABSL_FLAG(int64_t, store_max_job_bytes, int64_t{64} << 20,
+          "Most bytes of keys and values one job may hold in the embedded store");
+ABSL_FLAG(int64_t, store_max_total_bytes, int64_t{256} << 20,
+          "Most bytes of keys and values the embedded store holds for all jobs together");
+ABSL_FLAG(absl::Duration, store_idle_job_ttl, absl::Hours(1),
+          "A job's namespace in the embedded store that no session on this daemon holds and no "
+          "call has named for this long is removed");
 ABSL_FLAG(absl::Duration, op_timeout, absl::Minutes(5),
           "Deadline of a collective that names none: how long its ranks may take to all arrive");
 ABSL_FLAG(absl::Duration, max_op_timeout, absl::Hours(1), "Longest deadline an op may ask for");
@@ -236,6 +243,9 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.store.max_keys_per_job = absl::GetFlag(FLAGS_store_max_keys_per_job);
   c.store.max_jobs = absl::GetFlag(FLAGS_store_max_jobs);
   c.store.max_waiters = absl::GetFlag(FLAGS_store_max_waiters);
+  c.store.max_job_bytes = absl::GetFlag(FLAGS_store_max_job_bytes);
+  c.store.max_total_bytes = absl::GetFlag(FLAGS_store_max_total_bytes);
+  c.store.idle_job_ttl = absl::GetFlag(FLAGS_store_idle_job_ttl);
   c.engine.default_op_timeout = absl::GetFlag(FLAGS_op_timeout);
   c.engine.max_op_timeout = absl::GetFlag(FLAGS_max_op_timeout);
   c.engine.max_buffers_per_session = absl::GetFlag(FLAGS_max_buffers_per_session);
@@ -360,7 +370,8 @@ absl::Status Validate(const DaemonConfig& c) {
     }
   }
   if (c.store.max_key_bytes < 1 || c.store.max_value_bytes < 0 || c.store.max_keys_per_job < 1 ||
-      c.store.max_jobs < 1 || c.store.max_waiters < 1) {
+      c.store.max_jobs < 1 || c.store.max_waiters < 1 || c.store.max_job_bytes < 1 ||
+      c.store.max_total_bytes < 1 || c.store.idle_job_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("store limits must be positive");
   }
   if (c.engine.default_op_timeout <= absl::ZeroDuration() ||

@@ -80,9 +80,11 @@ const std::vector<Section>& Sections() {
        "The job's store (hosted by the daemon of the job's root node, or in etcd). Raise them "
        "only for jobs that keep many or large keys of their own. On etcd, --store_max_jobs and "
        "--store_max_waiters count this daemon's jobs and waits, --store_max_keys_per_job a "
-       "job's keys across all its daemons.",
+       "job's keys across all its daemons. The byte quotas and the removal of idle jobs apply "
+       "to the embedded store (etcd keeps a job's keys while one of its daemons holds its "
+       "lease).",
        {"store_max_key_bytes", "store_max_value_bytes", "store_max_keys_per_job", "store_max_jobs",
-        "store_max_waiters"}},
+        "store_max_waiters", "store_max_job_bytes", "store_max_total_bytes", "store_idle_job_ttl"}},
       {"Collectives",
        "The deadline of an op that names none (how long its ranks may take to all arrive), the "
        "longest one an op may ask for, threads for large ops, the buffers one trainer may "

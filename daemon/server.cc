@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/job_id.h"
 #include "common/logging.h"
+#include "common/store_keys.h"
 #include "daemon/gpu/mps.h"
 #include "daemon/store/etcd_store.h"
 #include "daemon/store/memory_store.h"
@@ -126,6 +127,9 @@ DaemonServer::DaemonServer(DaemonConfig config)
           rpc::PeerLink{[this](const std::string& a) { return PeerChannel(a); }, PeerOptions()}),
       health_service_(ServiceNames()) {
   engine_.SetPeerWatch(&peer_watch_);  // before any session can form a job
+  if (auto* memory = dynamic_cast<store::MemoryStore*>(store_.get())) {
+    memory->SetHolder([this](absl::string_view job) { return engine_.HoldsNamespace(job); });
+  }
 }
 
 void DaemonServer::OnGpuBroken(const absl::Status& why) {
@@ -138,6 +142,8 @@ void DaemonServer::OnGpuBroken(const absl::Status& why) {
 
 DaemonServer::~DaemonServer() {
   if (server_) Shutdown(absl::ZeroDuration());
+  // The store outlives the engine (member order): it must stop asking it first.
+  if (auto* memory = dynamic_cast<store::MemoryStore*>(store_.get())) memory->SetHolder(nullptr);
 }
 
 const std::vector<std::string>& DaemonServer::ServiceNames() {

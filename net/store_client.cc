@@ -354,4 +354,30 @@ absl::StatusOr<v1::PackList> StoreClient::GetPackList(absl::string_view job,
   return std::move(*resp.mutable_pack_list());
 }
 
+absl::StatusOr<std::pair<bool, std::string>> StoreClient::DecideJoin(absl::string_view job,
+                                                                     int epoch, int joined,
+                                                                     absl::string_view why) {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::DecideJoinRequest req;
+  req.set_job(std::string(job));
+  req.set_epoch(epoch);
+  req.set_joined(joined);
+  req.set_why(std::string(why));
+  v1::DecideJoinResponse resp;
+  if (absl::Status s = FromGrpcStatus(stub_->DecideJoin(&ctx, req, &resp)); !s.ok()) return s;
+  return std::make_pair(resp.decided(), std::move(*resp.mutable_decision()));
+}
+
+absl::StatusOr<std::string> StoreClient::ClientCredential() {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::ClientCredentialRequest req;
+  v1::ClientCredentialResponse resp;
+  if (absl::Status s = FromGrpcStatus(stub_->ClientCredential(&ctx, req, &resp)); !s.ok()) {
+    return s;
+  }
+  return std::move(*resp.mutable_credential());
+}
+
 }  // namespace gradsync::net

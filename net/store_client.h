@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
@@ -80,6 +81,16 @@ class StoreClient final : public Store {
   /// Waits for the group's pack plan until `deadline`.
   absl::StatusOr<v1::PackList> GetPackList(absl::string_view job, absl::string_view group,
                                            absl::Time deadline);
+
+  /// An elastic job's join (Store.DecideJoin): the daemon checks and records the decision that
+  /// epoch `epoch` admits `joined` ranks; returns whether this call's record went in and the
+  /// record now there.
+  absl::StatusOr<std::pair<bool, std::string>> DecideJoin(absl::string_view job, int epoch,
+                                                          int joined, absl::string_view why);
+
+  /// The credential the daemon at this (unix socket) target hands out for TCP calls to its
+  /// cluster's daemons (Store.ClientCredential).
+  absl::StatusOr<std::string> ClientCredential();
 
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 

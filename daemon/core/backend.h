@@ -11,6 +11,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/dtype.h"
@@ -84,6 +85,12 @@ inline constexpr char kRunKey[] = "daemon/run";
 /// An elastic epoch past 0: "formed" or "unformed", whichever its daemons set first (by
 /// CompareSet) once every rank published, or once its first op's deadline passed without.
 inline constexpr char kFormationKey[] = "daemon/formation";
+/// Set by every daemon of an elastic job spanning nodes as it forms: a join may be decided.
+inline constexpr char kElasticKey[] = "daemon/elastic";
+/// The node (daemon TCP address) of rank `r` of a job spanning nodes, set by the rank's daemon.
+inline constexpr absl::string_view kRankKeyPrefix = "daemon/rank/";
+inline std::string RankKey(int r) { return absl::StrCat(kRankKeyPrefix, r); }
+// Every key above is the daemons' own (common/store_keys.h: kDaemonKeyPrefix).
 
 /// What a communicator is built for: one group of one job, and which of its members are local.
 struct CommunicatorSpec {

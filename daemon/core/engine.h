@@ -161,6 +161,10 @@ class Engine {
     int64_t mapped_bytes;
   };
   std::vector<SessionInfo> ListSessions() const;
+  /// Whether a session of this daemon holds the store namespace `ns`: a job running here (or
+  /// ending), or the home of an elastic job running here. Takes the engine's lock; never
+  /// calls into a store.
+  bool HoldsNamespace(absl::string_view ns) const;
 
   /// What this node's daemon waits for before an op can complete here.
   enum class OpWait { kTrainers, kEarlierOp, kLocalCopy, kNetwork, kNccl };

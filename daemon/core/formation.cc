@@ -12,6 +12,7 @@
 #include "common/bounded_text.h"
 #include "common/job_id.h"
 #include "common/logging.h"
+#include "common/store_keys.h"
 #include "daemon/core/engine.h"
 
 namespace gradsync::core {
@@ -30,16 +31,6 @@ const absl::Status& StatusOf(const absl::Status& s) { return s; }
 template <typename T>
 const absl::Status& StatusOf(const absl::StatusOr<T>& s) {
   return s.status();
-}
-
-// The next membership as the trainers parse it (gradsync.elastic): `why` last, as it may hold
-// spaces; `at` when it was decided (Inspect's epochs measure the change from it).
-std::string DecisionText(int epoch, int world, const std::vector<int>& lost_ranks,
-                         const std::vector<std::string>& lost_nodes, absl::string_view why) {
-  return absl::StrCat("epoch=", epoch, " world=", world,
-                      " lost_ranks=", absl::StrJoin(lost_ranks, ","),
-                      " lost_nodes=", absl::StrJoin(lost_nodes, ","),
-                      " at=", absl::ToUnixMillis(absl::Now()), " why=", why);
 }
 
 // 16 random hex digits.
@@ -86,16 +77,22 @@ void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
     absl::MutexLock lock(&job->mu);
     job->run = run->value;
   }
+  if (job->elastic) {  // what lets a client ask for a join of this job (membership.h)
+    absl::Status s = retry([&] { return job->root_store->Set(job->id, kElasticKey, "1"); });
+    if (!s.ok()) {
+      OnFormed(job, absl::Status(s.code(), absl::StrCat("marking the job elastic: ", s.message())));
+      return;
+    }
+  }
   for (int r : mine) {
-    absl::Status s =
-        retry([&] { return job->root_store->Set(job->id, absl::StrCat("daemon/rank/", r), node); });
+    absl::Status s = retry([&] { return job->root_store->Set(job->id, RankKey(r), node); });
     if (!s.ok()) {
       OnFormed(job, absl::Status(s.code(), absl::StrCat("publishing rank ", r, ": ", s.message())));
       return;
     }
   }
   std::vector<std::string> keys;
-  for (int r = 0; r < job->world_size; ++r) keys.push_back(absl::StrCat("daemon/rank/", r));
+  for (int r = 0; r < job->world_size; ++r) keys.push_back(RankKey(r));
   Log()->info("job forming job={} node={} local_ranks={} world_size={}", job->id, node,
               JoinBounded(mine, ","), job->world_size);
   job->root_store->WaitAsync(
@@ -123,7 +120,7 @@ void Engine::OnFormationDeadline(const std::weak_ptr<Job>& weak, absl::Duration 
   }
   // Who is missing: a wait that ends at once names the keys not there.
   std::vector<std::string> keys;
-  for (int r = 0; r < job->world_size; ++r) keys.push_back(absl::StrCat("daemon/rank/", r));
+  for (int r = 0; r < job->world_size; ++r) keys.push_back(RankKey(r));
   absl::StatusOr<std::vector<std::string>> missing =
       job->root_store->WaitBlocking(job->id, keys, absl::Now() + absl::Milliseconds(100));
   std::deque<Job::Parked> failed;
@@ -161,13 +158,12 @@ std::optional<absl::Status> Engine::DecideUnformed(Job& job, absl::Duration time
       job.root_store->CompareSet(job.id, kFormationKey, std::nullopt, "unformed");
   if (!outcome.ok()) return std::nullopt;
   if (outcome->value == "formed") return absl::OkStatus();
-  constexpr absl::string_view kPrefix = "daemon/rank/";
-  absl::StatusOr<std::vector<std::string>> published = job.root_store->List(job.id, kPrefix);
+  absl::StatusOr<std::vector<std::string>> published = job.root_store->List(job.id, kRankKeyPrefix);
   if (!published.ok()) return std::nullopt;
   std::vector<bool> here(job.world_size, false);
   for (absl::string_view key : *published) {
     int rank = -1;
-    absl::ConsumePrefix(&key, kPrefix);
+    absl::ConsumePrefix(&key, kRankKeyPrefix);
     if (absl::SimpleAtoi(key, &rank) && rank >= 0 && rank < job.world_size) here[rank] = true;
   }
   std::vector<int> lost;
@@ -177,8 +173,8 @@ std::optional<absl::Status> Engine::DecideUnformed(Job& job, absl::Duration time
   if (lost.empty() || lost.size() == here.size()) return std::nullopt;
   const std::string why = absl::StrCat("rank(s) ", JoinBounded(lost, ","), " did not join epoch ",
                                        job.epoch, " within ", absl::FormatDuration(timeout));
-  const std::string decision =
-      DecisionText(job.epoch + 1, job.world_size - static_cast<int>(lost.size()), lost, {}, why);
+  const std::string decision = MembershipDecisionText(
+      job.epoch + 1, job.world_size - static_cast<int>(lost.size()), lost, {}, 0, why);
   absl::StatusOr<CompareSetResult> recorded =
       job.root_store->CompareSet(job.id, std::string(kElasticDecisionKey), std::nullopt, decision);
   if (!recorded.ok()) return std::nullopt;
@@ -357,7 +353,8 @@ void Engine::DecideMembership(const std::weak_ptr<Job>& weak) {
   if (lost_ranks.empty()) return;
   std::sort(lost_ranks.begin(), lost_ranks.end());
   const int world = job->world_size - static_cast<int>(lost_ranks.size());
-  const std::string decision = DecisionText(job->epoch + 1, world, lost_ranks, lost_nodes, why);
+  const std::string decision =
+      MembershipDecisionText(job->epoch + 1, world, lost_ranks, lost_nodes, 0, why);
   absl::StatusOr<CompareSetResult> recorded = job->root_store->CompareSet(
       job->id, std::string(kElasticDecisionKey), std::nullopt, decision);
   if (!recorded.ok()) {

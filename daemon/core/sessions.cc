@@ -12,6 +12,7 @@
 #include "common/job_id.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "common/store_keys.h"
 #include "daemon/core/engine.h"
 
 namespace gradsync::core {
@@ -403,6 +404,17 @@ std::vector<Engine::SessionInfo> Engine::ListSessions() const {
     return std::tie(x.job, x.rank) < std::tie(y.job, y.rank);
   });
   return out;
+}
+
+bool Engine::HoldsNamespace(absl::string_view ns) const {
+  absl::MutexLock lock(&mu_);
+  if (jobs_.contains(ns) || ending_.contains(ns)) return true;
+  for (const auto& [id, job] : jobs_) {  // an elastic job's home (its epoch 0's id)
+    if (!job->elastic || job->epoch == 0) continue;
+    absl::StatusOr<std::string> base = ElasticBase(id, job->epoch);
+    if (base.ok() && *base == ns) return true;
+  }
+  return false;
 }
 
 }  // namespace gradsync::core

@@ -20,20 +20,25 @@ bool SameSecret(absl::string_view a, absl::string_view b) {
 
 }  // namespace
 
-absl::Status PeerAuth::Check(const grpc::CallbackServerContext* ctx) const {
-  if (token_.empty() || absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
+absl::StatusOr<PeerAuth::Caller> PeerAuth::Identify(const grpc::CallbackServerContext* ctx) const {
+  if (absl::StartsWith(ctx->peer(), "unix:")) return Caller::kLocal;
+  if (token_.empty()) return Caller::kDaemon;
   const auto& metadata = ctx->client_metadata();
   auto it = metadata.find(kAuthMetadataKey);
   if (it != metadata.end()) {
     const absl::string_view value(it->second.data(), it->second.size());
-    if (absl::StartsWith(value, kBearerPrefix) &&
-        SameSecret(value.substr(sizeof(kBearerPrefix) - 1), token_)) {
-      return absl::OkStatus();
+    if (absl::StartsWith(value, kBearerPrefix)) {
+      const absl::string_view presented = value.substr(sizeof(kBearerPrefix) - 1);
+      if (SameSecret(presented, token_)) return Caller::kDaemon;
+      if (!client_credential_.empty() && SameSecret(presented, client_credential_)) {
+        return Caller::kClient;
+      }
     }
   }
   return absl::UnauthenticatedError(
       "missing or wrong cluster token: TCP calls must carry the token of the daemon's "
-      "--token_file (gradsyncctl --token_file)");
+      "--token_file, or the client credential a daemon of the cluster hands out on its unix "
+      "socket (gradsyncctl --token_file)");
 }
 
 absl::Status PeerAuth::CheckTrainer(const grpc::CallbackServerContext* ctx) {

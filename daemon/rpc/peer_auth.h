@@ -1,11 +1,13 @@
 #pragma once
 
 // Who may call the daemon: trainer sessions only on the unix socket, TCP calls only with the
-// cluster token.
+// cluster token (a daemon) or the client credential derived from it (a trainer or a tool).
 
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/token.h"
 #include "grpcpp/grpcpp.h"
 
 namespace gradsync::rpc {
@@ -20,10 +22,29 @@ namespace gradsync::rpc {
 /// Immutable; thread-safe.
 class PeerAuth {
  public:
-  /// An empty token checks nothing (TCP is then as open as the bind address makes it).
-  explicit PeerAuth(std::string token) : token_(std::move(token)) {}
+  /// Who a call comes from, as far as the daemon can tell: what it may touch in a job's store
+  /// follows from it (common/store_keys.h).
+  enum class Caller {
+    kLocal,   // the unix socket: a trainer or tool of the node (group gradsync)
+    kClient,  // TCP with the client credential (ClientCredentialOf): a trainer or tool elsewhere
+    kDaemon,  // TCP with the cluster token: another daemon
+  };
 
-  absl::Status Check(const grpc::CallbackServerContext* ctx) const;
+  /// An empty token checks nothing (TCP is then as open as the bind address makes it, and a
+  /// TCP caller is taken for a daemon: tests only; the daemon never listens so).
+  explicit PeerAuth(std::string token)
+      : token_(std::move(token)), client_credential_(ClientCredentialOf(token_)) {}
+
+  /// The caller of `ctx`, or UNAUTHENTICATED for a TCP call with neither the token nor the
+  /// client credential.
+  absl::StatusOr<Caller> Identify(const grpc::CallbackServerContext* ctx) const;
+  absl::Status Check(const grpc::CallbackServerContext* ctx) const {
+    return Identify(ctx).status();
+  }
+
+  /// What a caller of the unix socket presents over TCP to this cluster's daemons; empty when
+  /// this daemon has no token.
+  const std::string& client_credential() const { return client_credential_; }
 
   /// OK for a call on the unix socket; PERMISSION_DENIED for any other, token or not: a trainer
   /// session maps the caller's memory, which only a local process can hand over.
@@ -34,6 +55,7 @@ class PeerAuth {
 
  private:
   const std::string token_;
+  const std::string client_credential_;
 };
 
 /// Metadata key and value prefix a client sends the token in.

@@ -3,10 +3,12 @@
 
 #include "daemon/rpc/store_service.h"
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <optional>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -14,19 +16,44 @@
 #include "common/grpc_status.h"
 #include "common/pack_list.h"
 #include "common/status_macros.h"
+#include "common/store_keys.h"
+#include "daemon/core/membership.h"
 #include "daemon/rpc/call_util.h"
 
 namespace gradsync::rpc {
 namespace {
 
-// Reserved keys hold what typed calls keep (pack lists): the generic Set, Add, CompareSet and
-// Delete may read around them but never change them.
-absl::Status CheckWritable(absl::string_view key) {
-  if (absl::StartsWith(key, kReservedKeyPrefix)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "keys under '", kReservedKeyPrefix,
-        "' are written and deleted only by typed calls (SetPackList), not by Set, Add, "
-        "CompareSet or Delete"));
+using Caller = PeerAuth::Caller;
+
+// What `caller` may do with `key` through the generic calls (common/store_keys.h).
+absl::Status CheckAccess(Caller caller, absl::string_view key, bool write) {
+  switch (ClassOfKey(key)) {
+    case KeyClass::kClient:
+      return absl::OkStatus();
+    case KeyClass::kTyped:
+      if (!write) return absl::OkStatus();
+      return absl::PermissionDeniedError(absl::StrCat(
+          "keys under '", kReservedKeyPrefix,
+          "' are written and deleted only by typed calls (SetPackList), not by Set, Add, "
+          "CompareSet or Delete"));
+    case KeyClass::kDaemonWritten:
+      if (!write || caller == Caller::kDaemon) return absl::OkStatus();
+      return absl::PermissionDeniedError(
+          absl::StrCat("'", kElasticDecisionKey,
+                       "' is written by the daemons only; a join is recorded through DecideJoin"));
+    case KeyClass::kDaemonOnly:
+      if (caller == Caller::kDaemon) return absl::OkStatus();
+      return absl::PermissionDeniedError(absl::StrCat(
+          "key '", absl::CHexEscape(key.substr(0, 64)),
+          "' is the daemons' own (run tokens, nodes' addresses, link keys, NCCL ids): no client "
+          "reads or writes it"));
+  }
+  return absl::InternalError("unknown key class");
+}
+
+absl::Status CheckReads(Caller caller, const std::vector<std::string>& keys) {
+  for (const std::string& key : keys) {
+    GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, key, /*write=*/false));
   }
   return absl::OkStatus();
 }
@@ -87,8 +114,8 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
 class StoreService::SessionReactor final
     : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
  public:
-  SessionReactor(StoreService* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx) {
+  SessionReactor(StoreService* service, grpc::CallbackServerContext* ctx, Caller caller)
+      : service_(service), ctx_(ctx), caller_(caller) {
     StartRead(&request_);
   }
 
@@ -154,7 +181,7 @@ class StoreService::SessionReactor final
   // Runs the request read last into response_.
   void Answer() {
     response_.Clear();
-    const absl::Status status = service_->DoSessionOp(request_, &response_);
+    const absl::Status status = service_->DoSessionOp(caller_, request_, &response_);
     response_.set_code(static_cast<int>(status.code()));
     if (!status.ok()) {
       response_.clear_result();
@@ -175,6 +202,7 @@ class StoreService::SessionReactor final
 
   StoreService* const service_;
   grpc::CallbackServerContext* const ctx_;
+  const Caller caller_;  // who opened the session: what its calls may touch
   std::atomic<int> refs_{2};
   absl::Mutex mu_;
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
@@ -202,8 +230,9 @@ void StoreService::Start(std::function<void()> start) {
 
 grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* StoreService::Session(
     grpc::CallbackServerContext* ctx) {
-  auto* session = new SessionReactor(this, ctx);
-  const absl::Status authorized = auth_->Check(ctx);
+  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  auto* session = new SessionReactor(this, ctx, caller.value_or(Caller::kLocal));
+  const absl::Status authorized = caller.status();
   bool closed = !authorized.ok();
   if (!closed) {
     absl::MutexLock lock(&sessions_mu_);
@@ -243,12 +272,13 @@ void StoreService::EndSessions() {
   }
 }
 
-absl::Status StoreService::DoSet(const v1::SetRequest& req) {
-  GRADSYNC_RETURN_IF_ERROR(CheckWritable(req.key()));
+absl::Status StoreService::DoSet(Caller caller, const v1::SetRequest& req) {
+  GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, req.key(), /*write=*/true));
   return store_->Set(req.job(), req.key(), req.value());
 }
 
-absl::Status StoreService::DoPeek(const v1::GetRequest& req, v1::GetResponse* resp) {
+absl::Status StoreService::DoPeek(Caller caller, const v1::GetRequest& req, v1::GetResponse* resp) {
+  GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, req.key(), /*write=*/false));
   // A deadline in the past: the value if present, else an answer at once.
   auto values = store_->WaitBlocking(req.job(), {req.key()}, absl::InfinitePast());
   if (values.ok()) {
@@ -261,16 +291,16 @@ absl::Status StoreService::DoPeek(const v1::GetRequest& req, v1::GetResponse* re
   return values.status();
 }
 
-absl::Status StoreService::DoAdd(const v1::AddRequest& req, v1::AddResponse* resp) {
-  GRADSYNC_RETURN_IF_ERROR(CheckWritable(req.key()));
+absl::Status StoreService::DoAdd(Caller caller, const v1::AddRequest& req, v1::AddResponse* resp) {
+  GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, req.key(), /*write=*/true));
   GRADSYNC_ASSIGN_OR_RETURN(int64_t value, store_->Add(req.job(), req.key(), req.delta()));
   resp->set_value(value);
   return absl::OkStatus();
 }
 
-absl::Status StoreService::DoCompareSet(const v1::CompareSetRequest& req,
+absl::Status StoreService::DoCompareSet(Caller caller, const v1::CompareSetRequest& req,
                                         v1::CompareSetResponse* resp) {
-  GRADSYNC_RETURN_IF_ERROR(CheckWritable(req.key()));
+  GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, req.key(), /*write=*/true));
   if (req.expect_absent() && !req.expected().empty()) {
     return absl::InvalidArgumentError("CompareSet: set either expected or expect_absent, not both");
   }
@@ -284,26 +314,28 @@ absl::Status StoreService::DoCompareSet(const v1::CompareSetRequest& req,
   return absl::OkStatus();
 }
 
-absl::Status StoreService::DoDelete(const v1::DeleteRequest& req, v1::DeleteResponse* resp) {
-  GRADSYNC_RETURN_IF_ERROR(CheckWritable(req.key()));
+absl::Status StoreService::DoDelete(Caller caller, const v1::DeleteRequest& req,
+                                    v1::DeleteResponse* resp) {
+  GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, req.key(), /*write=*/true));
   GRADSYNC_ASSIGN_OR_RETURN(bool deleted, store_->Delete(req.job(), req.key()));
   resp->set_deleted(deleted);
   return absl::OkStatus();
 }
 
-absl::Status StoreService::DoSessionOp(const v1::SessionRequest& req, v1::SessionResponse* resp) {
+absl::Status StoreService::DoSessionOp(Caller caller, const v1::SessionRequest& req,
+                                       v1::SessionResponse* resp) {
   switch (req.op_case()) {
     case v1::SessionRequest::kSet:
       resp->mutable_set();
-      return DoSet(req.set());
+      return DoSet(caller, req.set());
     case v1::SessionRequest::kGet:
-      return DoPeek(req.get(), resp->mutable_get());
+      return DoPeek(caller, req.get(), resp->mutable_get());
     case v1::SessionRequest::kAdd:
-      return DoAdd(req.add(), resp->mutable_add());
+      return DoAdd(caller, req.add(), resp->mutable_add());
     case v1::SessionRequest::kCompareSet:
-      return DoCompareSet(req.compare_set(), resp->mutable_compare_set());
+      return DoCompareSet(caller, req.compare_set(), resp->mutable_compare_set());
     case v1::SessionRequest::kDelete:
-      return DoDelete(req.delete_(), resp->mutable_delete_());
+      return DoDelete(caller, req.delete_(), resp->mutable_delete_());
     default:
       return absl::InvalidArgumentError("session request carries no operation");
   }
@@ -311,13 +343,16 @@ absl::Status StoreService::DoSessionOp(const v1::SessionRequest& req, v1::Sessio
 
 grpc::ServerUnaryReactor* StoreService::Set(grpc::CallbackServerContext* ctx,
                                             const v1::SetRequest* req, v1::SetResponse*) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
-  return Run(ctx, [this, req] { return DoSet(*req); });
+  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  return Run(ctx, [this, req, caller = *caller] { return DoSet(caller, *req); });
 }
 
 grpc::ServerUnaryReactor* StoreService::Get(grpc::CallbackServerContext* ctx,
                                             const v1::GetRequest* req, v1::GetResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  if (absl::Status s = CheckAccess(*caller, req->key(), false); !s.ok()) return Reply(ctx, s);
   auto deadline = WaitDeadline(ctx, "Get", max_wait_);
   if (!deadline.ok()) return Reply(ctx, deadline.status());
   auto* reactor = new WaitReactor(store_, [resp](std::vector<std::string> values) {
@@ -331,7 +366,11 @@ grpc::ServerUnaryReactor* StoreService::Get(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* StoreService::Wait(grpc::CallbackServerContext* ctx,
                                              const v1::WaitRequest* req, v1::WaitResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  if (absl::Status s = CheckReads(*caller, {req->keys().begin(), req->keys().end()}); !s.ok()) {
+    return Reply(ctx, s);
+  }
   auto deadline = WaitDeadline(ctx, "Wait", max_wait_);
   if (!deadline.ok()) return Reply(ctx, deadline.status());
   auto* reactor = new WaitReactor(store_, [resp](std::vector<std::string> values) {
@@ -346,30 +385,40 @@ grpc::ServerUnaryReactor* StoreService::Wait(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* StoreService::Add(grpc::CallbackServerContext* ctx,
                                             const v1::AddRequest* req, v1::AddResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
-  return Run(ctx, [this, req, resp] { return DoAdd(*req, resp); });
+  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  return Run(ctx, [this, req, resp, caller = *caller] { return DoAdd(caller, *req, resp); });
 }
 
 grpc::ServerUnaryReactor* StoreService::CompareSet(grpc::CallbackServerContext* ctx,
                                                    const v1::CompareSetRequest* req,
                                                    v1::CompareSetResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
-  return Run(ctx, [this, req, resp] { return DoCompareSet(*req, resp); });
+  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  return Run(ctx, [this, req, resp, caller = *caller] { return DoCompareSet(caller, *req, resp); });
 }
 
 grpc::ServerUnaryReactor* StoreService::Delete(grpc::CallbackServerContext* ctx,
                                                const v1::DeleteRequest* req,
                                                v1::DeleteResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
-  return Run(ctx, [this, req, resp] { return DoDelete(*req, resp); });
+  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  return Run(ctx, [this, req, resp, caller = *caller] { return DoDelete(caller, *req, resp); });
 }
 
 grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,
                                              const v1::ListRequest* req, v1::ListResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
-  return Run(ctx, [this, req, resp]() -> absl::Status {
+  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  return Run(ctx, [this, req, resp, caller = *caller]() -> absl::Status {
     auto keys = store_->List(req->job(), req->prefix());
     if (!keys.ok()) return keys.status();
+    if (caller != Caller::kDaemon) {  // a client does not learn the daemons' keys, names included
+      keys->erase(std::remove_if(
+                      keys->begin(), keys->end(),
+                      [](const std::string& k) { return ClassOfKey(k) == KeyClass::kDaemonOnly; }),
+                  keys->end());
+    }
     int64_t reply_bytes = 0;
     for (const std::string& k : *keys) reply_bytes += static_cast<int64_t>(k.size()) + 6;
     if (reply_bytes > max_reply_bytes_) {
@@ -408,6 +457,38 @@ grpc::ServerUnaryReactor* StoreService::GetPackList(grpc::CallbackServerContext*
     reactor->Start(req->job(), {PackListKey(req->group())}, deadline);
   });
   return reactor;
+}
+
+grpc::ServerUnaryReactor* StoreService::ClientCredential(grpc::CallbackServerContext* ctx,
+                                                         const v1::ClientCredentialRequest*,
+                                                         v1::ClientCredentialResponse* resp) {
+  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  if (*caller != Caller::kLocal) {
+    return Reply(ctx, absl::PermissionDeniedError(
+                          "the client credential is handed out on the unix socket only"));
+  }
+  if (auth_->client_credential().empty()) {
+    return Reply(ctx, absl::FailedPreconditionError(
+                          "this daemon has no cluster token (--token_file), so no credential for "
+                          "other nodes' daemons: start it with one, or give the client the token"));
+  }
+  resp->set_credential(auth_->client_credential());
+  return Reply(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* StoreService::DecideJoin(grpc::CallbackServerContext* ctx,
+                                                   const v1::DecideJoinRequest* req,
+                                                   v1::DecideJoinResponse* resp) {
+  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  return Run(ctx, [this, req, resp]() -> absl::Status {
+    GRADSYNC_ASSIGN_OR_RETURN(
+        core::JoinDecision decision,
+        core::DecideJoin(*store_, req->job(), req->epoch(), req->joined(), req->why()));
+    resp->set_decided(decision.decided);
+    resp->set_decision(std::move(decision.record));
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace gradsync::rpc

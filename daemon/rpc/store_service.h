@@ -16,9 +16,12 @@ namespace gradsync::rpc {
 
 /// gRPC glue for the Store service over any Store. Validates requests, never blocks a gRPC
 /// thread: waiting calls complete from the store's callback, and the calls of a store that
-/// goes over the network (etcd) run on the `offload` pool. Keys under kReservedKeyPrefix are
-/// changed only by typed calls (PERMISSION_DENIED from Set, Add, CompareSet and Delete); a List
-/// reply past `max_reply_bytes` is RESOURCE_EXHAUSTED (the store bounds wait replies itself).
+/// goes over the network (etcd) run on the `offload` pool. What a call may touch follows from its
+/// caller (PeerAuth::Identify) and the key's class (common/store_keys.h): keys under
+/// kReservedKeyPrefix change only through typed calls; the daemons' own keys are PERMISSION_DENIED
+/// to clients (local or TCP with the client credential), and List leaves them out; the
+/// membership decision is written by daemons only. A List reply past `max_reply_bytes` is
+/// RESOURCE_EXHAUSTED (the store bounds wait replies itself).
 class StoreService final : public v1::Store::CallbackService {
  public:
   /// `store` and `auth` must outlive the service. `offload`: where the calls that reach the
@@ -60,6 +63,12 @@ class StoreService final : public v1::Store::CallbackService {
                                         v1::GetPackListResponse* resp) override;
   grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
       grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* ClientCredential(grpc::CallbackServerContext* ctx,
+                                             const v1::ClientCredentialRequest* req,
+                                             v1::ClientCredentialResponse* resp) override;
+  grpc::ServerUnaryReactor* DecideJoin(grpc::CallbackServerContext* ctx,
+                                       const v1::DecideJoinRequest* req,
+                                       v1::DecideJoinResponse* resp) override;
 
  private:
   class SessionReactor;
@@ -71,13 +80,16 @@ class StoreService final : public v1::Store::CallbackService {
   // Runs `start` (which begins a store wait) inline, or on offload_.
   void Start(std::function<void()> start);
 
-  // The calls that never wait, shared by the unary methods and Session.
-  absl::Status DoSet(const v1::SetRequest& req);
-  absl::Status DoPeek(const v1::GetRequest& req, v1::GetResponse* resp);
-  absl::Status DoAdd(const v1::AddRequest& req, v1::AddResponse* resp);
-  absl::Status DoCompareSet(const v1::CompareSetRequest& req, v1::CompareSetResponse* resp);
-  absl::Status DoDelete(const v1::DeleteRequest& req, v1::DeleteResponse* resp);
-  absl::Status DoSessionOp(const v1::SessionRequest& req, v1::SessionResponse* resp);
+  // The calls that never wait, shared by the unary methods and Session; `caller` decides which
+  // keys they may touch (common/store_keys.h).
+  using Caller = PeerAuth::Caller;
+  absl::Status DoSet(Caller caller, const v1::SetRequest& req);
+  absl::Status DoPeek(Caller caller, const v1::GetRequest& req, v1::GetResponse* resp);
+  absl::Status DoAdd(Caller caller, const v1::AddRequest& req, v1::AddResponse* resp);
+  absl::Status DoCompareSet(Caller caller, const v1::CompareSetRequest& req,
+                            v1::CompareSetResponse* resp);
+  absl::Status DoDelete(Caller caller, const v1::DeleteRequest& req, v1::DeleteResponse* resp);
+  absl::Status DoSessionOp(Caller caller, const v1::SessionRequest& req, v1::SessionResponse* resp);
 
   gradsync::Store* const store_;
   const absl::Duration max_wait_;

@@ -24,6 +24,11 @@ std::string ParkKey(absl::string_view job, absl::string_view key) {
 // Bytes a value adds to a reply beyond its own: its field tag and length prefix at most.
 constexpr int64_t kValueOverheadBytes = 6;
 
+// How often idle jobs are looked for.
+constexpr absl::Duration kSweepEvery = absl::Minutes(1);
+
+auto Log() { return logging::Logger("store"); }
+
 }  // namespace
 
 MemoryStore::MemoryStore(MemoryStoreOptions options)
@@ -54,24 +59,50 @@ absl::Status MemoryStore::PutLocked(absl::string_view job, absl::string_view key
                      options_.max_value_bytes, " (--store_max_value_bytes)"));
   }
   auto job_it = jobs_.find(job);
-  if (job_it == jobs_.end()) {
-    if (static_cast<int64_t>(jobs_.size()) >= options_.max_jobs) {
-      return absl::ResourceExhaustedError(absl::StrCat("store holds ", jobs_.size(),
-                                                       " jobs, the limit (--store_max_jobs); job '",
-                                                       job, "' refused"));
-    }
-    job_it = jobs_.emplace(std::string(job), Job{}).first;
+  const std::string* current = nullptr;
+  if (job_it != jobs_.end()) {
+    auto found = job_it->second.kv.find(key);
+    if (found != job_it->second.kv.end()) current = &found->second;
   }
+  // What the write adds, checked against every limit before anything changes.
+  const int64_t added = current != nullptr ? static_cast<int64_t>(value.size()) -
+                                                 static_cast<int64_t>(current->size())
+                                           : static_cast<int64_t>(key.size() + value.size());
+  if (job_it == jobs_.end() && static_cast<int64_t>(jobs_.size()) >= options_.max_jobs) {
+    return absl::ResourceExhaustedError(absl::StrCat("store holds ", jobs_.size(),
+                                                     " jobs, the limit (--store_max_jobs); job '",
+                                                     job, "' refused"));
+  }
+  if (current == nullptr && job_it != jobs_.end() &&
+      static_cast<int64_t>(job_it->second.kv.size()) >= options_.max_keys_per_job) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("job '", job, "' holds ", job_it->second.kv.size(),
+                     " keys, the limit (--store_max_keys_per_job)"));
+  }
+  const int64_t job_bytes =
+      job_it == jobs_.end() ? 0 : job_it->second.key_bytes + job_it->second.value_bytes;
+  if (added > 0 && job_bytes + added > options_.max_job_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("job '", job, "' would hold ", job_bytes + added,
+                     " bytes of keys and values, more than its quota (--store_max_job_bytes ",
+                     options_.max_job_bytes, ")"));
+  }
+  if (added > 0 && total_bytes_ + added > options_.max_total_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the store would hold ", total_bytes_ + added,
+                     " bytes of keys and values, more than it may (--store_max_total_bytes ",
+                     options_.max_total_bytes, "); key '", key, "' of job '", job, "' refused"));
+  }
+  if (job_it == jobs_.end()) job_it = jobs_.emplace(std::string(job), Job{}).first;
   Job& j = job_it->second;
   auto it = j.kv.find(key);
   if (it == j.kv.end()) {
-    if (static_cast<int64_t>(j.kv.size()) >= options_.max_keys_per_job) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "job '", job, "' holds ", j.kv.size(), " keys, the limit (--store_max_keys_per_job)"));
-    }
     it = j.kv.emplace(std::string(key), std::string()).first;
+    j.key_bytes += static_cast<int64_t>(key.size());
   }
   j.value_bytes += static_cast<int64_t>(value.size()) - static_cast<int64_t>(it->second.size());
+  total_bytes_ += added;
+  j.last_used = absl::Now();
   it->second = std::move(value);
 
   auto parked = parked_.find(ParkKey(job, key));
@@ -207,6 +238,7 @@ Store::WaitId MemoryStore::WaitAsync(absl::string_view job, std::vector<std::str
     if (!invalid.ok()) {
       fired.push_back({std::move(done), invalid});
     } else {
+      TouchLocked(job);
       Waiter& w = waiters_[id];
       w.job = std::string(job);
       w.keys = std::move(keys);
@@ -304,12 +336,26 @@ absl::StatusOr<bool> MemoryStore::Delete(absl::string_view job, absl::string_vie
   auto job_it = jobs_.find(job);
   if (job_it == jobs_.end())
     return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
-  Job& j = job_it->second;
-  auto it = j.kv.find(key);
-  if (it == j.kv.end()) return false;
-  j.value_bytes -= static_cast<int64_t>(it->second.size());
-  j.kv.erase(it);
+  job_it->second.last_used = absl::Now();
+  auto it = job_it->second.kv.find(key);
+  if (it == job_it->second.kv.end()) return false;
+  EraseLocked(job_it, it);
   return true;
+}
+
+void MemoryStore::EraseLocked(Jobs::iterator job_it, Keys::iterator it) {
+  Job& j = job_it->second;
+  const int64_t bytes = static_cast<int64_t>(it->first.size() + it->second.size());
+  j.key_bytes -= static_cast<int64_t>(it->first.size());
+  j.value_bytes -= static_cast<int64_t>(it->second.size());
+  total_bytes_ -= bytes;
+  j.kv.erase(it);
+  if (j.kv.empty()) jobs_.erase(job_it);  // a job with no key is no job: it counts for nothing
+}
+
+void MemoryStore::TouchLocked(absl::string_view job) {
+  auto it = jobs_.find(job);
+  if (it != jobs_.end()) it->second.last_used = absl::Now();
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> MemoryStore::ListSizes(
@@ -319,6 +365,7 @@ absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> MemoryStore::ListSi
   auto job_it = jobs_.find(job);
   if (job_it == jobs_.end())
     return absl::NotFoundError(absl::StrCat("job '", job, "' has no keys"));
+  job_it->second.last_used = absl::Now();
   std::vector<std::pair<std::string, int64_t>> out;
   const auto& kv = job_it->second.kv;
   for (auto it = kv.lower_bound(prefix); it != kv.end() && absl::StartsWith(it->first, prefix);
@@ -364,7 +411,48 @@ absl::StatusOr<std::vector<JobStats>> MemoryStore::ListJobs() {
 void MemoryStore::DeleteJob(absl::string_view job) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job);
-  if (it != jobs_.end()) jobs_.erase(it);
+  if (it == jobs_.end()) return;
+  total_bytes_ -= it->second.key_bytes + it->second.value_bytes;
+  jobs_.erase(it);
+}
+
+void MemoryStore::SetHolder(std::function<bool(absl::string_view job)> held) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !sweeping_; };
+  mu_.Await(absl::Condition(&idle));  // no sweep calls the one it replaces any longer
+  held_ = std::move(held);
+}
+
+int64_t MemoryStore::total_bytes() {
+  absl::MutexLock lock(&mu_);
+  return total_bytes_;
+}
+
+void MemoryStore::SweepIdleLocked(absl::Time now) {
+  std::vector<std::pair<std::string, absl::Time>> idle;
+  for (const auto& [name, job] : jobs_) {
+    if (now - job.last_used >= options_.idle_job_ttl) idle.emplace_back(name, job.last_used);
+  }
+  if (idle.empty()) return;
+  const std::function<bool(absl::string_view)> held = held_;
+  std::vector<bool> keep(idle.size(), false);
+  sweeping_ = true;
+  mu_.Unlock();  // the holder (the engine) takes its own locks, which may call into the store
+  for (size_t i = 0; i < idle.size(); ++i) keep[i] = held && held(idle[i].first);
+  mu_.Lock();
+  sweeping_ = false;
+  for (size_t i = 0; i < idle.size(); ++i) {
+    auto it = jobs_.find(idle[i].first);
+    // Used meanwhile, or held: it stays.
+    if (keep[i] || it == jobs_.end() || it->second.last_used != idle[i].second) continue;
+    Log()->info(
+        "store: removing job={} keys={} bytes={}: no session here holds it and no call "
+        "named it for {}",
+        it->first, it->second.kv.size(), it->second.key_bytes + it->second.value_bytes,
+        absl::FormatDuration(options_.idle_job_ttl));
+    total_bytes_ -= it->second.key_bytes + it->second.value_bytes;
+    jobs_.erase(it);
+  }
 }
 
 void MemoryStore::Shutdown() {
@@ -386,8 +474,14 @@ void MemoryStore::Shutdown() {
 void MemoryStore::TimerLoop() {
   absl::MutexLock lock(&mu_);
   while (!shutdown_) {
-    const absl::Time next = deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first;
     const absl::Time now = absl::Now();
+    if (now >= next_sweep_) {
+      SweepIdleLocked(now);
+      next_sweep_ = absl::Now() + std::min(kSweepEvery, options_.idle_job_ttl);
+      continue;
+    }
+    const absl::Time next = std::min(
+        next_sweep_, deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first);
     if (next > now) {
       // Woken by any change of the earliest deadline or by shutdown.
       auto changed = [this, next]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -11,6 +12,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "daemon/store/job_store.h"
 
 namespace gradsync::store {
@@ -21,6 +24,12 @@ struct MemoryStoreOptions {
   int64_t max_keys_per_job = 65536;
   int64_t max_jobs = 1024;
   int64_t max_waiters = 65536;
+  /// Most bytes (keys and values) one job, and all jobs together, may hold.
+  int64_t max_job_bytes = int64_t{64} << 20;
+  int64_t max_total_bytes = int64_t{256} << 20;
+  /// A job no session on this daemon holds (MemoryStore::SetHolder) and that no call named for
+  /// this long is removed. Checked every minute (or every ttl, if shorter).
+  absl::Duration idle_job_ttl = absl::Hours(1);
   /// Most bytes of values one wait may return (each value counted as often as it was asked
   /// for, plus its framing): the daemon sets it to --max_message_bytes less the envelope.
   int64_t max_reply_bytes = (16 << 20) - 4096;
@@ -28,11 +37,14 @@ struct MemoryStoreOptions {
 
 /// The in-memory Store held by a job's root daemon.
 ///
-/// Jobs come into being with their first key and are checked against the limits on every write
-/// (ResourceExhausted names the limit). Job ids follow CheckJobId. A wait whose values would
-/// exceed max_reply_bytes fails ResourceExhausted before any value is copied; a timed-out wait
-/// names its first few missing keys and counts the rest. Waits on a job that does not exist yet are
-/// allowed: a rendezvous may start before the first writer. One thread fires wait deadlines.
+/// Jobs come into being with their first key and go with their last (a job with no key is no
+/// job), and are checked against the limits on every write (ResourceExhausted names the limit):
+/// keys and bytes per job, bytes and jobs in all. A job that no session of this daemon holds and
+/// that no call has named for `idle_job_ttl` is removed (logged). Job ids follow CheckJobId. A wait
+/// whose values would exceed max_reply_bytes fails ResourceExhausted before any value is copied; a
+/// timed-out wait names its first few missing keys and counts the rest. Waits on a job that does
+/// not exist yet are allowed: a rendezvous may start before the first writer. One thread fires wait
+/// deadlines.
 ///
 /// Lock order: mu_ only; callbacks run after it is released.
 class MemoryStore final : public JobStore {
@@ -62,11 +74,23 @@ class MemoryStore final : public JobStore {
   void DeleteJob(absl::string_view job) override;
   void Shutdown() override;
 
+  /// Tells the store which jobs are held by this daemon's sessions (their namespaces are never
+  /// removed for idleness). Called without any store lock held; must not call into the store.
+  /// Waits for a sweep that is asking the previous holder; SetHolder(nullptr) before the
+  /// holder goes.
+  void SetHolder(std::function<bool(absl::string_view job)> held);
+  /// Bytes (keys and values) held now, for metrics and tests.
+  int64_t total_bytes();
+
  private:
+  using Keys = std::map<std::string, std::string, std::less<>>;  // ordered for List(prefix)
   struct Job {
-    std::map<std::string, std::string, std::less<>> kv;  // ordered for List(prefix)
+    Keys kv;
     int64_t value_bytes = 0;
+    int64_t key_bytes = 0;
+    absl::Time last_used = absl::Now();  // the last call that named the job
   };
+  using Jobs = std::map<std::string, Job, std::less<>>;
   struct Waiter {
     std::string job;
     std::vector<std::string> keys;
@@ -95,11 +119,21 @@ class MemoryStore final : public JobStore {
   // Runs the callbacks of the waits that completed or expired; never with mu_ held.
   static void RunWaitCallbacks(std::vector<Fired>& fired);
   void TimerLoop();
+  // Marks `job` used now, if it exists.
+  void TouchLocked(absl::string_view job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `key` of the job at `job_it`, and the job with its last key.
+  void EraseLocked(Jobs::iterator job_it, Keys::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the jobs idle past the ttl that no session holds; releases mu_ while it asks.
+  void SweepIdleLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const MemoryStoreOptions options_;
   std::atomic<uint64_t> calls_{0};
   absl::Mutex mu_;
-  std::map<std::string, Job, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);
+  Jobs jobs_ ABSL_GUARDED_BY(mu_);
+  int64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // keys and values of every job
+  std::function<bool(absl::string_view)> held_ ABSL_GUARDED_BY(mu_);
+  bool sweeping_ ABSL_GUARDED_BY(mu_) = false;  // a sweep is asking held_ (mu_ released)
+  absl::Time next_sweep_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<WaitId, Waiter> waiters_ ABSL_GUARDED_BY(mu_);
   // (job '\0' key) -> waiters parked on that missing key.
   absl::flat_hash_map<std::string, std::vector<WaitId>> parked_ ABSL_GUARDED_BY(mu_);

@@ -434,7 +434,7 @@ def elastic_case(lab, case, steps=30, victim=2):
         env.update({"PYTHONPATH": lab.python_dir, "GRADSYNC_SOCKET": d.socket,
                     "GRADSYNC_JOB": job, "RANK": str(r), "WORLD_SIZE": str(world),
                     "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(PLACEMENT.count(k)),
-                    "GRADSYNC_ROOT_ADDRESS": root, "GRADSYNC_TOKEN_FILE": lab.token_file,
+                    "GRADSYNC_ROOT_ADDRESS": root,
                     "OMP_NUM_THREADS": "1", "GRADSYNC_ELASTIC": "1"})
         out = os.path.join(lab.tmp, f"{job}-r{r}.log")
         outs.append(out)

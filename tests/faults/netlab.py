@@ -246,7 +246,7 @@ class Trainers:
             e.update({"PYTHONPATH": lab.python_dir, "GRADSYNC_SOCKET": d.socket,
                       "GRADSYNC_JOB": job, "RANK": str(r), "WORLD_SIZE": str(world),
                       "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(placement.count(k)),
-                      "GRADSYNC_ROOT_ADDRESS": root, "GRADSYNC_TOKEN_FILE": lab.token_file,
+                      "GRADSYNC_ROOT_ADDRESS": root,
                       "OMP_NUM_THREADS": "1"})
             e.update(env or {})
             extra = list(per_rank(r, k)) if per_rank else []

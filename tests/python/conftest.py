@@ -97,8 +97,9 @@ def tcp_daemons(tmp, monkeypatch, n, root_flags=(), flags=()):
     root) also gets `root_flags`."""
     ds = [Daemon(tmp, f"node{i}", tcp=True,
                  flags=[*flags, *(root_flags if i == 0 else ())]) for i in range(n)]
-    # Trainers reach the root daemon's store over TCP (GRADSYNC_ROOT_ADDRESS): with its token.
-    monkeypatch.setenv("GRADSYNC_TOKEN_FILE", ds[0].token_file)
+    # Trainers reach the root daemon's store over TCP (GRADSYNC_ROOT_ADDRESS) without the
+    # token: with the client credential their own daemon hands them.
+    monkeypatch.delenv("GRADSYNC_TOKEN_FILE", raising=False)
     return ds
 
 

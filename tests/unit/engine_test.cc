@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/job_id.h"
+#include "common/store_keys.h"
 #include "daemon/backend/cpu/cpu_backend.h"
 #include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"

@@ -555,5 +555,93 @@ TEST_F(EtcdStoreTest, AWaitFailsWhenEtcdIsGoneForTheCallTimeout) {
   EXPECT_TRUE(absl::StrContains(status.message(), "missing keys: never")) << status;
 }
 
+// The embedded store's own bounds: bytes per job and in all, jobs that go with their last key,
+// and idle jobs no session holds.
+
+TEST(MemoryStoreBoundsTest, AJobPastItsByteQuotaIsRefusedNamingTheFlagAndNothingChanges) {
+  MemoryStoreOptions o;
+  o.max_job_bytes = 100;
+  MemoryStore store(o);
+  ASSERT_TRUE(store.Set("j", "a", std::string(60, 'x')).ok());  // 61 bytes with its key
+  absl::Status over = store.Set("j", "b", std::string(40, 'x'));
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(over.message(), "--store_max_job_bytes")) << over;
+  EXPECT_EQ(store.CompareSet("j", "a", std::string(60, 'x'), std::string(100, 'y')).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(*store.Peek("j", "a"), std::string(60, 'x'));
+  EXPECT_EQ(*store.List("j", ""), std::vector<std::string>{"a"});
+  EXPECT_EQ(store.total_bytes(), 61);
+  ASSERT_TRUE(store.Set("j", "a", "small").ok());  // shrinking makes room
+  EXPECT_TRUE(store.Set("j", "b", std::string(40, 'x')).ok());
+  EXPECT_EQ(store.total_bytes(), 6 + 41);
+  EXPECT_TRUE(store.Set("other", "b", std::string(90, 'x')).ok());  // a quota per job
+}
+
+TEST(MemoryStoreBoundsTest, TheStoresTotalBytesAreCappedAcrossJobs) {
+  MemoryStoreOptions o;
+  o.max_total_bytes = 1000;
+  MemoryStore store(o);
+  for (int i = 0; i < 9; ++i) {
+    ASSERT_TRUE(store.Set(absl::StrCat("job", i), "k", std::string(99, 'x')).ok());
+  }
+  EXPECT_EQ(store.total_bytes(), 900);
+  absl::Status full = store.Set("job9", "k", std::string(100, 'x'));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(full.message(), "--store_max_total_bytes")) << full;
+  EXPECT_EQ(store.ListJobs()->size(), 9u);  // the refused job was not made
+  ASSERT_TRUE(*store.Delete("job0", "k"));
+  EXPECT_TRUE(store.Set("job9", "k", std::string(99, 'x')).ok());
+  store.DeleteJob("job1");
+  EXPECT_EQ(store.total_bytes(), 800);
+}
+
+TEST(MemoryStoreBoundsTest, AJobWhoseLastKeyIsDeletedIsGoneAndTakesNoJobsPlace) {
+  MemoryStoreOptions o;
+  o.max_jobs = 4;
+  MemoryStore store(o);
+  for (int i = 0; i < 100; ++i) {  // far more empty namespaces than the store may hold jobs
+    const std::string job = absl::StrCat("empty", i);
+    ASSERT_TRUE(store.Set(job, "k", "v").ok()) << i;
+    ASSERT_TRUE(*store.Delete(job, "k"));
+  }
+  EXPECT_TRUE(store.ListJobs()->empty());
+  EXPECT_EQ(store.total_bytes(), 0);
+  EXPECT_TRUE(store.Set("real", "k", "v").ok());
+}
+
+TEST(MemoryStoreBoundsTest, AnIdleJobNoSessionHoldsIsRemovedAndAHeldOneStays) {
+  MemoryStoreOptions o;
+  o.idle_job_ttl = absl::Milliseconds(100);
+  MemoryStore store(o);
+  store.SetHolder([](absl::string_view job) { return job == "held"; });
+  ASSERT_TRUE(store.Set("held", "k", "v").ok());
+  ASSERT_TRUE(store.Set("idle", "k", "v").ok());
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (store.Peek("idle", "k").ok() && absl::Now() < until)
+    absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(store.Peek("idle", "k").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(*store.Peek("held", "k"), "v");  // idle as long, but held
+  EXPECT_EQ(store.total_bytes(), 2);
+  store.SetHolder(nullptr);  // nothing held: it goes too
+  const absl::Time until2 = absl::Now() + absl::Seconds(10);
+  while (store.Peek("held", "k").ok() && absl::Now() < until2) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(store.Peek("held", "k").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store.total_bytes(), 0);
+}
+
+TEST(MemoryStoreBoundsTest, AJobInUseIsNotRemovedForIdleness) {
+  MemoryStoreOptions o;
+  o.idle_job_ttl = absl::Seconds(1);
+  MemoryStore store(o);
+  ASSERT_TRUE(store.Set("busy", "k", "v").ok());
+  // Named by a call every 30 ms for 3 s, three ttls: never idle for one.
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_TRUE(store.Get("busy", "k", absl::InfinitePast()).ok()) << i;
+    absl::SleepFor(absl::Milliseconds(30));
+  }
+}
+
 }  // namespace
 }  // namespace gradsync::store

@@ -107,6 +107,7 @@ def _load():
         "gs_store_get": ([P, cs, I64, pp, ctypes.POINTER(SZ)], I),
         "gs_store_compare_set": ([P, cs, ctypes.c_char_p, SZ, ctypes.c_char_p, SZ, ip, pp,
                                   ctypes.POINTER(SZ)], I),
+        "gs_store_decide_join": ([P, I, I, cs, ip, pp, ctypes.POINTER(SZ)], I),
         "gs_free": ([P], None),
         "gs_set_pack_list": ([P, cs, cs], I),
         "gs_get_pack_list": ([P, cs, I64, pp], I),
@@ -502,6 +503,18 @@ class Client:
                           ctypes.byref(swapped), ctypes.byref(out), ctypes.byref(n)))
         try:
             return bool(swapped.value), ctypes.string_at(out, n.value)
+        finally:
+            _lib.gs_free(out)
+
+    def store_decide_join(self, epoch, joined, why):
+        """Elastic jobs: asks the daemons to record that epoch `epoch` admits `joined` ranks (the
+        daemon checks and writes the decision). Returns (decided, the decision now recorded):
+        decided is False when another decision was there first."""
+        decided, out, n = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t()
+        _check(self._call(_lib.gs_store_decide_join, int(epoch), int(joined), why.encode(),
+                          ctypes.byref(decided), ctypes.byref(out), ctypes.byref(n)))
+        try:
+            return bool(decided.value), ctypes.string_at(out, n.value)
         finally:
             _lib.gs_free(out)
 

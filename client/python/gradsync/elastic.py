@@ -73,6 +73,12 @@ ELASTIC_TIMEOUT_S = 600.0
 MAX_TICKETS_PER_COMMIT = 64
 MAX_JOIN_RANKS = 1024
 MAX_TICKET_TRIES = 5
+# Tickets taken and not handled past which the oldest are skipped (a counter pushed ahead), and
+# how long a commit waits, in all, for tickets taken and not written yet.
+MAX_OUTSTANDING_TICKETS = 1024
+TICKET_WAIT_S = 0.2
+# The most ranks one commit admits (the daemons refuse a decision admitting more).
+MAX_JOIN_RANKS_PER_COMMIT = 1024
 # The daemons' largest world, and how long a joining node's ranks wait for each other.
 MAX_WORLD_SIZE = 1 << 16
 LOBBY_WAIT_S = 60.0
@@ -124,7 +130,7 @@ def _fields(text):
 
 
 def parse_decision(text):
-    """The fields of a decision as the daemons (or, for joins, rank 0) record it: "epoch=E
+    """The fields of a decision as the daemons record it: "epoch=E
     world=N lost_ranks=a,b lost_nodes=x,y [joined=K] at=MS why=..." (why last: it may hold
     spaces)."""
     head, _, why = text.partition(" why=")
@@ -448,20 +454,34 @@ def _home(ctx):
 
 
 def _waiting_tickets(home):
-    """[(ticket, "ranks=K")] of the joining nodes not handled yet, in ticket order."""
+    """[(ticket, "ranks=K")] of the joining nodes not handled yet, in ticket order. Waits at
+    most TICKET_WAIT_S in all, however many tickets were taken; past MAX_OUTSTANDING_TICKETS
+    taken and not handled (a counter pushed far ahead), the oldest are skipped."""
     tickets = home.store_add(_TICKETS, 0)
     handled = home.store_add(_HANDLED, 0)
+    if tickets - handled > MAX_OUTSTANDING_TICKETS:
+        skip = tickets - handled - MAX_OUTSTANDING_TICKETS
+        handled = home.store_add(_HANDLED, skip)
+    numbers = range(handled + 1, min(tickets, handled + MAX_TICKETS_PER_COMMIT) + 1)
+    values = {}
+    for attempt in range(2):  # now, and once more after a pause for the slow writers
+        for ticket in numbers:
+            if ticket in values:
+                continue
+            try:
+                values[ticket] = home.store_get(_ticket_key(ticket), 0)
+            except Error as e:
+                if e.code != "DEADLINE_EXCEEDED":
+                    raise
+        if attempt == 0 and len(values) < len(numbers):
+            time.sleep(TICKET_WAIT_S)
     plan = []
-    for ticket in range(handled + 1, min(tickets, handled + MAX_TICKETS_PER_COMMIT) + 1):
-        try:
-            plan.append((ticket, home.store_get(_ticket_key(ticket), 0.2)))
-        except Error as e:
-            if e.code != "DEADLINE_EXCEEDED":
-                raise
+    for ticket in numbers:
+        if ticket not in values:
             # Taken but not written (its node is slow, or gone): void it, so that no commit
             # waits for it again; a node that writes it later finds it taken and takes another.
-            _, value = home.store_compare_set(_ticket_key(ticket), None, b"withdrawn")
-            plan.append((ticket, value))
+            _, values[ticket] = home.store_compare_set(_ticket_key(ticket), None, b"withdrawn")
+        plan.append((ticket, values[ticket]))
     return plan
 
 
@@ -488,7 +508,9 @@ def _record_admission(ctx, plan):
     try:
         for ticket, value in plan:
             ranks = _ticket_ranks(value)
-            if ranks and ctx.world_size + sum(r for _, _, r in claimed) + ranks > MAX_WORLD_SIZE:
+            taken = sum(r for _, _, r in claimed)
+            if ranks and (ctx.world_size + taken + ranks > MAX_WORLD_SIZE
+                          or taken + ranks > MAX_JOIN_RANKS_PER_COMMIT):
                 break
             handled += 1
             if ranks == 0:
@@ -501,17 +523,18 @@ def _record_admission(ctx, plan):
             home.store_add(_HANDLED, handled)
             return False
         epoch, world = ctx.epoch + 1, ctx.world_size + joined
-        decision = (f"epoch={epoch} world={world} lost_ranks= lost_nodes= joined={joined} "
-                    f"at={int(time.time() * 1000)} why={len(claimed)} node(s) joining "
-                    f"({joined} rank(s))")
+        why = f"{len(claimed)} node(s) joining ({joined} rank(s))"
         try:
-            swapped, _ = ctx.client.store_compare_set(_DECISION_KEY, None, decision.encode())
+            # The daemon checks the request and writes the record (its one writer).
+            swapped, _ = ctx.client.store_decide_join(epoch, joined, why)
         except Error:
             # Applied or not? The key says (absent: not, and the claims are undone below).
             now = _decided(ctx)
             if now is None:
                 raise
-            swapped = now == decision.encode()
+            mine = parse_decision(now.decode(errors="replace"))
+            swapped = (mine["epoch"] == epoch and mine["joined"] == joined
+                       and mine["world_size"] == world and mine["why"] == why)
     except BaseException:
         _unclaim(home, claimed)  # they wait for a later commit
         raise

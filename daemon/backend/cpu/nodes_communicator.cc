@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "common/store_keys.h"
 #include "daemon/backend/cpu/kernels.h"
 #include "daemon/backend/cpu/link_collectives.h"
 #include "daemon/backend/cpu/record_links.h"
@@ -173,8 +174,8 @@ absl::Status NodesCommunicator::Connect(absl::Time deadline) {
   links.store = spec_.rendezvous;
   links.job = spec_.job;
   // Under the run's token: a late key of an earlier run of this job id is never read.
-  links.prefix =
-      absl::StrCat("records/", spec_.run, spec_.run.empty() ? "" : "/", spec_.group, "/");
+  links.prefix = absl::StrCat(kRecordLinksKeyPrefix, spec_.run, spec_.run.empty() ? "" : "/",
+                              spec_.group, "/");
   links.nodes = nodes_;
   links.me = my_node_;
   links.max_message_bytes =

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "common/store_keys.h"
 #include "common/unique_fd.h"
 #include "daemon/backend/cpu/record_links.h"
 #include "daemon/backend/cpu/socket.h"
@@ -106,7 +107,7 @@ void LinkPeerWatch::Watch(const std::string& job, const std::string& run,
   RecordLinks::Spec spec;
   spec.store = store;
   spec.job = job;
-  spec.prefix = absl::StrCat("watch/", run, "/");
+  spec.prefix = absl::StrCat(kPeerWatchKeyPrefix, run, "/");
   spec.nodes = entry->nodes;
   spec.me = me;
   spec.max_message_bytes = 4096;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/store_keys.h"
 #include "daemon/backend/nccl/backoff.h"
 
 namespace gradsync::backend::nccl {
@@ -18,7 +19,7 @@ auto Log() { return logging::Logger("nccl"); }
 
 // "nccl/<run>/<group>/": where a group's keys live in the job's store, in this run of the job.
 std::string GroupKeys(const std::string& run, const std::string& group) {
-  return absl::StrCat("nccl/", run, run.empty() ? "" : "/", group, "/");
+  return absl::StrCat(kNcclKeyPrefix, run, run.empty() ? "" : "/", group, "/");
 }
 
 }  // namespace
