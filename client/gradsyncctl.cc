@@ -137,15 +137,17 @@ class Ctl {
     return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
   }
 
-  // The daemon's MPS line (ListSessions carries it); nothing when the daemon does not say (an
-  // older daemon) or the call fails: health's answer stands on its own.
+  // The daemon's MPS line and its warnings (ListSessions carries them); nothing when the daemon
+  // does not say (an older daemon) or the call fails: health's answer stands on its own.
   void PrintMps() {
     v1::ListSessionsResponse resp;
-    if (!CallInspect(&v1::Inspect::Stub::ListSessions, v1::ListSessionsRequest(), &resp).ok() ||
-        resp.mps().empty()) {
+    if (!CallInspect(&v1::Inspect::Stub::ListSessions, v1::ListSessionsRequest(), &resp).ok()) {
       return;
     }
-    std::cout << "gpu: mps=" << resp.mps() << " reason=" << resp.mps_reason() << "\n";
+    if (!resp.mps().empty()) {
+      std::cout << "gpu: mps=" << resp.mps() << " reason=" << resp.mps_reason() << "\n";
+    }
+    for (const std::string& w : resp.warnings()) std::cout << "warning: " << w << "\n";
   }
 
   int Jobs() {

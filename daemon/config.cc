@@ -23,6 +23,11 @@
 ABSL_FLAG(std::string, socket, "/run/gradsync/gradsyncd.sock",
           "Unix socket for trainers and local tools; empty disables it");
 ABSL_FLAG(std::string, socket_mode, "0660", "Octal file mode of the unix socket");
+ABSL_FLAG(int, max_local_connections, 4096,
+          "Most connections to the unix socket at once; more are closed as they come");
+ABSL_FLAG(int, max_local_connections_per_user, 512,
+          "Most connections to the unix socket one user (uid) may hold at once; root and the "
+          "daemon's own user count only against --max_local_connections");
 ABSL_FLAG(std::string, bind_address, "127.0.0.1",
           "Address of the TCP listener for other daemons; 0.0.0.0 only when you mean it");
 ABSL_FLAG(std::string, advertise_address, "",
@@ -207,6 +212,12 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
         absl::StrCat("--socket_mode='", mode, "' is not an octal mode"));
   }
   c.socket_mode = static_cast<int>(parsed);
+  c.max_local_connections = absl::GetFlag(FLAGS_max_local_connections);
+  c.max_local_connections_per_user = absl::GetFlag(FLAGS_max_local_connections_per_user);
+  if (c.max_local_connections < 1 || c.max_local_connections_per_user < 1) {
+    return absl::InvalidArgumentError(
+        "--max_local_connections and --max_local_connections_per_user must be positive");
+  }
   c.bind_address = absl::GetFlag(FLAGS_bind_address);
   c.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   c.port = absl::GetFlag(FLAGS_port);

@@ -31,8 +31,10 @@ const std::vector<Section>& Sections() {
   static const auto* sections = new std::vector<Section>{
       {"Trainers and local tools",
        "Trainers and gradsyncctl connect to the unix socket. With mode 0660, members of the "
-       "gradsync group may connect: add trainer users to it.",
-       {"socket", "socket_mode"}},
+       "gradsync group may connect: add trainer users to it. A caller reaches the jobs its own "
+       "user's trainers hold on the node, or that none holds (root and the daemon's user reach "
+       "every job); connections past the limits are closed as they come.",
+       {"socket", "socket_mode", "max_local_connections", "max_local_connections_per_user"}},
       {"Other daemons (jobs spanning nodes)",
        "Other daemons of a job reach this node's store and inspection over TCP, and so do the "
        "trainers of a job spanning nodes for its root's store (with the token); trainer "

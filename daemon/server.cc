@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/job_id.h"
 #include "common/logging.h"
 #include "common/store_keys.h"
@@ -127,6 +128,8 @@ DaemonServer::DaemonServer(DaemonConfig config)
           rpc::PeerLink{[this](const std::string& a) { return PeerChannel(a); }, PeerOptions()}),
       health_service_(ServiceNames()) {
   engine_.SetPeerWatch(&peer_watch_);  // before any session can form a job
+  auth_.SetLocalPeers(&local_peers_);
+  auth_.SetJobHolders([this](absl::string_view job) { return engine_.HolderUids(job); });
   if (auto* memory = dynamic_cast<store::MemoryStore*>(store_.get())) {
     memory->SetHolder([this](absl::string_view job) { return engine_.HoldsNamespace(job); });
   }
@@ -137,7 +140,16 @@ void DaemonServer::OnGpuBroken(const absl::Status& why) {
       "the daemon's CUDA context is broken: every GPU op fails until gradsyncd restarts; health "
       "is NOT_SERVING error={}",
       why.ToString());
-  health_service_.SetServing(false);
+  {
+    absl::MutexLock lock(&health_mu_);
+    gpu_broken_ = true;
+  }
+  RefreshHealth();
+}
+
+void DaemonServer::RefreshHealth() {
+  absl::MutexLock lock(&health_mu_);
+  health_service_.SetServing(serving_ && !gpu_broken_ && accept_trouble_.ok());
 }
 
 DaemonServer::~DaemonServer() {
@@ -193,7 +205,21 @@ absl::Status DaemonServer::Start() {
   builder.RegisterService(&health_service_);
   if (!config_.unix_socket.empty()) {
     if (absl::Status s = PrepareSocketPath(); !s.ok()) return s;
-    builder.AddListeningPort("unix:" + config_.unix_socket, grpc::InsecureServerCredentials());
+    // Accepted here, not by gRPC: each connection's uid is recorded for the calls on it.
+    auto listener = rpc::LocalListener::Listen(
+        config_.unix_socket, config_.socket_mode, &local_peers_,
+        [this](const absl::Status& s) {
+          {
+            absl::MutexLock lock(&health_mu_);
+            accept_trouble_ = s;
+          }
+          RefreshHealth();
+        },
+        rpc::LocalLimits{static_cast<size_t>(config_.max_local_connections),
+                         static_cast<size_t>(config_.max_local_connections_per_user)});
+    if (!listener.ok()) return listener.status();
+    local_listener_ = *std::move(listener);
+    socket_inode_ = local_listener_->inode();
     // No daemon serves the socket (checked above), so a channel file beside it is stale.
     auto channel = ipc::FdChannel::Listen(config_.unix_socket + ".fd", config_.socket_mode);
     if (!channel.ok()) return channel.status();
@@ -204,11 +230,7 @@ absl::Status DaemonServer::Start() {
     builder.AddListeningPort(absl::StrCat(config_.bind_address, ":", config_.port),
                              TcpCredentials(config_), &tcp_port_);
   }
-  // The socket is created inside BuildAndStart; the umask keeps it from ever being wider than
-  // the mode we set right after.
-  const mode_t old_umask = ::umask(0777 & ~config_.socket_mode);
   server_ = builder.BuildAndStart();
-  ::umask(old_umask);
   if (!server_ || (config_.port >= 0 && tcp_port_ <= 0)) {
     server_.reset();
     return absl::UnavailableError(absl::StrCat(
@@ -216,15 +238,7 @@ absl::Status DaemonServer::Start() {
         config_.tls.has_value() ? " or --tls_cert, --tls_key and --tls_ca not a usable set?" : "",
         ")"));
   }
-  if (!config_.unix_socket.empty()) {
-    struct stat st {};
-    if (::chmod(config_.unix_socket.c_str(), config_.socket_mode) != 0 ||
-        ::stat(config_.unix_socket.c_str(), &st) != 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot set mode of ", config_.unix_socket, ": ", std::strerror(errno)));
-    }
-    socket_inode_ = st.st_ino;
-  }
+  if (local_listener_) local_listener_->Serve(server_.get());
   if (config_.port >= 0) {
     const std::string node = absl::StrCat(config_.node_host(), ":", tcp_port_);
     {
@@ -241,6 +255,21 @@ absl::Status DaemonServer::Start() {
     metrics_ = *std::move(metrics);
     Log()->info("metrics serving http://{}:{}/metrics", config_.metrics_address, metrics_->port());
   }
+  if (config_.store_backend == "etcd") {
+    std::vector<std::string> warnings, missing;
+    if (config_.etcd.ca_pem.empty() && config_.etcd.cert_pem.empty()) {
+      missing.push_back("without TLS (--etcd_ca)");
+    }
+    if (config_.etcd.user.empty()) missing.push_back("without authentication (--etcd_user)");
+    if (!missing.empty()) {
+      warnings.push_back(absl::StrCat(
+          "the store is on an etcd reached ", absl::StrJoin(missing, " and "),
+          ": whoever reaches that etcd can read and rewrite every job's store, the daemons' "
+          "keys included (docs/security.md)"));
+      Log()->warn("{}", warnings.back());
+    }
+    inspect_service_.SetWarnings(std::move(warnings));
+  }
   if (auto* etcd = dynamic_cast<store::EtcdStore*>(store_.get())) {
     // Not fatal: the daemon serves jobs that need no store while etcd is away, and store calls
     // say what is wrong.
@@ -251,7 +280,11 @@ absl::Status DaemonServer::Start() {
                   s.ToString());
     }
   }
-  health_service_.SetServing(true);
+  {
+    absl::MutexLock lock(&health_mu_);
+    serving_ = true;
+  }
+  RefreshHealth();
   Log()->info("serving {} tcp_tls={} max_message_bytes={} max_concurrent_streams={}", Endpoints(),
               config_.tls.has_value() ? "mutual" : "off", config_.max_message_bytes,
               config_.max_concurrent_streams);
@@ -262,6 +295,10 @@ void DaemonServer::BeginDrain() {
   if (!server_ || draining_) return;
   draining_ = true;
   Log()->info("draining grace={}", absl::FormatDuration(config_.drain_grace));
+  {
+    absl::MutexLock lock(&health_mu_);
+    serving_ = false;
+  }
   health_service_.Shutdown();  // NOT_SERVING everywhere; Watch streams are told and end
   engine_.Shutdown();
   gradsync_service_.EndSessions();
@@ -273,6 +310,7 @@ void DaemonServer::Shutdown(absl::Duration grace) {
   if (!server_) return;
   BeginDrain();
   const absl::Time start = absl::Now();
+  if (local_listener_) local_listener_->Stop();  // no connection reaches a server going away
   server_->Shutdown(absl::ToChronoTime(start + grace));
   server_->Wait();
   Log()->debug("grpc shutdown took={}", absl::FormatDuration(absl::Now() - start));

@@ -64,6 +64,9 @@ class DaemonServer {
   absl::Status PrepareSocketPath();
   // A sticky CUDA error: GPU work is over for this process; health says so.
   void OnGpuBroken(const absl::Status& why);
+  // Health after a change of what it depends on: SERVING once started, unless the GPU broke or
+  // the unix socket cannot accept trainers (out of descriptors) right now.
+  void RefreshHealth();
   // The job store at a root daemon's address: ours, or a (cached) client of the peer's; on etcd
   // ours whatever the address ("" included: such jobs have no root).
   absl::StatusOr<gradsync::Store*> PeerStore(const std::string& address);
@@ -81,6 +84,9 @@ class DaemonServer {
   // thread waits on etcd; null on the embedded store. After the store its tasks use, before the
   // service whose calls they finish.
   std::unique_ptr<WorkerPool> store_calls_;
+  // The uids of the unix socket's connections (LocalListener records them, PeerAuth reads them):
+  // before the auth that points at it and the server whose calls look them up.
+  rpc::LocalPeers local_peers_;
   rpc::PeerAuth auth_;
   // Trainers hand their memory over it (beside the unix socket); after the importer that
   // redeems its tokens in destruction order, and stopped in Shutdown.
@@ -111,6 +117,12 @@ class DaemonServer {
   rpc::InspectService inspect_service_;
   rpc::HealthService health_service_;
   std::unique_ptr<grpc::Server> server_;
+  // Accepts the unix socket into server_: stopped before the server shuts down.
+  std::unique_ptr<rpc::LocalListener> local_listener_;
+  absl::Mutex health_mu_;
+  bool serving_ ABSL_GUARDED_BY(health_mu_) = false;  // started, not draining
+  bool gpu_broken_ ABSL_GUARDED_BY(health_mu_) = false;
+  absl::Status accept_trouble_ ABSL_GUARDED_BY(health_mu_);
   // Last: its HTTP threads read the engine, store and counters, so it goes first.
   std::unique_ptr<metrics::MetricsServer> metrics_;
   int tcp_port_ = -1;

@@ -15,6 +15,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -118,7 +119,8 @@ class Engine {
   /// has sessions, or the job spans nodes. A job whose last run's end is still being cleaned up
   /// on this node (on_job_end running) is waited for, at most kRestartWait (the calling thread
   /// blocks: only a restart racing its last run's end does), then FAILED_PRECONDITION.
-  absl::StatusOr<std::shared_ptr<Session>> Register(const v1::RegisterRequest& request);
+  absl::StatusOr<std::shared_ptr<Session>> Register(const v1::RegisterRequest& request,
+                                                    std::optional<uint32_t> uid = std::nullopt);
 
   /// Ends a session (idempotent): unmaps its buffers once no running op uses them, fails the
   /// pending ops of its groups on the other ranks with UNAVAILABLE naming the rank and `reason`.
@@ -165,6 +167,8 @@ class Engine {
   /// ending), or the home of an elastic job running here. Takes the engine's lock; never
   /// calls into a store.
   bool HoldsNamespace(absl::string_view ns) const;
+  /// The uids of the sessions holding `ns` (those registered with one). Same locks.
+  absl::flat_hash_set<uint32_t> HolderUids(absl::string_view ns) const;
 
   /// What this node's daemon waits for before an op can complete here.
   enum class OpWait { kTrainers, kEarlierOp, kLocalCopy, kNetwork, kNccl };
@@ -315,6 +319,11 @@ class Engine {
   // job's home too if no epoch of the job (nor of a new run of its id) runs on the node that
   // held rank 0.
   void EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store);
+
+  // Calls f for each job holding store namespace `ns`: the job of that id, or an elastic job
+  // whose home it is.
+  void ForEachJobHoldingLocked(absl::string_view ns, absl::FunctionRef<void(Job&)> f) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Backend* const backend_;
   BufferImporter* const importer_;

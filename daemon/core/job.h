@@ -259,6 +259,9 @@ class Session {
   const std::shared_ptr<internal::Job> job;
   const int rank;
   const int local_rank;
+  // The uid of the trainer process (the unix socket's SO_PEERCRED), when known: a job's
+  // sessions on a node are one user's. Set before the session is published; read-only after.
+  std::optional<uint32_t> uid;
 
   absl::Mutex mu ABSL_ACQUIRED_AFTER(job->mu);
   absl::flat_hash_map<uint64_t, Buffer> buffers ABSL_GUARDED_BY(mu);

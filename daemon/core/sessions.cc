@@ -24,7 +24,8 @@ constexpr int kMaxWorldSize = 1 << 16;
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequest& req) {
+absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequest& req,
+                                                          std::optional<uint32_t> uid) {
   GRADSYNC_RETURN_IF_ERROR(CheckJobId(req.job()));
   if (req.elastic()) {
     GRADSYNC_RETURN_IF_ERROR(ElasticBase(req.job(), req.epoch()).status());
@@ -125,6 +126,13 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
         "job ", job.id, " lost rank(s) ", JoinBounded(job.departed, ","),
         "; it can start again once its remaining ", job.attached, " session(s) have ended"));
   }
+  for (const Session* other : job.ranks) {  // one user's trainers per job on a node
+    if (other != nullptr && other->uid.has_value() && uid.has_value() && *other->uid != *uid) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("job ", job.id, " is held by another user's trainers on this node (uid ",
+                       *other->uid, "); rank ", req.rank(), " of uid ", *uid, " refused"));
+    }
+  }
   if (Session* other = job.ranks[req.rank()]) {
     return absl::AlreadyExistsError(absl::StrCat("rank ", req.rank(), " of job ", job.id,
                                                  " is already registered (session ", other->id,
@@ -137,6 +145,7 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
   auto session =
       std::make_shared<Session>(absl::StrCat(job.id, "/", req.rank(), "#", next_session_++), slot,
                                 req.rank(), req.local_rank());
+  session->uid = uid;  // before it is published
   job.ranks[req.rank()] = session.get();
   job.local_ranks[req.local_rank()] = req.rank();
   ++job.attached;
@@ -408,13 +417,33 @@ std::vector<Engine::SessionInfo> Engine::ListSessions() const {
 
 bool Engine::HoldsNamespace(absl::string_view ns) const {
   absl::MutexLock lock(&mu_);
-  if (jobs_.contains(ns) || ending_.contains(ns)) return true;
-  for (const auto& [id, job] : jobs_) {  // an elastic job's home (its epoch 0's id)
-    if (!job->elastic || job->epoch == 0) continue;
-    absl::StatusOr<std::string> base = ElasticBase(id, job->epoch);
-    if (base.ok() && *base == ns) return true;
+  if (ending_.contains(ns)) return true;
+  bool held = false;
+  ForEachJobHoldingLocked(ns, [&](Job&) { held = true; });
+  return held;
+}
+
+absl::flat_hash_set<uint32_t> Engine::HolderUids(absl::string_view ns) const {
+  absl::flat_hash_set<uint32_t> uids;
+  absl::MutexLock lock(&mu_);
+  ForEachJobHoldingLocked(ns, [&](Job& job) {
+    absl::MutexLock job_lock(&job.mu);
+    for (const Session* s : job.ranks) {
+      if (s != nullptr && s->uid.has_value()) uids.insert(*s->uid);
+    }
+  });
+  return uids;
+}
+
+void Engine::ForEachJobHoldingLocked(absl::string_view ns, absl::FunctionRef<void(Job&)> f) const {
+  for (const auto& [id, job] : jobs_) {
+    bool holds = id == ns;
+    if (!holds && job->elastic && job->epoch > 0) {  // an elastic job's home (epoch 0's id)
+      absl::StatusOr<std::string> base = ElasticBase(id, job->epoch);
+      holds = base.ok() && *base == ns;
+    }
+    if (holds) f(*job);
   }
-  return false;
 }
 
 }  // namespace gradsync::core

@@ -146,6 +146,17 @@ bool FdChannel::Serve(int fd, uid_t uid) {
     }
   }
   if (n <= 0) return false;  // closed or broken
+  if (byte == kRequestFd && fds.empty() && (msg.msg_flags & MSG_CTRUNC) != 0) {
+    // A descriptor was sent and the kernel could not give it to us: we are out of descriptors.
+    Log()->error(
+        "fd channel: a descriptor from uid={} was dropped: the daemon is out of file "
+        "descriptors",
+        uid);
+    Reply(fd, static_cast<int>(absl::StatusCode::kResourceExhausted),
+          "the daemon could not take the descriptor: it is out of file descriptors (its "
+          "LimitNOFILE); try again later");
+    return true;
+  }
   if (byte != kRequestFd || fds.size() != 1 || (msg.msg_flags & MSG_CTRUNC) != 0) {
     fds.clear();  // closed before the answer goes out: the sender may count on it
     Reply(fd, static_cast<int>(absl::StatusCode::kInvalidArgument),
@@ -214,6 +225,9 @@ void FdChannel::Loop() {
     if ((polled[1].revents & POLLIN) != 0) {
       for (int k = 0; k < 64; ++k) {  // bounded per round: poll the others too
         const int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (c < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
+          ::usleep(10 * 1000);  // out of descriptors: the listener stays readable; do not spin
+        }
         if (c < 0) break;
         if (static_cast<int>(clients.size()) >= limits_.max_connections) {
           Reply(c, static_cast<int>(absl::StatusCode::kResourceExhausted),

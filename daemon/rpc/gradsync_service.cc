@@ -66,8 +66,8 @@ class GradSyncService::SessionReactor final
 
   /// Reads the first request, or (`admitted` not OK) ends the stream before reading anything.
   SessionReactor(GradSyncService* service, grpc::CallbackServerContext* ctx,
-                 const absl::Status& admitted)
-      : service_(service), ctx_(ctx), sink_(std::make_shared<Sink>(this)) {
+                 const absl::Status& admitted, std::optional<uint32_t> uid)
+      : service_(service), ctx_(ctx), uid_(uid), sink_(std::make_shared<Sink>(this)) {
     if (admitted.ok()) {
       StartRead(&request_);
     } else {
@@ -162,7 +162,7 @@ class GradSyncService::SessionReactor final
               "daemon's fd channel as a sealed memfd and name its doorbell_fd_token")));
           return false;
         }
-        auto session = engine().Register(request_.register_session());
+        auto session = engine().Register(request_.register_session(), uid_);
         if (session.ok() && !request_.register_session().doorbell_fd_token().empty()) {
           auto doorbell = ipc::DoorbellServer::Open(
               *service_->importer_, request_.register_session().doorbell_fd_token(), &engine(),
@@ -262,6 +262,7 @@ class GradSyncService::SessionReactor final
 
   GradSyncService* const service_;
   grpc::CallbackServerContext* const ctx_;
+  const std::optional<uint32_t> uid_;  // the trainer process's (SO_PEERCRED), when known
   const std::shared_ptr<Sink> sink_;
   std::shared_ptr<core::Session> session_;         // set once by the reading side
   std::shared_ptr<ipc::DoorbellServer> doorbell_;  // set with session_ when the trainer has one
@@ -280,12 +281,14 @@ class GradSyncService::SessionReactor final
 grpc::ServerBidiReactor<v1::TrainerRequest, v1::TrainerEvent>* GradSyncService::Session(
     grpc::CallbackServerContext* ctx) {
   absl::Status admitted = PeerAuth::CheckTrainer(ctx);
-  if (admitted.ok()) admitted = auth_->Check(ctx);
+  absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  if (admitted.ok()) admitted = who.status();
+  const std::optional<uint32_t> uid = who.ok() ? who->uid : std::nullopt;
   if (!admitted.ok()) {
     Log()->info("trainer session refused peer={}: {}", ctx->peer(),
                 std::string(admitted.message()));
   }
-  auto* reactor = new SessionReactor(this, ctx, admitted);
+  auto* reactor = new SessionReactor(this, ctx, admitted, uid);
   absl::MutexLock lock(&mu_);
   reactors_.insert(reactor);
   if (closed_) reactor->Cancel();

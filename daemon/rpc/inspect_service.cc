@@ -20,10 +20,12 @@ namespace gradsync::rpc {
 grpc::ServerUnaryReactor* InspectService::ListJobs(grpc::CallbackServerContext* ctx,
                                                    const v1::ListJobsRequest*,
                                                    v1::ListJobsResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  if (!who.ok()) return Reply(ctx, who.status());
   absl::StatusOr<std::vector<store::JobStats>> jobs = store_->ListJobs();
   if (!jobs.ok()) return Reply(ctx, jobs.status());
   for (const store::JobStats& stats : *jobs) {
+    if (!auth_->MayReach(*who, stats.job).ok()) continue;  // another user's
     v1::JobSummary* job = resp->add_jobs();
     job->set_job(stats.job);
     job->set_keys(stats.keys);
@@ -35,7 +37,9 @@ grpc::ServerUnaryReactor* InspectService::ListJobs(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* InspectService::ListGroups(grpc::CallbackServerContext* ctx,
                                                      const v1::ListGroupsRequest* req,
                                                      v1::ListGroupsResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  if (!who.ok()) return Reply(ctx, who.status());
+  if (absl::Status s = auth_->MayReach(*who, req->job()); !s.ok()) return Reply(ctx, s);
   auto keys = store_->List(req->job(), kPackListKeyPrefix);
   if (keys.ok()) {
     for (const std::string& key : *keys) resp->add_groups(key.substr(kPackListKeyPrefix.size()));
@@ -46,7 +50,9 @@ grpc::ServerUnaryReactor* InspectService::ListGroups(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* InspectService::ListKeys(grpc::CallbackServerContext* ctx,
                                                    const v1::ListKeysRequest* req,
                                                    v1::ListKeysResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  if (!who.ok()) return Reply(ctx, who.status());
+  if (absl::Status s = auth_->MayReach(*who, req->job()); !s.ok()) return Reply(ctx, s);
   auto sizes = store_->ListSizes(req->job(), req->prefix());
   if (sizes.ok()) {
     int64_t reply_bytes = 0;
@@ -69,7 +75,9 @@ grpc::ServerUnaryReactor* InspectService::ListKeys(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* InspectService::GetPackList(grpc::CallbackServerContext* ctx,
                                                       const v1::InspectPackListRequest* req,
                                                       v1::InspectPackListResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  if (!who.ok()) return Reply(ctx, who.status());
+  if (absl::Status s = auth_->MayReach(*who, req->job()); !s.ok()) return Reply(ctx, s);
   if (auto ranks = ParseGroupKey(req->group()); !ranks.ok()) return Reply(ctx, ranks.status());
   auto bytes = store_->Peek(req->job(), PackListKey(req->group()));
   if (!bytes.ok() && bytes.status().code() != absl::StatusCode::kNotFound) {
@@ -94,12 +102,14 @@ grpc::ServerUnaryReactor* InspectService::GetPackList(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* InspectService::ListSessions(grpc::CallbackServerContext* ctx,
                                                        const v1::ListSessionsRequest* req,
                                                        v1::ListSessionsResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  if (!who.ok()) return Reply(ctx, who.status());
   if (!req->job().empty()) {
     if (absl::Status s = CheckJobId(req->job()); !s.ok()) return Reply(ctx, s);
   }
   for (const core::Engine::SessionInfo& info : engine_->ListSessions()) {
     if (!req->job().empty() && info.job != req->job()) continue;
+    if (!auth_->MayReach(*who, info.job).ok()) continue;  // another user's
     v1::SessionSummary* s = resp->add_sessions();
     s->set_session_id(info.id);
     s->set_job(info.job);
@@ -111,6 +121,7 @@ grpc::ServerUnaryReactor* InspectService::ListSessions(grpc::CallbackServerConte
   }
   resp->set_mps(mps_);
   resp->set_mps_reason(mps_reason_);
+  for (const std::string& w : warnings_) resp->add_warnings(w);
   return Reply(ctx, absl::OkStatus());
 }
 
@@ -289,7 +300,9 @@ v1::ListOpsResponse MergeOpsViews(const std::vector<std::string>& node_of_rank, 
 grpc::ServerUnaryReactor* InspectService::ListOps(grpc::CallbackServerContext* ctx,
                                                   const v1::ListOpsRequest* req,
                                                   v1::ListOpsResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  if (!who.ok()) return Reply(ctx, who.status());
+  if (absl::Status s = auth_->MayReach(*who, req->job()); !s.ok()) return Reply(ctx, s);
   if (absl::Status s = CheckJobId(req->job()); !s.ok()) return Reply(ctx, s);
   absl::StatusOr<core::Engine::JobOpsView> view = engine_->ListOps(req->job(), req->group());
   if (!view.ok()) return Reply(ctx, view.status());
@@ -357,7 +370,9 @@ grpc::ServerUnaryReactor* InspectService::ListOps(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* InspectService::GetHistory(grpc::CallbackServerContext* ctx,
                                                      const v1::GetHistoryRequest* req,
                                                      v1::GetHistoryResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  if (!who.ok()) return Reply(ctx, who.status());
+  if (absl::Status s = auth_->MayReach(*who, req->job()); !s.ok()) return Reply(ctx, s);
   if (absl::Status s = CheckJobId(req->job()); !s.ok()) return Reply(ctx, s);
   const std::string group = req->group().empty() ? std::string(kWorldGroup) : req->group();
   absl::StatusOr<core::Engine::GroupHistory> history = engine_->GetHistory(req->job(), group);
@@ -383,11 +398,13 @@ grpc::ServerUnaryReactor* InspectService::GetHistory(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* InspectService::ListEpochs(grpc::CallbackServerContext* ctx,
                                                      const v1::ListEpochsRequest* req,
                                                      v1::ListEpochsResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  if (!who.ok()) return Reply(ctx, who.status());
   if (!req->job().empty()) {
     if (absl::Status s = CheckJobId(req->job()); !s.ok()) return Reply(ctx, s);
   }
   for (const core::Engine::EpochRecord& e : engine_->Epochs(req->job())) {
+    if (!auth_->MayReach(*who, e.job).ok()) continue;  // another user's
     v1::Epoch* out = resp->add_epochs();
     out->set_job(e.job);
     out->set_epoch(e.epoch);

@@ -53,6 +53,9 @@ class InspectService final : public v1::Inspect::CallbackService {
         auth_(auth),
         peers_(std::move(peers)) {}
 
+  /// What ListSessions' replies warn an operator of (set-up weaker than the security model
+  /// assumes). Call before serving.
+  void SetWarnings(std::vector<std::string> warnings) { warnings_ = std::move(warnings); }
   /// The daemon's MPS state for ListSessions' replies (daemon/gpu/mps.h). Call before serving.
   void SetMps(std::string mode, std::string reason) {
     mps_ = std::move(mode);
@@ -89,7 +92,8 @@ class InspectService final : public v1::Inspect::CallbackService {
   const int64_t max_reply_bytes_;
   const PeerAuth* const auth_;
   const PeerLink peers_;
-  std::string mps_, mps_reason_;  // set before serving, read-only after
+  std::string mps_, mps_reason_;       // set before serving, read-only after
+  std::vector<std::string> warnings_;  // likewise
 };
 
 }  // namespace gradsync::rpc

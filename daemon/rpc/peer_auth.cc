@@ -4,6 +4,7 @@
 #include "daemon/rpc/peer_auth.h"
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "daemon/rpc/call_util.h"
 
 namespace gradsync::rpc {
@@ -20,18 +21,24 @@ bool SameSecret(absl::string_view a, absl::string_view b) {
 
 }  // namespace
 
-absl::StatusOr<PeerAuth::Caller> PeerAuth::Identify(const grpc::CallbackServerContext* ctx) const {
-  if (absl::StartsWith(ctx->peer(), "unix:")) return Caller::kLocal;
-  if (token_.empty()) return Caller::kDaemon;
+absl::StatusOr<PeerAuth::Who> PeerAuth::Identify(const grpc::CallbackServerContext* ctx) const {
+  if (IsLocal(ctx)) {
+    Who who{Caller::kLocal, std::nullopt};
+    if (local_peers_ != nullptr) {
+      if (std::optional<LocalPeer> peer = local_peers_->Find(ctx->peer())) who.uid = peer->uid;
+    }
+    return who;
+  }
+  if (token_.empty()) return Who{Caller::kDaemon, std::nullopt};
   const auto& metadata = ctx->client_metadata();
   auto it = metadata.find(kAuthMetadataKey);
   if (it != metadata.end()) {
     const absl::string_view value(it->second.data(), it->second.size());
     if (absl::StartsWith(value, kBearerPrefix)) {
       const absl::string_view presented = value.substr(sizeof(kBearerPrefix) - 1);
-      if (SameSecret(presented, token_)) return Caller::kDaemon;
+      if (SameSecret(presented, token_)) return Who{Caller::kDaemon, std::nullopt};
       if (!client_credential_.empty() && SameSecret(presented, client_credential_)) {
-        return Caller::kClient;
+        return Who{Caller::kClient, std::nullopt};
       }
     }
   }
@@ -41,8 +48,28 @@ absl::StatusOr<PeerAuth::Caller> PeerAuth::Identify(const grpc::CallbackServerCo
       "socket (gradsyncctl --token_file)");
 }
 
+absl::Status PeerAuth::MayReach(const Who& who, absl::string_view job) const {
+  if (who.caller != Caller::kLocal || !holders_) return absl::OkStatus();
+  if (who.uid.has_value() && (*who.uid == 0 || *who.uid == operator_uid_)) {
+    return absl::OkStatus();
+  }
+  const absl::flat_hash_set<uint32_t> holders = holders_(job);
+  if (holders.empty() || (who.uid.has_value() && holders.contains(*who.uid))) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "job '", job,
+      "' is held by another user's trainers on this node: a caller of the unix "
+      "socket reaches only the jobs its own user's trainers hold (or that none holds)"));
+}
+
+bool PeerAuth::IsLocal(const grpc::CallbackServerContext* ctx) {
+  // "fd:": a connection LocalListener accepted on the unix socket; "unix:": one gRPC did.
+  return absl::StartsWith(ctx->peer(), "fd:") || absl::StartsWith(ctx->peer(), "unix:");
+}
+
 absl::Status PeerAuth::CheckTrainer(const grpc::CallbackServerContext* ctx) {
-  if (absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
+  if (IsLocal(ctx)) return absl::OkStatus();
   return absl::PermissionDeniedError(
       "trainer sessions (gradsync.v1.GradSync) are served on the daemon's unix socket only; "
       "TCP is for other daemons");

@@ -3,11 +3,18 @@
 // Who may call the daemon: trainer sessions only on the unix socket, TCP calls only with the
 // cluster token (a daemon) or the client credential derived from it (a trainer or a tool).
 
+#include <unistd.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/token.h"
+#include "daemon/rpc/local_listener.h"
 #include "grpcpp/grpcpp.h"
 
 namespace gradsync::rpc {
@@ -30,14 +37,35 @@ class PeerAuth {
     kDaemon,  // TCP with the cluster token: another daemon
   };
 
+  /// A caller and, on the unix socket, its uid (SO_PEERCRED; unknown without LocalPeers).
+  struct Who {
+    Caller caller = Caller::kLocal;
+    std::optional<uint32_t> uid;
+  };
+
   /// An empty token checks nothing (TCP is then as open as the bind address makes it, and a
   /// TCP caller is taken for a daemon: tests only; the daemon never listens so).
   explicit PeerAuth(std::string token)
-      : token_(std::move(token)), client_credential_(ClientCredentialOf(token_)) {}
+      : token_(std::move(token)),
+        client_credential_(ClientCredentialOf(token_)),
+        operator_uid_(static_cast<uint32_t>(::geteuid())) {}
 
   /// The caller of `ctx`, or UNAUTHENTICATED for a TCP call with neither the token nor the
   /// client credential.
-  absl::StatusOr<Caller> Identify(const grpc::CallbackServerContext* ctx) const;
+  absl::StatusOr<Who> Identify(const grpc::CallbackServerContext* ctx) const;
+
+  /// Authority per job: whether `who` may reach job `job`'s store namespace and inspection. A
+  /// caller of the unix socket reaches a job that no session on this daemon holds, or one that
+  /// a session of its own uid holds; uid 0 and the daemon's own uid (operators) reach every job.
+  /// TCP callers (daemons, clients with the credential) reach every job: the token stands for
+  /// the cluster. PERMISSION_DENIED naming the job otherwise.
+  absl::Status MayReach(const Who& who, absl::string_view job) const;
+
+  /// Where the unix socket's callers' uids come from, and which uids hold a job (the engine's
+  /// sessions). Set before serving; without them MayReach lets every caller through.
+  void SetLocalPeers(const LocalPeers* peers) { local_peers_ = peers; }
+  using Holders = std::function<absl::flat_hash_set<uint32_t>(absl::string_view job)>;
+  void SetJobHolders(Holders holders) { holders_ = std::move(holders); }
   absl::Status Check(const grpc::CallbackServerContext* ctx) const {
     return Identify(ctx).status();
   }
@@ -49,6 +77,8 @@ class PeerAuth {
   /// OK for a call on the unix socket; PERMISSION_DENIED for any other, token or not: a trainer
   /// session maps the caller's memory, which only a local process can hand over.
   static absl::Status CheckTrainer(const grpc::CallbackServerContext* ctx);
+  /// Whether `ctx` came in on the unix socket.
+  static bool IsLocal(const grpc::CallbackServerContext* ctx);
 
   /// A reactor already finished with UNAUTHENTICATED, or nullptr when the call may proceed.
   grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* ctx) const;
@@ -56,6 +86,9 @@ class PeerAuth {
  private:
   const std::string token_;
   const std::string client_credential_;
+  const uint32_t operator_uid_;  // the daemon's own
+  const LocalPeers* local_peers_ = nullptr;
+  Holders holders_;
 };
 
 /// Metadata key and value prefix a client sends the token in.

@@ -24,6 +24,7 @@ namespace gradsync::rpc {
 namespace {
 
 using Caller = PeerAuth::Caller;
+using Who = PeerAuth::Who;
 
 // What `caller` may do with `key` through the generic calls (common/store_keys.h).
 absl::Status CheckAccess(Caller caller, absl::string_view key, bool write) {
@@ -49,13 +50,6 @@ absl::Status CheckAccess(Caller caller, absl::string_view key, bool write) {
           "reads or writes it"));
   }
   return absl::InternalError("unknown key class");
-}
-
-absl::Status CheckReads(Caller caller, const std::vector<std::string>& keys) {
-  for (const std::string& key : keys) {
-    GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, key, /*write=*/false));
-  }
-  return absl::OkStatus();
 }
 
 // A unary call that completes when the store's wait does. Deleted once the wait callback,
@@ -114,7 +108,7 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
 class StoreService::SessionReactor final
     : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
  public:
-  SessionReactor(StoreService* service, grpc::CallbackServerContext* ctx, Caller caller)
+  SessionReactor(StoreService* service, grpc::CallbackServerContext* ctx, const Who& caller)
       : service_(service), ctx_(ctx), caller_(caller) {
     StartRead(&request_);
   }
@@ -202,7 +196,7 @@ class StoreService::SessionReactor final
 
   StoreService* const service_;
   grpc::CallbackServerContext* const ctx_;
-  const Caller caller_;  // who opened the session: what its calls may touch
+  const Who caller_;  // who opened the session: what its calls may touch
   std::atomic<int> refs_{2};
   absl::Mutex mu_;
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
@@ -211,6 +205,21 @@ class StoreService::SessionReactor final
 };
 
 StoreService::~StoreService() = default;
+
+absl::Status StoreService::Check(const Who& who, absl::string_view job, absl::string_view key,
+                                 bool write) const {
+  GRADSYNC_RETURN_IF_ERROR(auth_->MayReach(who, job));
+  return CheckAccess(who.caller, key, write);
+}
+
+absl::Status StoreService::CheckReads(const Who& who, absl::string_view job,
+                                      const std::vector<std::string>& keys) const {
+  GRADSYNC_RETURN_IF_ERROR(auth_->MayReach(who, job));
+  for (const std::string& key : keys) {
+    GRADSYNC_RETURN_IF_ERROR(CheckAccess(who.caller, key, /*write=*/false));
+  }
+  return absl::OkStatus();
+}
 
 grpc::ServerUnaryReactor* StoreService::Run(grpc::CallbackServerContext* ctx,
                                             std::function<absl::Status()> work) {
@@ -230,8 +239,8 @@ void StoreService::Start(std::function<void()> start) {
 
 grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* StoreService::Session(
     grpc::CallbackServerContext* ctx) {
-  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
-  auto* session = new SessionReactor(this, ctx, caller.value_or(Caller::kLocal));
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
+  auto* session = new SessionReactor(this, ctx, caller.value_or(Who{}));
   const absl::Status authorized = caller.status();
   bool closed = !authorized.ok();
   if (!closed) {
@@ -272,13 +281,14 @@ void StoreService::EndSessions() {
   }
 }
 
-absl::Status StoreService::DoSet(Caller caller, const v1::SetRequest& req) {
-  GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, req.key(), /*write=*/true));
+absl::Status StoreService::DoSet(const Who& caller, const v1::SetRequest& req) {
+  GRADSYNC_RETURN_IF_ERROR(Check(caller, req.job(), req.key(), /*write=*/true));
   return store_->Set(req.job(), req.key(), req.value());
 }
 
-absl::Status StoreService::DoPeek(Caller caller, const v1::GetRequest& req, v1::GetResponse* resp) {
-  GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, req.key(), /*write=*/false));
+absl::Status StoreService::DoPeek(const Who& caller, const v1::GetRequest& req,
+                                  v1::GetResponse* resp) {
+  GRADSYNC_RETURN_IF_ERROR(Check(caller, req.job(), req.key(), /*write=*/false));
   // A deadline in the past: the value if present, else an answer at once.
   auto values = store_->WaitBlocking(req.job(), {req.key()}, absl::InfinitePast());
   if (values.ok()) {
@@ -291,16 +301,17 @@ absl::Status StoreService::DoPeek(Caller caller, const v1::GetRequest& req, v1::
   return values.status();
 }
 
-absl::Status StoreService::DoAdd(Caller caller, const v1::AddRequest& req, v1::AddResponse* resp) {
-  GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, req.key(), /*write=*/true));
+absl::Status StoreService::DoAdd(const Who& caller, const v1::AddRequest& req,
+                                 v1::AddResponse* resp) {
+  GRADSYNC_RETURN_IF_ERROR(Check(caller, req.job(), req.key(), /*write=*/true));
   GRADSYNC_ASSIGN_OR_RETURN(int64_t value, store_->Add(req.job(), req.key(), req.delta()));
   resp->set_value(value);
   return absl::OkStatus();
 }
 
-absl::Status StoreService::DoCompareSet(Caller caller, const v1::CompareSetRequest& req,
+absl::Status StoreService::DoCompareSet(const Who& caller, const v1::CompareSetRequest& req,
                                         v1::CompareSetResponse* resp) {
-  GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, req.key(), /*write=*/true));
+  GRADSYNC_RETURN_IF_ERROR(Check(caller, req.job(), req.key(), /*write=*/true));
   if (req.expect_absent() && !req.expected().empty()) {
     return absl::InvalidArgumentError("CompareSet: set either expected or expect_absent, not both");
   }
@@ -314,15 +325,15 @@ absl::Status StoreService::DoCompareSet(Caller caller, const v1::CompareSetReque
   return absl::OkStatus();
 }
 
-absl::Status StoreService::DoDelete(Caller caller, const v1::DeleteRequest& req,
+absl::Status StoreService::DoDelete(const Who& caller, const v1::DeleteRequest& req,
                                     v1::DeleteResponse* resp) {
-  GRADSYNC_RETURN_IF_ERROR(CheckAccess(caller, req.key(), /*write=*/true));
+  GRADSYNC_RETURN_IF_ERROR(Check(caller, req.job(), req.key(), /*write=*/true));
   GRADSYNC_ASSIGN_OR_RETURN(bool deleted, store_->Delete(req.job(), req.key()));
   resp->set_deleted(deleted);
   return absl::OkStatus();
 }
 
-absl::Status StoreService::DoSessionOp(Caller caller, const v1::SessionRequest& req,
+absl::Status StoreService::DoSessionOp(const Who& caller, const v1::SessionRequest& req,
                                        v1::SessionResponse* resp) {
   switch (req.op_case()) {
     case v1::SessionRequest::kSet:
@@ -343,16 +354,18 @@ absl::Status StoreService::DoSessionOp(Caller caller, const v1::SessionRequest& 
 
 grpc::ServerUnaryReactor* StoreService::Set(grpc::CallbackServerContext* ctx,
                                             const v1::SetRequest* req, v1::SetResponse*) {
-  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
   if (!caller.ok()) return Reply(ctx, caller.status());
   return Run(ctx, [this, req, caller = *caller] { return DoSet(caller, *req); });
 }
 
 grpc::ServerUnaryReactor* StoreService::Get(grpc::CallbackServerContext* ctx,
                                             const v1::GetRequest* req, v1::GetResponse* resp) {
-  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
   if (!caller.ok()) return Reply(ctx, caller.status());
-  if (absl::Status s = CheckAccess(*caller, req->key(), false); !s.ok()) return Reply(ctx, s);
+  if (absl::Status s = Check(*caller, req->job(), req->key(), false); !s.ok()) {
+    return Reply(ctx, s);
+  }
   auto deadline = WaitDeadline(ctx, "Get", max_wait_);
   if (!deadline.ok()) return Reply(ctx, deadline.status());
   auto* reactor = new WaitReactor(store_, [resp](std::vector<std::string> values) {
@@ -366,9 +379,10 @@ grpc::ServerUnaryReactor* StoreService::Get(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* StoreService::Wait(grpc::CallbackServerContext* ctx,
                                              const v1::WaitRequest* req, v1::WaitResponse* resp) {
-  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
   if (!caller.ok()) return Reply(ctx, caller.status());
-  if (absl::Status s = CheckReads(*caller, {req->keys().begin(), req->keys().end()}); !s.ok()) {
+  if (absl::Status s = CheckReads(*caller, req->job(), {req->keys().begin(), req->keys().end()});
+      !s.ok()) {
     return Reply(ctx, s);
   }
   auto deadline = WaitDeadline(ctx, "Wait", max_wait_);
@@ -385,7 +399,7 @@ grpc::ServerUnaryReactor* StoreService::Wait(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* StoreService::Add(grpc::CallbackServerContext* ctx,
                                             const v1::AddRequest* req, v1::AddResponse* resp) {
-  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
   if (!caller.ok()) return Reply(ctx, caller.status());
   return Run(ctx, [this, req, resp, caller = *caller] { return DoAdd(caller, *req, resp); });
 }
@@ -393,7 +407,7 @@ grpc::ServerUnaryReactor* StoreService::Add(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* StoreService::CompareSet(grpc::CallbackServerContext* ctx,
                                                    const v1::CompareSetRequest* req,
                                                    v1::CompareSetResponse* resp) {
-  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
   if (!caller.ok()) return Reply(ctx, caller.status());
   return Run(ctx, [this, req, resp, caller = *caller] { return DoCompareSet(caller, *req, resp); });
 }
@@ -401,19 +415,21 @@ grpc::ServerUnaryReactor* StoreService::CompareSet(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* StoreService::Delete(grpc::CallbackServerContext* ctx,
                                                const v1::DeleteRequest* req,
                                                v1::DeleteResponse* resp) {
-  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
   if (!caller.ok()) return Reply(ctx, caller.status());
   return Run(ctx, [this, req, resp, caller = *caller] { return DoDelete(caller, *req, resp); });
 }
 
 grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,
                                              const v1::ListRequest* req, v1::ListResponse* resp) {
-  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
   if (!caller.ok()) return Reply(ctx, caller.status());
   return Run(ctx, [this, req, resp, caller = *caller]() -> absl::Status {
+    GRADSYNC_RETURN_IF_ERROR(auth_->MayReach(caller, req->job()));
     auto keys = store_->List(req->job(), req->prefix());
     if (!keys.ok()) return keys.status();
-    if (caller != Caller::kDaemon) {  // a client does not learn the daemons' keys, names included
+    if (caller.caller !=
+        Caller::kDaemon) {  // a client does not learn the daemons' keys, names included
       keys->erase(std::remove_if(
                       keys->begin(), keys->end(),
                       [](const std::string& k) { return ClassOfKey(k) == KeyClass::kDaemonOnly; }),
@@ -435,7 +451,9 @@ grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* StoreService::SetPackList(grpc::CallbackServerContext* ctx,
                                                     const v1::SetPackListRequest* req,
                                                     v1::SetPackListResponse*) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
   return Run(ctx, [this, req] {
     return PutPackList(*store_, req->job(), req->group(), req->pack_list());
   });
@@ -444,7 +462,9 @@ grpc::ServerUnaryReactor* StoreService::SetPackList(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* StoreService::GetPackList(grpc::CallbackServerContext* ctx,
                                                     const v1::GetPackListRequest* req,
                                                     v1::GetPackListResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
   if (auto ranks = ParseGroupKey(req->group()); !ranks.ok()) return Reply(ctx, ranks.status());
   auto deadline = WaitDeadline(ctx, "GetPackList", max_wait_);
   if (!deadline.ok()) return Reply(ctx, deadline.status());
@@ -462,9 +482,9 @@ grpc::ServerUnaryReactor* StoreService::GetPackList(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* StoreService::ClientCredential(grpc::CallbackServerContext* ctx,
                                                          const v1::ClientCredentialRequest*,
                                                          v1::ClientCredentialResponse* resp) {
-  const absl::StatusOr<Caller> caller = auth_->Identify(ctx);
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
   if (!caller.ok()) return Reply(ctx, caller.status());
-  if (*caller != Caller::kLocal) {
+  if (caller->caller != Caller::kLocal) {
     return Reply(ctx, absl::PermissionDeniedError(
                           "the client credential is handed out on the unix socket only"));
   }
@@ -480,7 +500,9 @@ grpc::ServerUnaryReactor* StoreService::ClientCredential(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* StoreService::DecideJoin(grpc::CallbackServerContext* ctx,
                                                    const v1::DecideJoinRequest* req,
                                                    v1::DecideJoinResponse* resp) {
-  if (auto* refused = auth_->Refuse(ctx)) return refused;
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
   return Run(ctx, [this, req, resp]() -> absl::Status {
     GRADSYNC_ASSIGN_OR_RETURN(
         core::JoinDecision decision,

@@ -83,13 +83,20 @@ class StoreService final : public v1::Store::CallbackService {
   // The calls that never wait, shared by the unary methods and Session; `caller` decides which
   // keys they may touch (common/store_keys.h).
   using Caller = PeerAuth::Caller;
-  absl::Status DoSet(Caller caller, const v1::SetRequest& req);
-  absl::Status DoPeek(Caller caller, const v1::GetRequest& req, v1::GetResponse* resp);
-  absl::Status DoAdd(Caller caller, const v1::AddRequest& req, v1::AddResponse* resp);
-  absl::Status DoCompareSet(Caller caller, const v1::CompareSetRequest& req,
+  using Who = PeerAuth::Who;
+  // What `who` may touch: job `job` (PeerAuth::MayReach), then `key` by its class.
+  absl::Status Check(const Who& who, absl::string_view job, absl::string_view key,
+                     bool write) const;
+  absl::Status CheckReads(const Who& who, absl::string_view job,
+                          const std::vector<std::string>& keys) const;
+  absl::Status DoSet(const Who& caller, const v1::SetRequest& req);
+  absl::Status DoPeek(const Who& caller, const v1::GetRequest& req, v1::GetResponse* resp);
+  absl::Status DoAdd(const Who& caller, const v1::AddRequest& req, v1::AddResponse* resp);
+  absl::Status DoCompareSet(const Who& caller, const v1::CompareSetRequest& req,
                             v1::CompareSetResponse* resp);
-  absl::Status DoDelete(Caller caller, const v1::DeleteRequest& req, v1::DeleteResponse* resp);
-  absl::Status DoSessionOp(Caller caller, const v1::SessionRequest& req, v1::SessionResponse* resp);
+  absl::Status DoDelete(const Who& caller, const v1::DeleteRequest& req, v1::DeleteResponse* resp);
+  absl::Status DoSessionOp(const Who& caller, const v1::SessionRequest& req,
+                           v1::SessionResponse* resp);
 
   gradsync::Store* const store_;
   const absl::Duration max_wait_;

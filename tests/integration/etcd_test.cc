@@ -110,6 +110,16 @@ class EtcdJobTest : public ::testing::Test {
     return v1::Inspect::NewStub(client::Connect(daemons_[daemon]->unix_target()));
   }
 
+  // What daemon `d` warns operators of (Inspect/ListSessions).
+  std::vector<std::string> Warnings(int d) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    v1::ListSessionsResponse resp;
+    grpc::Status s = Inspect(d)->ListSessions(&ctx, v1::ListSessionsRequest(), &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return {resp.warnings().begin(), resp.warnings().end()};
+  }
+
   // The jobs daemon `d` sees in the store (Inspect/ListJobs), or the call's error.
   absl::StatusOr<std::vector<std::string>> Jobs(int d) {
     grpc::ClientContext ctx;
@@ -286,6 +296,7 @@ TEST_F(EtcdJobTest, TlsAndEtcdUsersCarryAJobAndAWrongPasswordOrNoCertificateIsNa
   good.insert(good.end(), {"--etcd_user=root", "--etcd_password_file=" + p + "good"});
   StartDaemons(2, good);
   ExpectAllPassed(Run("tls", {0, 0, 1, 1}, "matrix", {"counts=7,4099"}), "matrix cases=");
+  EXPECT_TRUE(Warnings(0).empty());  // TLS and etcd's users: nothing to warn of
 
   std::vector<std::string> bad = tls;
   bad.insert(bad.end(), {"--etcd_user=root", "--etcd_password_file=" + p + "bad"});
@@ -300,6 +311,19 @@ TEST_F(EtcdJobTest, TlsAndEtcdUsersCarryAJobAndAWrongPasswordOrNoCertificateIsNa
   EXPECT_EQ(StoreWorker(3, {"kv", "add", "k", "1"}, &out, &err), 1) << out;
   EXPECT_TRUE(absl::StrContains(err, "UNAVAILABLE")) << err;
   EXPECT_TRUE(absl::StrContains(err, "etcd " + etcd_->endpoint(0))) << err;
+}
+
+// An etcd reached without TLS or without etcd's users lets whoever reaches it rewrite every job's
+// store: the daemon says so at start, and to an operator's `gradsyncctl health`.
+TEST_F(EtcdJobTest, AnEtcdWithoutTlsOrUsersIsAWarningOperatorsSee) {
+  StartEtcd(1);
+  StartDaemons(1);
+  const std::vector<std::string> warnings = Warnings(0);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(warnings[0],
+                                "without TLS (--etcd_ca) and without "
+                                "authentication (--etcd_user)"))
+      << warnings[0];
 }
 
 }  // namespace

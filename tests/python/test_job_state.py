@@ -1,10 +1,14 @@
-"""No client edits a job's state that only the daemons keep: the attacks of a local user or a
-trainer on a job spanning two real daemons (loopback TCP), each refused with the job unharmed.
+"""No one edits another job's state: the attacks of a local user, another user's trainer or a
+trainer of another node on a running job (real daemons, real uids through setpriv), each refused
+with the job unharmed.
 
 A client is a caller of a daemon's unix socket, or a TCP caller with the client credential a
-daemon hands out there; a daemon is a TCP caller with the cluster token (docs/security.md)."""
+daemon hands out there; a daemon is a TCP caller with the cluster token. On the unix socket a
+caller reaches only the jobs its own user's trainers hold, or none holds (docs/security.md)."""
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -176,3 +180,229 @@ def test_a_join_decision_is_checked_and_written_by_the_daemon(job_across_two_nod
         trainer.store_get("_gradsync_elastic/decision", 0)
     assert e.value.code == "DEADLINE_EXCEEDED"
     finish_unharmed(go, procs)
+
+
+# An attacker on the node: another user in the socket's group (setpriv), against a job whose
+# trainers run as a user of their own.
+VICTIM_UID, ATTACKER_UID = 65534, 65533
+
+ATTACK = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from gradsync._native import Client, Error
+socket, job = sys.argv[1], sys.argv[3]
+out = {}
+c = Client(socket, job, 1, 0, 0, 1, store_only=True)
+for name, call in (("set", lambda: c.store_set("mine", b"1")),
+                   ("get", lambda: c.store_get("_gradsync/packlist/0,1", 0)),
+                   ("add", lambda: c.store_add("counter", 1)),
+                   ("plan", lambda: c.set_pack_list("0,1", {"packs": [], "threshold_bytes": 1,
+                                                          "first_alone": 0}))):
+    try:
+        call()
+        out[name] = "OK"
+    except Error as e:
+        out[name] = e.code + " " + str(e)
+print(json.dumps(out))
+"""
+
+
+def as_user(uid, cmd):
+    return ["/usr/bin/setpriv", f"--reuid={uid}", "--regid=0", "--clear-groups", *cmd]
+
+
+@pytest.fixture
+def job_of_another_user(tmp):
+    """One daemon; job "victim" of two ranks run as VICTIM_UID, formed and idle."""
+    if os.geteuid() != 0 or not os.access("/usr/bin/setpriv", os.X_OK):
+        pytest.skip("needs root and setpriv to act as other users")
+    from conftest import Daemon
+    os.chmod(tmp, 0o755)
+    d = Daemon(tmp, "node")
+    go = os.path.join(tmp, "go")
+    procs = []
+    for r in range(2):
+        out = open(os.path.join(tmp, f"user{r}.out"), "w")
+        procs.append((subprocess.Popen(as_user(VICTIM_UID, [PYTHON, "-c", TRAINER, go]),
+                                       env=env_for(d, "victim", r, 2), stdout=out,
+                                       stderr=subprocess.STDOUT), out.name))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(
+            '"first"' in open(n).read() for _, n in procs):
+        time.sleep(0.05)
+    for p, name in procs:
+        assert '"first": [2.0, 2.0, 2.0, 2.0]' in open(name).read(), open(name).read()[-2000:]
+    yield d, go, procs
+    for p, _ in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    d.stop()
+
+
+def attack(d, uid, job="victim"):
+    r = subprocess.run(as_user(uid, [PYTHON, "-c", ATTACK, d.socket, os.path.join(BUILD, "python"),
+                                     job]), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def ctl_as(d, uid, *args):
+    return subprocess.run(as_user(uid, [os.path.join(BUILD, "client", "gradsyncctl"),
+                                        f"--socket={d.socket}", "--timeout=5s", *args]),
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_another_user_reaches_no_state_of_a_job_its_user_does_not_hold(job_of_another_user):
+    d, go, procs = job_of_another_user
+    got = attack(d, ATTACKER_UID)
+    for name, outcome in got.items():
+        assert outcome.startswith("PERMISSION_DENIED"), (name, outcome)
+        assert "another user's trainers" in outcome, outcome
+    for args in (["--job=victim", "store", "list"], ["--job=victim", "store", "set", "k", "v"],
+                 ["--job=victim", "packlist", "groups"], ["ops", "victim"],
+                 ["history", "victim"]):
+        r = ctl_as(d, ATTACKER_UID, *args)
+        assert r.returncode != 0 and "PERMISSION_DENIED" in r.stderr, (args, r.stdout, r.stderr)
+    # The node-wide views leave the job out for that user, and show it to its own and to root.
+    assert "victim" not in ctl_as(d, ATTACKER_UID, "sessions").stdout
+    assert "victim" not in ctl_as(d, ATTACKER_UID, "jobs").stdout
+    assert "victim" in ctl_as(d, VICTIM_UID, "sessions").stdout
+    assert "victim" in d.ctl("sessions").stdout
+    # A job no session holds is anyone's in the group: the attacker's own work goes on.
+    assert attack(d, ATTACKER_UID, job="attackers-own")["set"] == "OK"
+    # The job's own user, and root (an operator), reach it.
+    assert attack(d, VICTIM_UID)["set"] == "OK"
+    assert d.ctl("--job=victim", "store", "get", "mine").stdout.strip().endswith("1")
+    finish_unharmed(go, procs)
+
+
+def test_another_user_cannot_take_a_rank_of_a_job_its_user_does_not_hold(tmp):
+    """Rank 0 of a job of two, run as one user, waits for rank 1; another user registering as
+    rank 1 is refused, and the job's own user's rank 1 then completes it."""
+    if os.geteuid() != 0 or not os.access("/usr/bin/setpriv", os.X_OK):
+        pytest.skip("needs root and setpriv to act as other users")
+    from conftest import Daemon
+    os.chmod(tmp, 0o755)
+    d = Daemon(tmp, "node")
+    go = os.path.join(tmp, "go")
+    open(go, "w").close()
+    try:
+        outs = [os.path.join(tmp, f"r{i}.out") for i in range(3)]
+        rank0 = subprocess.Popen(as_user(VICTIM_UID, [PYTHON, "-c", TRAINER, go]),
+                                 env=env_for(d, "half", 0, 2), stdout=open(outs[0], "w"),
+                                 stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "half" not in d.ctl("sessions").stdout:
+            time.sleep(0.05)
+        thief = subprocess.run(as_user(ATTACKER_UID, [PYTHON, "-c", TRAINER, go]),
+                               env=env_for(d, "half", 1, 2), capture_output=True, text=True,
+                               timeout=60)
+        assert thief.returncode != 0
+        assert "PERMISSION_DENIED" in thief.stdout + thief.stderr, thief.stdout + thief.stderr
+        assert "held by another user's trainers" in thief.stdout + thief.stderr
+        rank1 = subprocess.run(as_user(VICTIM_UID, [PYTHON, "-c", TRAINER, go]),
+                               env=env_for(d, "half", 1, 2), capture_output=True, text=True,
+                               timeout=60)
+        assert rank1.returncode == 0, rank1.stdout + rank1.stderr
+        assert '"second": [2.0, 2.0, 2.0, 2.0]' in rank1.stdout
+        assert rank0.wait(60) == 0, open(outs[0]).read()
+    finally:
+        d.stop()
+
+
+def hold_connections(path, n):
+    """n raw connections to a unix socket, held open (no HTTP/2 spoken)."""
+    held = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        held.append(s)
+    return held
+
+
+def test_one_user_holding_connections_cannot_lock_others_out(tmp):
+    """A user that holds the socket's connections past its share is closed as it comes; another
+    user's calls, and its own once it lets go, are served."""
+    if os.geteuid() != 0 or not os.access("/usr/bin/setpriv", os.X_OK):
+        pytest.skip("needs root and setpriv to act as other users")
+    from conftest import Daemon
+    os.chmod(tmp, 0o755)
+    d = Daemon(tmp, "node", flags=["--max_local_connections_per_user=8"])
+    try:
+        hog = subprocess.Popen(
+            as_user(ATTACKER_UID, [PYTHON, "-c", HOG, d.socket, "20"]),
+            stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+        assert hog.stdout.readline().strip() == "held"
+        r = ctl_as(d, ATTACKER_UID, "health")
+        assert r.returncode != 0, r.stdout  # its share is taken
+        assert ctl_as(d, VICTIM_UID, "health").returncode == 0
+        assert d.ctl("health").returncode == 0
+        hog.communicate("done\n", timeout=30)
+        deadline = time.monotonic() + 10
+        while ctl_as(d, ATTACKER_UID, "health").returncode != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ctl_as(d, ATTACKER_UID, "health").returncode == 0
+        assert "refused" in open(d.log).read()
+    finally:
+        d.stop()
+
+
+HOG = r"""
+import socket, sys
+held = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    held.append(s)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_daemon_out_of_descriptors_says_so_and_recovers(tmp):
+    """Connections held until the daemon has no descriptor left (a low LimitNOFILE, set with
+    prlimit): it logs that it cannot accept trainers, sheds the connections waiting, and its
+    health (asked on a TCP connection made before) is NOT_SERVING until it accepts a trainer's
+    connection again."""
+    if not os.access("/usr/bin/prlimit", os.X_OK):
+        pytest.skip("prlimit (util-linux) is not installed")
+    grpc = pytest.importorskip("grpc")
+    from conftest import Daemon
+    d = Daemon(tmp, "node", tcp=True)
+    channel = grpc.insecure_channel(d.tcp)
+    # grpc.health.v1.Health/Check on raw bytes: an empty request; the answer's field 1 is the
+    # status (1 SERVING, 2 NOT_SERVING).
+    check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+    def until(status, then=lambda: None):
+        deadline = time.monotonic() + 20
+        got = None
+        while time.monotonic() < deadline:
+            then()
+            got = check(b"", timeout=5)
+            if got == bytes([8, status]):
+                break
+            time.sleep(0.1)
+        return got
+
+    try:
+        assert until(1) == b"\x08\x01"  # SERVING, and the TCP connection is made
+        pid = d.proc.pid
+        soft = subprocess.run(["/usr/bin/prlimit", f"--pid={pid}", "--nofile", "--output=SOFT",
+                               "--noheadings"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        subprocess.run(["/usr/bin/prlimit", f"--pid={pid}", "--nofile=160:"], check=True)
+        held = hold_connections(d.socket, 200)  # the listen backlog takes what is not accepted
+        assert until(2) == b"\x08\x02"  # NOT_SERVING
+        assert "cannot accept trainers on its unix socket" in open(d.log).read()
+        for c in held:
+            c.close()
+        subprocess.run(["/usr/bin/prlimit", f"--pid={pid}", f"--nofile={soft}:"], check=True)
+        assert until(1, then=lambda: d.ctl("health")) == b"\x08\x01"
+        assert "accepting trainers again" in open(d.log).read()
+        assert d.ctl("health").returncode == 0
+    finally:
+        channel.close()
+        d.stop()

@@ -227,8 +227,10 @@ def init(job=None, rank=None, world_size=None, local_rank=None, local_world_size
     node: `root_address`, else GRADSYNC_ROOT_ADDRESS, else MASTER_ADDR with GRADSYNC_DAEMON_PORT
     (default 7451). MASTER_PORT is not used: it is torch's own store, not the daemon.
     The job id: `job`, else GRADSYNC_JOB, else "torchrun-" + TORCHELASTIC_RUN_ID. The socket:
-    `socket`, else GRADSYNC_SOCKET, else /run/gradsync/gradsyncd.sock. The cluster token (only
-    for a root daemon on another node): `token_file`, else GRADSYNC_TOKEN_FILE. Mutual TLS to a
+    `socket`, else GRADSYNC_SOCKET, else /run/gradsync/gradsyncd.sock. A root daemon on another
+    node is reached with the client credential the local daemon hands out (no file needed);
+    `token_file`, else GRADSYNC_TOKEN_FILE, sends the cluster token instead (a daemon's key:
+    for tools of the cluster's operators, not trainers). Mutual TLS to a
     root daemon started with --tls_*: `tls` = (cert, key, ca) PEM file paths, else
     GRADSYNC_TLS_CERT, GRADSYNC_TLS_KEY and GRADSYNC_TLS_CA.
     `elastic` (else GRADSYNC_ELASTIC=1): the job goes on when one of its nodes is lost, with at

@@ -82,14 +82,16 @@ void LookAtLaunchedLocked(CommsTable& table, GroupComms& c, DeferredWrites& late
     FailLaunchedLocked(table, c, c.launched.front(), s, later);
     return;
   }
-  if (c.launched.empty()) return;
   for (gpu::Comm comm : c.comms) {
+    if (c.launched.empty()) break;  // nothing in flight to fail
     if (absl::StatusOr<bool> r = api->NcclCommReady(comm); !r.ok()) {
       FailLaunchedLocked(table, c, c.launched.front(), r.status(), later);
       return;
     }
   }
-  if (c.abort_requested.exchange(false)) {  // another group of the job failed
+  // Another group of the job failed, also while this one is idle: AbortJob found this lock
+  // held (by the watcher, say) and left the abort to whoever held it.
+  if (c.abort_requested.exchange(false)) {
     (void)table.AbortLocked(
         c,
         absl::AbortedError(absl::StrCat("aborted with the job's other NCCL communicators on this "

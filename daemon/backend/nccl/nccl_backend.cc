@@ -74,7 +74,11 @@ void NcclBackend::WatchIdle() {
   for (auto& c : table_.OfJob("")) {
     if (!c->mu.TryLock()) continue;  // running an op, which watches its communicators itself
     LockedComms locked(c.get(), LockedComms::Adopt{});
-    if (!c->launched.empty()) continue;  // not idle: the launch watcher looks at it
+    if (!c->launched.empty()) continue;        // not idle: the launch watcher looks at it
+    if (c->abort_requested.exchange(false)) {  // AbortJob found this lock held: abort it now
+      (void)table_.AbortLocked(*c, c->AbortReason(), later);
+      continue;
+    }
     absl::Status failed;
     for (gpu::Comm comm : c->comms) {
       if (absl::StatusOr<bool> r = api_->NcclCommReady(comm); !r.ok()) {
