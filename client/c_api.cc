@@ -468,21 +468,49 @@ int gs_store_compare_set(gs_client* client, const char* key, const void* expecte
   return 0;
 }
 
-int gs_store_decide_join(gs_client* client, int epoch, int joined, const char* why, int* decided,
-                         void** value, size_t* n) {
-  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(why, "why")) ||
-                  (rc = Check(decided, "decided")) || (rc = Check(value, "value")) ||
-                  (rc = Check(n, "n"))) {
+namespace {
+
+// *value (malloc'd, released with gs_free) and *n: a copy of `bytes`.
+int CopyOut(const std::string& bytes, void** value, size_t* n) {
+  *value = std::malloc(bytes.empty() ? 1 : bytes.size());
+  if (*value == nullptr) return Fail(absl::ResourceExhaustedError("out of memory"));
+  std::memcpy(*value, bytes.data(), bytes.size());
+  *n = bytes.size();
+  return 0;
+}
+
+}  // namespace
+
+int gs_store_take_ticket(gs_client* client, int ranks, int64_t* ticket) {
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(ticket, "ticket"))) return rc;
+  auto v = client->store->TakeTicket(client->job, ranks);
+  if (!v.ok()) return Fail(v.status());
+  *ticket = *v;
+  return 0;
+}
+
+int gs_store_withdraw_ticket(gs_client* client, int64_t ticket, int* withdrawn, void** state,
+                             size_t* n) {
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(withdrawn, "withdrawn")) ||
+                  (rc = Check(state, "state")) || (rc = Check(n, "n"))) {
     return rc;
   }
-  auto v = client->store->DecideJoin(client->job, epoch, joined, why);
+  auto v = client->store->WithdrawTicket(client->job, ticket);
   if (!v.ok()) return Fail(v.status());
-  *value = std::malloc(v->second.empty() ? 1 : v->second.size());
-  if (*value == nullptr) return Fail(absl::ResourceExhaustedError("out of memory"));
-  std::memcpy(*value, v->second.data(), v->second.size());
-  *n = v->second.size();
-  *decided = v->first ? 1 : 0;
-  return 0;
+  *withdrawn = v->withdrawn() ? 1 : 0;
+  return CopyOut(v->state(), state, n);
+}
+
+int gs_store_admit_joiners(gs_client* client, int epoch, int min_world_size, int min_joined,
+                           int* decided, void** decision, size_t* n) {
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(decided, "decided")) ||
+                  (rc = Check(decision, "decision")) || (rc = Check(n, "n"))) {
+    return rc;
+  }
+  auto v = client->store->AdmitJoiners(client->job, epoch, min_world_size, min_joined);
+  if (!v.ok()) return Fail(v.status());
+  *decided = v->decided() ? 1 : 0;
+  return CopyOut(v->decision(), decision, n);
 }
 
 void gs_free(void* p) { std::free(p); }

@@ -188,12 +188,18 @@ int gs_store_get(gs_client* client, const char* key, int64_t timeout_ms, void** 
 int gs_store_compare_set(gs_client* client, const char* key, const void* expected,
                          size_t expected_n, const void* desired, size_t desired_n, int* swapped,
                          void** value, size_t* n);
-/* Elastic jobs: asks the daemons to record that epoch `epoch` (the client's job's epoch plus
- * one) admits `joined` ranks; the daemon checks the request and writes the record itself.
- * *decided: 1 if this call's record went in, 0 if another decision was there first; *value
- * (released with gs_free) and *n: the record now there. */
-int gs_store_decide_join(gs_client* client, int epoch, int joined, const char* why, int* decided,
-                         void** value, size_t* n);
+/* Elastic jobs' joins; the daemon checks each request and writes every record itself.
+ * A joining node takes a ticket in the job's home (the client's job: epoch 0's id) for its
+ * `ranks` ranks; its admission appears at "_gradsync_elastic/admit/<ticket>". It may withdraw
+ * it: *withdrawn 1 if this call did, else *state (gs_free) says why ("claimed": an admission is
+ * under way). Rank 0 admits the waiting tickets at a commit (the client's job: the current
+ * epoch's id; `epoch` the next), none unless they bring `min_joined` ranks: *decided 1 when
+ * the epoch has a decision now, *decision (gs_free) the record. */
+int gs_store_take_ticket(gs_client* client, int ranks, int64_t* ticket);
+int gs_store_withdraw_ticket(gs_client* client, int64_t ticket, int* withdrawn, void** state,
+                             size_t* n);
+int gs_store_admit_joiners(gs_client* client, int epoch, int min_world_size, int min_joined,
+                           int* decided, void** decision, size_t* n);
 void gs_free(void* p);
 
 /* Pack plans, as the JSON of gradsync.v1.PackList (proto field names, enums by name). */

@@ -3,6 +3,7 @@
 // Which keys of a job's store belong to whom: the one rule the Store service applies to every
 // generic call, and the prefixes the daemons build their own keys under.
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -19,15 +20,23 @@ inline constexpr absl::string_view kRecordLinksKeyPrefix = "records/";
 inline constexpr absl::string_view kPeerWatchKeyPrefix = "watch/";
 inline constexpr absl::string_view kNcclKeyPrefix = "nccl/";
 
-/// Where the daemons of an elastic job record its next membership, in the epoch's namespace.
-/// Trainers read it; only daemons write it (a join through the typed call DecideJoin).
+/// An elastic job's membership records, all under kElasticKeyPrefix: trainers read them, only
+/// daemons write them (joins through the typed calls TakeTicket, WithdrawTicket, AdmitJoiners).
+/// In the epoch's namespace, its next membership; in the job's home (epoch 0's namespace), the
+/// joining nodes' tickets taken and handled, each ticket ("ranks=K", "claimed", "withdrawn")
+/// and each admitted ticket's place ("epoch=E world=W rank=R min=M").
+inline constexpr absl::string_view kElasticKeyPrefix = "_gradsync_elastic/";
 inline constexpr absl::string_view kElasticDecisionKey = "_gradsync_elastic/decision";
+inline constexpr absl::string_view kElasticTicketsKey = "_gradsync_elastic/tickets";
+inline constexpr absl::string_view kElasticHandledKey = "_gradsync_elastic/handled";
+std::string ElasticTicketKey(int64_t ticket);
+std::string ElasticAdmitKey(int64_t ticket);
 
 /// What the generic Store calls (Get, Wait, Set, Add, CompareSet, Delete, List) may do with a key.
 enum class KeyClass {
   kClient,         // a client's own key-values: read and written by any caller of the job
   kTyped,          // "_gradsync/" (pack plans): read by anyone, written only by typed calls
-  kDaemonWritten,  // the membership decision: read by anyone, written by daemons only
+  kDaemonWritten,  // membership records: read by anyone, written by daemons only
   kDaemonOnly,     // the daemons' own keys (above): read and written by daemons only
 };
 

@@ -25,6 +25,11 @@ ABSL_FLAG(std::string, socket, "/run/gradsync/gradsyncd.sock",
 ABSL_FLAG(std::string, socket_mode, "0660", "Octal file mode of the unix socket");
 ABSL_FLAG(int, max_local_connections, 4096,
           "Most connections to the unix socket at once; more are closed as they come");
+ABSL_FLAG(int, max_tcp_connections, 1024,
+          "Most connections to the TCP port at once, authenticated or not; more are closed as "
+          "they come");
+ABSL_FLAG(int, max_tcp_connections_per_source, 64,
+          "Most connections to the TCP port one remote address may hold at once");
 ABSL_FLAG(int, max_local_connections_per_user, 512,
           "Most connections to the unix socket one user (uid) may hold at once; root and the "
           "daemon's own user count only against --max_local_connections");
@@ -214,9 +219,13 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.socket_mode = static_cast<int>(parsed);
   c.max_local_connections = absl::GetFlag(FLAGS_max_local_connections);
   c.max_local_connections_per_user = absl::GetFlag(FLAGS_max_local_connections_per_user);
-  if (c.max_local_connections < 1 || c.max_local_connections_per_user < 1) {
+  c.max_tcp_connections = absl::GetFlag(FLAGS_max_tcp_connections);
+  c.max_tcp_connections_per_source = absl::GetFlag(FLAGS_max_tcp_connections_per_source);
+  if (c.max_local_connections < 1 || c.max_local_connections_per_user < 1 ||
+      c.max_tcp_connections < 1 || c.max_tcp_connections_per_source < 1) {
     return absl::InvalidArgumentError(
-        "--max_local_connections and --max_local_connections_per_user must be positive");
+        "--max_local_connections, --max_local_connections_per_user, --max_tcp_connections and "
+        "--max_tcp_connections_per_source must be positive");
   }
   c.bind_address = absl::GetFlag(FLAGS_bind_address);
   c.advertise_address = absl::GetFlag(FLAGS_advertise_address);

@@ -37,14 +37,17 @@ const std::vector<Section>& Sections() {
        {"socket", "socket_mode", "max_local_connections", "max_local_connections_per_user"}},
       {"Other daemons (jobs spanning nodes)",
        "Other daemons of a job reach this node's store and inspection over TCP, and so do the "
-       "trainers of a job spanning nodes for its root's store (with the token); trainer "
-       "sessions are served on the unix socket only. TCP is off by default. To turn "
+       "trainers of a job spanning nodes for its root's store (with the client credential "
+       "their own daemon hands them); trainer sessions are served on the unix socket only. TCP "
+       "is off by default. To turn "
        "it on set --port (7451 is customary) and --token_file, without which the daemon refuses "
        "to start. Set --bind_address to the cluster network's interface (never 0.0.0.0 by "
        "accident); with a wildcard bind, --advertise_address names the address other daemons "
        "dial. The data links between daemons listen on the advertised address, on ephemeral "
-       "ports.",
-       {"bind_address", "advertise_address", "port", "token_file"}},
+       "ports. Connections to the TCP port past the limits (in all, per remote address) are "
+       "closed as they come.",
+       {"bind_address", "advertise_address", "port", "token_file", "max_tcp_connections",
+        "max_tcp_connections_per_source"}},
       {"Mutual TLS",
        "Optional; all three or none. This node's certificate must name the address other "
        "daemons dial (--advertise_address, else --bind_address) in its subjectAltName; the key "

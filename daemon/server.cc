@@ -206,20 +206,20 @@ absl::Status DaemonServer::Start() {
   if (!config_.unix_socket.empty()) {
     if (absl::Status s = PrepareSocketPath(); !s.ok()) return s;
     // Accepted here, not by gRPC: each connection's uid is recorded for the calls on it.
-    auto listener = rpc::LocalListener::Listen(
-        config_.unix_socket, config_.socket_mode, &local_peers_,
-        [this](const absl::Status& s) {
-          {
-            absl::MutexLock lock(&health_mu_);
-            accept_trouble_ = s;
-          }
-          RefreshHealth();
-        },
-        rpc::LocalLimits{static_cast<size_t>(config_.max_local_connections),
-                         static_cast<size_t>(config_.max_local_connections_per_user)});
+    auto listener =
+        rpc::Listener::Unix(config_.unix_socket, config_.socket_mode, &local_peers_,
+                            {static_cast<size_t>(config_.max_local_connections),
+                             static_cast<size_t>(config_.max_local_connections_per_user)},
+                            [this](const absl::Status& s) {
+                              {
+                                absl::MutexLock lock(&health_mu_);
+                                accept_trouble_ = s;
+                              }
+                              RefreshHealth();
+                            });
     if (!listener.ok()) return listener.status();
-    local_listener_ = *std::move(listener);
-    socket_inode_ = local_listener_->inode();
+    unix_listener_ = *std::move(listener);
+    socket_inode_ = unix_listener_->inode();
     // No daemon serves the socket (checked above), so a channel file beside it is stale.
     auto channel = ipc::FdChannel::Listen(config_.unix_socket + ".fd", config_.socket_mode);
     if (!channel.ok()) return channel.status();
@@ -227,8 +227,19 @@ absl::Status DaemonServer::Start() {
     shm_importer_.set_fd_channel(fd_channel_.get());
   }
   if (config_.port >= 0) {
-    builder.AddListeningPort(absl::StrCat(config_.bind_address, ":", config_.port),
-                             TcpCredentials(config_), &tcp_port_);
+    // Accepted here too, each remote host held to its share of connections; gRPC speaks TLS
+    // (or not) on what it is handed.
+    auto listener =
+        rpc::Listener::Tcp(config_.bind_address, config_.port,
+                           {static_cast<size_t>(config_.max_tcp_connections),
+                            static_cast<size_t>(config_.max_tcp_connections_per_source)},
+                           nullptr);
+    if (!listener.ok()) return listener.status();
+    tcp_listener_ = *std::move(listener);
+    tcp_port_ = tcp_listener_->port();
+    tcp_acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
+        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+        TcpCredentials(config_));
   }
   server_ = builder.BuildAndStart();
   if (!server_ || (config_.port >= 0 && tcp_port_ <= 0)) {
@@ -238,7 +249,20 @@ absl::Status DaemonServer::Start() {
         config_.tls.has_value() ? " or --tls_cert, --tls_key and --tls_ca not a usable set?" : "",
         ")"));
   }
-  if (local_listener_) local_listener_->Serve(server_.get());
+  if (unix_listener_) {
+    unix_listener_->Serve([server = server_.get()](int fd, const rpc::Listener::Source&) {
+      grpc::AddInsecureChannelFromFd(server, fd);  // its calls' peer: "fd:<fd>" (LocalPeers)
+    });
+  }
+  if (tcp_listener_) {
+    tcp_listener_->Serve([acceptor = tcp_acceptor_.get(), listener = tcp_listener_->fd()](
+                             int fd, const rpc::Listener::Source&) {
+      grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;
+      p.listener_fd = listener;
+      p.fd = fd;
+      acceptor->HandleNewConnection(&p);
+    });
+  }
   if (config_.port >= 0) {
     const std::string node = absl::StrCat(config_.node_host(), ":", tcp_port_);
     {
@@ -310,7 +334,9 @@ void DaemonServer::Shutdown(absl::Duration grace) {
   if (!server_) return;
   BeginDrain();
   const absl::Time start = absl::Now();
-  if (local_listener_) local_listener_->Stop();  // no connection reaches a server going away
+  // No connection reaches a server going away.
+  if (unix_listener_) unix_listener_->Stop();
+  if (tcp_listener_) tcp_listener_->Stop();
   server_->Shutdown(absl::ToChronoTime(start + grace));
   server_->Wait();
   Log()->debug("grpc shutdown took={}", absl::FormatDuration(absl::Now() - start));

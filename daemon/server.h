@@ -84,7 +84,7 @@ class DaemonServer {
   // thread waits on etcd; null on the embedded store. After the store its tasks use, before the
   // service whose calls they finish.
   std::unique_ptr<WorkerPool> store_calls_;
-  // The uids of the unix socket's connections (LocalListener records them, PeerAuth reads them):
+  // The uids of the unix socket's connections (its Listener records them, PeerAuth reads them):
   // before the auth that points at it and the server whose calls look them up.
   rpc::LocalPeers local_peers_;
   rpc::PeerAuth auth_;
@@ -117,8 +117,10 @@ class DaemonServer {
   rpc::InspectService inspect_service_;
   rpc::HealthService health_service_;
   std::unique_ptr<grpc::Server> server_;
-  // Accepts the unix socket into server_: stopped before the server shuts down.
-  std::unique_ptr<rpc::LocalListener> local_listener_;
+  // Accept the unix socket and TCP into server_: stopped before the server shuts down.
+  std::unique_ptr<rpc::Listener> unix_listener_;
+  std::unique_ptr<rpc::Listener> tcp_listener_;
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> tcp_acceptor_;
   absl::Mutex health_mu_;
   bool serving_ ABSL_GUARDED_BY(health_mu_) = false;  // started, not draining
   bool gpu_broken_ ABSL_GUARDED_BY(health_mu_) = false;

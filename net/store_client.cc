@@ -354,19 +354,44 @@ absl::StatusOr<v1::PackList> StoreClient::GetPackList(absl::string_view job,
   return std::move(*resp.mutable_pack_list());
 }
 
-absl::StatusOr<std::pair<bool, std::string>> StoreClient::DecideJoin(absl::string_view job,
-                                                                     int epoch, int joined,
-                                                                     absl::string_view why) {
+absl::StatusOr<int64_t> StoreClient::TakeTicket(absl::string_view job, int ranks) {
   grpc::ClientContext ctx;
   Prepare(ctx);
-  v1::DecideJoinRequest req;
+  v1::TakeTicketRequest req;
+  req.set_job(std::string(job));
+  req.set_ranks(ranks);
+  v1::TakeTicketResponse resp;
+  if (absl::Status s = FromGrpcStatus(stub_->TakeTicket(&ctx, req, &resp)); !s.ok()) return s;
+  return resp.ticket();
+}
+
+absl::StatusOr<v1::WithdrawTicketResponse> StoreClient::WithdrawTicket(absl::string_view job,
+                                                                       int64_t ticket) {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::WithdrawTicketRequest req;
+  req.set_job(std::string(job));
+  req.set_ticket(ticket);
+  v1::WithdrawTicketResponse resp;
+  if (absl::Status s = FromGrpcStatus(stub_->WithdrawTicket(&ctx, req, &resp)); !s.ok()) {
+    return s;
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::AdmitJoinersResponse> StoreClient::AdmitJoiners(absl::string_view job, int epoch,
+                                                                   int min_world_size,
+                                                                   int min_joined) {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::AdmitJoinersRequest req;
   req.set_job(std::string(job));
   req.set_epoch(epoch);
-  req.set_joined(joined);
-  req.set_why(std::string(why));
-  v1::DecideJoinResponse resp;
-  if (absl::Status s = FromGrpcStatus(stub_->DecideJoin(&ctx, req, &resp)); !s.ok()) return s;
-  return std::make_pair(resp.decided(), std::move(*resp.mutable_decision()));
+  req.set_min_world_size(min_world_size);
+  req.set_min_joined(min_joined);
+  v1::AdmitJoinersResponse resp;
+  if (absl::Status s = FromGrpcStatus(stub_->AdmitJoiners(&ctx, req, &resp)); !s.ok()) return s;
+  return resp;
 }
 
 absl::StatusOr<std::string> StoreClient::ClientCredential() {

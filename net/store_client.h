@@ -82,11 +82,13 @@ class StoreClient final : public Store {
   absl::StatusOr<v1::PackList> GetPackList(absl::string_view job, absl::string_view group,
                                            absl::Time deadline);
 
-  /// An elastic job's join (Store.DecideJoin): the daemon checks and records the decision that
-  /// epoch `epoch` admits `joined` ranks; returns whether this call's record went in and the
-  /// record now there.
-  absl::StatusOr<std::pair<bool, std::string>> DecideJoin(absl::string_view job, int epoch,
-                                                          int joined, absl::string_view why);
+  /// An elastic job's joins (Store.TakeTicket, WithdrawTicket, AdmitJoiners; the daemon
+  /// checks and writes the records). `job` is the home namespace for tickets, the current
+  /// epoch's for admissions.
+  absl::StatusOr<int64_t> TakeTicket(absl::string_view job, int ranks);
+  absl::StatusOr<v1::WithdrawTicketResponse> WithdrawTicket(absl::string_view job, int64_t ticket);
+  absl::StatusOr<v1::AdmitJoinersResponse> AdmitJoiners(absl::string_view job, int epoch,
+                                                        int min_world_size, int min_joined);
 
   /// The credential the daemon at this (unix socket) target hands out for TCP calls to its
   /// cluster's daemons (Store.ClientCredential).

@@ -64,7 +64,7 @@ absl::Status PeerAuth::MayReach(const Who& who, absl::string_view job) const {
 }
 
 bool PeerAuth::IsLocal(const grpc::CallbackServerContext* ctx) {
-  // "fd:": a connection LocalListener accepted on the unix socket; "unix:": one gRPC did.
+  // "fd:": a connection the daemon's Listener accepted on the unix socket; "unix:": one gRPC did.
   return absl::StartsWith(ctx->peer(), "fd:") || absl::StartsWith(ctx->peer(), "unix:");
 }
 

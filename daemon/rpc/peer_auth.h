@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/token.h"
-#include "daemon/rpc/local_listener.h"
+#include "daemon/rpc/listener.h"
 #include "grpcpp/grpcpp.h"
 
 namespace gradsync::rpc {

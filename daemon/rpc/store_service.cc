@@ -41,7 +41,9 @@ absl::Status CheckAccess(Caller caller, absl::string_view key, bool write) {
       if (!write || caller == Caller::kDaemon) return absl::OkStatus();
       return absl::PermissionDeniedError(
           absl::StrCat("'", kElasticDecisionKey,
-                       "' is written by the daemons only; a join is recorded through DecideJoin"));
+                       "' and the membership records beside it are written by the daemons only; "
+                       "joins go through "
+                       "TakeTicket, WithdrawTicket and AdmitJoiners"));
     case KeyClass::kDaemonOnly:
       if (caller == Caller::kDaemon) return absl::OkStatus();
       return absl::PermissionDeniedError(absl::StrCat(
@@ -497,18 +499,48 @@ grpc::ServerUnaryReactor* StoreService::ClientCredential(grpc::CallbackServerCon
   return Reply(ctx, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* StoreService::DecideJoin(grpc::CallbackServerContext* ctx,
-                                                   const v1::DecideJoinRequest* req,
-                                                   v1::DecideJoinResponse* resp) {
+grpc::ServerUnaryReactor* StoreService::TakeTicket(grpc::CallbackServerContext* ctx,
+                                                   const v1::TakeTicketRequest* req,
+                                                   v1::TakeTicketResponse* resp) {
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
+  return Run(ctx, [this, req, resp]() -> absl::Status {
+    GRADSYNC_ASSIGN_OR_RETURN(int64_t ticket, core::TakeTicket(*store_, req->job(), req->ranks()));
+    resp->set_ticket(ticket);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* StoreService::WithdrawTicket(grpc::CallbackServerContext* ctx,
+                                                       const v1::WithdrawTicketRequest* req,
+                                                       v1::WithdrawTicketResponse* resp) {
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
+  return Run(ctx, [this, req, resp]() -> absl::Status {
+    GRADSYNC_ASSIGN_OR_RETURN(core::Withdrawal w,
+                              core::WithdrawTicket(*store_, req->job(), req->ticket()));
+    resp->set_withdrawn(w.withdrawn);
+    resp->set_state(std::move(w.state));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* StoreService::AdmitJoiners(grpc::CallbackServerContext* ctx,
+                                                     const v1::AdmitJoinersRequest* req,
+                                                     v1::AdmitJoinersResponse* resp) {
   const absl::StatusOr<Who> caller = auth_->Identify(ctx);
   if (!caller.ok()) return Reply(ctx, caller.status());
   if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
   return Run(ctx, [this, req, resp]() -> absl::Status {
     GRADSYNC_ASSIGN_OR_RETURN(
-        core::JoinDecision decision,
-        core::DecideJoin(*store_, req->job(), req->epoch(), req->joined(), req->why()));
-    resp->set_decided(decision.decided);
-    resp->set_decision(std::move(decision.record));
+        core::Admission a,
+        core::AdmitJoiners(*store_, req->job(), req->epoch(), req->min_world_size(),
+                           std::max(1, req->min_joined())));
+    resp->set_decided(a.decided);
+    resp->set_decision(std::move(a.decision));
+    resp->set_joined(a.joined);
     return absl::OkStatus();
   });
 }

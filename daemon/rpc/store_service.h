@@ -66,9 +66,15 @@ class StoreService final : public v1::Store::CallbackService {
   grpc::ServerUnaryReactor* ClientCredential(grpc::CallbackServerContext* ctx,
                                              const v1::ClientCredentialRequest* req,
                                              v1::ClientCredentialResponse* resp) override;
-  grpc::ServerUnaryReactor* DecideJoin(grpc::CallbackServerContext* ctx,
-                                       const v1::DecideJoinRequest* req,
-                                       v1::DecideJoinResponse* resp) override;
+  grpc::ServerUnaryReactor* TakeTicket(grpc::CallbackServerContext* ctx,
+                                       const v1::TakeTicketRequest* req,
+                                       v1::TakeTicketResponse* resp) override;
+  grpc::ServerUnaryReactor* WithdrawTicket(grpc::CallbackServerContext* ctx,
+                                           const v1::WithdrawTicketRequest* req,
+                                           v1::WithdrawTicketResponse* resp) override;
+  grpc::ServerUnaryReactor* AdmitJoiners(grpc::CallbackServerContext* ctx,
+                                         const v1::AdmitJoinersRequest* req,
+                                         v1::AdmitJoinersResponse* resp) override;
 
  private:
   class SessionReactor;

@@ -391,8 +391,8 @@ def test_a_replacement_node_joins_and_the_world_grows_back(tmp, monkeypatch, whe
 def test_an_extra_node_of_two_ranks_joins_a_running_job(tmp, monkeypatch):
     """Two nodes train; a third with two trainers joins (its ranks learn their ticket from their
     daemon): the world grows from 2 to 4 at one commit, the joiners taking ranks 2 and 3. Junk
-    in the job's home before it does not stop anyone: a ticket taken and never written (voided
-    by rank 0, no commit waits on it again) and one that is not a ticket (skipped)."""
+    a client tries to put in the job's home before (a ticket counter pushed ahead, a record that
+    is not a ticket) is refused: tickets are the daemons' to write."""
     ds = tcp_daemons(tmp, monkeypatch, 3)
     steps = 200
     ranks = launch(tmp, ds[:2], "elastic-extra", lambda r: [WORKER, str(steps), "0.05"],
@@ -403,20 +403,20 @@ def test_an_extra_node_of_two_ranks_joins_a_running_job(tmp, monkeypatch):
         for cmd in (["add", "_gradsync_elastic/tickets", "2"],
                     ["set", "_gradsync_elastic/ticket/2", "ranks=two"]):
             out = ds[0].ctl("--job=elastic-extra", "store", *cmd)
-            assert out.returncode == 0, out
+            assert out.returncode != 0 and "PERMISSION_DENIED" in out.stderr, out
         _wait_steps(ranks, 10)
         joiner = launch(tmp, [ds[2], ds[2]], "elastic-extra",
                         lambda r: [WORKER, str(steps), "0.05"], local=2, root=ds[0].tcp,
                         extra_env=JOIN_ENV)
         _wait_world(ranks, [0, 1], 4)
-        # The junk was voided or skipped, and the joiners' ticket (3) claimed.
+        # The joiners' ticket (the first: nothing else was taken) claimed, and their place.
         home = {}
-        for key in ("ticket/1", "ticket/2", "ticket/3", "handled"):
+        for key in ("ticket/1", "admit/1", "handled"):
             out = ds[0].ctl("--job=elastic-extra", "store", "get", "_gradsync_elastic/" + key)
             assert out.returncode == 0, out
             home[key] = out.stdout.strip()
-        assert home == {"ticket/1": "withdrawn", "ticket/2": "ranks=two",
-                        "ticket/3": "claimed", "handled": "3"}, home
+        assert home == {"ticket/1": "claimed", "admit/1": "epoch=1 world=4 rank=2 min=1",
+                        "handled": "1"}, home
         done = _finish(ranks, [0, 1], timeout_s=120)
         joined = _finish(joiner, [0, 1], timeout_s=60)
     finally:

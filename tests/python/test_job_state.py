@@ -119,7 +119,7 @@ def test_a_local_user_reads_and_writes_no_daemon_key_of_another_job(job_across_t
     refused(lambda: local.store_get("daemon/run", 0))
     refused(lambda: local.store_compare_set(record, None, b"x"))
     msg = refused(lambda: local.store_compare_set("_gradsync_elastic/decision", None, b"x"))
-    assert "DecideJoin" in msg
+    assert "AdmitJoiners" in msg
     # Nothing changed: the same keys, the same sizes.
     assert {k: root.ctl(f"--job={job}", "store", "list", k).stdout for k in keys} == before
     finish_unharmed(go, procs)
@@ -161,22 +161,25 @@ def test_a_trainer_credential_over_tcp_is_not_a_daemons_key(job_across_two_nodes
     finish_unharmed(go, procs)
 
 
-def test_a_join_decision_is_checked_and_written_by_the_daemon(job_across_two_nodes):
+def test_joins_are_checked_and_written_by_the_daemon(job_across_two_nodes):
+    """The fake joins of the report: tickets written by hand, a counter pushed ahead, a ticket of
+    a thousand ranks, an admission asked of a job that is not elastic; each refused."""
     ds, job, go, procs = job_across_two_nodes
     trainer = Client(ds[1].socket, job, 1, 0, 0, 1, root_address=ds[0].tcp, store_only=True)
+    refused(lambda: trainer.store_add("_gradsync_elastic/tickets", 1000000))
+    refused(lambda: trainer.store_set("_gradsync_elastic/ticket/1", b"ranks=1024"))
+    refused(lambda: trainer.store_set("_gradsync_elastic/admit/1", b"epoch=1 world=9 rank=2 min=1"))
+    with pytest.raises(Error) as e:
+        trainer.store_take_ticket(1025)
+    assert e.value.code == "INVALID_ARGUMENT", e.value
     with pytest.raises(Error) as e:  # the job is not elastic: no join, whatever the caller says
-        trainer.store_decide_join(1, 1, "one node joining")
+        trainer.store_admit_joiners(1, 1)
     assert e.value.code == "FAILED_PRECONDITION" and "not elastic" in str(e.value)
-    for epoch, joined, why, code in ((0, 1, "x", "INVALID_ARGUMENT"),
-                                     (2, 1, "x", "INVALID_ARGUMENT"),  # not this epoch's next
-                                     (1, 0, "x", "INVALID_ARGUMENT"),
-                                     (1, 1025, "x", "INVALID_ARGUMENT"),
-                                     (1, 1, "x" * 257, "INVALID_ARGUMENT"),
-                                     (1, 1, "line\nforged=1", "INVALID_ARGUMENT")):
+    for epoch, min_world, min_joined in ((0, 1, 1), (2, 1, 1), (1, 0, 1), (1, 1, 1025)):
         with pytest.raises(Error) as e:
-            trainer.store_decide_join(epoch, joined, why)
-        assert e.value.code == code, (epoch, joined, e.value)
-    with pytest.raises(Error) as e:  # nothing was written
+            trainer.store_admit_joiners(epoch, min_world, min_joined)
+        assert e.value.code == "INVALID_ARGUMENT", (epoch, min_world, min_joined, e.value)
+    with pytest.raises(Error) as e:  # nothing was decided
         trainer.store_get("_gradsync_elastic/decision", 0)
     assert e.value.code == "DEADLINE_EXCEEDED"
     finish_unharmed(go, procs)
@@ -396,13 +399,56 @@ def test_a_daemon_out_of_descriptors_says_so_and_recovers(tmp):
         subprocess.run(["/usr/bin/prlimit", f"--pid={pid}", "--nofile=160:"], check=True)
         held = hold_connections(d.socket, 200)  # the listen backlog takes what is not accepted
         assert until(2) == b"\x08\x02"  # NOT_SERVING
-        assert "cannot accept trainers on its unix socket" in open(d.log).read()
+        assert "cannot accept connections on its unix socket (trainers)" in open(d.log).read()
         for c in held:
             c.close()
         subprocess.run(["/usr/bin/prlimit", f"--pid={pid}", f"--nofile={soft}:"], check=True)
         assert until(1, then=lambda: d.ctl("health")) == b"\x08\x01"
-        assert "accepting trainers again" in open(d.log).read()
+        assert "unix socket: accepting connections again" in open(d.log).read()
         assert d.ctl("health").returncode == 0
     finally:
         channel.close()
+        d.stop()
+
+
+def test_one_remote_host_holding_tcp_connections_cannot_lock_others_out(tmp):
+    """Raw TCP connections, no token, from 127.0.0.1 past its share: the next one from there is
+    closed at once, one from 127.0.0.2 is served (the daemon speaks HTTP/2 first), and the
+    unix socket is unharmed; once they close, 127.0.0.1 is served again."""
+    from conftest import Daemon
+    d = Daemon(tmp, "node", tcp=True, flags=["--max_tcp_connections_per_source=8"])
+    host, port = d.tcp.rsplit(":", 1)
+
+    def connect(source):
+        s = socket.create_connection((host, int(port)), timeout=5,
+                                     source_address=(source, 0))
+        return s
+
+    def served(source):
+        """Whether a new connection from `source` is kept: the daemon sends its HTTP/2 settings
+        on one it keeps, and closes one it refuses (an empty read)."""
+        s = connect(source)
+        try:
+            s.settimeout(5)
+            return len(s.recv(64)) > 0
+        except ConnectionResetError:
+            return False
+        finally:
+            s.close()
+
+    try:
+        held = [connect("127.0.0.1") for _ in range(8)]
+        try:
+            assert not served("127.0.0.1")
+            assert served("127.0.0.2")
+            assert d.ctl("health").returncode == 0
+        finally:
+            for s in held:
+                s.close()
+        deadline = time.monotonic() + 10
+        while not served("127.0.0.1") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert served("127.0.0.1")
+        assert "tcp: connection of 127.0.0.1 refused" in open(d.log).read()
+    finally:
         d.stop()

@@ -189,7 +189,6 @@ class _Context:
         self.root_address = ""
         self.connect = {}  # init()'s connection arguments, for a reset to the next epoch
         self.membership_change = None
-        self.home = None  # rank 0 of an elastic job: a client of the job's home keys
         self.joined = False  # this session joined a running elastic job (init(join=True))
         self.rank = rank
         self.world_size = world_size
@@ -330,8 +329,6 @@ def shutdown():
     ctx, _context = _context, None
     if ctx is not None:
         ctx.client.close()  # waits in other threads return within _native.WAKE_S
-        if ctx.home is not None:
-            ctx.home.close()
         ctx.device.drop()   # the daemon dropped the CUDA registrations with the session
     for hook in list(_shutdown_hooks):
         hook()

@@ -107,7 +107,9 @@ def _load():
         "gs_store_get": ([P, cs, I64, pp, ctypes.POINTER(SZ)], I),
         "gs_store_compare_set": ([P, cs, ctypes.c_char_p, SZ, ctypes.c_char_p, SZ, ip, pp,
                                   ctypes.POINTER(SZ)], I),
-        "gs_store_decide_join": ([P, I, I, cs, ip, pp, ctypes.POINTER(SZ)], I),
+        "gs_store_take_ticket": ([P, I, i64p], I),
+        "gs_store_withdraw_ticket": ([P, I64, ip, pp, ctypes.POINTER(SZ)], I),
+        "gs_store_admit_joiners": ([P, I, I, I, ip, pp, ctypes.POINTER(SZ)], I),
         "gs_free": ([P], None),
         "gs_set_pack_list": ([P, cs, cs], I),
         "gs_get_pack_list": ([P, cs, I64, pp], I),
@@ -506,15 +508,35 @@ class Client:
         finally:
             _lib.gs_free(out)
 
-    def store_decide_join(self, epoch, joined, why):
-        """Elastic jobs: asks the daemons to record that epoch `epoch` admits `joined` ranks (the
-        daemon checks and writes the decision). Returns (decided, the decision now recorded):
-        decided is False when another decision was there first."""
-        decided, out, n = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t()
-        _check(self._call(_lib.gs_store_decide_join, int(epoch), int(joined), why.encode(),
-                          ctypes.byref(decided), ctypes.byref(out), ctypes.byref(n)))
+    def store_take_ticket(self, ranks):
+        """Elastic jobs: a ticket for a node of `ranks` ranks joining the job of this store
+        client (its home: epoch 0's id). The daemon writes it; returns its number."""
+        out = ctypes.c_int64()
+        _check(self._call(_lib.gs_store_take_ticket, int(ranks), ctypes.byref(out)))
+        return out.value
+
+    def store_withdraw_ticket(self, ticket):
+        """Withdraws a ticket unless an admission claimed it. Returns (withdrawn, its record
+        now: b"claimed" while an admission is under way)."""
+        done, out, n = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t()
+        _check(self._call(_lib.gs_store_withdraw_ticket, int(ticket), ctypes.byref(done),
+                          ctypes.byref(out), ctypes.byref(n)))
         try:
-            return bool(decided.value), ctypes.string_at(out, n.value)
+            return bool(done.value), ctypes.string_at(out, n.value)
+        finally:
+            _lib.gs_free(out)
+
+    def store_admit_joiners(self, epoch, min_world_size, min_joined=1):
+        """Rank 0 of an elastic job at a commit: the daemon admits the nodes waiting (none
+        unless they bring `min_joined` ranks) and records the decision that epoch `epoch` has
+        them. Returns (decided, the decision): decided when the epoch has a decision now (these
+        joins, or a loss recorded first)."""
+        done, out, n = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t()
+        _check(self._call(_lib.gs_store_admit_joiners, int(epoch), int(min_world_size),
+                          int(min_joined),
+                          ctypes.byref(done), ctypes.byref(out), ctypes.byref(n)))
+        try:
+            return bool(done.value), ctypes.string_at(out, n.value)
         finally:
             _lib.gs_free(out)
 

@@ -60,38 +60,22 @@ CHECK_S = 0.5
 # The most membership changes one run() call goes through before it gives up.
 MAX_RESETS = 64
 _DECISION_KEY = "_gradsync_elastic/decision"
-# The job's home keys (the namespace of its own id, which lives as long as the job): joining
-# nodes' tickets, each one's ranks ("ranks=K", "claimed" while rank 0 admits it, "withdrawn"),
-# how many tickets were handled, and each admitted ticket's place ("epoch=E world=W rank=R",
-# R the rank of the node's local rank 0).
-_TICKETS = "_gradsync_elastic/tickets"
-_HANDLED = "_gradsync_elastic/handled"
 # How long ranks below min_world_size wait for nodes to join (GRADSYNC_ELASTIC_TIMEOUT).
 ELASTIC_TIMEOUT_S = 600.0
-# The most tickets one commit() admits, the most ranks one node may bring, and how many
-# tickets a joining node takes before it gives up (each voided as too slow to be written).
-MAX_TICKETS_PER_COMMIT = 64
-MAX_JOIN_RANKS = 1024
+# How many times a joining node's ranks look for their admission before they give up, and how
+# long they wait for each other.
 MAX_TICKET_TRIES = 5
-# Tickets taken and not handled past which the oldest are skipped (a counter pushed ahead), and
-# how long a commit waits, in all, for tickets taken and not written yet.
-MAX_OUTSTANDING_TICKETS = 1024
-TICKET_WAIT_S = 0.2
-# The most ranks one commit admits (the daemons refuse a decision admitting more).
-MAX_JOIN_RANKS_PER_COMMIT = 1024
-# The daemons' largest world, and how long a joining node's ranks wait for each other.
-MAX_WORLD_SIZE = 1 << 16
 LOBBY_WAIT_S = 60.0
 # How long a joiner waits to be admitted (GRADSYNC_JOIN_TIMEOUT): until the job's next commit().
 JOIN_TIMEOUT_S = 300.0
 
 
-def _ticket_key(ticket):
-    return f"_gradsync_elastic/ticket/{ticket}"
-
-
 def _admit_key(ticket):
+    """Where the daemons write a joining node's place ("epoch=E world=W rank=R min=M", R the
+    rank of the node's local rank 0), in the job's home namespace."""
     return f"_gradsync_elastic/admit/{ticket}"
+
+
 # Codes an op fails with when a peer node is lost (the peer watch's word, a link that broke,
 # an aborted device group): only these make a trainer look for a decision.
 _LOSS_CODES = ("UNAVAILABLE", "ABORTED", "CANCELLED")
@@ -261,9 +245,14 @@ def _wait_for_joiners():
                  f"{timeout_s:g} s (GRADSYNC_ELASTIC_TIMEOUT)")
     if ctx.rank == 0:
         while True:
-            plan = _waiting_tickets(_home(ctx))
-            waiting = sum(_ticket_ranks(v) for _, v in plan)
-            if waiting >= need and _record_admission(ctx, plan):
+            try:
+                decided, _ = ctx.client.store_admit_joiners(ctx.epoch + 1, ctx.min_world_size,
+                                                            need)
+            except Error as e:
+                if e.code not in ("FAILED_PRECONDITION", "UNAVAILABLE"):
+                    raise
+                decided = False  # the epoch is still forming, or the store is away: again
+            if decided:
                 break
             if time.monotonic() >= deadline:
                 raise late
@@ -426,10 +415,11 @@ def _admit_joiners():
     decided, failure = 0, None
     if ctx.rank == 0:
         try:
-            plan = _waiting_tickets(_home(ctx))
-            decided = 1 if plan and _record_admission(ctx, plan) else 0
+            # The daemon admits the waiting nodes and records the decision (its one writer).
+            decided = 1 if ctx.client.store_admit_joiners(ctx.epoch + 1,
+                                                          ctx.min_world_size)[0] else 0
         except Error:
-            decided = 0  # the store failed: the joiners wait for a later commit
+            decided = 1 if _decided(ctx) else 0  # the store failed: the joiners wait
         except Exception as e:  # noqa: BLE001 - raised after the others are told
             failure = e
             decided = 1 if _decided(ctx) else 0
@@ -445,129 +435,12 @@ def _admit_joiners():
     raise _seen(ctx, raw)
 
 
-def _home(ctx):
-    """Rank 0's client of the job's home keys, opened once per session."""
-    if ctx.home is None:
-        from . import _open_store  # noqa: PLC0415
-        ctx.home = _open_store(ctx.base_job, ctx.connect)
-    return ctx.home
-
-
-def _waiting_tickets(home):
-    """[(ticket, "ranks=K")] of the joining nodes not handled yet, in ticket order. Waits at
-    most TICKET_WAIT_S in all, however many tickets were taken; past MAX_OUTSTANDING_TICKETS
-    taken and not handled (a counter pushed far ahead), the oldest are skipped."""
-    tickets = home.store_add(_TICKETS, 0)
-    handled = home.store_add(_HANDLED, 0)
-    if tickets - handled > MAX_OUTSTANDING_TICKETS:
-        skip = tickets - handled - MAX_OUTSTANDING_TICKETS
-        handled = home.store_add(_HANDLED, skip)
-    numbers = range(handled + 1, min(tickets, handled + MAX_TICKETS_PER_COMMIT) + 1)
-    values = {}
-    for attempt in range(2):  # now, and once more after a pause for the slow writers
-        for ticket in numbers:
-            if ticket in values:
-                continue
-            try:
-                values[ticket] = home.store_get(_ticket_key(ticket), 0)
-            except Error as e:
-                if e.code != "DEADLINE_EXCEEDED":
-                    raise
-        if attempt == 0 and len(values) < len(numbers):
-            time.sleep(TICKET_WAIT_S)
-    plan = []
-    for ticket in numbers:
-        if ticket not in values:
-            # Taken but not written (its node is slow, or gone): void it, so that no commit
-            # waits for it again; a node that writes it later finds it taken and takes another.
-            _, values[ticket] = home.store_compare_set(_ticket_key(ticket), None, b"withdrawn")
-        plan.append((ticket, values[ticket]))
-    return plan
-
-
-def _ticket_ranks(value):
-    """The ranks a ticket's value asks to admit: "ranks=K" with 1 <= K <= MAX_JOIN_RANKS, else
-    0 (withdrawn, claimed, or not a ticket)."""
-    if not value.startswith(b"ranks="):
-        return 0
-    try:
-        ranks = int(value[len(b"ranks="):])
-    except ValueError:
-        return 0
-    return ranks if 1 <= ranks <= MAX_JOIN_RANKS else 0
-
-
-def _record_admission(ctx, plan):
-    """Rank 0: claims the waiting tickets (in order, while the world stays within
-    MAX_WORLD_SIZE), records the decision that admits them and tells each its place. True when
-    the epoch has a decision now (this one, or a loss decided first); False when nothing was
-    left to admit."""
-    home = ctx.home
-    claimed = []  # (ticket, its value, ranks)
-    handled = 0   # tickets of `plan` dealt with (the rest wait for a later commit)
-    try:
-        for ticket, value in plan:
-            ranks = _ticket_ranks(value)
-            taken = sum(r for _, _, r in claimed)
-            if ranks and (ctx.world_size + taken + ranks > MAX_WORLD_SIZE
-                          or taken + ranks > MAX_JOIN_RANKS_PER_COMMIT):
-                break
-            handled += 1
-            if ranks == 0:
-                continue  # withdrawn (or not a ticket)
-            swapped, _ = home.store_compare_set(_ticket_key(ticket), value, b"claimed")
-            if swapped:
-                claimed.append((ticket, value, ranks))
-        joined = sum(ranks for _, _, ranks in claimed)
-        if joined == 0:
-            home.store_add(_HANDLED, handled)
-            return False
-        epoch, world = ctx.epoch + 1, ctx.world_size + joined
-        why = f"{len(claimed)} node(s) joining ({joined} rank(s))"
-        try:
-            # The daemon checks the request and writes the record (its one writer).
-            swapped, _ = ctx.client.store_decide_join(epoch, joined, why)
-        except Error:
-            # Applied or not? The key says (absent: not, and the claims are undone below).
-            now = _decided(ctx)
-            if now is None:
-                raise
-            mine = parse_decision(now.decode(errors="replace"))
-            swapped = (mine["epoch"] == epoch and mine["joined"] == joined
-                       and mine["world_size"] == world and mine["why"] == why)
-    except BaseException:
-        _unclaim(home, claimed)  # they wait for a later commit
-        raise
-    if not swapped:
-        # A loss was decided first: its change goes ahead, and these join at a later commit.
-        _unclaim(home, claimed)
-        return True
-    try:
-        rank = ctx.world_size
-        for ticket, _, ranks in claimed:
-            home.store_set(_admit_key(ticket), f"epoch={epoch} world={world} rank={rank} "
-                                               f"min={ctx.min_world_size}".encode())
-            rank += ranks
-        home.store_add(_HANDLED, handled)
-    except Error:
-        pass  # a joiner told nothing does not come: the epoch forms without its ranks
-    return True
-
-
 def _decided(ctx):
     """The decision recorded in this epoch's namespace, or None (none, or unreadable)."""
     try:
         return ctx.client.store_get(_DECISION_KEY, 0.5)
     except Error:
         return None
-
-
-def _unclaim(home, claimed):
-    for ticket, value, _ in claimed:
-        try:
-            home.store_compare_set(_ticket_key(ticket), b"claimed", value)
-        except Error:
-            pass  # its node withdraws, or the next epoch forms without it
 
 
 def _lobby_id(job, socket):
@@ -590,7 +463,6 @@ def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
     from . import _native, _open_store  # noqa: PLC0415
     if timeout_s is None:
         timeout_s = float(os.environ.get("GRADSYNC_JOIN_TIMEOUT") or JOIN_TIMEOUT_S)
-    ranks = f"ranks={local_world_size}".encode()
     home = _open_store(job, connect)
     lobby = None
     ticket = None
@@ -601,7 +473,7 @@ def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
                                    rpc_timeout_s=float(connect.get("rpc_timeout") or 0))
             lobby.barrier(timeout_s=LOBBY_WAIT_S).wait()  # every local rank has come
         if local_rank == 0:
-            ticket = _take_ticket(home, job, ranks)
+            ticket = home.store_take_ticket(local_world_size)
             if lobby is not None:
                 lobby.store_set("ticket", str(ticket).encode())
         else:
@@ -609,11 +481,11 @@ def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
         if lobby is not None:
             lobby.close()
             lobby = None
-        raw = _wait_admission(home, job, ticket, ranks, local_rank == 0, timeout_s)
+        raw = _wait_admission(home, job, ticket, local_rank == 0, timeout_s)
     except BaseException:
         if local_rank == 0 and ticket is not None:  # not admitted: nobody waits for it
             try:
-                home.store_compare_set(_ticket_key(ticket), ranks, b"withdrawn")
+                home.store_withdraw_ticket(ticket)
             except Error:
                 pass
         raise
@@ -629,18 +501,7 @@ def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
         raise Error("INTERNAL", f"elastic job {job}: unreadable admission {raw!r}") from None
 
 
-def _take_ticket(home, job, ranks):
-    for _ in range(MAX_TICKET_TRIES):
-        ticket = home.store_add(_TICKETS, 1)
-        # Written only if rank 0 has not voided it as too slow to come: else another.
-        written, _ = home.store_compare_set(_ticket_key(ticket), None, ranks)
-        if written:
-            return ticket
-    raise Error("UNAVAILABLE", f"elastic job {job}: no join ticket written in "
-                               f"{MAX_TICKET_TRIES} tries (the store is too slow)")
-
-
-def _wait_admission(home, job, ticket, ranks, withdraws, timeout_s):
+def _wait_admission(home, job, ticket, withdraws, timeout_s):
     """The admission of `ticket`, waited for at most timeout_s; then the node's local rank 0
     (`withdraws`) withdraws it, unless rank 0 of the job claimed it meanwhile (then its answer
     comes at once, or the claim is undone and it withdraws)."""
@@ -655,8 +516,8 @@ def _wait_admission(home, job, ticket, ranks, withdraws, timeout_s):
             if e.code != "DEADLINE_EXCEEDED":
                 raise
         if withdraws:
-            withdrawn, value = home.store_compare_set(_ticket_key(ticket), ranks, b"withdrawn")
-            if withdrawn or value != b"claimed":
+            withdrawn, state = home.store_withdraw_ticket(ticket)
+            if withdrawn or state != b"claimed":
                 raise late
         wait = DECISION_WAIT_S  # claimed: being admitted (or the claim undone) now
     raise late

@@ -1,0 +1,265 @@
+// Implementation of listener.h: the accept loop with its limits, the unix socket with its
+// callers' credentials, and the TCP socket.
+
+#include "daemon/rpc/listener.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "common/logging.h"
+
+namespace gradsync::rpc {
+namespace {
+
+auto Log() { return logging::Logger("rpc"); }
+
+constexpr absl::string_view kFdPeerPrefix = "fd:";
+
+// The inode of the socket at `fd`, or 0 when `fd` is not an open socket.
+ino_t SocketInode(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return 0;
+  return st.st_ino;
+}
+
+bool OutOfResources(int err) {
+  return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM;
+}
+
+std::string Errno(absl::string_view what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
+
+}  // namespace
+
+void LocalPeers::Add(int fd, LocalPeer peer) {
+  const ino_t inode = SocketInode(fd);
+  absl::MutexLock lock(&mu_);
+  by_fd_[fd] = {inode, peer};
+}
+
+std::optional<LocalPeer> LocalPeers::Find(absl::string_view grpc_peer) const {
+  int fd = -1;
+  if (!absl::ConsumePrefix(&grpc_peer, kFdPeerPrefix) || !absl::SimpleAtoi(grpc_peer, &fd)) {
+    return std::nullopt;
+  }
+  const ino_t inode = SocketInode(fd);
+  absl::MutexLock lock(&mu_);
+  auto it = by_fd_.find(fd);
+  if (it == by_fd_.end() || inode == 0 || it->second.first != inode) return std::nullopt;
+  return it->second.second;
+}
+
+Listener::Listener(int fd, std::string name, ListenerLimits limits, Classify classify,
+                   Trouble trouble)
+    : fd_(fd),
+      name_(std::move(name)),
+      limits_(limits),
+      classify_(std::move(classify)),
+      on_trouble_(std::move(trouble)) {
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  inode_ = SocketInode(fd);
+}
+
+absl::StatusOr<std::unique_ptr<Listener>> Listener::Unix(const std::string& path, mode_t mode,
+                                                         LocalPeers* peers, ListenerLimits limits,
+                                                         Trouble on_trouble) {
+  sockaddr_un addr{};
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("socket path '", path, "' is too long"));
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::InternalError(Errno("socket"));
+  // The umask keeps the socket from ever being wider than `mode`, which is set right after.
+  const mode_t old_umask = ::umask(0777 & ~mode);
+  const int bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  ::umask(old_umask);
+  if (bound != 0 || ::chmod(path.c_str(), mode) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    const std::string why = Errno(absl::StrCat("cannot listen on ", path));
+    ::close(fd);
+    return absl::UnavailableError(why);
+  }
+  const uint32_t operator_uid = static_cast<uint32_t>(::geteuid());
+  auto classify = [peers, operator_uid](int conn) -> absl::StatusOr<Source> {
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      return absl::InternalError(Errno("SO_PEERCRED"));
+    }
+    peers->Add(conn, {cred.uid, cred.gid, cred.pid});  // before gRPC can run a call of it
+    return Source{absl::StrCat("uid ", cred.uid), absl::StrCat("uid=", cred.uid, " pid=", cred.pid),
+                  cred.uid == 0 || cred.uid == operator_uid};
+  };
+  return std::unique_ptr<Listener>(
+      new Listener(fd, "unix socket", limits, std::move(classify), std::move(on_trouble)));
+}
+
+absl::StatusOr<std::unique_ptr<Listener>> Listener::Tcp(const std::string& address, int port,
+                                                        ListenerLimits limits, Trouble on_trouble) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (int rc = ::getaddrinfo(address.c_str(), service.c_str(), &hints, &found); rc != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot resolve --bind_address ", address, ": ", ::gai_strerror(rc)));
+  }
+  std::string why = "no address";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) {
+      why = Errno("socket");
+      continue;
+    }
+    const int one = 1;
+    (void)::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_storage bound{};
+    socklen_t len = sizeof(bound);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, SOMAXCONN) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) != 0) {
+      why = Errno("bind");
+      ::close(fd);
+      continue;
+    }
+    ::freeaddrinfo(found);
+    auto classify = [](int conn) -> absl::StatusOr<Source> {
+      sockaddr_storage peer{};
+      socklen_t n = sizeof(peer);
+      if (::getpeername(conn, reinterpret_cast<sockaddr*>(&peer), &n) != 0) {
+        return absl::InternalError(Errno("getpeername"));
+      }
+      char host[NI_MAXHOST] = "";
+      if (::getnameinfo(reinterpret_cast<sockaddr*>(&peer), n, host, sizeof(host), nullptr, 0,
+                        NI_NUMERICHOST) != 0) {
+        return absl::InternalError("getnameinfo failed");
+      }
+      return Source{host, host, false};
+    };
+    auto listener = std::unique_ptr<Listener>(
+        new Listener(fd, "tcp", limits, std::move(classify), std::move(on_trouble)));
+    listener->port_ =
+        ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                          : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    return listener;
+  }
+  ::freeaddrinfo(found);
+  return absl::UnavailableError(absl::StrCat("cannot listen on ", address, ":", port, ": ", why));
+}
+
+Listener::~Listener() {
+  Stop();
+  ::close(fd_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  if (spare_fd_ >= 0) ::close(spare_fd_);
+}
+
+bool Listener::Admit(const Source& source) {
+  size_t mine = 0;
+  for (auto it = open_.begin(); it != open_.end();) {
+    auto next = std::next(it);
+    if (SocketInode(it->first) != it->second.first) {
+      open_.erase(it);  // gRPC closed it
+    } else if (it->second.second == source.key) {
+      ++mine;
+    }
+    it = next;
+  }
+  if (open_.size() < limits_.max_connections &&
+      (source.privileged || mine < limits_.max_per_source)) {
+    refused_ = 0;
+    return true;
+  }
+  if (refused_++ == 0) {
+    Log()->warn(
+        "{}: connection of {} refused: {} open ({} of that source); the limits are {} "
+        "and {} per source",
+        name_, source.label, open_.size(), mine, limits_.max_connections, limits_.max_per_source);
+  }
+  return false;
+}
+
+void Listener::Serve(Hand hand) {
+  hand_ = std::move(hand);
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Listener::Stop() {
+  if (stopped_.exchange(true)) return;
+  const uint64_t one = 1;
+  (void)!::write(wake_fd_, &one, sizeof(one));
+  if (thread_.joinable()) thread_.join();
+}
+
+void Listener::Loop() {
+  bool troubled = false;
+  while (!stopped_.load()) {
+    pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0 && errno != EINTR) {
+      Log()->error("{}: poll failed: {}", name_, std::strerror(errno));
+      return;
+    }
+    if (stopped_.load() || (fds[1].revents & POLLIN) != 0) return;
+    for (;;) {  // every connection waiting
+      const int conn = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (conn < 0) {
+        if (errno == EINTR) continue;
+        if (OutOfResources(errno)) {
+          const absl::Status why = absl::ResourceExhaustedError(absl::StrCat(
+              "the daemon cannot accept connections on its ", name_,
+              name_ == "unix socket" ? " (trainers)" : "", ": ", std::strerror(errno)));
+          if (!troubled) {
+            Log()->error("{}", why.ToString());
+            if (on_trouble_) on_trouble_(why);
+            troubled = true;
+          }
+          if (spare_fd_ >= 0) {  // shed the connection waiting: its client sees it closed
+            ::close(spare_fd_);
+            const int shed = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+            if (shed >= 0) ::close(shed);
+            spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+          }
+          ::usleep(100 * 1000);
+        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED) {
+          Log()->warn("{}: accept failed: {}", name_, std::strerror(errno));
+        }
+        break;
+      }
+      if (troubled) {
+        Log()->info("{}: accepting connections again", name_);
+        if (on_trouble_) on_trouble_(absl::OkStatus());
+        troubled = false;
+      }
+      absl::StatusOr<Source> source = classify_(conn);
+      if (!source.ok()) {
+        Log()->warn("{}: {}", name_, source.status().ToString());
+        ::close(conn);
+        continue;
+      }
+      if (!Admit(*source)) {
+        ::close(conn);
+        continue;
+      }
+      open_[conn] = {SocketInode(conn), source->key};
+      hand_(conn, *source);  // gRPC owns `conn` now
+    }
+  }
+}
+
+}  // namespace gradsync::rpc
