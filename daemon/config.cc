@@ -30,6 +30,9 @@ ABSL_FLAG(int, max_tcp_connections, 1024,
           "they come");
 ABSL_FLAG(int, max_tcp_connections_per_source, 64,
           "Most connections to the TCP port one remote address may hold at once");
+ABSL_FLAG(absl::Duration, tcp_first_call_deadline, absl::Seconds(10),
+          "A TCP connection that has made no call with the token or the client credential this "
+          "long after it was accepted is cut (health and reflection calls do not count)");
 ABSL_FLAG(int, max_local_connections_per_user, 512,
           "Most connections to the unix socket one user (uid) may hold at once; root and the "
           "daemon's own user count only against --max_local_connections");
@@ -221,6 +224,10 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.max_local_connections_per_user = absl::GetFlag(FLAGS_max_local_connections_per_user);
   c.max_tcp_connections = absl::GetFlag(FLAGS_max_tcp_connections);
   c.max_tcp_connections_per_source = absl::GetFlag(FLAGS_max_tcp_connections_per_source);
+  c.tcp_first_call_deadline = absl::GetFlag(FLAGS_tcp_first_call_deadline);
+  if (c.tcp_first_call_deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--tcp_first_call_deadline must be positive");
+  }
   if (c.max_local_connections < 1 || c.max_local_connections_per_user < 1 ||
       c.max_tcp_connections < 1 || c.max_tcp_connections_per_source < 1) {
     return absl::InvalidArgumentError(

@@ -24,6 +24,7 @@ struct DaemonConfig {
   int max_local_connections_per_user = 512;  // and per uid (root and the daemon's uid: in all)
   int max_tcp_connections = 1024;            // connections to the TCP port, in all
   int max_tcp_connections_per_source = 64;   // and per remote address
+  absl::Duration tcp_first_call_deadline = absl::Seconds(10);  // else the connection is cut
   std::string bind_address = "127.0.0.1";
   std::string advertise_address;  // host other daemons use; empty: bind_address
   // -1: no TCP listener; 0: a free port, reported in STATUS= and the log. TCP serves other

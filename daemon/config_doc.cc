@@ -45,9 +45,9 @@ const std::vector<Section>& Sections() {
        "accident); with a wildcard bind, --advertise_address names the address other daemons "
        "dial. The data links between daemons listen on the advertised address, on ephemeral "
        "ports. Connections to the TCP port past the limits (in all, per remote address) are "
-       "closed as they come.",
+       "closed as they come, and one that makes no authenticated call in time is cut.",
        {"bind_address", "advertise_address", "port", "token_file", "max_tcp_connections",
-        "max_tcp_connections_per_source"}},
+        "max_tcp_connections_per_source", "tcp_first_call_deadline"}},
       {"Mutual TLS",
        "Optional; all three or none. This node's certificate must name the address other "
        "daemons dial (--advertise_address, else --bind_address) in its subjectAltName; the key "

@@ -129,6 +129,7 @@ DaemonServer::DaemonServer(DaemonConfig config)
       health_service_(ServiceNames()) {
   engine_.SetPeerWatch(&peer_watch_);  // before any session can form a job
   auth_.SetLocalPeers(&local_peers_);
+  auth_.SetTcpPeers(&tcp_peers_);
   auth_.SetJobHolders([this](absl::string_view job) { return engine_.HolderUids(job); });
   if (auto* memory = dynamic_cast<store::MemoryStore*>(store_.get())) {
     memory->SetHolder([this](absl::string_view job) { return engine_.HoldsNamespace(job); });
@@ -229,11 +230,11 @@ absl::Status DaemonServer::Start() {
   if (config_.port >= 0) {
     // Accepted here too, each remote host held to its share of connections; gRPC speaks TLS
     // (or not) on what it is handed.
-    auto listener =
-        rpc::Listener::Tcp(config_.bind_address, config_.port,
-                           {static_cast<size_t>(config_.max_tcp_connections),
-                            static_cast<size_t>(config_.max_tcp_connections_per_source)},
-                           nullptr);
+    auto listener = rpc::Listener::Tcp(config_.bind_address, config_.port,
+                                       {static_cast<size_t>(config_.max_tcp_connections),
+                                        static_cast<size_t>(config_.max_tcp_connections_per_source),
+                                        &tcp_peers_, config_.tcp_first_call_deadline},
+                                       nullptr);
     if (!listener.ok()) return listener.status();
     tcp_listener_ = *std::move(listener);
     tcp_port_ = tcp_listener_->port();

@@ -87,6 +87,7 @@ class DaemonServer {
   // The uids of the unix socket's connections (its Listener records them, PeerAuth reads them):
   // before the auth that points at it and the server whose calls look them up.
   rpc::LocalPeers local_peers_;
+  rpc::TcpPeers tcp_peers_;  // TCP connections that made an authenticated call
   rpc::PeerAuth auth_;
   // Trainers hand their memory over it (beside the unix socket); after the importer that
   // redeems its tokens in destruction order, and stopped in Shutdown.

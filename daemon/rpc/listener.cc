@@ -19,6 +19,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "common/logging.h"
 
@@ -62,6 +63,32 @@ std::optional<LocalPeer> LocalPeers::Find(absl::string_view grpc_peer) const {
   return it->second.second;
 }
 
+void TcpPeers::MarkAuthenticated(absl::string_view grpc_peer) {
+  std::string key = TcpPeerKey(grpc_peer);
+  if (key.empty()) return;
+  absl::MutexLock lock(&mu_);
+  authenticated_.insert(std::move(key));
+}
+
+bool TcpPeers::Authenticated(const std::string& key) const {
+  absl::MutexLock lock(&mu_);
+  return authenticated_.contains(key);
+}
+
+void TcpPeers::Forget(const std::string& key) {
+  absl::MutexLock lock(&mu_);
+  authenticated_.erase(key);
+}
+
+std::string TcpPeerKey(absl::string_view peer) {
+  if (!absl::ConsumePrefix(&peer, "ipv4:") && !absl::ConsumePrefix(&peer, "ipv6:")) return "";
+  const size_t colon = peer.rfind(':');
+  if (colon == absl::string_view::npos) return "";
+  std::string host(peer.substr(0, colon));
+  host = absl::StrReplaceAll(host, {{"%5B", ""}, {"%5D", ""}, {"%25", "%"}, {"[", ""}, {"]", ""}});
+  return absl::StrCat(host, "|", peer.substr(colon + 1));
+}
+
 Listener::Listener(int fd, std::string name, ListenerLimits limits, Classify classify,
                    Trouble trouble)
     : fd_(fd),
@@ -103,7 +130,7 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Unix(const std::string& path
     }
     peers->Add(conn, {cred.uid, cred.gid, cred.pid});  // before gRPC can run a call of it
     return Source{absl::StrCat("uid ", cred.uid), absl::StrCat("uid=", cred.uid, " pid=", cred.pid),
-                  cred.uid == 0 || cred.uid == operator_uid};
+                  cred.uid == 0 || cred.uid == operator_uid, ""};
   };
   return std::unique_ptr<Listener>(
       new Listener(fd, "unix socket", limits, std::move(classify), std::move(on_trouble)));
@@ -146,11 +173,12 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Tcp(const std::string& addre
         return absl::InternalError(Errno("getpeername"));
       }
       char host[NI_MAXHOST] = "";
-      if (::getnameinfo(reinterpret_cast<sockaddr*>(&peer), n, host, sizeof(host), nullptr, 0,
-                        NI_NUMERICHOST) != 0) {
+      char port[NI_MAXSERV] = "";
+      if (::getnameinfo(reinterpret_cast<sockaddr*>(&peer), n, host, sizeof(host), port,
+                        sizeof(port), NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
         return absl::InternalError("getnameinfo failed");
       }
-      return Source{host, host, false};
+      return Source{host, host, false, absl::StrCat(host, "|", port)};
     };
     auto listener = std::unique_ptr<Listener>(
         new Listener(fd, "tcp", limits, std::move(classify), std::move(on_trouble)));
@@ -170,17 +198,32 @@ Listener::~Listener() {
   if (spare_fd_ >= 0) ::close(spare_fd_);
 }
 
-bool Listener::Admit(const Source& source) {
-  size_t mine = 0;
+void Listener::Sweep() {
+  const absl::Time now = absl::Now();
   for (auto it = open_.begin(); it != open_.end();) {
     auto next = std::next(it);
-    if (SocketInode(it->first) != it->second.first) {
-      open_.erase(it);  // gRPC closed it
-    } else if (it->second.second == source.key) {
-      ++mine;
+    Open& c = it->second;
+    if (SocketInode(it->first) != c.inode) {  // gRPC closed it
+      if (limits_.tcp_peers != nullptr) limits_.tcp_peers->Forget(c.source.connection);
+      open_.erase(it);
+    } else if (limits_.tcp_peers != nullptr && !c.cut &&
+               now - c.accepted > limits_.first_call_deadline &&
+               !limits_.tcp_peers->Authenticated(c.source.connection)) {
+      // Still the socket it was (inode checked just above): cut it; gRPC sees the end and
+      // closes it, and the next sweep forgets it.
+      ::shutdown(it->first, SHUT_RDWR);
+      c.cut = true;
+      Log()->info("{}: connection of {} cut: no authenticated call within {}", name_,
+                  c.source.label, absl::FormatDuration(limits_.first_call_deadline));
     }
     it = next;
   }
+}
+
+bool Listener::Admit(const Source& source) {
+  Sweep();
+  size_t mine = 0;
+  for (const auto& [fd, c] : open_) mine += c.source.key == source.key ? 1 : 0;
   if (open_.size() < limits_.max_connections &&
       (source.privileged || mine < limits_.max_per_source)) {
     refused_ = 0;
@@ -211,11 +254,18 @@ void Listener::Loop() {
   bool troubled = false;
   while (!stopped_.load()) {
     pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0 && errno != EINTR) {
+    // With first-call deadlines, a look at the open connections twice a second.
+    const int timeout_ms = limits_.tcp_peers != nullptr ? 500 : -1;
+    const int ready = ::poll(fds, 2, timeout_ms);
+    if (ready < 0 && errno != EINTR) {
       Log()->error("{}: poll failed: {}", name_, std::strerror(errno));
       return;
     }
     if (stopped_.load() || (fds[1].revents & POLLIN) != 0) return;
+    if (ready <= 0) {
+      Sweep();
+      continue;
+    }
     for (;;) {  // every connection waiting
       const int conn = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (conn < 0) {
@@ -256,7 +306,7 @@ void Listener::Loop() {
         ::close(conn);
         continue;
       }
-      open_[conn] = {SocketInode(conn), source->key};
+      open_[conn] = Open{SocketInode(conn), *source, absl::Now()};
       hand_(conn, *source);  // gRPC owns `conn` now
     }
   }

@@ -17,10 +17,12 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 
 namespace gradsync::rpc {
@@ -50,11 +52,33 @@ class LocalPeers {
   absl::flat_hash_map<int, std::pair<ino_t, LocalPeer>> by_fd_ ABSL_GUARDED_BY(mu_);
 };
 
+/// The TCP connections that made an authenticated call (the token or the client credential),
+/// by remote address and port (TcpPeerKey): PeerAuth marks them, the TCP listener cuts the
+/// others at their deadline and forgets closed ones. Thread-safe; bounded by the connections.
+class TcpPeers {
+ public:
+  /// Marks the connection of a call whose ServerContext::peer() is `grpc_peer`.
+  void MarkAuthenticated(absl::string_view grpc_peer);
+  bool Authenticated(const std::string& key) const;
+  void Forget(const std::string& key);
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::flat_hash_set<std::string> authenticated_ ABSL_GUARDED_BY(mu_);
+};
+
+/// "address|port" of a gRPC peer string ("ipv4:10.0.0.1:5000", "ipv6:[::1]:5000", brackets
+/// percent-encoded or not); empty for any other.
+std::string TcpPeerKey(absl::string_view grpc_peer);
+
 /// How many connections a listener keeps open: in all, and per source (a uid, a remote
-/// address). A privileged source counts only against the total.
+/// address). A privileged source counts only against the total. With `tcp_peers`, a connection
+/// that has made no authenticated call `first_call_deadline` after it was accepted is cut.
 struct ListenerLimits {
   size_t max_connections = 4096;
   size_t max_per_source = 512;
+  TcpPeers* tcp_peers = nullptr;
+  absl::Duration first_call_deadline = absl::Seconds(10);
 };
 
 /// One listening socket whose connections the daemon accepts and hands to gRPC. One thread
@@ -71,6 +95,7 @@ class Listener {
     std::string key;
     std::string label;
     bool privileged = false;
+    std::string connection;  // TCP: the connection's TcpPeerKey
   };
   /// The source of the connection at `fd`; an error closes it.
   using Classify = std::function<absl::StatusOr<Source>(int fd)>;
@@ -115,8 +140,16 @@ class Listener {
   ino_t inode_ = 0;
   int port_ = -1;
   Hand hand_;
-  // The connections handed over, for the limits: the accepting thread's alone.
-  absl::flat_hash_map<int, std::pair<ino_t, std::string>> open_;
+  // Cuts the connections past their first-call deadline and forgets closed ones.
+  void Sweep();
+  // The connections handed over, for the limits and deadlines: the accepting thread's alone.
+  struct Open {
+    ino_t inode;
+    Source source;
+    absl::Time accepted;
+    bool cut = false;
+  };
+  absl::flat_hash_map<int, Open> open_;
   size_t refused_ = 0;  // connections over a limit since the last one admitted
   std::thread thread_;
   std::atomic<bool> stopped_{false};

@@ -36,9 +36,15 @@ absl::StatusOr<PeerAuth::Who> PeerAuth::Identify(const grpc::CallbackServerConte
     const absl::string_view value(it->second.data(), it->second.size());
     if (absl::StartsWith(value, kBearerPrefix)) {
       const absl::string_view presented = value.substr(sizeof(kBearerPrefix) - 1);
-      if (SameSecret(presented, token_)) return Who{Caller::kDaemon, std::nullopt};
-      if (!client_credential_.empty() && SameSecret(presented, client_credential_)) {
-        return Who{Caller::kClient, std::nullopt};
+      std::optional<Caller> caller;
+      if (SameSecret(presented, token_)) {
+        caller = Caller::kDaemon;
+      } else if (!client_credential_.empty() && SameSecret(presented, client_credential_)) {
+        caller = Caller::kClient;
+      }
+      if (caller.has_value()) {
+        if (tcp_peers_ != nullptr) tcp_peers_->MarkAuthenticated(ctx->peer());
+        return Who{*caller, std::nullopt};
       }
     }
   }

@@ -64,6 +64,9 @@ class PeerAuth {
   /// Where the unix socket's callers' uids come from, and which uids hold a job (the engine's
   /// sessions). Set before serving; without them MayReach lets every caller through.
   void SetLocalPeers(const LocalPeers* peers) { local_peers_ = peers; }
+  /// Where a TCP connection that made an authenticated call is marked (for its listener's
+  /// first-call deadline). Set before serving.
+  void SetTcpPeers(TcpPeers* peers) { tcp_peers_ = peers; }
   using Holders = std::function<absl::flat_hash_set<uint32_t>(absl::string_view job)>;
   void SetJobHolders(Holders holders) { holders_ = std::move(holders); }
   absl::Status Check(const grpc::CallbackServerContext* ctx) const {
@@ -88,6 +91,7 @@ class PeerAuth {
   const std::string client_credential_;
   const uint32_t operator_uid_;  // the daemon's own
   const LocalPeers* local_peers_ = nullptr;
+  TcpPeers* tcp_peers_ = nullptr;
   Holders holders_;
 };
 

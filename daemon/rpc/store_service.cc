@@ -223,6 +223,15 @@ absl::Status StoreService::CheckReads(const Who& who, absl::string_view job,
   return absl::OkStatus();
 }
 
+grpc::ServerUnaryReactor* StoreService::RunForJob(grpc::CallbackServerContext* ctx,
+                                                  absl::string_view job,
+                                                  std::function<absl::Status()> work) {
+  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
+  if (!caller.ok()) return Reply(ctx, caller.status());
+  if (absl::Status s = auth_->MayReach(*caller, job); !s.ok()) return Reply(ctx, s);
+  return Run(ctx, std::move(work));
+}
+
 grpc::ServerUnaryReactor* StoreService::Run(grpc::CallbackServerContext* ctx,
                                             std::function<absl::Status()> work) {
   if (offload_ == nullptr) return Reply(ctx, work());
@@ -453,10 +462,7 @@ grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* StoreService::SetPackList(grpc::CallbackServerContext* ctx,
                                                     const v1::SetPackListRequest* req,
                                                     v1::SetPackListResponse*) {
-  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
-  if (!caller.ok()) return Reply(ctx, caller.status());
-  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
-  return Run(ctx, [this, req] {
+  return RunForJob(ctx, req->job(), [this, req] {
     return PutPackList(*store_, req->job(), req->group(), req->pack_list());
   });
 }
@@ -502,10 +508,7 @@ grpc::ServerUnaryReactor* StoreService::ClientCredential(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* StoreService::TakeTicket(grpc::CallbackServerContext* ctx,
                                                    const v1::TakeTicketRequest* req,
                                                    v1::TakeTicketResponse* resp) {
-  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
-  if (!caller.ok()) return Reply(ctx, caller.status());
-  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
-  return Run(ctx, [this, req, resp]() -> absl::Status {
+  return RunForJob(ctx, req->job(), [this, req, resp]() -> absl::Status {
     GRADSYNC_ASSIGN_OR_RETURN(int64_t ticket, core::TakeTicket(*store_, req->job(), req->ranks()));
     resp->set_ticket(ticket);
     return absl::OkStatus();
@@ -515,10 +518,7 @@ grpc::ServerUnaryReactor* StoreService::TakeTicket(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* StoreService::WithdrawTicket(grpc::CallbackServerContext* ctx,
                                                        const v1::WithdrawTicketRequest* req,
                                                        v1::WithdrawTicketResponse* resp) {
-  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
-  if (!caller.ok()) return Reply(ctx, caller.status());
-  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
-  return Run(ctx, [this, req, resp]() -> absl::Status {
+  return RunForJob(ctx, req->job(), [this, req, resp]() -> absl::Status {
     GRADSYNC_ASSIGN_OR_RETURN(core::Withdrawal w,
                               core::WithdrawTicket(*store_, req->job(), req->ticket()));
     resp->set_withdrawn(w.withdrawn);
@@ -530,10 +530,7 @@ grpc::ServerUnaryReactor* StoreService::WithdrawTicket(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* StoreService::AdmitJoiners(grpc::CallbackServerContext* ctx,
                                                      const v1::AdmitJoinersRequest* req,
                                                      v1::AdmitJoinersResponse* resp) {
-  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
-  if (!caller.ok()) return Reply(ctx, caller.status());
-  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
-  return Run(ctx, [this, req, resp]() -> absl::Status {
+  return RunForJob(ctx, req->job(), [this, req, resp]() -> absl::Status {
     GRADSYNC_ASSIGN_OR_RETURN(
         core::Admission a,
         core::AdmitJoiners(*store_, req->job(), req->epoch(), req->min_world_size(),

@@ -83,6 +83,9 @@ class StoreService final : public v1::Store::CallbackService {
   // Finishes the call with what `work` returns: at once, or once it ran on offload_.
   grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
                                 std::function<absl::Status()> work);
+  // Run, for a caller that may reach job `job` (PeerAuth::MayReach); else its refusal.
+  grpc::ServerUnaryReactor* RunForJob(grpc::CallbackServerContext* ctx, absl::string_view job,
+                                      std::function<absl::Status()> work);
   // Runs `start` (which begins a store wait) inline, or on offload_.
   void Start(std::function<void()> start);
 

@@ -452,3 +452,32 @@ def test_one_remote_host_holding_tcp_connections_cannot_lock_others_out(tmp):
         assert "tcp: connection of 127.0.0.1 refused" in open(d.log).read()
     finally:
         d.stop()
+
+
+def test_a_tcp_connection_that_makes_no_authenticated_call_is_cut_in_time(tmp):
+    """A raw connection that never calls, and one that asks health only, are cut after
+    --tcp_first_call_deadline; a client that calls with its credential keeps its connection."""
+    from conftest import Daemon
+    d = Daemon(tmp, "node", tcp=True, flags=["--tcp_first_call_deadline=1s"])
+    host, port = d.tcp.rsplit(":", 1)
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=10)
+        raw.settimeout(10)
+        data, t0 = b"", time.monotonic()
+        while time.monotonic() - t0 < 10:
+            chunk = raw.recv(4096)  # the daemon's HTTP/2 settings, then the end
+            if not chunk:
+                break
+            data += chunk
+        assert data and time.monotonic() - t0 < 10, "the silent connection was not cut"
+        raw.close()
+        # A trainer elsewhere with the client credential, calling now and then past the
+        # deadline, on one connection.
+        trainer = Client(d.socket, "kept", 1, 0, 0, 1, root_address=d.tcp, store_only=True)
+        trainer.store_set("k", b"1")
+        time.sleep(2.5)
+        assert trainer.store_get("k", 1) == b"1"
+        log = open(d.log).read()
+        assert log.count("no authenticated call within 1s") == 1, log[-2000:]
+    finally:
+        d.stop()
