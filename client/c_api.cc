@@ -188,14 +188,16 @@ std::string RootOf(const gs_connect_options* options) {
   return options != nullptr && options->root_address != nullptr ? options->root_address : "";
 }
 
-// The job's store: the root daemon's, else the daemon at `target`. A client given no token
-// reaches a root daemon over TCP with the credential its own daemon (at `target`) hands out.
+// Job `job`'s store: the root daemon's, else the daemon at `target`. A client given no token
+// reaches a root daemon over TCP with the job's credential its own daemon (at `target`) hands
+// out.
 absl::StatusOr<std::unique_ptr<gradsync::client::StoreClient>> StoreOf(
-    const char* target, const std::string& root, gradsync::client::ClientOptions client_options) {
+    const char* target, const std::string& root, gradsync::client::ClientOptions client_options,
+    const char* job) {
   if (!root.empty() && client_options.token.empty()) {
     gradsync::client::StoreClient local(gradsync::client::Connect(target, client_options),
                                         client_options);
-    absl::StatusOr<std::string> credential = local.ClientCredential();
+    absl::StatusOr<std::string> credential = local.ClientCredential(job);
     if (!credential.ok()) {
       return absl::Status(
           credential.status().code(),
@@ -226,7 +228,7 @@ int gs_connect_ex(const char* target, const char* job, int world_size, int rank,
   if (!client_options.ok()) return Fail(client_options.status());
   auto client = gradsync::client::Client::Connect(target, placement, *client_options);
   if (!client.ok()) return Fail(client.status());
-  auto store = StoreOf(target, root, *client_options);
+  auto store = StoreOf(target, root, *client_options, job);
   if (!store.ok()) return Fail(store.status());
   *out = new gs_client{*std::move(client), *std::move(store), job};
   return 0;
@@ -240,7 +242,7 @@ int gs_store_connect(const char* target, const char* job, const gs_connect_optio
   if (absl::Status s = gradsync::CheckJobId(job); !s.ok()) return Fail(s);
   auto client_options = ClientOptionsOf(options);
   if (!client_options.ok()) return Fail(client_options.status());
-  auto store = StoreOf(target, RootOf(options), *client_options);
+  auto store = StoreOf(target, RootOf(options), *client_options, job);
   if (!store.ok()) return Fail(store.status());
   *out = new gs_client{nullptr, *std::move(store), job};
   return 0;

@@ -12,7 +12,10 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "common/job_id.h"
 
 namespace gradsync {
 
@@ -38,19 +41,51 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   return token;
 }
 
-std::string ClientCredentialOf(absl::string_view token) {
+std::string CredentialJob(absl::string_view job) {
+  const size_t dot = job.rfind(".e");
+  int epoch = 0;
+  if (dot != absl::string_view::npos && dot > 0 && absl::SimpleAtoi(job.substr(dot + 2), &epoch) &&
+      epoch > 0 && job.substr(dot + 2) == absl::StrCat(epoch)) {
+    return std::string(job.substr(0, dot));
+  }
+  return std::string(job);
+}
+
+std::string ClientCredentialOf(absl::string_view token, absl::string_view job) {
   if (token.empty()) return "";
-  static constexpr char kLabel[] = "gradsync client credential v1";
+  const std::string scope = CredentialJob(job);
+  const std::string label =
+      absl::StrCat("gradsync client credential v1", std::string(1, '\0'), scope);
   unsigned char mac[32];
   size_t len = 0;
   if (::EVP_Q_mac(nullptr, "HMAC", nullptr, "SHA256", nullptr, token.data(), token.size(),
-                  reinterpret_cast<const unsigned char*>(kLabel), sizeof(kLabel) - 1, mac,
+                  reinterpret_cast<const unsigned char*>(label.data()), label.size(), mac,
                   sizeof(mac), &len) == nullptr ||
       len != sizeof(mac)) {
     return "";  // OpenSSL failed: no credential, so no client is let in by one
   }
-  return absl::StrCat(kClientCredentialPrefix,
+  return absl::StrCat(kClientCredentialPrefix, scope, ".",
                       absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(mac), len)));
+}
+
+std::optional<std::string> VerifyClientCredential(absl::string_view token,
+                                                  absl::string_view credential) {
+  if (token.empty() || !absl::ConsumePrefix(&credential, kClientCredentialPrefix)) {
+    return std::nullopt;
+  }
+  const size_t dot = credential.rfind('.');
+  if (dot == absl::string_view::npos) return std::nullopt;
+  const absl::string_view job = credential.substr(0, dot);
+  if (!CheckJobId(job).ok() || CredentialJob(job) != job) return std::nullopt;
+  const std::string want = ClientCredentialOf(token, job);
+  // Compared without an early exit, so the time taken does not tell how much of a guess matched.
+  const std::string presented = absl::StrCat(kClientCredentialPrefix, credential);
+  unsigned char diff = presented.size() == want.size() ? 0 : 1;
+  for (size_t i = 0; i < presented.size(); ++i) {
+    diff |= static_cast<unsigned char>(presented[i] ^ (i < want.size() ? want[i] : 0));
+  }
+  if (diff != 0 || want.empty()) return std::nullopt;
+  return std::string(job);
 }
 
 }  // namespace gradsync

@@ -394,10 +394,11 @@ absl::StatusOr<v1::AdmitJoinersResponse> StoreClient::AdmitJoiners(absl::string_
   return resp;
 }
 
-absl::StatusOr<std::string> StoreClient::ClientCredential() {
+absl::StatusOr<std::string> StoreClient::ClientCredential(absl::string_view job) {
   grpc::ClientContext ctx;
   Prepare(ctx);
   v1::ClientCredentialRequest req;
+  req.set_job(std::string(job));
   v1::ClientCredentialResponse resp;
   if (absl::Status s = FromGrpcStatus(stub_->ClientCredential(&ctx, req, &resp)); !s.ok()) {
     return s;

@@ -90,9 +90,9 @@ class StoreClient final : public Store {
   absl::StatusOr<v1::AdmitJoinersResponse> AdmitJoiners(absl::string_view job, int epoch,
                                                         int min_world_size, int min_joined);
 
-  /// The credential the daemon at this (unix socket) target hands out for TCP calls to its
-  /// cluster's daemons (Store.ClientCredential).
-  absl::StatusOr<std::string> ClientCredential();
+  /// The credential for job `job` the daemon at this (unix socket) target hands out for TCP
+  /// calls to its cluster's daemons (Store.ClientCredential).
+  absl::StatusOr<std::string> ClientCredential(absl::string_view job);
 
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 

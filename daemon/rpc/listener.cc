@@ -98,7 +98,6 @@ Listener::Listener(int fd, std::string name, ListenerLimits limits, Classify cla
       on_trouble_(std::move(trouble)) {
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-  inode_ = SocketInode(fd);
 }
 
 absl::StatusOr<std::unique_ptr<Listener>> Listener::Unix(const std::string& path, mode_t mode,
@@ -132,8 +131,11 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Unix(const std::string& path
     return Source{absl::StrCat("uid ", cred.uid), absl::StrCat("uid=", cred.uid, " pid=", cred.pid),
                   cred.uid == 0 || cred.uid == operator_uid, ""};
   };
-  return std::unique_ptr<Listener>(
+  auto listener = std::unique_ptr<Listener>(
       new Listener(fd, "unix socket", limits, std::move(classify), std::move(on_trouble)));
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) listener->inode_ = st.st_ino;  // the file's, not the socket's
+  return listener;
 }
 
 absl::StatusOr<std::unique_ptr<Listener>> Listener::Tcp(const std::string& address, int port,

@@ -120,7 +120,7 @@ class Listener {
   void Stop();
 
   int fd() const { return fd_; }
-  /// The listening socket's inode (the daemon removes a unix path at exit only if still its).
+  /// The unix socket file's inode (the daemon removes the path at exit only if still its).
   ino_t inode() const { return inode_; }
   int port() const { return port_; }
 

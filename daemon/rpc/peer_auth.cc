@@ -23,28 +23,28 @@ bool SameSecret(absl::string_view a, absl::string_view b) {
 
 absl::StatusOr<PeerAuth::Who> PeerAuth::Identify(const grpc::CallbackServerContext* ctx) const {
   if (IsLocal(ctx)) {
-    Who who{Caller::kLocal, std::nullopt};
+    Who who{Caller::kLocal, std::nullopt, ""};
     if (local_peers_ != nullptr) {
       if (std::optional<LocalPeer> peer = local_peers_->Find(ctx->peer())) who.uid = peer->uid;
     }
     return who;
   }
-  if (token_.empty()) return Who{Caller::kDaemon, std::nullopt};
+  if (token_.empty()) return Who{Caller::kDaemon, std::nullopt, ""};
   const auto& metadata = ctx->client_metadata();
   auto it = metadata.find(kAuthMetadataKey);
   if (it != metadata.end()) {
     const absl::string_view value(it->second.data(), it->second.size());
     if (absl::StartsWith(value, kBearerPrefix)) {
       const absl::string_view presented = value.substr(sizeof(kBearerPrefix) - 1);
-      std::optional<Caller> caller;
+      std::optional<Who> who;
       if (SameSecret(presented, token_)) {
-        caller = Caller::kDaemon;
-      } else if (!client_credential_.empty() && SameSecret(presented, client_credential_)) {
-        caller = Caller::kClient;
+        who = Who{Caller::kDaemon, std::nullopt, ""};
+      } else if (std::optional<std::string> job = VerifyClientCredential(token_, presented)) {
+        who = Who{Caller::kClient, std::nullopt, *std::move(job)};
       }
-      if (caller.has_value()) {
+      if (who.has_value()) {
         if (tcp_peers_ != nullptr) tcp_peers_->MarkAuthenticated(ctx->peer());
-        return Who{*caller, std::nullopt};
+        return *std::move(who);
       }
     }
   }
@@ -55,7 +55,13 @@ absl::StatusOr<PeerAuth::Who> PeerAuth::Identify(const grpc::CallbackServerConte
 }
 
 absl::Status PeerAuth::MayReach(const Who& who, absl::string_view job) const {
-  if (who.caller != Caller::kLocal || !holders_) return absl::OkStatus();
+  if (who.caller == Caller::kDaemon) return absl::OkStatus();
+  if (who.caller == Caller::kClient) {
+    if (CredentialJob(job) == who.job) return absl::OkStatus();
+    return absl::PermissionDeniedError(absl::StrCat("the client credential presented is for job '",
+                                                    who.job, "', not '", job, "'"));
+  }
+  if (!holders_) return absl::OkStatus();
   if (who.uid.has_value() && (*who.uid == 0 || *who.uid == operator_uid_)) {
     return absl::OkStatus();
   }

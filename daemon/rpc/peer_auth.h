@@ -33,7 +33,7 @@ class PeerAuth {
   /// follows from it (common/store_keys.h).
   enum class Caller {
     kLocal,   // the unix socket: a trainer or tool of the node (group gradsync)
-    kClient,  // TCP with the client credential (ClientCredentialOf): a trainer or tool elsewhere
+    kClient,  // TCP with a job's client credential (ClientCredentialOf): a trainer elsewhere
     kDaemon,  // TCP with the cluster token: another daemon
   };
 
@@ -41,14 +41,13 @@ class PeerAuth {
   struct Who {
     Caller caller = Caller::kLocal;
     std::optional<uint32_t> uid;
+    std::string job;  // kClient: the job its credential is for (CredentialJob)
   };
 
   /// An empty token checks nothing (TCP is then as open as the bind address makes it, and a
   /// TCP caller is taken for a daemon: tests only; the daemon never listens so).
   explicit PeerAuth(std::string token)
-      : token_(std::move(token)),
-        client_credential_(ClientCredentialOf(token_)),
-        operator_uid_(static_cast<uint32_t>(::geteuid())) {}
+      : token_(std::move(token)), operator_uid_(static_cast<uint32_t>(::geteuid())) {}
 
   /// The caller of `ctx`, or UNAUTHENTICATED for a TCP call with neither the token nor the
   /// client credential.
@@ -57,8 +56,8 @@ class PeerAuth {
   /// Authority per job: whether `who` may reach job `job`'s store namespace and inspection. A
   /// caller of the unix socket reaches a job that no session on this daemon holds, or one that
   /// a session of its own uid holds; uid 0 and the daemon's own uid (operators) reach every job.
-  /// TCP callers (daemons, clients with the credential) reach every job: the token stands for
-  /// the cluster. PERMISSION_DENIED naming the job otherwise.
+  /// A TCP client reaches the job its credential is for (its id and its elastic epochs'); a
+  /// daemon (the token) every job. PERMISSION_DENIED naming the job otherwise.
   absl::Status MayReach(const Who& who, absl::string_view job) const;
 
   /// Where the unix socket's callers' uids come from, and which uids hold a job (the engine's
@@ -73,9 +72,11 @@ class PeerAuth {
     return Identify(ctx).status();
   }
 
-  /// What a caller of the unix socket presents over TCP to this cluster's daemons; empty when
-  /// this daemon has no token.
-  const std::string& client_credential() const { return client_credential_; }
+  /// What a caller of the unix socket presents over TCP to this cluster's daemons for job
+  /// `job`; empty when this daemon has no token.
+  std::string ClientCredentialFor(absl::string_view job) const {
+    return ClientCredentialOf(token_, job);
+  }
 
   /// OK for a call on the unix socket; PERMISSION_DENIED for any other, token or not: a trainer
   /// session maps the caller's memory, which only a local process can hand over.
@@ -88,7 +89,6 @@ class PeerAuth {
 
  private:
   const std::string token_;
-  const std::string client_credential_;
   const uint32_t operator_uid_;  // the daemon's own
   const LocalPeers* local_peers_ = nullptr;
   TcpPeers* tcp_peers_ = nullptr;

@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/group.h"
 #include "common/grpc_status.h"
+#include "common/job_id.h"
 #include "common/pack_list.h"
 #include "common/status_macros.h"
 #include "common/store_keys.h"
@@ -488,7 +489,7 @@ grpc::ServerUnaryReactor* StoreService::GetPackList(grpc::CallbackServerContext*
 }
 
 grpc::ServerUnaryReactor* StoreService::ClientCredential(grpc::CallbackServerContext* ctx,
-                                                         const v1::ClientCredentialRequest*,
+                                                         const v1::ClientCredentialRequest* req,
                                                          v1::ClientCredentialResponse* resp) {
   const absl::StatusOr<Who> caller = auth_->Identify(ctx);
   if (!caller.ok()) return Reply(ctx, caller.status());
@@ -496,12 +497,17 @@ grpc::ServerUnaryReactor* StoreService::ClientCredential(grpc::CallbackServerCon
     return Reply(ctx, absl::PermissionDeniedError(
                           "the client credential is handed out on the unix socket only"));
   }
-  if (auth_->client_credential().empty()) {
+  if (absl::Status s = CheckJobId(req->job()); !s.ok()) return Reply(ctx, s);
+  // A user's trainers get the credential of a job their uid may reach here: not one another
+  // user's trainers hold.
+  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
+  std::string credential = auth_->ClientCredentialFor(req->job());
+  if (credential.empty()) {
     return Reply(ctx, absl::FailedPreconditionError(
                           "this daemon has no cluster token (--token_file), so no credential for "
                           "other nodes' daemons: start it with one, or give the client the token"));
   }
-  resp->set_credential(auth_->client_credential());
+  resp->set_credential(std::move(credential));
   return Reply(ctx, absl::OkStatus());
 }
 

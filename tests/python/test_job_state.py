@@ -5,6 +5,8 @@ with the job unharmed.
 A client is a caller of a daemon's unix socket, or a TCP caller with the client credential a
 daemon hands out there; a daemon is a TCP caller with the cluster token. On the unix socket a
 caller reaches only the jobs its own user's trainers hold, or none holds (docs/security.md)."""
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -150,14 +152,29 @@ def test_a_trainer_credential_over_tcp_is_not_a_daemons_key(job_across_two_nodes
          f"--token_file={root.token_file}", "store", "get", "x"],
         capture_output=True, text=True, timeout=30)
     assert "NOT_FOUND" in r.stderr or "DEADLINE" in r.stderr, r.stderr  # the token works
-    wrong = os.path.join(tmp, "wrong.token")
-    with open(os.open(wrong, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-        f.write("gsc1." + "0" * 64 + "\n")
-    r = subprocess.run(
-        [os.path.join(BUILD, "client", "gradsyncctl"), f"--address={root.tcp}",
-         f"--token_file={wrong}", "store", "get", "x"],
-        capture_output=True, text=True, timeout=30)
-    assert "UNAUTHENTICATED" in r.stderr, r.stderr
+    def ctl_with(credential, *args):
+        path = os.path.join(tmp, "credential")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(credential + "\n")
+        return subprocess.run([os.path.join(BUILD, "client", "gradsyncctl"),
+                               f"--address={root.tcp}", f"--token_file={path}", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    def credential(job):  # as a daemon derives it (common/token.h)
+        mac = hmac.new(token.encode(), b"gradsync client credential v1\0" + job.encode(),
+                       hashlib.sha256).hexdigest()
+        return f"gsc1.{job}.{mac}"
+
+    assert "UNAUTHENTICATED" in ctl_with("gsc1." + "0" * 64, "store", "get", "x").stderr
+    assert "UNAUTHENTICATED" in ctl_with("gsc1.victim." + "0" * 64, "store", "get", "x").stderr
+    # A credential is one job's (and its elastic epochs'): another job's opens nothing of it.
+    r = ctl_with(credential("other"), f"--job={job}", "store", "get", "mine")
+    assert "PERMISSION_DENIED" in r.stderr and "is for job 'other'" in r.stderr, r.stderr
+    r = ctl_with(credential("other"), "--job=other", "store", "get", "x")
+    assert "NOT_FOUND" in r.stderr or "DEADLINE" in r.stderr, r.stderr
+    assert ctl_with(credential(job), f"--job={job}", "store", "get", "mine").returncode == 0
+    r = ctl_with(credential(job), f"--job={job}.e3", "store", "get", "x")
+    assert "PERMISSION_DENIED" not in r.stderr, r.stderr
     finish_unharmed(go, procs)
 
 
@@ -195,6 +212,12 @@ sys.path.insert(0, sys.argv[2])
 from gradsync._native import Client, Error
 socket, job = sys.argv[1], sys.argv[3]
 out = {}
+if len(sys.argv) > 4:  # the job's credential for TCP, from this node's daemon
+    try:
+        Client(socket, job, 1, 0, 0, 1, root_address=sys.argv[4], store_only=True)
+        out["credential"] = "OK"
+    except Error as e:
+        out["credential"] = e.code + " " + str(e)
 c = Client(socket, job, 1, 0, 0, 1, store_only=True)
 for name, call in (("set", lambda: c.store_set("mine", b"1")),
                    ("get", lambda: c.store_get("_gradsync/packlist/0,1", 0)),
@@ -221,7 +244,7 @@ def job_of_another_user(tmp):
         pytest.skip("needs root and setpriv to act as other users")
     from conftest import Daemon
     os.chmod(tmp, 0o755)
-    d = Daemon(tmp, "node")
+    d = Daemon(tmp, "node", tcp=True)
     go = os.path.join(tmp, "go")
     procs = []
     for r in range(2):
@@ -245,7 +268,8 @@ def job_of_another_user(tmp):
 
 def attack(d, uid, job="victim"):
     r = subprocess.run(as_user(uid, [PYTHON, "-c", ATTACK, d.socket, os.path.join(BUILD, "python"),
-                                     job]), capture_output=True, text=True, timeout=60)
+                                     job] + ([d.tcp] if d.tcp else [])),
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
