@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "common/job_id.h"
 #include "common/status_macros.h"
 #include "common/store_keys.h"
@@ -60,10 +61,16 @@ absl::StatusOr<int64_t> TakeTicket(gradsync::Store& store, absl::string_view hom
         absl::StrCat(label, taken - handled, " tickets wait already (at most ",
                      kMaxOutstandingTickets, "); the job admits joining nodes at its commits"));
   }
-  GRADSYNC_ASSIGN_OR_RETURN(int64_t ticket, store.Add(home, kElasticTicketsKey, 1));
-  GRADSYNC_RETURN_IF_ERROR(
-      store.Set(home, ElasticTicketKey(ticket), absl::StrCat(kRanksPrefix, ranks)));
-  return ticket;
+  // Written only if no admission voided the number meanwhile (it voids a number taken and not
+  // written when a later one is): else another.
+  for (int tries = 0; tries < 3; ++tries) {
+    GRADSYNC_ASSIGN_OR_RETURN(int64_t ticket, store.Add(home, kElasticTicketsKey, 1));
+    GRADSYNC_ASSIGN_OR_RETURN(CompareSetResult written,
+                              store.CompareSet(home, ElasticTicketKey(ticket), std::nullopt,
+                                               absl::StrCat(kRanksPrefix, ranks)));
+    if (written.swapped) return ticket;
+  }
+  return absl::UnavailableError(absl::StrCat(label, "no ticket written in 3 tries"));
 }
 
 absl::StatusOr<Withdrawal> WithdrawTicket(gradsync::Store& store, absl::string_view home,
@@ -89,6 +96,9 @@ absl::StatusOr<Withdrawal> WithdrawTicket(gradsync::Store& store, absl::string_v
 
 absl::StatusOr<Admission> AdmitJoiners(gradsync::Store& store, absl::string_view job, int epoch,
                                        int min_world_size, int min_joined) {
+  // One admission at a time on this daemon: two would both count the tickets they looked at.
+  static absl::Mutex* const admitting = new absl::Mutex;
+  absl::MutexLock lock(admitting);
   GRADSYNC_RETURN_IF_ERROR(CheckJobId(job));
   const std::string label = absl::StrCat("AdmitJoiners job=", job, " epoch=", epoch, ": ");
   if (epoch < 1) {
@@ -141,7 +151,15 @@ absl::StatusOr<Admission> AdmitJoiners(gradsync::Store& store, absl::string_view
   int fit = 0;
   for (int64_t t = handled + 1; t <= taken && t <= handled + kMaxTicketsPerAdmission; ++t) {
     std::optional<std::string> record = Peek(store, *home, ElasticTicketKey(t));
-    if (!record.has_value()) break;  // taken, not written yet: a later commit admits it
+    if (!record.has_value() && t < taken) {
+      // Taken and not written while a later one was (its writer failed, or is slow: it then
+      // takes another): voided, so that it holds up no admission.
+      GRADSYNC_ASSIGN_OR_RETURN(
+          CompareSetResult voided,
+          store.CompareSet(*home, ElasticTicketKey(t), std::nullopt, std::string(kWithdrawn)));
+      record = voided.value;
+    }
+    if (!record.has_value()) break;  // the newest, being written: a later commit admits it
     const int r = RanksOf(*record);
     if (r > 0 && (world + fit + r > kMaxElasticWorld || fit + r > kMaxJoinedPerDecision)) {
       break;  // this one and those after it wait for a later commit
@@ -153,19 +171,22 @@ absl::StatusOr<Admission> AdmitJoiners(gradsync::Store& store, absl::string_view
   }
   if (fit > 0 && fit < min_joined) return Admission{false, "", 0};  // too few yet: all wait
   int joined = 0;
-  for (Claim& w : waiting) {
-    GRADSYNC_ASSIGN_OR_RETURN(
-        CompareSetResult c,
-        store.CompareSet(*home, ElasticTicketKey(w.ticket), w.record, std::string(kClaimed)));
-    if (!c.swapped) continue;  // withdrawn meanwhile
-    joined += w.ranks;
-    claimed.push_back(std::move(w));
-  }
   auto unclaim = [&] {
     for (const Claim& c : claimed) {
       (void)store.CompareSet(*home, ElasticTicketKey(c.ticket), std::string(kClaimed), c.record);
     }
   };
+  for (Claim& w : waiting) {
+    absl::StatusOr<CompareSetResult> c =
+        store.CompareSet(*home, ElasticTicketKey(w.ticket), w.record, std::string(kClaimed));
+    if (!c.ok()) {
+      unclaim();  // the store failed: they wait for a later commit
+      return c.status();
+    }
+    if (!c->swapped) continue;  // withdrawn meanwhile
+    joined += w.ranks;
+    claimed.push_back(std::move(w));
+  }
   if (joined == 0) {
     if (looked > 0) GRADSYNC_RETURN_IF_ERROR(store.Add(*home, kElasticHandledKey, looked).status());
     return Admission{false, "", 0};

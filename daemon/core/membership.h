@@ -45,11 +45,12 @@ struct Admission {
 /// kMaxJoinedPerDecision: claims their tickets, records the decision that epoch `epoch` (the
 /// namespace's plus one) has them, and tells each its place ("epoch=E world=W rank=R min=M" at
 /// its admission key); none when the nodes waiting bring fewer than `min_joined` ranks (a job
-/// below its min_world_size admits only enough). A ticket not written yet ends the look;
-/// a decision recorded first (a loss) wins, and the claims are undone. Checks first that `job`
-/// is epoch `epoch - 1` of an elastic job that formed, and that `min_world_size` and
-/// `min_joined` are within bounds; FAILED_PRECONDITION / INVALID_ARGUMENT naming the check. Not for
-/// concurrent calls of one job (rank 0 makes them, at its commits).
+/// below its min_world_size admits only enough). The newest ticket not written yet ends the
+/// look; an older one is voided (its writer failed, or takes another). A decision recorded
+/// first (a loss) wins, and the claims are undone, as they are when the store fails midway.
+/// Checks first that `job` is epoch `epoch - 1` of an elastic job that formed, and that
+/// `min_world_size` and `min_joined` are within bounds; FAILED_PRECONDITION / INVALID_ARGUMENT
+/// naming the check. One call at a time on a daemon (rank 0 makes them, at its commits).
 absl::StatusOr<Admission> AdmitJoiners(gradsync::Store& store, absl::string_view job, int epoch,
                                        int min_world_size, int min_joined = 1);
 

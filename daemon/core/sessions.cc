@@ -127,10 +127,11 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
         "; it can start again once its remaining ", job.attached, " session(s) have ended"));
   }
   for (const Session* other : job.ranks) {  // one user's trainers per job on a node
-    if (other != nullptr && other->uid.has_value() && uid.has_value() && *other->uid != *uid) {
+    if (other != nullptr && other->uid.has_value() && other->uid != uid) {
       return absl::PermissionDeniedError(
           absl::StrCat("job ", job.id, " is held by another user's trainers on this node (uid ",
-                       *other->uid, "); rank ", req.rank(), " of uid ", *uid, " refused"));
+                       *other->uid, "); rank ", req.rank(), " of uid ",
+                       uid.has_value() ? absl::StrCat(*uid) : "unknown", " refused"));
     }
   }
   if (Session* other = job.ranks[req.rank()]) {

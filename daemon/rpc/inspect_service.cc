@@ -13,6 +13,7 @@
 #include "common/group.h"
 #include "common/job_id.h"
 #include "common/pack_list.h"
+#include "common/store_keys.h"
 #include "daemon/rpc/call_util.h"
 
 namespace gradsync::rpc {
@@ -64,6 +65,10 @@ grpc::ServerUnaryReactor* InspectService::ListKeys(grpc::CallbackServerContext* 
                             " bytes, --max_message_bytes); list a narrower prefix")));
     }
     for (const auto& [key, bytes] : *sizes) {
+      // A client does not learn the daemons' keys, names included (as Store/List).
+      if (who->caller != PeerAuth::Caller::kDaemon && ClassOfKey(key) == KeyClass::kDaemonOnly) {
+        continue;
+      }
       v1::KeyInfo* info = resp->add_keys();
       info->set_key(key);
       info->set_value_bytes(bytes);

@@ -17,11 +17,13 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 
 namespace gradsync::rpc {
 namespace {
@@ -133,6 +135,7 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Unix(const std::string& path
   };
   auto listener = std::unique_ptr<Listener>(
       new Listener(fd, "unix socket", limits, std::move(classify), std::move(on_trouble)));
+  GRADSYNC_RETURN_IF_ERROR(listener->Ready());
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0) listener->inode_ = st.st_ino;  // the file's, not the socket's
   return listener;
@@ -180,10 +183,17 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Tcp(const std::string& addre
                         sizeof(port), NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
         return absl::InternalError("getnameinfo failed");
       }
-      return Source{host, host, false, absl::StrCat(host, "|", port)};
+      absl::string_view address = host;
+      // gRPC names a v4-mapped peer of a dual-stack listener by its IPv4 address.
+      if (absl::StartsWith(address, "::ffff:") && absl::StrContains(address, '.')) {
+        address.remove_prefix(7);
+      }
+      return Source{std::string(address), std::string(address), false,
+                    absl::StrCat(address, "|", port)};
     };
     auto listener = std::unique_ptr<Listener>(
         new Listener(fd, "tcp", limits, std::move(classify), std::move(on_trouble)));
+    GRADSYNC_RETURN_IF_ERROR(listener->Ready());
     listener->port_ =
         ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
                                           : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
@@ -240,6 +250,11 @@ bool Listener::Admit(const Source& source) {
   return false;
 }
 
+absl::Status Listener::Ready() const {
+  if (wake_fd_ < 0) return absl::ResourceExhaustedError(Errno("eventfd"));
+  return absl::OkStatus();
+}
+
 void Listener::Serve(Hand hand) {
   hand_ = std::move(hand);
   thread_ = std::thread([this] { Loop(); });
@@ -285,8 +300,8 @@ void Listener::Loop() {
             ::close(spare_fd_);
             const int shed = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
             if (shed >= 0) ::close(shed);
-            spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
           }
+          spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);  // again, or at last
           ::usleep(100 * 1000);
         } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED) {
           Log()->warn("{}: accept failed: {}", name_, std::strerror(errno));

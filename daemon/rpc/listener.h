@@ -113,6 +113,8 @@ class Listener {
                                                        ListenerLimits limits, Trouble on_trouble);
   ~Listener();  // Stop()
 
+  /// OK when the listener can be stopped (its wake-up descriptor was made); the factories check.
+  absl::Status Ready() const;
   /// Starts accepting, handing connections to `hand` (which must stay valid until Stop()).
   void Serve(Hand hand);
   /// Stops accepting and closes the listening socket (connections handed over stay gRPC's).

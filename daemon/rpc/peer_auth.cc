@@ -65,7 +65,9 @@ absl::Status PeerAuth::MayReach(const Who& who, absl::string_view job) const {
   if (who.uid.has_value() && (*who.uid == 0 || *who.uid == operator_uid_)) {
     return absl::OkStatus();
   }
-  const absl::flat_hash_set<uint32_t> holders = holders_(job);
+  // A job's namespaces go together (its id and its elastic epochs', as its credential): one
+  // held by a user holds them all.
+  const absl::flat_hash_set<uint32_t> holders = holders_(CredentialJob(job));
   if (holders.empty() || (who.uid.has_value() && holders.contains(*who.uid))) {
     return absl::OkStatus();
   }

@@ -54,8 +54,9 @@ class PeerAuth {
   absl::StatusOr<Who> Identify(const grpc::CallbackServerContext* ctx) const;
 
   /// Authority per job: whether `who` may reach job `job`'s store namespace and inspection. A
-  /// caller of the unix socket reaches a job that no session on this daemon holds, or one that
-  /// a session of its own uid holds; uid 0 and the daemon's own uid (operators) reach every job.
+  /// caller of the unix socket reaches a job (with its elastic epochs: CredentialJob) that no
+  /// session on this daemon holds, or one that a session of its own uid holds; uid 0 and the
+  /// daemon's own uid (operators) reach every job.
   /// A TCP client reaches the job its credential is for (its id and its elastic epochs'); a
   /// daemon (the token) every job. PERMISSION_DENIED naming the job otherwise.
   absl::Status MayReach(const Who& who, absl::string_view job) const;

@@ -13,6 +13,7 @@
 #include "common/bounded_text.h"
 #include "common/job_id.h"
 #include "common/logging.h"
+#include "common/store_keys.h"
 
 namespace gradsync::store {
 namespace {
@@ -87,11 +88,17 @@ absl::Status MemoryStore::PutLocked(absl::string_view job, absl::string_view key
                      " bytes of keys and values, more than its quota (--store_max_job_bytes ",
                      options_.max_job_bytes, ")"));
   }
-  if (added > 0 && total_bytes_ + added > options_.max_total_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the store would hold ", total_bytes_ + added,
-                     " bytes of keys and values, more than it may (--store_max_total_bytes ",
-                     options_.max_total_bytes, "); key '", key, "' of job '", job, "' refused"));
+  // Clients' own keys may fill 7/8 of the store: the rest is kept for the daemons' (formation,
+  // links, membership), so that no client's bytes stop a job from forming.
+  const int64_t total_limit = ClassOfKey(key) == KeyClass::kClient
+                                  ? options_.max_total_bytes - options_.max_total_bytes / 8
+                                  : options_.max_total_bytes;
+  if (added > 0 && total_bytes_ + added > total_limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the store would hold ", total_bytes_ + added, " bytes of keys and values, more than it ",
+        total_limit == options_.max_total_bytes ? "may" : "keeps for clients' keys",
+        " (--store_max_total_bytes ", options_.max_total_bytes, "); key '", key, "' of job '", job,
+        "' refused"));
   }
   if (job_it == jobs_.end()) job_it = jobs_.emplace(std::string(job), Job{}).first;
   Job& j = job_it->second;
@@ -429,9 +436,13 @@ int64_t MemoryStore::total_bytes() {
 }
 
 void MemoryStore::SweepIdleLocked(absl::Time now) {
+  absl::flat_hash_set<absl::string_view> waited;  // a pending wait holds its job too
+  for (const auto& [id, w] : waiters_) waited.insert(w.job);
   std::vector<std::pair<std::string, absl::Time>> idle;
   for (const auto& [name, job] : jobs_) {
-    if (now - job.last_used >= options_.idle_job_ttl) idle.emplace_back(name, job.last_used);
+    if (now - job.last_used >= options_.idle_job_ttl && !waited.contains(name)) {
+      idle.emplace_back(name, job.last_used);
+    }
   }
   if (idle.empty()) return;
   const std::function<bool(absl::string_view)> held = held_;

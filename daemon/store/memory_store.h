@@ -24,7 +24,8 @@ struct MemoryStoreOptions {
   int64_t max_keys_per_job = 65536;
   int64_t max_jobs = 1024;
   int64_t max_waiters = 65536;
-  /// Most bytes (keys and values) one job, and all jobs together, may hold.
+  /// Most bytes (keys and values) one job, and all jobs together, may hold; clients' own keys
+  /// (common/store_keys.h) at most 7/8 of the total, the rest kept for the daemons'.
   int64_t max_job_bytes = int64_t{64} << 20;
   int64_t max_total_bytes = int64_t{256} << 20;
   /// A job no session on this daemon holds (MemoryStore::SetHolder) and that no call named for

@@ -80,12 +80,22 @@ def finish_unharmed(go, procs):
         assert '"second": [2.0, 2.0, 2.0, 2.0]' in text, text[-2000:]
 
 
+def as_daemon(d, *args):
+    """gradsyncctl over TCP with the cluster token: a daemon's view."""
+    return subprocess.run([os.path.join(BUILD, "client", "gradsyncctl"), f"--address={d.tcp}",
+                           f"--token_file={d.token_file}", "--timeout=5s", *args],
+                          capture_output=True, text=True, timeout=30)
+
+
 def daemon_keys(d, job):
-    """The daemons' own keys of `job` as the root's store lists them to an operator (names only,
-    through Inspect)."""
-    listed = d.ctl(f"--job={job}", "store", "list")
+    """The daemons' own keys of `job` as the root's store lists them to a daemon (names only,
+    through Inspect); a client is shown none of them."""
+    listed = as_daemon(d, f"--job={job}", "store", "list")
     assert listed.returncode == 0, listed.stderr
-    return re.findall(r"^\s*((?:daemon|records|watch)/\S+)", listed.stdout, re.M)
+    keys = re.findall(r"^\s*((?:daemon|records|watch)/\S+)", listed.stdout, re.M)
+    assert not re.findall(r"^\s*((?:daemon|records|watch)/\S+)",
+                          d.ctl(f"--job={job}", "store", "list").stdout, re.M)
+    return keys
 
 
 def refused(call):
@@ -102,7 +112,7 @@ def test_a_local_user_reads_and_writes_no_daemon_key_of_another_job(job_across_t
     record = next(k for k in keys if k.startswith("records/"))
     watch = next(k for k in keys if k.startswith("watch/"))
     assert "daemon/run" in keys and "daemon/rank/0" in keys
-    before = {k: root.ctl(f"--job={job}", "store", "list", k).stdout for k in keys}
+    before = {k: as_daemon(root, f"--job={job}", "store", "list", k).stdout for k in keys}
     # The attacks of the report: the run token rewritten, node 0's link and watch addresses
     # (and their HMAC keys) read and replaced, a decision forged, all on the root's socket.
     for args in (["get", "daemon/run"], ["get", record], ["get", watch],
@@ -123,7 +133,7 @@ def test_a_local_user_reads_and_writes_no_daemon_key_of_another_job(job_across_t
     msg = refused(lambda: local.store_compare_set("_gradsync_elastic/decision", None, b"x"))
     assert "AdmitJoiners" in msg
     # Nothing changed: the same keys, the same sizes.
-    assert {k: root.ctl(f"--job={job}", "store", "list", k).stdout for k in keys} == before
+    assert {k: as_daemon(root, f"--job={job}", "store", "list", k).stdout for k in keys} == before
     finish_unharmed(go, procs)
 
 

@@ -98,6 +98,15 @@ TEST_F(MembershipTest, TooFewRanksWaitingOrATicketNotWrittenYetAdmitNobody) {
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_FALSE(a->decided);
   EXPECT_EQ(At("j", std::string(kElasticDecisionKey)), "<none>");
+  // Those older than the newest were voided, so they hold up no later admission; the newest
+  // (being written, as far as anyone knows) ends the look.
+  EXPECT_EQ(At("j", ElasticTicketKey(1)), "withdrawn");
+  EXPECT_EQ(At("j", ElasticTicketKey(5)), "withdrawn");
+  EXPECT_EQ(At("j", ElasticTicketKey(6)), "<none>");
+  EXPECT_EQ(At("j", std::string(kElasticHandledKey)), "5");
+  // Its writer comes late: the number is its own still; one voided is taken again.
+  ASSERT_TRUE(store_.CompareSet("j", ElasticTicketKey(6), std::nullopt, "ranks=1").ok());
+  EXPECT_EQ(*TakeTicket(store_, "j", 1), 7);
 }
 
 TEST_F(MembershipTest, ALossDecidedFirstWinsAndTheClaimsAreUndone) {

@@ -579,20 +579,25 @@ TEST(MemoryStoreBoundsTest, AJobPastItsByteQuotaIsRefusedNamingTheFlagAndNothing
 
 TEST(MemoryStoreBoundsTest, TheStoresTotalBytesAreCappedAcrossJobs) {
   MemoryStoreOptions o;
-  o.max_total_bytes = 1000;
+  o.max_total_bytes = 1000;  // clients' keys: at most 875 bytes of it
   MemoryStore store(o);
-  for (int i = 0; i < 9; ++i) {
+  for (int i = 0; i < 8; ++i) {
     ASSERT_TRUE(store.Set(absl::StrCat("job", i), "k", std::string(99, 'x')).ok());
   }
-  EXPECT_EQ(store.total_bytes(), 900);
-  absl::Status full = store.Set("job9", "k", std::string(100, 'x'));
+  EXPECT_EQ(store.total_bytes(), 800);
+  absl::Status full = store.Set("job8", "k", std::string(99, 'x'));
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(full.message(), "--store_max_total_bytes")) << full;
-  EXPECT_EQ(store.ListJobs()->size(), 9u);  // the refused job was not made
+  EXPECT_EQ(store.ListJobs()->size(), 8u);  // the refused job was not made
+  // The daemons' keys still fit: clients cannot fill what formation needs.
+  EXPECT_TRUE(store.Set("job8", "daemon/run", std::string(150, 'x')).ok());
+  EXPECT_EQ(store.Set("job8", "daemon/rank/0", std::string(100, 'x')).code(),
+            absl::StatusCode::kResourceExhausted);  // past the whole store
   ASSERT_TRUE(*store.Delete("job0", "k"));
+  store.DeleteJob("job8");
   EXPECT_TRUE(store.Set("job9", "k", std::string(99, 'x')).ok());
   store.DeleteJob("job1");
-  EXPECT_EQ(store.total_bytes(), 800);
+  EXPECT_EQ(store.total_bytes(), 700);
 }
 
 TEST(MemoryStoreBoundsTest, AJobWhoseLastKeyIsDeletedIsGoneAndTakesNoJobsPlace) {

@@ -66,6 +66,8 @@ ELASTIC_TIMEOUT_S = 600.0
 # long they wait for each other.
 MAX_TICKET_TRIES = 5
 LOBBY_WAIT_S = 60.0
+# The most ranks one commit admits (the daemons' kMaxJoinedPerDecision).
+MAX_JOINED_PER_COMMIT = 1024
 # How long a joiner waits to be admitted (GRADSYNC_JOIN_TIMEOUT): until the job's next commit().
 JOIN_TIMEOUT_S = 300.0
 
@@ -237,7 +239,7 @@ def _wait_for_joiners():
     from . import _context  # noqa: PLC0415
     ctx = _context
     timeout_s = float(os.environ.get("GRADSYNC_ELASTIC_TIMEOUT") or ELASTIC_TIMEOUT_S)
-    need = ctx.min_world_size - ctx.world_size
+    need = min(ctx.min_world_size - ctx.world_size, MAX_JOINED_PER_COMMIT)
     deadline = time.monotonic() + timeout_s
     late = Error("DEADLINE_EXCEEDED",
                  f"elastic job {ctx.base_job}: {ctx.world_size} rank(s) left, fewer than "
@@ -476,7 +478,12 @@ def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
             ticket = home.store_take_ticket(local_world_size)
             if lobby is not None:
                 lobby.store_set("ticket", str(ticket).encode())
-        else:
+        if lobby is not None:
+            # Read only once rank 0 has written it: the lobby's namespace is this node's ranks'
+            # since they registered (no other user's process may write it), but a value put
+            # there before is overwritten only by rank 0's.
+            lobby.barrier(timeout_s=LOBBY_WAIT_S).wait()
+        if local_rank != 0:
             ticket = int(lobby.store_get("ticket", LOBBY_WAIT_S))
         if lobby is not None:
             lobby.close()
