@@ -65,8 +65,9 @@ grpc::ServerUnaryReactor* InspectService::ListKeys(grpc::CallbackServerContext* 
                             " bytes, --max_message_bytes); list a narrower prefix")));
     }
     for (const auto& [key, bytes] : *sizes) {
-      // A client does not learn the daemons' keys, names included (as Store/List).
-      if (who->caller != PeerAuth::Caller::kDaemon && ClassOfKey(key) == KeyClass::kDaemonOnly) {
+      // A client does not learn the daemons' keys, names included (as Store/List); an
+      // operator sees their names (who is missing from a formation).
+      if (!auth_->IsOperator(*who) && ClassOfKey(key) == KeyClass::kDaemonOnly) {
         continue;
       }
       v1::KeyInfo* info = resp->add_keys();

@@ -67,7 +67,11 @@ absl::Status PeerAuth::MayReach(const Who& who, absl::string_view job) const {
   }
   // A job's namespaces go together (its id and its elastic epochs', as its credential): one
   // held by a user holds them all.
-  const absl::flat_hash_set<uint32_t> holders = holders_(CredentialJob(job));
+  absl::flat_hash_set<uint32_t> holders = holders_(CredentialJob(job));
+  if (CredentialJob(job) != job) {  // a job whose own id ends ".e<N>" (not elastic) holds it too
+    const absl::flat_hash_set<uint32_t> own = holders_(job);
+    holders.insert(own.begin(), own.end());
+  }
   if (holders.empty() || (who.uid.has_value() && holders.contains(*who.uid))) {
     return absl::OkStatus();
   }

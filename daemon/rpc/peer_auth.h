@@ -60,6 +60,12 @@ class PeerAuth {
   /// A TCP client reaches the job its credential is for (its id and its elastic epochs'); a
   /// daemon (the token) every job. PERMISSION_DENIED naming the job otherwise.
   absl::Status MayReach(const Who& who, absl::string_view job) const;
+  /// A daemon (the token), or root or the daemon's own uid on the unix socket: who may see the
+  /// names of the daemons' own keys (never their values, unless a daemon).
+  bool IsOperator(const Who& who) const {
+    return who.caller == Caller::kDaemon || (who.caller == Caller::kLocal && who.uid.has_value() &&
+                                             (*who.uid == 0 || *who.uid == operator_uid_));
+  }
 
   /// Where the unix socket's callers' uids come from, and which uids hold a job (the engine's
   /// sessions). Set before serving; without them MayReach lets every caller through.

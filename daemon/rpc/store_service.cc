@@ -440,8 +440,7 @@ grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,
     GRADSYNC_RETURN_IF_ERROR(auth_->MayReach(caller, req->job()));
     auto keys = store_->List(req->job(), req->prefix());
     if (!keys.ok()) return keys.status();
-    if (caller.caller !=
-        Caller::kDaemon) {  // a client does not learn the daemons' keys, names included
+    if (!auth_->IsOperator(caller)) {  // a client does not learn the daemons' keys' names
       keys->erase(std::remove_if(
                       keys->begin(), keys->end(),
                       [](const std::string& k) { return ClassOfKey(k) == KeyClass::kDaemonOnly; }),
