@@ -202,8 +202,12 @@ void FdChannel::Loop() {
     Expire(absl::Now());
     if (ready < 0) {
       if (errno == EINTR) continue;
+      // EINVAL when the descriptor limit was lowered under what it polls: the channel stays,
+      // unless it is being stopped (the wake pipe is non-blocking).
       Log()->error("fd channel poll failed error={}", std::strerror(errno));
-      break;
+      if (char c = 0; ::read(wake_[0], &c, 1) == 1) break;
+      ::usleep(100 * 1000);
+      continue;
     }
     if (polled[0].revents != 0) break;
     std::vector<std::pair<int, uid_t>> keep;

@@ -274,9 +274,10 @@ void Listener::Loop() {
     // With first-call deadlines, a look at the open connections twice a second.
     const int timeout_ms = limits_.tcp_peers != nullptr ? 500 : -1;
     const int ready = ::poll(fds, 2, timeout_ms);
-    if (ready < 0 && errno != EINTR) {
+    if (ready < 0 && errno != EINTR) {  // EINVAL when the descriptor limit was lowered under 2
       Log()->error("{}: poll failed: {}", name_, std::strerror(errno));
-      return;
+      ::usleep(100 * 1000);
+      continue;
     }
     if (stopped_.load() || (fds[1].revents & POLLIN) != 0) return;
     if (ready <= 0) {

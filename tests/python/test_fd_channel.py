@@ -171,3 +171,40 @@ def test_no_session_over_tcp_for_another_user_or_with_the_token(tmp):
         trainer_works(d, "after-tcp")
     finally:
         d.stop()
+
+
+def test_a_descriptor_the_daemon_has_no_room_for_is_resource_exhausted(tmp, daemon):
+    """A trainer's descriptor arrives while the daemon is out of descriptors (its limit lowered
+    to what it holds): the kernel drops it, and the trainer is told
+    RESOURCE_EXHAUSTED naming the cause, not that its request was wrong; with room again, the
+    same request gets its token."""
+    if not os.access("/usr/bin/prlimit", os.X_OK):
+        pytest.skip("prlimit (util-linux) is not installed")
+    s = channel(daemon)  # accepted while there is room
+    request(s, b"F", [])  # a first answer: the connection is the channel's now
+    pid = daemon.proc.pid
+    soft = subprocess.run(["/usr/bin/prlimit", f"--pid={pid}", "--nofile", "--output=SOFT",
+                           "--noheadings"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    try:
+        # The limit bounds descriptor numbers: at the lowest one free, no new one fits.
+        taken = {int(n) for n in os.listdir(f"/proc/{pid}/fd")}
+        lowest_free = min(set(range(max(taken) + 2)) - taken)
+        subprocess.run(["/usr/bin/prlimit", f"--pid={pid}", f"--nofile={lowest_free}:"],
+                       check=True)
+        fd = memfd()
+        try:
+            code, text = request(s, b"F", [fd])
+        finally:
+            os.close(fd)
+        assert code == 8, (code, text)  # RESOURCE_EXHAUSTED
+        assert "out of file descriptors" in text, text
+    finally:
+        subprocess.run(["/usr/bin/prlimit", f"--pid={pid}", f"--nofile={soft}:"], check=True)
+    fd = memfd()
+    try:
+        code, text = request(s, b"F", [fd])
+    finally:
+        os.close(fd)
+    assert code == 0 and len(text) == 32, (code, text)
+    s.close()
