@@ -41,6 +41,14 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   return token;
 }
 
+bool SameSecret(absl::string_view a, absl::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
+
 std::string CredentialJob(absl::string_view job) {
   const size_t dot = job.rfind(".e");
   int epoch = 0;
@@ -78,13 +86,9 @@ std::optional<std::string> VerifyClientCredential(absl::string_view token,
   const absl::string_view job = credential.substr(0, dot);
   if (!CheckJobId(job).ok() || CredentialJob(job) != job) return std::nullopt;
   const std::string want = ClientCredentialOf(token, job);
-  // Compared without an early exit, so the time taken does not tell how much of a guess matched.
-  const std::string presented = absl::StrCat(kClientCredentialPrefix, credential);
-  unsigned char diff = presented.size() == want.size() ? 0 : 1;
-  for (size_t i = 0; i < presented.size(); ++i) {
-    diff |= static_cast<unsigned char>(presented[i] ^ (i < want.size() ? want[i] : 0));
+  if (want.empty() || !SameSecret(absl::StrCat(kClientCredentialPrefix, credential), want)) {
+    return std::nullopt;
   }
-  if (diff != 0 || want.empty()) return std::nullopt;
   return std::string(job);
 }
 

@@ -15,6 +15,10 @@ namespace gradsync {
 /// read, is empty, or grants any access to "others" (it is a secret: chmod 600 or 640).
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
+/// Whether two secrets are equal, compared without an early exit, so the time taken does not
+/// tell how much of a guess matched.
+bool SameSecret(absl::string_view a, absl::string_view b);
+
 /// Prefix of a client credential (ClientCredentialOf).
 inline constexpr absl::string_view kClientCredentialPrefix = "gsc1.";
 

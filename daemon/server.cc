@@ -220,7 +220,6 @@ absl::Status DaemonServer::Start() {
                             });
     if (!listener.ok()) return listener.status();
     unix_listener_ = *std::move(listener);
-    socket_inode_ = unix_listener_->inode();
     // No daemon serves the socket (checked above), so a channel file beside it is stale.
     auto channel = ipc::FdChannel::Listen(config_.unix_socket + ".fd", config_.socket_mode);
     if (!channel.ok()) return channel.status();
@@ -347,8 +346,8 @@ void DaemonServer::Shutdown(absl::Duration grace) {
   fd_channel_.reset();           // closes descriptors never registered and removes <socket>.fd
   nccl_backend_.StopWatchdog();  // before the peer stores it may report to go
   struct stat st {};
-  if (socket_inode_ != 0 && ::stat(config_.unix_socket.c_str(), &st) == 0 &&
-      st.st_ino == socket_inode_) {
+  if (unix_listener_ && ::stat(config_.unix_socket.c_str(), &st) == 0 &&
+      st.st_ino == unix_listener_->inode()) {
     ::unlink(config_.unix_socket.c_str());
   }
   Log()->info("stopped");

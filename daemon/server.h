@@ -130,7 +130,6 @@ class DaemonServer {
   std::unique_ptr<metrics::MetricsServer> metrics_;
   int tcp_port_ = -1;
   bool draining_ = false;
-  ino_t socket_inode_ = 0;  // of the socket file we created, to remove only our own
 };
 
 }  // namespace gradsync::daemon

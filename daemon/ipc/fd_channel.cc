@@ -7,7 +7,6 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/random_hex.h"
+#include "common/unix_socket.h"
 
 namespace gradsync::ipc {
 namespace {
@@ -38,34 +38,17 @@ void Reply(int fd, int code, const std::string& payload) {
 
 absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Listen(const std::string& path, mode_t mode,
                                                              FdChannelLimits limits) {
-  sockaddr_un addr{};
-  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("fd channel path '", path, "' is too long"));
-  }
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
   struct stat st {};
   if (::lstat(path.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) {
-      ::close(fd);
       return absl::FailedPreconditionError(
           absl::StrCat(path, " exists and is not a socket; refusing to replace it"));
     }
     ::unlink(path.c_str());  // stale: the caller made sure no daemon serves the gRPC socket
   }
-  const mode_t old_umask = ::umask(0777 & ~mode);
-  const int bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  ::umask(old_umask);
-  if (bound != 0 || ::chmod(path.c_str(), mode) != 0 || ::listen(fd, SOMAXCONN) != 0 ||
-      ::stat(path.c_str(), &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", path, ": ", std::strerror(err)));
-  }
-  std::unique_ptr<FdChannel> channel(new FdChannel(path, fd, st.st_ino, limits));
+  absl::StatusOr<UnixListener> listening = ListenUnix(path, mode);
+  if (!listening.ok()) return listening.status();
+  std::unique_ptr<FdChannel> channel(new FdChannel(path, listening->fd, listening->inode, limits));
   if (::pipe2(channel->wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
     return absl::InternalError(absl::StrCat("pipe2: ", std::strerror(errno)));
   }

@@ -13,7 +13,6 @@
 #include "common/group.h"
 #include "common/job_id.h"
 #include "common/pack_list.h"
-#include "common/store_keys.h"
 #include "daemon/rpc/call_util.h"
 
 namespace gradsync::rpc {
@@ -38,9 +37,8 @@ grpc::ServerUnaryReactor* InspectService::ListJobs(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* InspectService::ListGroups(grpc::CallbackServerContext* ctx,
                                                      const v1::ListGroupsRequest* req,
                                                      v1::ListGroupsResponse* resp) {
-  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Reach(ctx, req->job());
   if (!who.ok()) return Reply(ctx, who.status());
-  if (absl::Status s = auth_->MayReach(*who, req->job()); !s.ok()) return Reply(ctx, s);
   auto keys = store_->List(req->job(), kPackListKeyPrefix);
   if (keys.ok()) {
     for (const std::string& key : *keys) resp->add_groups(key.substr(kPackListKeyPrefix.size()));
@@ -51,9 +49,8 @@ grpc::ServerUnaryReactor* InspectService::ListGroups(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* InspectService::ListKeys(grpc::CallbackServerContext* ctx,
                                                    const v1::ListKeysRequest* req,
                                                    v1::ListKeysResponse* resp) {
-  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Reach(ctx, req->job());
   if (!who.ok()) return Reply(ctx, who.status());
-  if (absl::Status s = auth_->MayReach(*who, req->job()); !s.ok()) return Reply(ctx, s);
   auto sizes = store_->ListSizes(req->job(), req->prefix());
   if (sizes.ok()) {
     int64_t reply_bytes = 0;
@@ -65,11 +62,7 @@ grpc::ServerUnaryReactor* InspectService::ListKeys(grpc::CallbackServerContext* 
                             " bytes, --max_message_bytes); list a narrower prefix")));
     }
     for (const auto& [key, bytes] : *sizes) {
-      // A client does not learn the daemons' keys, names included (as Store/List); an
-      // operator sees their names (who is missing from a formation).
-      if (!auth_->IsOperator(*who) && ClassOfKey(key) == KeyClass::kDaemonOnly) {
-        continue;
-      }
+      if (!auth_->MaySeeKey(*who, key)) continue;  // the daemons' own, to a client
       v1::KeyInfo* info = resp->add_keys();
       info->set_key(key);
       info->set_value_bytes(bytes);
@@ -81,9 +74,8 @@ grpc::ServerUnaryReactor* InspectService::ListKeys(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* InspectService::GetPackList(grpc::CallbackServerContext* ctx,
                                                       const v1::InspectPackListRequest* req,
                                                       v1::InspectPackListResponse* resp) {
-  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Reach(ctx, req->job());
   if (!who.ok()) return Reply(ctx, who.status());
-  if (absl::Status s = auth_->MayReach(*who, req->job()); !s.ok()) return Reply(ctx, s);
   if (auto ranks = ParseGroupKey(req->group()); !ranks.ok()) return Reply(ctx, ranks.status());
   auto bytes = store_->Peek(req->job(), PackListKey(req->group()));
   if (!bytes.ok() && bytes.status().code() != absl::StatusCode::kNotFound) {
@@ -306,9 +298,8 @@ v1::ListOpsResponse MergeOpsViews(const std::vector<std::string>& node_of_rank, 
 grpc::ServerUnaryReactor* InspectService::ListOps(grpc::CallbackServerContext* ctx,
                                                   const v1::ListOpsRequest* req,
                                                   v1::ListOpsResponse* resp) {
-  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Reach(ctx, req->job());
   if (!who.ok()) return Reply(ctx, who.status());
-  if (absl::Status s = auth_->MayReach(*who, req->job()); !s.ok()) return Reply(ctx, s);
   if (absl::Status s = CheckJobId(req->job()); !s.ok()) return Reply(ctx, s);
   absl::StatusOr<core::Engine::JobOpsView> view = engine_->ListOps(req->job(), req->group());
   if (!view.ok()) return Reply(ctx, view.status());
@@ -376,9 +367,8 @@ grpc::ServerUnaryReactor* InspectService::ListOps(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* InspectService::GetHistory(grpc::CallbackServerContext* ctx,
                                                      const v1::GetHistoryRequest* req,
                                                      v1::GetHistoryResponse* resp) {
-  const absl::StatusOr<PeerAuth::Who> who = auth_->Identify(ctx);
+  const absl::StatusOr<PeerAuth::Who> who = auth_->Reach(ctx, req->job());
   if (!who.ok()) return Reply(ctx, who.status());
-  if (absl::Status s = auth_->MayReach(*who, req->job()); !s.ok()) return Reply(ctx, s);
   if (absl::Status s = CheckJobId(req->job()); !s.ok()) return Reply(ctx, s);
   const std::string group = req->group().empty() ? std::string(kWorldGroup) : req->group();
   absl::StatusOr<core::Engine::GroupHistory> history = engine_->GetHistory(req->job(), group);

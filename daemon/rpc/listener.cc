@@ -10,7 +10,6 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -24,6 +23,7 @@
 #include "absl/strings/strip.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "common/unix_socket.h"
 
 namespace gradsync::rpc {
 namespace {
@@ -105,23 +105,8 @@ Listener::Listener(int fd, std::string name, ListenerLimits limits, Classify cla
 absl::StatusOr<std::unique_ptr<Listener>> Listener::Unix(const std::string& path, mode_t mode,
                                                          LocalPeers* peers, ListenerLimits limits,
                                                          Trouble on_trouble) {
-  sockaddr_un addr{};
-  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("socket path '", path, "' is too long"));
-  }
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return absl::InternalError(Errno("socket"));
-  // The umask keeps the socket from ever being wider than `mode`, which is set right after.
-  const mode_t old_umask = ::umask(0777 & ~mode);
-  const int bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  ::umask(old_umask);
-  if (bound != 0 || ::chmod(path.c_str(), mode) != 0 || ::listen(fd, SOMAXCONN) != 0) {
-    const std::string why = Errno(absl::StrCat("cannot listen on ", path));
-    ::close(fd);
-    return absl::UnavailableError(why);
-  }
+  absl::StatusOr<UnixListener> listening = ListenUnix(path, mode);
+  if (!listening.ok()) return listening.status();
   const uint32_t operator_uid = static_cast<uint32_t>(::geteuid());
   auto classify = [peers, operator_uid](int conn) -> absl::StatusOr<Source> {
     ucred cred{};
@@ -133,11 +118,10 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Unix(const std::string& path
     return Source{absl::StrCat("uid ", cred.uid), absl::StrCat("uid=", cred.uid, " pid=", cred.pid),
                   cred.uid == 0 || cred.uid == operator_uid, ""};
   };
-  auto listener = std::unique_ptr<Listener>(
-      new Listener(fd, "unix socket", limits, std::move(classify), std::move(on_trouble)));
+  auto listener = std::unique_ptr<Listener>(new Listener(
+      listening->fd, "unix socket", limits, std::move(classify), std::move(on_trouble)));
   GRADSYNC_RETURN_IF_ERROR(listener->Ready());
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0) listener->inode_ = st.st_ino;  // the file's, not the socket's
+  listener->inode_ = listening->inode;
   return listener;
 }
 

@@ -5,21 +5,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "daemon/rpc/call_util.h"
+#include "common/status_macros.h"
+#include "common/store_keys.h"
 
 namespace gradsync::rpc {
-namespace {
-
-// Compares without an early exit, so the time taken does not tell how much of a guess matched.
-bool SameSecret(absl::string_view a, absl::string_view b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
-  }
-  return diff == 0;
-}
-
-}  // namespace
 
 absl::StatusOr<PeerAuth::Who> PeerAuth::Identify(const grpc::CallbackServerContext* ctx) const {
   if (IsLocal(ctx)) {
@@ -61,14 +50,12 @@ absl::Status PeerAuth::MayReach(const Who& who, absl::string_view job) const {
     return absl::PermissionDeniedError(absl::StrCat("the client credential presented is for job '",
                                                     who.job, "', not '", job, "'"));
   }
-  if (!holders_) return absl::OkStatus();
-  if (who.uid.has_value() && (*who.uid == 0 || *who.uid == operator_uid_)) {
-    return absl::OkStatus();
-  }
+  if (!holders_ || IsOperator(who)) return absl::OkStatus();
   // A job's namespaces go together (its id and its elastic epochs', as its credential): one
   // held by a user holds them all.
-  absl::flat_hash_set<uint32_t> holders = holders_(CredentialJob(job));
-  if (CredentialJob(job) != job) {  // a job whose own id ends ".e<N>" (not elastic) holds it too
+  const std::string family = CredentialJob(job);
+  absl::flat_hash_set<uint32_t> holders = holders_(family);
+  if (family != job) {  // a job whose own id ends ".e<N>" (not elastic) holds it too
     const absl::flat_hash_set<uint32_t> own = holders_(job);
     holders.insert(own.begin(), own.end());
   }
@@ -81,6 +68,18 @@ absl::Status PeerAuth::MayReach(const Who& who, absl::string_view job) const {
       "socket reaches only the jobs its own user's trainers hold (or that none holds)"));
 }
 
+absl::StatusOr<PeerAuth::Who> PeerAuth::Reach(const grpc::CallbackServerContext* ctx,
+                                              absl::string_view job) const {
+  absl::StatusOr<Who> who = Identify(ctx);
+  if (!who.ok()) return who.status();
+  GRADSYNC_RETURN_IF_ERROR(MayReach(*who, job));
+  return who;
+}
+
+bool PeerAuth::MaySeeKey(const Who& who, absl::string_view key) const {
+  return IsOperator(who) || ClassOfKey(key) != KeyClass::kDaemonOnly;
+}
+
 bool PeerAuth::IsLocal(const grpc::CallbackServerContext* ctx) {
   // "fd:": a connection the daemon's Listener accepted on the unix socket; "unix:": one gRPC did.
   return absl::StartsWith(ctx->peer(), "fd:") || absl::StartsWith(ctx->peer(), "unix:");
@@ -91,12 +90,6 @@ absl::Status PeerAuth::CheckTrainer(const grpc::CallbackServerContext* ctx) {
   return absl::PermissionDeniedError(
       "trainer sessions (gradsync.v1.GradSync) are served on the daemon's unix socket only; "
       "TCP is for other daemons");
-}
-
-grpc::ServerUnaryReactor* PeerAuth::Refuse(grpc::CallbackServerContext* ctx) const {
-  absl::Status status = Check(ctx);
-  if (status.ok()) return nullptr;
-  return Reply(ctx, status);
 }
 
 }  // namespace gradsync::rpc

@@ -60,6 +60,11 @@ class PeerAuth {
   /// A TCP client reaches the job its credential is for (its id and its elastic epochs'); a
   /// daemon (the token) every job. PERMISSION_DENIED naming the job otherwise.
   absl::Status MayReach(const Who& who, absl::string_view job) const;
+  /// Identify, then MayReach: the caller of `ctx`, when it may reach job `job`.
+  absl::StatusOr<Who> Reach(const grpc::CallbackServerContext* ctx, absl::string_view job) const;
+  /// Whether a List of a job's keys shows `key` to `who`: the daemons' own keys (names only)
+  /// to operators alone (IsOperator).
+  bool MaySeeKey(const Who& who, absl::string_view key) const;
   /// A daemon (the token), or root or the daemon's own uid on the unix socket: who may see the
   /// names of the daemons' own keys (never their values, unless a daemon).
   bool IsOperator(const Who& who) const {
@@ -75,9 +80,6 @@ class PeerAuth {
   void SetTcpPeers(TcpPeers* peers) { tcp_peers_ = peers; }
   using Holders = std::function<absl::flat_hash_set<uint32_t>(absl::string_view job)>;
   void SetJobHolders(Holders holders) { holders_ = std::move(holders); }
-  absl::Status Check(const grpc::CallbackServerContext* ctx) const {
-    return Identify(ctx).status();
-  }
 
   /// What a caller of the unix socket presents over TCP to this cluster's daemons for job
   /// `job`; empty when this daemon has no token.
@@ -90,9 +92,6 @@ class PeerAuth {
   static absl::Status CheckTrainer(const grpc::CallbackServerContext* ctx);
   /// Whether `ctx` came in on the unix socket.
   static bool IsLocal(const grpc::CallbackServerContext* ctx);
-
-  /// A reactor already finished with UNAUTHENTICATED, or nullptr when the call may proceed.
-  grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* ctx) const;
 
  private:
   const std::string token_;

@@ -227,9 +227,7 @@ absl::Status StoreService::CheckReads(const Who& who, absl::string_view job,
 grpc::ServerUnaryReactor* StoreService::RunForJob(grpc::CallbackServerContext* ctx,
                                                   absl::string_view job,
                                                   std::function<absl::Status()> work) {
-  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
-  if (!caller.ok()) return Reply(ctx, caller.status());
-  if (absl::Status s = auth_->MayReach(*caller, job); !s.ok()) return Reply(ctx, s);
+  if (absl::Status s = auth_->Reach(ctx, job).status(); !s.ok()) return Reply(ctx, s);
   return Run(ctx, std::move(work));
 }
 
@@ -440,12 +438,9 @@ grpc::ServerUnaryReactor* StoreService::List(grpc::CallbackServerContext* ctx,
     GRADSYNC_RETURN_IF_ERROR(auth_->MayReach(caller, req->job()));
     auto keys = store_->List(req->job(), req->prefix());
     if (!keys.ok()) return keys.status();
-    if (!auth_->IsOperator(caller)) {  // a client does not learn the daemons' keys' names
-      keys->erase(std::remove_if(
-                      keys->begin(), keys->end(),
-                      [](const std::string& k) { return ClassOfKey(k) == KeyClass::kDaemonOnly; }),
-                  keys->end());
-    }
+    keys->erase(std::remove_if(keys->begin(), keys->end(),
+                               [&](const std::string& k) { return !auth_->MaySeeKey(caller, k); }),
+                keys->end());
     int64_t reply_bytes = 0;
     for (const std::string& k : *keys) reply_bytes += static_cast<int64_t>(k.size()) + 6;
     if (reply_bytes > max_reply_bytes_) {
@@ -470,9 +465,7 @@ grpc::ServerUnaryReactor* StoreService::SetPackList(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* StoreService::GetPackList(grpc::CallbackServerContext* ctx,
                                                     const v1::GetPackListRequest* req,
                                                     v1::GetPackListResponse* resp) {
-  const absl::StatusOr<Who> caller = auth_->Identify(ctx);
-  if (!caller.ok()) return Reply(ctx, caller.status());
-  if (absl::Status s = auth_->MayReach(*caller, req->job()); !s.ok()) return Reply(ctx, s);
+  if (absl::Status s = auth_->Reach(ctx, req->job()).status(); !s.ok()) return Reply(ctx, s);
   if (auto ranks = ParseGroupKey(req->group()); !ranks.ok()) return Reply(ctx, ranks.status());
   auto deadline = WaitDeadline(ctx, "GetPackList", max_wait_);
   if (!deadline.ok()) return Reply(ctx, deadline.status());

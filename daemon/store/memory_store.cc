@@ -357,7 +357,12 @@ void MemoryStore::EraseLocked(Jobs::iterator job_it, Keys::iterator it) {
   j.value_bytes -= static_cast<int64_t>(it->second.size());
   total_bytes_ -= bytes;
   j.kv.erase(it);
-  if (j.kv.empty()) jobs_.erase(job_it);  // a job with no key is no job: it counts for nothing
+  if (j.kv.empty()) EraseJobLocked(job_it);  // a job with no key is no job: it counts for nothing
+}
+
+void MemoryStore::EraseJobLocked(Jobs::iterator job_it) {
+  total_bytes_ -= job_it->second.key_bytes + job_it->second.value_bytes;
+  jobs_.erase(job_it);
 }
 
 void MemoryStore::TouchLocked(absl::string_view job) {
@@ -418,9 +423,7 @@ absl::StatusOr<std::vector<JobStats>> MemoryStore::ListJobs() {
 void MemoryStore::DeleteJob(absl::string_view job) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job);
-  if (it == jobs_.end()) return;
-  total_bytes_ -= it->second.key_bytes + it->second.value_bytes;
-  jobs_.erase(it);
+  if (it != jobs_.end()) EraseJobLocked(it);
 }
 
 void MemoryStore::SetHolder(std::function<bool(absl::string_view job)> held) {
@@ -461,8 +464,7 @@ void MemoryStore::SweepIdleLocked(absl::Time now) {
         "named it for {}",
         it->first, it->second.kv.size(), it->second.key_bytes + it->second.value_bytes,
         absl::FormatDuration(options_.idle_job_ttl));
-    total_bytes_ -= it->second.key_bytes + it->second.value_bytes;
-    jobs_.erase(it);
+    EraseJobLocked(it);
   }
 }
 

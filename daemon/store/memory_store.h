@@ -124,6 +124,8 @@ class MemoryStore final : public JobStore {
   void TouchLocked(absl::string_view job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes `key` of the job at `job_it`, and the job with its last key.
   void EraseLocked(Jobs::iterator job_it, Keys::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the job at `job_it` with all its keys.
+  void EraseJobLocked(Jobs::iterator job_it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes the jobs idle past the ttl that no session holds; releases mu_ while it asks.
   void SweepIdleLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
