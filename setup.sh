@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # gradsync's one setup script.
 #
-#   ./setup.sh           install the Debian packages gradsync needs (idempotent; root)
+#   ./setup.sh           install the Debian packages gradsync needs (idempotent; root), and a
+#                        virtual environment ./.venv (GRADSYNC_VENV) with the pinned torch 2.x
+#                        from PyPI (fetched once: kept while it holds that version)
 #   ./setup.sh build     ... then configure and build into ./build (GRADSYNC_SANITIZE=address, or
 #                        1: clang, ASan+UBSan, ./build-asan; =thread: TSan, ./build-tsan; both
 #                        through tests/sanitizers/run.sh)
-#   ./setup.sh test      ... then run every test (ctest; pytest when tests/python exists)
+#   ./setup.sh test      ... then run every test (ctest; tests/python under Debian's torch 1.13
+#                        and again under the pinned torch 2.x)
 #   ./setup.sh demo      ... then run the main job on this machine: a real gradsyncd hosting the
-#                        job's store, and the example PyTorch trainer under torchrun, 4 ranks
+#                        job's store, and the example PyTorch trainer under torch 2.x's
+#                        torchrun, 4 ranks
 #   ./setup.sh bench     ... then run the benchmarks against their peers (minutes)
 #   ./setup.sh package   ... then build the Debian packages gradsyncd, libgradsync-dev and
 #                        python3-gradsync into ./build/packages (cmake/Packaging.cmake);
@@ -21,13 +25,22 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev libsystemd-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev googletest
   clang libclang-rt-14-dev
-  python3-torch python3-grpcio python3-pytest python3-numpy
+  python3-torch python3-grpcio python3-pytest python3-numpy python3-venv
   openmpi-bin libopenmpi-dev
   iproute2 systemd procps
   etcd-server etcd-client
-  dpkg-dev lintian
+  dpkg-dev lintian groff-base
+  debootstrap buildah
 )
 PY=/usr/bin/python3  # Debian's torch imports only here
+# torch 2.x: PyPI's Linux build (a CUDA build; it runs on the CPU), in a virtual environment that
+# also sees Debian's packages (grpcio, pytest, numpy); its own torch comes first.
+TORCH2=2.15.0
+VENV=${GRADSYNC_VENV:-$PWD/.venv}
+PY2=$VENV/bin/python
+# expecttest: torch's own distributed tests (tests/python/test_torch_upstream.py) import it.
+# kubernetes-validate: the Kubernetes API's JSON schemas, offline (tests/deploy/kubernetes_test.sh).
+venv_packages=("torch==$TORCH2" expecttest==0.3.0 kubernetes-validate==1.30.0)
 case ${GRADSYNC_SANITIZE:-0} in
   0 | OFF | off | "") sanitize= ;;
   1 | ON | on | address) sanitize=address ;;
@@ -53,9 +66,24 @@ install_packages() {
   fi
   echo "setup: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Explicit exits: callers chain this with &&, where bash's errexit does not apply.
+  apt-get update -qq || { echo "setup: apt-get update failed" >&2; exit 1; }
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
+    { echo "setup: apt-get install failed: ${missing[*]}" >&2; exit 1; }
   echo "setup: packages installed"
+}
+
+install_venv() {
+  if [[ -x $PY2 ]] && $PY2 -c 'import importlib.metadata as m, sys
+sys.exit(any(m.version(n) != v for n, v in (p.split("==") for p in sys.argv[1:])))' \
+    "${venv_packages[@]}" 2>/dev/null; then
+    echo "setup: $VENV has ${venv_packages[*]}"
+    return
+  fi
+  echo "setup: installing ${venv_packages[*]} from PyPI into $VENV (a few GB)"
+  $PY -m venv --system-site-packages "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "${venv_packages[@]}"
+  $PY2 -c 'import torch; print("setup: torch", torch.__version__, "in", torch.__file__)'
 }
 
 build() {
@@ -78,9 +106,11 @@ run_tests() {
     return $rc
   fi
   (cd "$build_dir" && ctest --output-on-failure -j"$(nproc)") || rc=$?
-  if [[ -d tests/python ]] && compgen -G "tests/python/test_*.py" >/dev/null; then
-    GRADSYNC_BUILD_DIR=$PWD/$build_dir $PY -m pytest -q tests/python || rc=$?
-  fi
+  local py
+  for py in $PY $PY2; do  # Debian's torch 1.13, then torch 2.x
+    echo "setup: tests/python under $py (torch $($py -c 'import torch; print(torch.__version__)'))"
+    GRADSYNC_BUILD_DIR=$PWD/$build_dir $py -m pytest -q tests/python || rc=$?
+  done
   return $rc
 }
 
@@ -106,11 +136,10 @@ demo() {
   trap 'kill $daemon 2>/dev/null || true; rm -rf "$dir"' RETURN
   for _ in $(seq 1 200); do $ctl health >/dev/null 2>&1 && break; sleep 0.05; done
   $ctl health
-  # The example trainer under torchrun: 4 ranks, gradients packed and reduced through the daemon.
-  # (--redirects 1 --tee 1: Debian's torchrun 1.13 cannot parse its default "0" on Python 3.11.)
+  # The example trainer under torch 2.x's torchrun: 4 ranks, gradients packed and reduced
+  # through the daemon.
   GRADSYNC_SOCKET=$sock GRADSYNC_JOB=demo PYTHONPATH=$PWD/$build_dir/python OMP_NUM_THREADS=1 \
-    $PY -m torch.distributed.run --standalone --nproc_per_node=$world \
-    --redirects 1 --tee 1 --log_dir "$dir/torchrun" \
+    $PY2 -m torch.distributed.run --standalone --nproc_per_node=$world --log_dir "$dir/torchrun" \
     client/python/examples/train.py --steps 40 --param_pack --param_pack_thd 8192 \
     --out "$dir/params{rank}.pt" --hold released &
   local torchrun=$!
@@ -129,7 +158,7 @@ demo() {
   echo "after the trainers left (the job's state is gone with it):"
   $ctl jobs || rc=1
   # Every rank ends with the same parameters.
-  $PY -c 'import sys, torch
+  $PY2 -c 'import sys, torch
 p = [torch.load(f"{sys.argv[1]}/params{r}.pt") for r in range(int(sys.argv[2]))]
 same = all(all(torch.equal(a, b) for a, b in zip(p[0], q)) for q in p[1:])
 print(f"parameters identical on all {len(p)} ranks: {same}")
@@ -143,12 +172,13 @@ sys.exit(0 if same else 1)' "$dir" $world || rc=1
 }
 
 case ${1:-install} in
-  install) install_packages ;;
+  install) install_packages && install_venv ;;
   build) install_packages && build ;;
-  test) install_packages && build && run_tests ;;
-  demo) install_packages && build && demo ;;
+  test) install_packages && install_venv && build && run_tests ;;
+  demo) install_packages && install_venv && build && demo ;;
   package) install_packages && build && package ;;
-  bench) install_packages && build && $PY bench/collective_bench.py --build "$build_dir" &&
-    $PY bench/store_bench.py --build "$build_dir" && $PY bench/train_bench.py --build "$build_dir" ;;
+  bench) install_packages && install_venv && build &&
+    $PY2 bench/collective_bench.py --build "$build_dir" &&
+    $PY2 bench/store_bench.py --build "$build_dir" && $PY2 bench/train_bench.py --build "$build_dir" ;;
   *) sed -n '2,15p' "$0"; exit 2 ;;
 esac

@@ -7,7 +7,7 @@ Runs, one after another:
   gradsync_elastic           the same as an elastic job (only when asked with --only): across
                              nodes its large all-reduces run the ring in the daemon's scratch
                              buffer, copied to the members once done (a change writes nothing)
-  torch_gloo                 bench/torch_gloo_allreduce.py (Debian's /usr/bin/python3 + torch)
+  torch_gloo                 bench/torch_gloo_allreduce.py under this interpreter and its torch
   openmpi                    mpirun -np N <build>/bench/mpi_allreduce (shared memory, unbound)
 and prints, per rank count:
   * per size: median latency and bus bandwidth of each, and gradsync's busbw relative to each
@@ -22,8 +22,9 @@ and prints, per rank count:
 Each client is a separate process; with more ranks than cores the machine is oversubscribed
 and the numbers show it. An implementation whose binary is missing is reported as skipped.
 
-Run with Debian's interpreter (torch lives there; the driver itself only uses the stdlib):
-  /usr/bin/python3 bench/collective_bench.py --build build --ranks 2,4 --json /tmp/cb.json
+Run with the interpreter whose torch is the peer (the driver itself only uses the stdlib):
+  .venv/bin/python bench/collective_bench.py --build build --ranks 2,4 --json /tmp/cb.json
+(torch 2.x; /usr/bin/python3 for Debian's torch 1.13).
 """
 import argparse
 import json
@@ -241,7 +242,7 @@ def run_gradsync(args, n, tmp, impl="gradsync"):
 
 def run_torch_gloo(args, n):
     script = os.path.join(HERE, "torch_gloo_allreduce.py")
-    python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+    python = sys.executable
     if not os.path.isfile(script):
         raise Skip(f"{script} not found")
     out = run([python, script, f"--ranks={n}", "--sizes=" + ",".join(map(str, args.sizes)),
@@ -374,6 +375,15 @@ def cpu_model():
     return platform.machine()
 
 
+def torch_version():
+    """The torch the gloo peer runs (this interpreter's), or None."""
+    try:
+        import torch  # noqa: PLC0415 - the driver needs no torch itself
+    except ImportError:
+        return None
+    return torch.__version__
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -448,7 +458,8 @@ def main():
             shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"CPU allreduce, {os.cpu_count()} cores ({cpu_model()}), ~{args.seconds:g} s per case, "
-          f"each rank a separate process; load average {load:.2f} before the run")
+          f"each rank a separate process; torch {torch_version()} for gloo; load average "
+          f"{load:.2f} before the run")
     for rec in results:
         if rec.get("impl") == "membw":
             print(f"membw {rec['case']:<4} {rec['threads']} thread(s): {rec['GBps']:.1f} GB/s"
@@ -461,6 +472,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cores": os.cpu_count(), "cpu": cpu_model(), "load_before": load,
+                       "python": sys.executable, "torch": torch_version(),
                        "args": vars(args), "ranks": ranks, "results": results,
                        "notes": {str(k): v for k, v in notes.items()}}, f, indent=1)
     if failures:

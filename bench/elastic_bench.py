@@ -4,8 +4,11 @@ the job's trainers (what torchrun does on a failure). Real gradsyncd processes o
 trainer rank per daemon (tests/python/elastic_worker.py: a small MLP, DistributedOptimizer,
 gradsync.elastic.run, a commit every step, a step every 50 ms).
 
-    /usr/bin/python3 bench/elastic_bench.py --build build [--sizes 4,8] [--reps 3]
-         [--faults kill,freeze,cut,replace,torchrun] [--json out.json]
+    .venv/bin/python bench/elastic_bench.py --build build [--sizes 4,8] [--reps 3]
+         [--faults kill,freeze,cut,replace,torchrun,torchft,torchft_replace] [--json out.json]
+
+The trainers run under this interpreter and its torch (torchft needs torch 2: the venv, with
+`pip install torchft==0.2.0`).
 
 Per repetition: N daemons, N trainers of a fresh elastic job; once every trainer has done 5
 steps the last node is lost: its daemon and trainer killed (kill), its daemon stopped
@@ -22,7 +25,15 @@ loaded. The peer: the same N-1 trainers started afresh as a new job (new process
 the least a restart of the job's trainers costs before any checkpoint is loaded; torchrun
 must first notice the failure too, which this does not count. Ratio: resume / restart.
 
-`torchrun` (a fault of its own, the peer measured whole): N torchrun agents (Debian's torch,
+`torchft`, `torchft_replace` (the peer measured whole): torchft's Lighthouse in this process
+and N replica groups of one rank each (bench/torchft_worker.py: the same MLP under torchft's
+Manager, DDP and OptimizerWrapper over its ProcessGroupGloo, a step every 50 ms), min_replicas
+N-1, heartbeat timeout 1.5 s (gradsync's --peer_timeout), join timeout 1 s; once every group
+has done 5 steps the last is killed: seconds from the kill to each survivor's first committed
+step in a quorum of N-1; with `torchft_replace`, once they train so, a new replica group is
+started: seconds from its start until every group has committed a step in a quorum of N.
+
+`torchrun` (a fault of its own, the peer measured whole): N torchrun agents (this torch,
 `--nnodes=N-1:N`, c10d rendezvous on loopback, `last_call_timeout=1`, `--max_restarts=3`,
 `--monitor_interval=0.1`), one worker each (bench/torchrun_worker.py: the same MLP under DDP
 over gloo, a step every 50 ms); once every worker has done 5 steps the last agent and its worker
@@ -46,7 +57,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "faults"))
 import netlab  # noqa: E402 - the fault suite's network namespaces, for a cut link
 WORKER = os.path.join(ROOT, "tests", "python", "elastic_worker.py")
 TORCHRUN_WORKER = os.path.join(ROOT, "bench", "torchrun_worker.py")
-PYTHON = "/usr/bin/python3"
+TORCHFT_WORKER = os.path.join(ROOT, "bench", "torchft_worker.py")
+PYTHON = sys.executable
 TOKEN = "elastic-bench-token\n"
 
 
@@ -220,6 +232,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+def kill_tree(pid):
+    """SIGKILL to `pid`'s process group and to every descendant (torch 2's torchrun starts its
+    workers in sessions of their own)."""
+    family, frontier = [pid], [pid]
+    while frontier:
+        children = subprocess.run(["ps", "-o", "pid=", "--ppid", ",".join(map(str, frontier))],
+                                  capture_output=True, text=True).stdout.split()
+        frontier = [int(c) for c in children]
+        family += frontier
+    for p in family:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def torchrun_rep(n, index, bound):
     """The torchrun peer: N agents, the last killed at step 5; seconds from the kill to each
     survivor's first step in the restarted world (None: none within `bound`)."""
@@ -247,7 +279,7 @@ def torchrun_rep(n, index, bound):
                         120):
             raise RuntimeError("torchrun workers did not reach step 5")
         t_kill = time.time()
-        os.killpg(agents[-1].pid, signal.SIGKILL)
+        kill_tree(agents[-1].pid)
 
         def resumed(o):
             # Only restarted workers see N-1 (an agent restarted for the others' change counts
@@ -257,11 +289,65 @@ def torchrun_rep(n, index, bound):
         return [min(resumed(o)) if resumed(o) else None for o in outs[:-1]]
     finally:
         for a in agents:
-            try:
-                os.killpg(a.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_tree(a.pid)
             a.wait()
+        if os.environ.get("BENCH_KEEP"):
+            print(f"kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def torchft_rep(n, index, bound, replace):
+    """The torchft peer (see the module's doc): seconds from the kill to each survivor's first
+    step in a quorum of N-1 and, with `replace`, from the new group's start until every group
+    stepped in a quorum of N (None: not within `bound`)."""
+    from torchft._torchft import LighthouseServer  # noqa: PLC0415 - only this peer needs it
+    tmp = tempfile.mkdtemp(prefix="gradsync-torchft-bench-")
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=n - 1, join_timeout_ms=1000,
+                                  heartbeat_timeout_ms=1500)
+    procs, outs = [], []
+
+    def start(i):
+        out = os.path.join(tmp, f"group-{i}.out")
+        env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(),
+                   TORCHFT_REPLICA=f"group{i}-{index}", TORCHFT_MIN_REPLICAS=str(n - 1),
+                   OMP_NUM_THREADS="1")
+        with open(out, "w") as f:
+            procs.append(subprocess.Popen([PYTHON, TORCHFT_WORKER, "100000", "0.05"], env=env,
+                                          stdout=f, stderr=subprocess.STDOUT))
+        outs.append(out)
+
+    def stepped(o, world, since):
+        return [l["t"] - since for l in lines(o) if l.get("world") == world and l["t"] > since]
+    try:
+        for i in range(n):
+            start(i)
+        if not wait_for(lambda: all(any(l.get("world") == n and l.get("step", 0) >= 5
+                                        for l in lines(o)) for o in outs), 120):
+            raise RuntimeError("torchft groups did not reach step 5 together: "
+                               + open(outs[0]).read()[-2000:])
+        t_kill = time.time()
+        procs[-1].kill()
+        survivors = outs[:-1]
+        wait_for(lambda: all(stepped(o, n - 1, t_kill) for o in survivors), bound)
+        resume = [min(stepped(o, n - 1, t_kill)) if stepped(o, n - 1, t_kill) else None
+                  for o in survivors]
+        joined = None
+        if replace:
+            t_start = time.time()
+            start(n)
+            everyone = survivors + outs[-1:]
+            if wait_for(lambda: all(stepped(o, n, t_start) for o in everyone), bound):
+                full = max(min(stepped(o, n, t_start)) for o in everyone)
+                imported = [l["imported"] for l in lines(outs[-1]) if "imported" in l]
+                joined = [full, full - (imported[0] - t_start) if imported else None]
+        return {"resume": resume, "joined": joined}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        lighthouse.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -288,6 +374,26 @@ def main():
           f"{'restart s (median)':>19} {'resume/restart':>15}")
     for n in [int(s) for s in args.sizes.split(",")]:
         for fault in faults:
+            if fault in ("torchft", "torchft_replace"):
+                took, joins = [], []
+                for i in range(args.reps):
+                    r = torchft_rep(n, i, args.bound, fault == "torchft_replace")
+                    results.append({"nodes": n, "fault": fault, "rep": i, **r})
+                    took += [x for x in r["resume"] if x is not None]
+                    if r["joined"]:
+                        joins.append(r["joined"][0])
+                        print(f"  rep {i}: torchft's quorum of {n} again {r['joined'][0]:.2f} s "
+                              f"after the new group started ({r['joined'][1]:.2f} s after its "
+                              "imports)")
+                    if None in r["resume"]:
+                        print(f"  rep {i}: {r['resume'].count(None)} group(s) gave no figure "
+                              f"within {args.bound} s")
+                figures = joins if fault == "torchft_replace" else took
+                if figures:
+                    print(f"{n:>5} {fault:>8} {statistics.median(figures):>11.2f} "
+                          f"{max(figures):>10.2f}   (torchft's replica groups, killed group"
+                          + (", then a new one)" if fault == "torchft_replace" else ")"))
+                continue
             if fault == "torchrun":
                 took = []
                 for i in range(args.reps):

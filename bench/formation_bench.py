@@ -12,12 +12,17 @@ Embedded: daemon 0 is the job's root and holds its store; the others reach it ov
 every daemon has --store=etcd on one etcd member on loopback (data on disk unless --etcd_dir
 says otherwise), and no rank names a root.
 
+The peer (--torch, on by default): the same N ranks as a torch.distributed job of this
+interpreter's torch, gloo over torch's TCPStore (rank 0 hosts it; libuv in torch 2.x), formed by
+init_process_group and one barrier (bench/torch_formation_worker.py), timed the same way: from
+the moment the last rank called init_process_group to the moment the last barrier returned.
+
 Store calls per daemon: the Store calls (Set, Wait, Add, CompareSet, Delete, List) a job costs,
 from the daemons' gradsync_store_calls_total (the embedded store counts every daemon's calls at
 the root: their sum over N is the mean per daemon; on etcd each daemon counts its own, so the
 largest is shown too). They must not grow with N.
 
-Run:  /usr/bin/python3 bench/formation_bench.py --build build
+Run:  .venv/bin/python bench/formation_bench.py --build build
 """
 import argparse
 import os
@@ -70,20 +75,40 @@ class Daemon:
         self.proc.send_signal(signal.SIGTERM)
 
 
+def formation_ms(what, ranks):
+    """The ranks' formation time in ms, from each one's "registered NS barrier NS" line: the
+    last registration to the last barrier's return."""
+    registered, done = [], []
+    for r in ranks:
+        out, err = r.communicate(timeout=TIMEOUT_S)
+        m = re.search(r"registered (\d+) barrier (\d+)", out)
+        if r.returncode != 0 or not m:
+            raise RuntimeError(f"{what}: a rank failed: {err.strip()[-1500:]}")
+        registered.append(int(m.group(1)))
+        done.append(int(m.group(2)))
+    return (max(done) - max(registered)) / 1e6
+
+
+def run_torch_job(n):
+    """One torch.distributed job of n ranks: its formation time in ms."""
+    import socket  # noqa: PLC0415
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_formation_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return formation_ms(f"torch job of {n}", [
+        subprocess.Popen([sys.executable, worker, str(port), str(n), str(r)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(n)])
+
+
 def run_job(build, daemons, job, root):
     workers = [subprocess.Popen([os.path.join(build, "bench", "formation_bench_worker"),
                                  "unix:" + d.sock, job, str(len(daemons)), str(rank), root],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for rank, d in enumerate(daemons)]
-    registered, done = [], []
-    for w in workers:
-        out, err = w.communicate(timeout=TIMEOUT_S)
-        m = re.search(r"registered (\d+) barrier (\d+)", out)
-        if w.returncode != 0 or not m:
-            raise RuntimeError(f"job {job}: a rank failed: {err.strip()}")
-        registered.append(int(m.group(1)))
-        done.append(int(m.group(2)))
-    return (max(done) - max(registered)) / 1e6
+    return formation_ms(f"job {job}", workers)
 
 
 def measure(build, tmp, token_file, backend, n, repeats, etcd):
@@ -122,6 +147,7 @@ def main():
     ap.add_argument("--build", default="build")
     ap.add_argument("--daemons", default="4,8,16,32")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--torch", type=int, default=1, help="1: measure the torch peer too")
     ap.add_argument("--etcd_dir", default=None,
                     help="parent directory of etcd's data (default: the temporary directory)")
     args = ap.parse_args()
@@ -136,9 +162,13 @@ def main():
     print(f"job formation, one rank per daemon, {args.repeats} jobs per cell, {os.cpu_count()} "
           f"cores, every daemon and rank on this machine; etcd: one member on loopback"
           + (f", data in {args.etcd_dir}" if args.etcd_dir else ", data on disk"))
+    if args.torch:
+        import torch  # noqa: PLC0415 - only to say which torch the peer runs
+        print(f"peer: torch {torch.__version__} gloo over TCPStore, one process per rank")
     header = (f"{'daemons':>7} {'embedded ms (min..max)':>24} {'etcd ms (min..max)':>22} "
               f"{'etcd/embedded':>14} {'calls/daemon embedded':>22} "
-              f"{'calls/daemon etcd (max)':>24}")
+              f"{'calls/daemon etcd (max)':>24}"
+              + (f" {'torch ms (min..max)':>22} {'torch/embedded':>15}" if args.torch else ""))
     print(header)
     print("-" * len(header))
     failed = True
@@ -150,10 +180,16 @@ def main():
                                          etcd)
             (et, ecalls, _), (ot, ocalls, omax) = cells["embedded"], cells["etcd"]
             med_e, med_o = statistics.median(et), statistics.median(ot)
+            peer = ""
+            if args.torch:
+                tt = [run_torch_job(n) for _ in range(args.repeats)]
+                med_t = statistics.median(tt)
+                peer = (f" {f'{med_t:,.0f} ({min(tt):,.0f}..{max(tt):,.0f})':>22} "
+                        f"{med_t / med_e:>14.2f}x")
             print(f"{n:>7} {f'{med_e:,.0f} ({min(et):,.0f}..{max(et):,.0f})':>24} "
                   f"{f'{med_o:,.0f} ({min(ot):,.0f}..{max(ot):,.0f})':>22} "
-                  f"{med_o / med_e:>13.2f}x {ecalls:>22.1f} {f'{ocalls:.1f} ({omax:.0f})':>24}",
-                  flush=True)
+                  f"{med_o / med_e:>13.2f}x {ecalls:>22.1f} {f'{ocalls:.1f} ({omax:.0f})':>24}"
+                  + peer, flush=True)
         failed = False
     finally:
         etcd.stop()

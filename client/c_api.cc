@@ -12,6 +12,7 @@
 #include "client/gradsync_client.h"
 #include "client/store_client.h"
 #include "common/dtype.h"
+#include "common/elastic_records.h"
 #include "common/job_id.h"
 #include "common/pack_list.h"
 #include "common/tls.h"
@@ -336,6 +337,11 @@ int gs_cuda_buffer_deregister(gs_client* client, const gs_cuda_buffer* buffer) {
 
 void gs_cuda_buffer_free(gs_cuda_buffer* buffer) { delete buffer; }
 
+int gs_settle(gs_client* client) {
+  if (int rc = NeedSession(client)) return rc;
+  return Report(client->impl->Settle());
+}
+
 int gs_all_reduce_async(gs_client* client, int dtype, int reduce_op, const gs_segment* data,
                         size_t n, const gs_op_options* options, gs_op** out) {
   if (int rc = 0; (rc = NeedSession(client)) || (rc = Check(out, "out"))) return rc;
@@ -483,6 +489,19 @@ int CopyOut(const std::string& bytes, void** value, size_t* n) {
 
 }  // namespace
 
+int gs_store_join(gs_client* client, int ranks, int64_t timeout_ms, int64_t* ticket,
+                  void** admission, size_t* n) {
+  if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(ticket, "ticket")) ||
+                  (rc = Check(admission, "admission")) || (rc = Check(n, "n"))) {
+    return rc;
+  }
+  auto v = client->store->Join(client->job, ranks, absl::Milliseconds(timeout_ms),
+                               gradsync::kJoinGrace);
+  if (!v.ok()) return Fail(v.status());
+  *ticket = v->ticket();
+  return CopyOut(v->admission(), admission, n);
+}
+
 int gs_store_take_ticket(gs_client* client, int ranks, int64_t* ticket) {
   if (int rc = 0; (rc = NeedStore(client)) || (rc = Check(ticket, "ticket"))) return rc;
   auto v = client->store->TakeTicket(client->job, ranks);
@@ -553,6 +572,18 @@ int gs_plan_packs(const char* grads_json, int64_t threshold_bytes, int32_t first
   auto plan = gradsync::PlanPacks(infos, options);
   if (!plan.ok()) return Fail(plan.status());
   return ToJson(*plan, plan_json);
+}
+
+int gs_record_json(const char* kind, const void* record, size_t n, char** json) {
+  if (int rc = 0; (rc = Check(kind, "kind")) || (rc = Check(json, "json")) ||
+                  (rc = n > 0 ? Check(record, "record") : 0)) {
+    return rc;
+  }
+  absl::StatusOr<std::string> text =
+      gradsync::ElasticRecordJson(kind, absl::string_view(static_cast<const char*>(record), n));
+  if (!text.ok()) return Fail(text.status());
+  *json = Duplicate(*text);
+  return *json == nullptr ? Fail(absl::ResourceExhaustedError("out of memory")) : 0;
 }
 
 int64_t gs_dtype_size(int dtype) { return gradsync::DTypeSize(ToDType(dtype)); }

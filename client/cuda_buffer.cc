@@ -227,7 +227,13 @@ absl::StatusOr<std::unique_ptr<CudaBuffer>> Client::RegisterCudaBuffer(void*, in
 
 absl::Status Client::DestroyCudaBuffer(std::unique_ptr<CudaBuffer> buffer) {
   if (!buffer) return absl::OkStatus();
-  return DeregisterBuffer(buffer->id());
+  // The daemon answers once it no longer uses the events (every op that named the buffer has
+  // settled on the device): only then are they destroyed. Without that answer they are left
+  // to the process's end, since destroying an event under the daemon's pending record of it
+  // is undefined (cudaIpcOpenEventHandle).
+  absl::Status s = DeregisterBuffer(buffer->id());
+  if (!s.ok()) (void)buffer.release();
+  return s;
 }
 
 }  // namespace gradsync::client

@@ -102,6 +102,57 @@ int Fail(const std::string& what, const absl::Status& s) {
   return 1;
 }
 
+// Rendezvous through the store, then one pack plan on every rank: rank 0 plans and publishes
+// it, the others fetch it (the reference optimizer's get_pack_list / set_pack_list), and rank 0
+// checks that every rank reports the same bytes.
+absl::StatusOr<gradsync::v1::PackList> AgreeOnPlan(gradsync::client::StoreClient& store,
+                                                   const std::string& job, int rank, int world,
+                                                   absl::Time deadline) {
+  auto failed = [](absl::string_view stage, const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat(stage, ": ", s.message()));
+  };
+  if (absl::Status s = store.Set(job, absl::StrCat("rank/", rank), "up"); !s.ok()) {
+    return failed("announce", s);
+  }
+  std::vector<std::string> everyone;
+  for (int r = 0; r < world; ++r) everyone.push_back(absl::StrCat("rank/", r));
+  if (absl::Status s = store.Wait(job, everyone, deadline); !s.ok()) {
+    return failed("rendezvous", s);
+  }
+  gradsync::v1::PackList plan;
+  if (rank == 0) {
+    gradsync::PackOptions options;
+    options.threshold_bytes = 4 << 20;
+    options.first_alone = 1;
+    auto planned = gradsync::PlanPacks(ModelGradients(), options);
+    if (!planned.ok()) return failed("plan", planned.status());
+    plan = *planned;
+    if (absl::Status s = store.SetPackList(job, "world", plan); !s.ok()) {
+      return failed("publish", s);
+    }
+  } else {
+    auto fetched = store.GetPackList(job, "world", deadline);
+    if (!fetched.ok()) return failed("fetch plan", fetched.status());
+    plan = *fetched;
+  }
+  if (absl::Status s = store.Set(job, absl::StrCat("plan/", rank), plan.SerializeAsString());
+      !s.ok()) {
+    return failed("report", s);
+  }
+  if (rank != 0) return plan;
+  for (int r = 0; r < world; ++r) {
+    const std::string key = absl::StrCat("plan/", r);
+    auto other = store.Get(job, key, deadline);
+    if (!other.ok()) return failed("collect", other.status());
+    if (*other != plan.SerializeAsString()) {
+      return absl::DataLossError(absl::StrCat("check: ", key, " differs from rank 0's plan"));
+    }
+  }
+  std::cout << "demo: " << world << " ranks agree on a plan of " << plan.packs_size()
+            << " packs; parameters are broadcast from rank 0\n";
+  return plan;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -112,48 +163,9 @@ int main(int argc, char** argv) {
   const absl::Time deadline = absl::Now() + absl::GetFlag(FLAGS_timeout);
   gradsync::client::StoreClient store(gradsync::client::Connect(absl::GetFlag(FLAGS_socket)));
 
-  // Rendezvous: everyone announces itself, then waits for all.
-  if (absl::Status s = store.Set(job, absl::StrCat("rank/", rank), "up"); !s.ok()) {
-    return Fail("announce", s);
-  }
-  std::vector<std::string> everyone;
-  for (int r = 0; r < world; ++r) everyone.push_back(absl::StrCat("rank/", r));
-  if (absl::Status s = store.Wait(job, everyone, deadline); !s.ok()) return Fail("rendezvous", s);
-
-  // Rank 0 plans, the others fetch (the reference optimizer's get_pack_list / set_pack_list).
-  gradsync::v1::PackList plan;
-  if (rank == 0) {
-    gradsync::PackOptions options;
-    options.threshold_bytes = 4 << 20;
-    options.first_alone = 1;
-    auto planned = gradsync::PlanPacks(ModelGradients(), options);
-    if (!planned.ok()) return Fail("plan", planned.status());
-    plan = *planned;
-    if (absl::Status s = store.SetPackList(job, "world", plan); !s.ok()) return Fail("publish", s);
-  } else {
-    auto fetched = store.GetPackList(job, "world", deadline);
-    if (!fetched.ok()) return Fail("fetch plan", fetched.status());
-    plan = *fetched;
-  }
-
-  // Every rank reports its plan; rank 0 checks that all are byte-identical.
-  if (absl::Status s = store.Set(job, absl::StrCat("plan/", rank), plan.SerializeAsString());
-      !s.ok()) {
-    return Fail("report", s);
-  }
-  if (rank == 0) {
-    std::vector<std::string> reports;
-    for (int r = 0; r < world; ++r) reports.push_back(absl::StrCat("plan/", r));
-    for (const std::string& key : reports) {
-      auto other = store.Get(job, key, deadline);
-      if (!other.ok()) return Fail("collect", other.status());
-      if (*other != plan.SerializeAsString()) {
-        return Fail("check", absl::DataLossError(absl::StrCat(key, " differs from rank 0's plan")));
-      }
-    }
-    std::cout << "demo: " << world << " ranks agree on a plan of " << plan.packs_size()
-              << " packs; parameters are broadcast from rank 0\n";
-  }
+  absl::StatusOr<gradsync::v1::PackList> agreed = AgreeOnPlan(store, job, rank, world, deadline);
+  if (!agreed.ok()) return Fail("plan", agreed.status());
+  const gradsync::v1::PackList& plan = *agreed;
 
   // A session with the daemon; parameters and gradients in shared memory it maps once.
   gradsync::client::Placement placement{job, world, rank, rank, world, ""};

@@ -143,10 +143,16 @@ int gs_cuda_buffer_ready(gs_cuda_buffer* buffer, void* stream);
 /* `stream`'s later work waits for the daemon's last write of the buffer ("done"). Call once the
  * op that wrote it completed (gs_op_wait), before the stream reads the result. */
 int gs_cuda_buffer_wait_done(gs_cuda_buffer* buffer, void* stream);
-/* Deregisters from the daemon, which closes its handles of the events at once, or, if an op
- * not yet completed names the buffer, when that op completes; the events live on until
- * gs_cuda_buffer_free. */
+/* Deregisters from the daemon. Returns once the daemon has closed its handles of the events:
+ * every op that named the buffer has settled on the device (a launched op may still record
+ * "done"). Only then may gs_cuda_buffer_free destroy them; after a failure, keep them (never
+ * free the buffer) to the process's end. */
 int gs_cuda_buffer_deregister(gs_client* client, const gs_cuda_buffer* buffer);
+/* Waits until every device op this session submitted has settled on the device: 0, or the
+ * error of one answered OK that failed on the device afterwards (ABORTED: its results are not
+ * valid), reported once. Call before saving state that such ops wrote (a checkpoint). Bounded by
+ * the session's default op timeout. */
+int gs_settle(gs_client* client);
 /* Destroys the events (after gs_cuda_buffer_deregister and the completion of the buffer's ops,
  * or after gs_close); no daemon call. */
 void gs_cuda_buffer_free(gs_cuda_buffer* buffer);
@@ -189,12 +195,19 @@ int gs_store_compare_set(gs_client* client, const char* key, const void* expecte
                          size_t expected_n, const void* desired, size_t desired_n, int* swapped,
                          void** value, size_t* n);
 /* Elastic jobs' joins; the daemon checks each request and writes every record itself.
- * A joining node takes a ticket in the job's home (the client's job: epoch 0's id) for its
+ * gs_store_join: a joining node (its local rank 0, for its `ranks` ranks) asks to join the job
+ * whose home is the client's job (epoch 0's id) and waits at most timeout_ms to be admitted at
+ * the job's next commit; the daemon takes the node's ticket and withdraws it when the wait ends
+ * unadmitted (DEADLINE_EXCEEDED) or the caller goes away. *admission (gs_free) and *n: the
+ * node's gradsync.v1.JoinAdmission record (gs_record_json reads it), *ticket its ticket.
+ * The steps, for tools: a joining node takes a ticket in the job's home (the client's job: epoch 0's id) for its
  * `ranks` ranks; its admission appears at "_gradsync_elastic/admit/<ticket>". It may withdraw
  * it: *withdrawn 1 if this call did, else *state (gs_free) says why ("claimed": an admission is
  * under way). Rank 0 admits the waiting tickets at a commit (the client's job: the current
  * epoch's id; `epoch` the next), none unless they bring `min_joined` ranks: *decided 1 when
  * the epoch has a decision now, *decision (gs_free) the record. */
+int gs_store_join(gs_client* client, int ranks, int64_t timeout_ms, int64_t* ticket,
+                  void** admission, size_t* n);
 int gs_store_take_ticket(gs_client* client, int ranks, int64_t* ticket);
 int gs_store_withdraw_ticket(gs_client* client, int64_t ticket, int* withdrawn, void** state,
                              size_t* n);
@@ -210,6 +223,12 @@ int gs_get_pack_list(gs_client* client, const char* group, int64_t timeout_ms, c
  * the gradients in the order backward produced them (dtype in each shape). */
 int gs_plan_packs(const char* grads_json, int64_t threshold_bytes, int32_t first_alone,
                   char** plan_json);
+/* A record of an elastic job's store that only daemons write, as JSON (proto field names,
+ * every field, enums by name): kind "decision" (gradsync.v1.MembershipDecision, at
+ * _gradsync_elastic/decision), "ticket" (gradsync.v1.JoinTicket, at _gradsync_elastic/ticket/<T>)
+ * or "admission" (gradsync.v1.JoinAdmission, at _gradsync_elastic/admit/<T>); *json (gs_free).
+ * INVALID_ARGUMENT when the bytes are not such a record. */
+int gs_record_json(const char* kind, const void* record, size_t n, char** json);
 /* Bytes per element of a gs_dtype; 0 if unknown. */
 int64_t gs_dtype_size(int dtype);
 

@@ -573,6 +573,15 @@ absl::Status Client::DeregisterBuffer(uint64_t buffer_id) {
   return Call(std::move(req)).status();
 }
 
+absl::Status Client::Settle() {
+  v1::TrainerRequest req;
+  req.mutable_settle();
+  // As long as the ops it waits for may take.
+  std::shared_ptr<Op::State> state =
+      Send(std::move(req), std::max(options_.rpc_timeout, default_op_timeout_));
+  return Await(*state, state->deadline);
+}
+
 absl::StatusOr<std::unique_ptr<SharedBuffer>> Client::CreateBuffer(int64_t bytes, DType dtype) {
   if (bytes < 0) return absl::InvalidArgumentError("buffer size must not be negative");
   GRADSYNC_ASSIGN_OR_RETURN(const int fd, CreateSealedMemfd("gradsync-buffer", bytes));

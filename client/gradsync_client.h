@@ -205,6 +205,10 @@ class Client {
   /// callers that manage their own memory.
   absl::StatusOr<uint64_t> RegisterBuffer(const v1::RegisterBufferRequest& request);
   absl::Status DeregisterBuffer(uint64_t buffer_id);
+  /// Waits until every device op of this session has settled on the device: OK, or the failure
+  /// of one answered OK that failed on the device afterwards (ABORTED, reported once). At most
+  /// the default op timeout (and rpc_timeout).
+  absl::Status Settle();
 
   Op AllReduceAsync(DType dtype, v1::ReduceOp op, std::vector<Segment> data,
                     const OpOptions& options = {});

@@ -1,13 +1,17 @@
 // gradsyncctl: operator CLI for a gradsyncd (health, store, pack lists), human-readable output.
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -15,7 +19,9 @@
 #include "absl/time/time.h"
 #include "client/store_client.h"
 #include "common/dtype.h"
+#include "common/elastic_records.h"
 #include "common/grpc_status.h"
+#include "common/man_page.h"
 #include "common/tls.h"
 #include "common/token.h"
 #include "gradsync/v1/inspect.grpc.pb.h"
@@ -32,28 +38,69 @@ ABSL_FLAG(std::string, tls_cert, "",
           "--tls_key and --tls_ca: all three or none)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert (mode 600/640)");
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA the daemon's certificate must chain to");
+ABSL_FLAG(bool, print_man, false, "Print this tool's manual page (roff) and exit");
 
 namespace gradsync::ctl {
 namespace {
 
-constexpr char kUsage[] =
-    "gradsyncctl [flags] COMMAND\n"
-    "  health [SERVICE]            overall or per-service health (overall: and whether the "
-    "daemon's GPU\n"
-    "                              kernels can overlap the trainers', MPS)\n"
-    "  jobs                        jobs held by the daemon's store\n"
-    "  sessions [JOB]              trainer sessions (of every job, or of JOB)\n"
-    "  ops [JOB]                   pending ops of JOB (default --job) on every node: who is "
-    "missing\n"
-    "  history JOB [GROUP]         this node's last ops of GROUP (default world)\n"
-    "  epochs [JOB]                memberships of elastic jobs formed here, and each change\n"
-    "  store get KEY               value of KEY (waits up to --timeout)\n"
-    "  store set KEY VALUE\n"
-    "  store add KEY DELTA         atomic counter\n"
-    "  store delete KEY\n"
-    "  store list [PREFIX]         keys with their value sizes\n"
-    "  packlist groups             groups with a pack list\n"
-    "  packlist show GROUP         the group's pack plan as a table";
+// The commands, as usage and the manual page show them.
+struct CommandDoc {
+  const char* usage;
+  const char* help;
+};
+constexpr CommandDoc kCommands[] = {
+    {"health [SERVICE]",
+     "overall or per-service health (overall: and whether the daemon's GPU kernels can overlap "
+     "the trainers', MPS)"},
+    {"jobs", "jobs held by the daemon's store"},
+    {"sessions [JOB]", "trainer sessions (of every job, or of JOB)"},
+    {"ops [JOB]", "pending ops of JOB (default --job) on every node: who is missing"},
+    {"history JOB [GROUP]", "this node's last ops of GROUP (default world)"},
+    {"epochs [JOB]", "memberships of elastic jobs formed here, and each change"},
+    {"store get KEY", "value of KEY (waits up to --timeout)"},
+    {"store set KEY VALUE", "sets KEY"},
+    {"store add KEY DELTA", "atomic counter"},
+    {"store delete KEY", "deletes KEY"},
+    {"store list [PREFIX]", "keys with their value sizes"},
+    {"packlist groups", "groups with a pack list"},
+    {"packlist show GROUP", "the group's pack plan as a table"},
+};
+
+std::string UsageText() {
+  std::string out = "gradsyncctl [flags] COMMAND";
+  for (const CommandDoc& c : kCommands) {
+    absl::StrAppend(&out, "\n  ", absl::StrFormat("%-26s", c.usage), "  ", c.help);
+  }
+  return out;
+}
+
+// gradsyncctl(1), from the commands above and this file's flags.
+std::string ManualPage() {
+  ManPage page;
+  page.name = "gradsyncctl";
+  page.section = 1;
+  page.summary = "look into and operate a gradsyncd";
+  page.synopsis = "gradsyncctl [--flag=value ...] COMMAND [ARGS]";
+  page.description =
+      "Asks the gradsyncd of this node (its unix socket) or of another node (--address, with "
+      "the cluster token) about its health, jobs, trainer sessions and pending ops, and reads "
+      "or writes a job's store. Output is for people; exit status 0 on success, 1 when the "
+      "daemon refuses or cannot be reached, 2 on bad usage.";
+  ManPage::Section commands, flags;
+  commands.title = "Commands";
+  flags.title = "Flags";
+  for (const CommandDoc& c : kCommands) commands.commands.push_back({c.usage, c.help});
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::EndsWith(flag->Filename(), "client/gradsyncctl.cc")) {
+      flags.options.push_back({std::string(name), flag->DefaultValue(), flag->Help()});
+    }
+  }
+  std::sort(flags.options.begin(), flags.options.end(),
+            [](const ManPage::Option& x, const ManPage::Option& y) { return x.name < y.name; });
+  page.options = {std::move(commands), std::move(flags)};
+  page.extra = {{"See also", "gradsyncd(8)."}};
+  return RenderManPage(page);
+}
 
 std::string HumanBytes(int64_t bytes) {
   if (bytes >= (int64_t{1} << 20)) return absl::StrFormat("%.1f MiB", bytes / 1048576.0);
@@ -67,7 +114,7 @@ int Fail(const absl::Status& s) {
 }
 
 int Usage(const std::string& why) {
-  std::cerr << "gradsyncctl: " << why << "\n" << kUsage << "\n";
+  std::cerr << "gradsyncctl: " << why << "\n" << UsageText() << "\n";
   return 2;
 }
 
@@ -295,6 +342,13 @@ class Ctl {
   int StoreGet(const std::string& key) {
     auto value = store_.Get(job_, key, absl::Now() + timeout_);
     if (!value.ok()) return Fail(value.status());
+    // A record of the elastic protocol, as JSON (the daemons write it as a protobuf message).
+    if (std::optional<std::string> kind = ElasticRecordKind(key)) {
+      absl::StatusOr<std::string> json = ElasticRecordJson(*kind, *value);
+      if (!json.ok()) return Fail(json.status());
+      std::cout << *json << "\n";
+      return 0;
+    }
     std::cout << *value << "\n";
     return 0;
   }
@@ -377,8 +431,12 @@ class Ctl {
 }  // namespace gradsync::ctl
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(gradsync::ctl::kUsage);
+  absl::SetProgramUsageMessage(gradsync::ctl::UsageText());
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_print_man)) {
+    std::cout << gradsync::ctl::ManualPage();
+    return 0;
+  }
   std::vector<std::string> args(positional.begin() + 1, positional.end());
   gradsync::client::ClientOptions options;
   options.rpc_timeout = absl::GetFlag(FLAGS_timeout);

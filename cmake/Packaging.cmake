@@ -5,7 +5,8 @@
 #   component daemon -> gradsyncd         /usr/sbin/gradsyncd, /usr/bin/gradsyncctl, the systemd
 #                                         unit, sysusers.d and sysctl.d entries, the flagfile
 #                                         /etc/gradsync/gradsyncd.flags (a conffile)
-#   component dev    -> libgradsync-dev   libgradsync_c.so (the C ABI), gradsync.h, gradsync.pc
+#   component runtime -> libgradsync-c0   libgradsync_c.so.0 (the C ABI, SONAME libgradsync_c.so.0)
+#   component dev    -> libgradsync-dev   the libgradsync_c.so link, gradsync.h, gradsync.pc
 #   component python -> python3-gradsync  /usr/lib/python3/dist-packages/gradsync, with its own
 #                                         copy of libgradsync_c.so, which it loads with ctypes
 # The version is the project's (project(VERSION) in the top CMakeLists.txt) with Debian
@@ -28,7 +29,7 @@ set(CPACK_PACKAGE_VENDOR "gradsync")
 set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
 set(CPACK_PACKAGE_CONTACT "${gradsync_maintainer}")
 set(CPACK_PACKAGE_DIRECTORY ${CMAKE_BINARY_DIR}/packages)
-set(CPACK_COMPONENTS_ALL daemon dev python)
+set(CPACK_COMPONENTS_ALL daemon runtime dev python)
 set(CPACK_DEB_COMPONENT_INSTALL ON)
 # The unit, the flagfile and the sysusers.d/sysctl.d entries have absolute destinations.
 set(CPACK_SET_DESTDIR ON)
@@ -60,17 +61,27 @@ set(CPACK_DEBIAN_DAEMON_PACKAGE_CONTROL_EXTRA
     ${gradsync_deb_control}/gradsyncd/conffiles ${gradsync_deb_control}/gradsyncd/postinst
     ${gradsync_deb_control}/gradsyncd/prerm ${gradsync_deb_control}/gradsyncd/postrm)
 
+set(CPACK_DEBIAN_RUNTIME_PACKAGE_NAME libgradsync-c0)
+set(CPACK_DEBIAN_RUNTIME_PACKAGE_SECTION libs)
+set(CPACK_DEBIAN_RUNTIME_DESCRIPTION "gradsync client library for C
+The C ABI of gradsync (libgradsync_c.so.0): C and C++ training programs use it
+to reach the local gradsyncd (sessions, shared-memory and CUDA buffers,
+collectives and the job's store).")
+# Its shlibs file (programs that link it depend on this version or later; written by
+# deploy/, since CPack's own would also describe python3-gradsync's private copy) and the
+# ldconfig trigger (CPack also adds postinst and postrm calling ldconfig, redundant but harmless).
+set(CPACK_DEBIAN_RUNTIME_PACKAGE_CONTROL_EXTRA
+    ${gradsync_deb_control}/libgradsync-c0/shlibs
+    ${CMAKE_SOURCE_DIR}/deploy/debian/libgradsync-c0/triggers)
+
 set(CPACK_DEBIAN_DEV_PACKAGE_NAME libgradsync-dev)
 set(CPACK_DEBIAN_DEV_PACKAGE_SECTION libdevel)
+set(CPACK_DEBIAN_DEV_PACKAGE_DEPENDS "libgradsync-c0 (= ${GRADSYNC_DEB_VERSION})")
 set(CPACK_DEBIAN_DEV_DESCRIPTION "gradsync client library for C (development files)
-The C ABI of gradsync (gradsync.h) and libgradsync_c.so, which C and C++
-training programs link to reach the local gradsyncd: sessions, shared-memory
-and CUDA buffers, collectives and the job's store.
+The C ABI of gradsync (gradsync.h) and the libgradsync_c.so link, which C and
+C++ training programs build against to reach the local gradsyncd: sessions,
+shared-memory and CUDA buffers, collectives and the job's store.
 `pkg-config --cflags --libs gradsync` gives the flags.")
-# libgradsync_c.so is in the loader's path: the ldconfig trigger (CPack also adds postinst and
-# postrm calling ldconfig, redundant but harmless).
-set(CPACK_DEBIAN_DEV_PACKAGE_CONTROL_EXTRA
-    ${CMAKE_SOURCE_DIR}/deploy/debian/libgradsync-dev/triggers)
 
 set(CPACK_DEBIAN_PYTHON_PACKAGE_NAME python3-gradsync)
 set(CPACK_DEBIAN_PYTHON_PACKAGE_SECTION python)
@@ -95,7 +106,8 @@ execute_process(COMMAND gzip -9nf ${CMAKE_BINARY_DIR}/deploy/debian/changelog.De
 if(NOT gradsync_gzip_rc EQUAL 0)
   message(FATAL_ERROR "Packaging: gzip of deploy/debian/changelog.Debian failed")
 endif()
-foreach(pair IN ITEMS daemon:gradsyncd dev:libgradsync-dev python:python3-gradsync)
+foreach(pair IN ITEMS daemon:gradsyncd runtime:libgradsync-c0 dev:libgradsync-dev
+                       python:python3-gradsync)
   string(REPLACE ":" ";" pair "${pair}")
   list(GET pair 0 component)
   list(GET pair 1 package)

@@ -5,7 +5,9 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace gradsync {
 
@@ -40,6 +42,14 @@ absl::StatusOr<std::string> ElasticBase(absl::string_view id, int epoch) {
                                                    " must have an id ending '", suffix, "'"));
   }
   return std::string(id.substr(0, id.size() - suffix.size()));
+}
+
+bool IsEpochOf(absl::string_view id, absl::string_view base) {
+  if (id == base) return true;
+  absl::string_view rest = id;
+  int epoch = 0;
+  return absl::ConsumePrefix(&rest, base) && absl::ConsumePrefix(&rest, ".e") &&
+         absl::SimpleAtoi(rest, &epoch) && epoch > 0 && id == ElasticJobId(base, epoch);
 }
 
 }  // namespace gradsync

@@ -25,5 +25,7 @@ std::string ElasticJobId(absl::string_view base, int epoch);
 /// The base of `id`, the id of epoch `epoch` of an elastic job; INVALID_ARGUMENT when `id` is
 /// not such an id.
 absl::StatusOr<std::string> ElasticBase(absl::string_view id, int epoch);
+/// Whether `id` is the id of an epoch (0 or later) of elastic job `base`.
+bool IsEpochOf(absl::string_view id, absl::string_view base);
 
 }  // namespace gradsync

@@ -1,6 +1,9 @@
 #pragma once
 
-// Macros that return early from a function on a non-OK absl::Status or StatusOr.
+// Macros that return early from a function on a non-OK absl::Status or StatusOr, and a copy of
+// a status for another thread.
+
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -22,3 +25,15 @@
   auto statusor = (expr);                                    \
   if (!statusor.ok()) return statusor.status();              \
   lhs = std::move(statusor).value()
+
+namespace gradsync {
+
+/// A copy of `s` that shares nothing with it. An absl::Status shares its message between copies
+/// by a reference count; a status handed to another thread (the NCCL aborter, a settle's
+/// waiter) is made anew so that the two threads' copies never drop one count (Debian's Abseil
+/// is not built with TSan, which then sees a race).
+inline absl::Status Unshared(const absl::Status& s) {
+  return s.ok() ? absl::OkStatus() : absl::Status(s.code(), std::string(s.message()));
+}
+
+}  // namespace gradsync

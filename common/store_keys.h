@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "absl/strings/string_view.h"
 
@@ -41,13 +40,5 @@ enum class KeyClass {
 };
 
 KeyClass ClassOfKey(absl::string_view key);
-
-/// The membership decision of an elastic job, as the daemons write it at kElasticDecisionKey
-/// and the trainers parse it (gradsync.elastic.parse_decision): `why` last, as it may hold
-/// spaces; `joined` only when ranks join; `at` when it was decided (Inspect's epochs measure
-/// the change from it). The one writer of the record.
-std::string MembershipDecisionText(int epoch, int world, const std::vector<int>& lost_ranks,
-                                   const std::vector<std::string>& lost_nodes, int joined,
-                                   absl::string_view why);
 
 }  // namespace gradsync

@@ -142,6 +142,13 @@ ABSL_FLAG(absl::Duration, stall_warn, absl::Seconds(60),
 ABSL_FLAG(int, metrics_port, -1,
           "Prometheus metrics over HTTP (/metrics) on this port; -1: off, 0: a free port (logged)");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1", "Address the metrics port binds");
+ABSL_FLAG(int, health_port, -1,
+          "grpc.health.v1.Health alone, plaintext and unauthenticated, on this TCP port (for "
+          "probes that cannot reach the unix socket, such as Kubernetes' gRPC probe); -1: off, 0: "
+          "a free port (logged)");
+ABSL_FLAG(std::string, health_address, "127.0.0.1",
+          "Address the health port binds (a pod's own IP, or 0.0.0.0 for the node's, when the "
+          "kubelet probes it)");
 ABSL_FLAG(int, max_buffers_per_session, 4096, "Most buffers one trainer session may register");
 ABSL_FLAG(int, max_ops_in_flight_per_session, 1024,
           "Most ops one trainer session may have submitted and not yet been answered (at most "
@@ -169,8 +176,8 @@ ABSL_FLAG(std::string, log_level, "info", "trace|debug|info|warn|error|off");
 ABSL_FLAG(std::string, log_sink, "auto",
           "stderr|journal|auto (the journal when started by systemd)");
 ABSL_FLAG(std::string, print_config, "",
-          "flagfile|markdown: print the example flagfile or the configuration page, generated "
-          "from these flag definitions, and exit");
+          "flagfile|markdown|man: print the example flagfile, the configuration page or the "
+          "manual page, generated from these flag definitions, and exit");
 
 namespace gradsync::daemon {
 namespace {
@@ -298,6 +305,8 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.engine.stall_warn = absl::GetFlag(FLAGS_stall_warn);
   c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   c.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  c.health_port = absl::GetFlag(FLAGS_health_port);
+  c.health_address = absl::GetFlag(FLAGS_health_address);
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
     auto token = ReadTokenFile(path);
     if (!token.ok())
@@ -313,6 +322,39 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (absl::Status s = Validate(c); !s.ok()) return s;
   return c;
 }
+
+namespace {
+// --store and the etcd flags.
+absl::Status ValidateStore(const DaemonConfig& c) {
+  if (c.store_backend != "embedded" && c.store_backend != "etcd") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--store=", c.store_backend, ": want embedded or etcd"));
+  }
+  if (c.store_backend == "etcd") {
+    if (c.etcd.endpoints.empty()) {
+      return absl::InvalidArgumentError("--store=etcd needs --etcd_endpoints (host:port,...)");
+    }
+    if (c.etcd.prefix.empty()) {
+      return absl::InvalidArgumentError("--etcd_prefix must not be empty");
+    }
+    if (c.etcd.lease_ttl < absl::Seconds(2) || c.etcd.rpc_timeout < absl::Milliseconds(100)) {
+      return absl::InvalidArgumentError(
+          "--etcd_lease_ttl must be at least 2s and --etcd_timeout at least 100ms");
+    }
+    if (c.etcd_call_threads < 1 || c.etcd_call_threads > 1024) {
+      return absl::InvalidArgumentError("--etcd_call_threads must be in [1, 1024]");
+    }
+    if (c.etcd.cert_pem.empty() != c.etcd.key_pem.empty()) {
+      return absl::InvalidArgumentError("--etcd_cert and --etcd_key go together: both or none");
+    }
+    if (c.etcd.user.empty() != c.etcd.password.empty()) {
+      return absl::InvalidArgumentError(
+          "--etcd_user and --etcd_password_file go together: both or none");
+    }
+  }
+  return absl::OkStatus();
+}
+}  // namespace
 
 absl::Status Validate(const DaemonConfig& c) {
   if (c.unix_socket.empty() && c.port < 0) {
@@ -370,32 +412,7 @@ absl::Status Validate(const DaemonConfig& c) {
   if (c.nccl_keep < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--nccl_keep must not be negative");
   }
-  if (c.store_backend != "embedded" && c.store_backend != "etcd") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--store=", c.store_backend, ": want embedded or etcd"));
-  }
-  if (c.store_backend == "etcd") {
-    if (c.etcd.endpoints.empty()) {
-      return absl::InvalidArgumentError("--store=etcd needs --etcd_endpoints (host:port,...)");
-    }
-    if (c.etcd.prefix.empty()) {
-      return absl::InvalidArgumentError("--etcd_prefix must not be empty");
-    }
-    if (c.etcd.lease_ttl < absl::Seconds(2) || c.etcd.rpc_timeout < absl::Milliseconds(100)) {
-      return absl::InvalidArgumentError(
-          "--etcd_lease_ttl must be at least 2s and --etcd_timeout at least 100ms");
-    }
-    if (c.etcd_call_threads < 1 || c.etcd_call_threads > 1024) {
-      return absl::InvalidArgumentError("--etcd_call_threads must be in [1, 1024]");
-    }
-    if (c.etcd.cert_pem.empty() != c.etcd.key_pem.empty()) {
-      return absl::InvalidArgumentError("--etcd_cert and --etcd_key go together: both or none");
-    }
-    if (c.etcd.user.empty() != c.etcd.password.empty()) {
-      return absl::InvalidArgumentError(
-          "--etcd_user and --etcd_password_file go together: both or none");
-    }
-  }
+  if (absl::Status s = ValidateStore(c); !s.ok()) return s;
   if (c.store.max_key_bytes < 1 || c.store.max_value_bytes < 0 || c.store.max_keys_per_job < 1 ||
       c.store.max_jobs < 1 || c.store.max_waiters < 1 || c.store.max_job_bytes < 1 ||
       c.store.max_total_bytes < 1 || c.store.idle_job_ttl <= absl::ZeroDuration()) {
@@ -432,6 +449,11 @@ absl::Status Validate(const DaemonConfig& c) {
       (c.metrics_port >= 0 && c.metrics_address.empty())) {
     return absl::InvalidArgumentError(
         "--metrics_port must be -1 (off) or in [0, 65535], with a --metrics_address");
+  }
+  if (c.health_port < -1 || c.health_port > 65535 ||
+      (c.health_port >= 0 && c.health_address.empty())) {
+    return absl::InvalidArgumentError(
+        "--health_port must be -1 (off) or in [0, 65535], with a --health_address");
   }
   return absl::OkStatus();
 }

@@ -58,6 +58,9 @@ struct DaemonConfig {
   // Prometheus text on http://metrics_address:metrics_port/metrics; -1: off, 0: a free port.
   int metrics_port = -1;
   std::string metrics_address = "127.0.0.1";
+  // grpc.health.v1.Health alone on health_address:health_port (plaintext, no token); -1: off.
+  int health_port = -1;
+  std::string health_address = "127.0.0.1";
   std::string log_level = "info";
   std::string log_sink = "auto";
 

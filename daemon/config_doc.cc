@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "common/man_page.h"
 
 namespace gradsync::daemon {
 namespace {
@@ -126,8 +127,11 @@ const std::vector<Section>& Sections() {
       {"Observability",
        "Each group's last ops for Inspect/GetHistory and gradsyncctl history; one warning per op "
        "waiting longer than --stall_warn, naming who it waits for; Prometheus metrics (off by "
-       "default; loopback unless you mean otherwise).",
-       {"history_size", "stall_warn", "metrics_port", "metrics_address"}},
+       "default; loopback unless you mean otherwise); the health service alone on a TCP port "
+       "for probes that cannot reach the unix socket (off by default; it answers anyone who "
+       "reaches it, and says only SERVING or NOT_SERVING).",
+       {"history_size", "stall_warn", "metrics_port", "metrics_address", "health_port",
+        "health_address"}},
       {"Tools",
        "Not for the flagfile: prints this configuration's documents and exits.",
        {"print_config"}},
@@ -235,6 +239,47 @@ absl::StatusOr<std::string> RenderConfigurationPage() {
     }
   }
   return out;
+}
+
+absl::StatusOr<std::string> RenderManual() {
+  absl::StatusOr<std::vector<std::vector<Flag>>> flags = Resolve();
+  if (!flags.ok()) return flags.status();
+  ManPage page;
+  page.name = "gradsyncd";
+  page.section = 8;
+  page.summary = "the per-node gradient-synchronisation daemon of gradsync";
+  page.synopsis =
+      "gradsyncd [--flag=value ...]\ngradsyncd --flagfile=/etc/gradsync/gradsyncd.flags";
+  page.description =
+      "One gradsyncd runs on every node of a training cluster. Trainers on the node hand it "
+      "their gradient buffers (shared memory on CPUs, CUDA IPC on GPUs) over its unix socket "
+      "and get them back reduced; it owns the node's communicators, the collectives between "
+      "nodes, and each job's rendezvous store.\n\n"
+      "Flags are --flag=value; the systemd unit reads them from /etc/gradsync/gradsyncd.flags, "
+      "one per line. Durations are written like 500ms, 3s, 5m, 1h. SIGTERM drains: new work is "
+      "refused, trainers are told, and the daemon exits 0 within --drain_grace.";
+  const std::vector<Section>& sections = Sections();
+  for (size_t i = 0; i < sections.size(); ++i) {
+    ManPage::Section& out = page.options.emplace_back();
+    out.title = sections[i].title;
+    out.text = sections[i].text;
+    for (const Flag& f : (*flags)[i]) out.options.push_back({f.name, f.default_value, f.help});
+  }
+  page.extra = {
+      {"Files",
+       "/etc/gradsync/gradsyncd.flags: the flags the systemd unit passes.\n"
+       "/etc/gradsync/cluster.token: the cluster token (mode 600 or 640, owned by gradsync), when "
+       "TCP "
+       "listens.\n"
+       "/run/gradsync/gradsyncd.sock: the unix socket trainers and gradsyncctl connect to."},
+      {"Exit status",
+       "0 after a drain; 1 when the daemon cannot start (the log says why); 2 on "
+       "a bad flag."},
+      {"See also",
+       "gradsyncctl(1); the configuration reference, docs/configuration.md, has the "
+       "same text."},
+  };
+  return RenderManPage(page);
 }
 
 }  // namespace gradsync::daemon

@@ -2,8 +2,8 @@
 
 // The configuration's two documents, generated from gradsyncd's own flag definitions (config.cc)
 // so that they cannot drift: the example flagfile (deploy/gradsyncd.flags) and the configuration
-// page (docs/configuration.md). `gradsyncd --print_config=flagfile|markdown` prints them; a test
-// compares the committed files with what the binary prints.
+// page (docs/configuration.md). `gradsyncd --print_config=flagfile|markdown|man` prints them (and
+// the manual page); a test compares the committed files with what the binary prints.
 
 #include <string>
 
@@ -19,5 +19,8 @@ absl::StatusOr<std::string> RenderFlagfile();
 /// The configuration page (Markdown): each section's text and a table of its flags (flag,
 /// default, what it is for).
 absl::StatusOr<std::string> RenderConfigurationPage();
+
+/// The manual page gradsyncd(8), roff: each section's text and its flags.
+absl::StatusOr<std::string> RenderManual();
 
 }  // namespace gradsync::daemon

@@ -14,11 +14,13 @@
 #include "daemon/config.h"
 #include "daemon/config_doc.h"
 #include "daemon/daemon.h"
+#include "daemon/gpu/gpu_api.h"
 
 ABSL_DECLARE_FLAG(std::string, print_config);
 
 int main(int argc, char** argv) {
   gradsync::daemon::BlockStopSignals();  // before any thread exists
+  gradsync::gpu::SetNcclDefaults();      // before any thread exists (setenv)
   // Debian's Abseil is built with Mutex deadlock detection on, which costs a graph update per
   // lock on every store call; our lock order is documented in the headers instead.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -34,11 +36,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (const std::string what = absl::GetFlag(FLAGS_print_config); !what.empty()) {
-    auto text =
-        what == "flagfile" ? gradsync::daemon::RenderFlagfile()
-        : what == "markdown"
-            ? gradsync::daemon::RenderConfigurationPage()
-            : absl::InvalidArgumentError("--print_config='" + what + "': flagfile or markdown");
+    auto text = what == "flagfile"   ? gradsync::daemon::RenderFlagfile()
+                : what == "markdown" ? gradsync::daemon::RenderConfigurationPage()
+                : what == "man"      ? gradsync::daemon::RenderManual()
+                                     : absl::InvalidArgumentError("--print_config='" + what +
+                                                                  "': flagfile, markdown or man");
     if (!text.ok()) {
       std::cerr << "gradsyncd: " << text.status().message() << "\n";
       return 2;

@@ -13,17 +13,22 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/job_id.h"
 #include "common/logging.h"
 #include "common/store_keys.h"
+#include "daemon/core/membership.h"
 #include "daemon/gpu/mps.h"
 #include "daemon/store/etcd_store.h"
 #include "daemon/store/memory_store.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/impl/server_builder_plugin.h"
 
 namespace gradsync::daemon {
 namespace {
@@ -33,9 +38,13 @@ auto Log() { return logging::Logger("daemon"); }
 // What a reply's payload may take of --max_message_bytes, the rest left for its envelope.
 int64_t ReplyBytes(const DaemonConfig& config) { return config.max_message_bytes - 4096; }
 
-backend::nccl::NcclOptions NcclOptionsFor(const DaemonConfig& config, core::OpCounters* counters) {
+backend::nccl::NcclOptions NcclOptionsFor(const DaemonConfig& config, core::OpCounters* counters,
+                                          std::function<void(const absl::Status&)> on_hung,
+                                          std::function<void()> on_returned) {
   backend::nccl::NcclOptions options;
   options.counters = counters;
+  options.on_abort_hung = std::move(on_hung);
+  options.on_abort_returned = std::move(on_returned);
   options.watch_every = absl::Milliseconds(100);  // idle communicators (an op watches its own)
   options.keep_after_job = config.nccl_keep;
   return options;
@@ -101,7 +110,10 @@ DaemonServer::DaemonServer(DaemonConfig config)
       cuda_importer_(gpu_.get()),
       importer_(&shm_importer_, &cuda_importer_),
       backend_(&pool_, config_.cpu),
-      nccl_backend_(gpu_.get(), NcclOptionsFor(config_, &counters_)),
+      nccl_backend_(gpu_.get(), NcclOptionsFor(
+                                    config_, &counters_,
+                                    [this](const absl::Status& why) { OnAbortHung(why, true); },
+                                    [this] { OnAbortHung(absl::OkStatus(), false); })),
       dispatch_backend_(&backend_, &nccl_backend_),
       engine_(
           &dispatch_backend_, &importer_, &pool_, EngineOptionsFor(config_, &counters_),
@@ -110,7 +122,8 @@ DaemonServer::DaemonServer(DaemonConfig config)
             static_cast<core::Backend&>(dispatch_backend_).JobEnded(job);
             // An elastic job's decision of its next membership stays (with its namespace) for
             // the survivors that have not read it yet; the next epoch's end deletes it.
-            if (store_->Get(job, std::string(kElasticDecisionKey), absl::InfinitePast()).ok()) {
+            if (absl::StatusOr<bool> kept = core::EpochMembership::HasDecision(*store_, job);
+                kept.ok() && *kept) {
               return;
             }
             store_->DeleteJob(job);
@@ -126,7 +139,8 @@ DaemonServer::DaemonServer(DaemonConfig config)
       inspect_service_(
           store_.get(), &engine_, ReplyBytes(config_), &auth_,
           rpc::PeerLink{[this](const std::string& a) { return PeerChannel(a); }, PeerOptions()}),
-      health_service_(ServiceNames()) {
+      health_service_(ServiceNames()),
+      port_health_service_(ServiceNames()) {
   engine_.SetPeerWatch(&peer_watch_);  // before any session can form a job
   auth_.SetLocalPeers(&local_peers_);
   auth_.SetTcpPeers(&tcp_peers_);
@@ -148,9 +162,25 @@ void DaemonServer::OnGpuBroken(const absl::Status& why) {
   RefreshHealth();
 }
 
+void DaemonServer::OnAbortHung(const absl::Status& why, bool hung) {
+  if (hung) {
+    Log()->error("health is NOT_SERVING until the NCCL abort returns: {}",
+                 std::string(why.message()));
+  } else {
+    Log()->info("the NCCL abort that hung has returned; health follows the daemon's state again");
+  }
+  {
+    absl::MutexLock lock(&health_mu_);
+    abort_hung_ = hung;
+  }
+  RefreshHealth();
+}
+
 void DaemonServer::RefreshHealth() {
   absl::MutexLock lock(&health_mu_);
-  health_service_.SetServing(serving_ && !gpu_broken_ && accept_trouble_.ok());
+  const bool serving = serving_ && !gpu_broken_ && !abort_hung_ && accept_trouble_.ok();
+  health_service_.SetServing(serving);
+  port_health_service_.SetServing(serving);
 }
 
 DaemonServer::~DaemonServer() {
@@ -191,8 +221,11 @@ absl::Status DaemonServer::PrepareSocketPath() {
 
 absl::Status DaemonServer::Start() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  const gpu::MpsState mps = gpu::DecideMps(
-      gpu::GatherMpsFacts(gpu_.get(), std::getenv("CUDA_MPS_PIPE_DIRECTORY"), absl::Seconds(5)));
+  const gpu::MpsFacts facts =
+      gpu::GatherMpsFacts(gpu_.get(), std::getenv("CUDA_MPS_PIPE_DIRECTORY"), absl::Seconds(5));
+  // CUDA buffers wait for CUDA's answer, which may come later than the 5 s given here.
+  cuda_importer_.SetCudaAnswered(facts.cuda_answered);
+  const gpu::MpsState mps = gpu::DecideMps(facts);
   Log()->info("gpu: mps={} reason={}", gpu::MpsModeName(mps.mode), mps.reason);
   inspect_service_.SetMps(gpu::MpsModeName(mps.mode), mps.reason);
 
@@ -204,43 +237,8 @@ absl::Status DaemonServer::Start() {
   builder.RegisterService(&store_service_);
   builder.RegisterService(&inspect_service_);
   builder.RegisterService(&health_service_);
-  if (!config_.unix_socket.empty()) {
-    if (absl::Status s = PrepareSocketPath(); !s.ok()) return s;
-    // Accepted here, not by gRPC: each connection's uid is recorded for the calls on it.
-    auto listener =
-        rpc::Listener::Unix(config_.unix_socket, config_.socket_mode, &local_peers_,
-                            {static_cast<size_t>(config_.max_local_connections),
-                             static_cast<size_t>(config_.max_local_connections_per_user)},
-                            [this](const absl::Status& s) {
-                              {
-                                absl::MutexLock lock(&health_mu_);
-                                accept_trouble_ = s;
-                              }
-                              RefreshHealth();
-                            });
-    if (!listener.ok()) return listener.status();
-    unix_listener_ = *std::move(listener);
-    // No daemon serves the socket (checked above), so a channel file beside it is stale.
-    auto channel = ipc::FdChannel::Listen(config_.unix_socket + ".fd", config_.socket_mode);
-    if (!channel.ok()) return channel.status();
-    fd_channel_ = *std::move(channel);
-    shm_importer_.set_fd_channel(fd_channel_.get());
-  }
-  if (config_.port >= 0) {
-    // Accepted here too, each remote host held to its share of connections; gRPC speaks TLS
-    // (or not) on what it is handed.
-    auto listener = rpc::Listener::Tcp(config_.bind_address, config_.port,
-                                       {static_cast<size_t>(config_.max_tcp_connections),
-                                        static_cast<size_t>(config_.max_tcp_connections_per_source),
-                                        &tcp_peers_, config_.tcp_first_call_deadline},
-                                       nullptr);
-    if (!listener.ok()) return listener.status();
-    tcp_listener_ = *std::move(listener);
-    tcp_port_ = tcp_listener_->port();
-    tcp_acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
-        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
-        TcpCredentials(config_));
-  }
+  if (absl::Status s = ListenUnix(); !s.ok()) return s;
+  if (absl::Status s = ListenTcp(builder); !s.ok()) return s;
   server_ = builder.BuildAndStart();
   if (!server_ || (config_.port >= 0 && tcp_port_ <= 0)) {
     server_.reset();
@@ -249,6 +247,72 @@ absl::Status DaemonServer::Start() {
         config_.tls.has_value() ? " or --tls_cert, --tls_key and --tls_ca not a usable set?" : "",
         ")"));
   }
+  ServeListeners();
+  if (config_.port >= 0) {
+    const std::string node = absl::StrCat(config_.node_host(), ":", tcp_port_);
+    {
+      absl::MutexLock lock(&peers_mu_);
+      node_address_ = node;
+    }
+    engine_.SetNodeAddress(node);
+  }
+  if (absl::Status s = StartMetrics(gpu::MpsModeName(mps.mode)); !s.ok()) return s;
+  if (absl::Status s = StartHealthPort(); !s.ok()) return s;
+  CheckStore();
+  {
+    absl::MutexLock lock(&health_mu_);
+    serving_ = true;
+  }
+  RefreshHealth();
+  Log()->info("serving {} tcp_tls={} max_message_bytes={} max_concurrent_streams={}", Endpoints(),
+              config_.tls.has_value() ? "mutual" : "off", config_.max_message_bytes,
+              config_.max_concurrent_streams);
+  return absl::OkStatus();
+}
+
+absl::Status DaemonServer::ListenUnix() {
+  if (config_.unix_socket.empty()) return absl::OkStatus();
+  if (absl::Status s = PrepareSocketPath(); !s.ok()) return s;
+  // Accepted here, not by gRPC: each connection's uid is recorded for the calls on it.
+  auto listener = rpc::Listener::Unix(config_.unix_socket, config_.socket_mode, &local_peers_,
+                                      {static_cast<size_t>(config_.max_local_connections),
+                                       static_cast<size_t>(config_.max_local_connections_per_user)},
+                                      [this](const absl::Status& s) {
+                                        {
+                                          absl::MutexLock lock(&health_mu_);
+                                          accept_trouble_ = s;
+                                        }
+                                        RefreshHealth();
+                                      });
+  if (!listener.ok()) return listener.status();
+  unix_listener_ = *std::move(listener);
+  // No daemon serves the socket (checked above), so a channel file beside it is stale.
+  auto channel = ipc::FdChannel::Listen(config_.unix_socket + ".fd", config_.socket_mode);
+  if (!channel.ok()) return channel.status();
+  fd_channel_ = *std::move(channel);
+  shm_importer_.set_fd_channel(fd_channel_.get());
+  return absl::OkStatus();
+}
+
+absl::Status DaemonServer::ListenTcp(grpc::ServerBuilder& builder) {
+  if (config_.port < 0) return absl::OkStatus();
+  // Accepted here too, each remote host held to its share of connections; gRPC speaks TLS
+  // (or not) on what it is handed.
+  auto listener = rpc::Listener::Tcp(config_.bind_address, config_.port,
+                                     {static_cast<size_t>(config_.max_tcp_connections),
+                                      static_cast<size_t>(config_.max_tcp_connections_per_source),
+                                      &tcp_peers_, config_.tcp_first_call_deadline},
+                                     nullptr);
+  if (!listener.ok()) return listener.status();
+  tcp_listener_ = *std::move(listener);
+  tcp_port_ = tcp_listener_->port();
+  tcp_acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+      TcpCredentials(config_));
+  return absl::OkStatus();
+}
+
+void DaemonServer::ServeListeners() {
   if (unix_listener_) {
     unix_listener_->Serve([server = server_.get()](int fd, const rpc::Listener::Source&) {
       grpc::AddInsecureChannelFromFd(server, fd);  // its calls' peer: "fd:<fd>" (LocalPeers)
@@ -263,22 +327,57 @@ absl::Status DaemonServer::Start() {
       acceptor->HandleNewConnection(&p);
     });
   }
-  if (config_.port >= 0) {
-    const std::string node = absl::StrCat(config_.node_host(), ":", tcp_port_);
-    {
-      absl::MutexLock lock(&peers_mu_);
-      node_address_ = node;
-    }
-    engine_.SetNodeAddress(node);
+}
+
+absl::Status DaemonServer::StartMetrics(const std::string& mps_mode) {
+  if (config_.metrics_port < 0) return absl::OkStatus();
+  auto metrics =
+      metrics::MetricsServer::Start(config_.metrics_address, config_.metrics_port,
+                                    {&counters_, &engine_, store_.get(), &peer_watch_, mps_mode});
+  if (!metrics.ok()) return metrics.status();
+  metrics_ = *std::move(metrics);
+  Log()->info("metrics serving http://{}:{}/metrics", config_.metrics_address, metrics_->port());
+  return absl::OkStatus();
+}
+
+namespace {
+// Takes every plugin off a server builder: the health port serves its one service, without the
+// reflection every builder of this binary otherwise gets (grpc++_reflection registers itself
+// for all builders when it loads).
+class NoPlugins final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->clear();
   }
-  if (config_.metrics_port >= 0) {
-    auto metrics = metrics::MetricsServer::Start(
-        config_.metrics_address, config_.metrics_port,
-        {&counters_, &engine_, store_.get(), &peer_watch_, gpu::MpsModeName(mps.mode)});
-    if (!metrics.ok()) return metrics.status();
-    metrics_ = *std::move(metrics);
-    Log()->info("metrics serving http://{}:{}/metrics", config_.metrics_address, metrics_->port());
+};
+}  // namespace
+
+absl::Status DaemonServer::StartHealthPort() {
+  if (config_.health_port < 0) return absl::OkStatus();
+  const std::string host = absl::StrContains(config_.health_address, ':')
+                               ? absl::StrCat("[", config_.health_address, "]")
+                               : config_.health_address;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.SetOption(std::make_unique<NoPlugins>());
+  builder.SetMaxReceiveMessageSize(4096);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 16);
+  builder.AddListeningPort(absl::StrCat(host, ":", config_.health_port),
+                           grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&port_health_service_);
+  health_server_ = builder.BuildAndStart();
+  if (!health_server_ || port <= 0) {
+    health_server_.reset();
+    return absl::UnavailableError(absl::StrCat("cannot listen for health on ", host, ":",
+                                               config_.health_port,
+                                               " (address in use or not permitted?)"));
   }
+  Log()->info("health serving tcp={}:{} (grpc.health.v1.Health only)", host, port);
+  return absl::OkStatus();
+}
+
+void DaemonServer::CheckStore() {
   if (config_.store_backend == "etcd") {
     std::vector<std::string> warnings, missing;
     if (config_.etcd.ca_pem.empty() && config_.etcd.cert_pem.empty()) {
@@ -304,15 +403,6 @@ absl::Status DaemonServer::Start() {
                   s.ToString());
     }
   }
-  {
-    absl::MutexLock lock(&health_mu_);
-    serving_ = true;
-  }
-  RefreshHealth();
-  Log()->info("serving {} tcp_tls={} max_message_bytes={} max_concurrent_streams={}", Endpoints(),
-              config_.tls.has_value() ? "mutual" : "off", config_.max_message_bytes,
-              config_.max_concurrent_streams);
-  return absl::OkStatus();
 }
 
 void DaemonServer::BeginDrain() {
@@ -324,6 +414,7 @@ void DaemonServer::BeginDrain() {
     serving_ = false;
   }
   health_service_.Shutdown();  // NOT_SERVING everywhere; Watch streams are told and end
+  port_health_service_.Shutdown();
   engine_.Shutdown();
   gradsync_service_.EndSessions();
   store_->Shutdown();
@@ -339,6 +430,11 @@ void DaemonServer::Shutdown(absl::Duration grace) {
   if (tcp_listener_) tcp_listener_->Stop();
   server_->Shutdown(absl::ToChronoTime(start + grace));
   server_->Wait();
+  if (health_server_) {
+    health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
+    health_server_->Wait();
+    health_server_.reset();
+  }
   Log()->debug("grpc shutdown took={}", absl::FormatDuration(absl::Now() - start));
   server_.reset();
   metrics_.reset();

@@ -11,7 +11,7 @@
 #include "absl/time/time.h"
 #include "common/worker_pool.h"
 #include "daemon/backend/cpu/cpu_backend.h"
-#include "daemon/backend/cpu/peer_watch.h"
+#include "daemon/backend/cpu/link_peer_watch.h"
 #include "daemon/backend/nccl/dispatch_backend.h"
 #include "daemon/backend/nccl/nccl_backend.h"
 #include "daemon/config.h"
@@ -62,8 +62,18 @@ class DaemonServer {
 
  private:
   absl::Status PrepareSocketPath();
+  // The parts of Start: the unix socket's and the TCP port's listeners (their connections go to
+  // the server `builder` makes), then served; metrics; the health port; the store's warnings.
+  absl::Status ListenUnix();
+  absl::Status ListenTcp(grpc::ServerBuilder& builder);
+  void ServeListeners();
+  absl::Status StartMetrics(const std::string& mps_mode);
+  absl::Status StartHealthPort();
+  void CheckStore();
   // A sticky CUDA error: GPU work is over for this process; health says so.
   void OnGpuBroken(const absl::Status& why);
+  // An NCCL abort ran past its bound (`hung`), or returned after it did: health follows.
+  void OnAbortHung(const absl::Status& why, bool hung);
   // Health after a change of what it depends on: SERVING once started, unless the GPU broke or
   // the unix socket cannot accept trainers (out of descriptors) right now.
   void RefreshHealth();
@@ -118,6 +128,9 @@ class DaemonServer {
   rpc::InspectService inspect_service_;
   rpc::HealthService health_service_;
   std::unique_ptr<grpc::Server> server_;
+  // --health_port: a server of its own holding only a health service of its own (same state).
+  rpc::HealthService port_health_service_;
+  std::unique_ptr<grpc::Server> health_server_;
   // Accept the unix socket and TCP into server_: stopped before the server shuts down.
   std::unique_ptr<rpc::Listener> unix_listener_;
   std::unique_ptr<rpc::Listener> tcp_listener_;
@@ -125,6 +138,7 @@ class DaemonServer {
   absl::Mutex health_mu_;
   bool serving_ ABSL_GUARDED_BY(health_mu_) = false;  // started, not draining
   bool gpu_broken_ ABSL_GUARDED_BY(health_mu_) = false;
+  bool abort_hung_ ABSL_GUARDED_BY(health_mu_) = false;  // an NCCL abort runs past its bound
   absl::Status accept_trouble_ ABSL_GUARDED_BY(health_mu_);
   // Last: its HTTP threads read the engine, store and counters, so it goes first.
   std::unique_ptr<metrics::MetricsServer> metrics_;

@@ -365,6 +365,20 @@ absl::StatusOr<int64_t> StoreClient::TakeTicket(absl::string_view job, int ranks
   return resp.ticket();
 }
 
+absl::StatusOr<v1::JoinResponse> StoreClient::Join(absl::string_view job, int ranks,
+                                                   absl::Duration wait, absl::Duration grace) {
+  grpc::ClientContext ctx;
+  Authorize(ctx, options_);
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + wait + grace + absl::Seconds(1)));
+  v1::JoinRequest req;
+  req.set_job(std::string(job));
+  req.set_ranks(ranks);
+  req.set_wait_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(wait)));
+  v1::JoinResponse resp;
+  if (absl::Status s = FromGrpcStatus(stub_->Join(&ctx, req, &resp)); !s.ok()) return s;
+  return resp;
+}
+
 absl::StatusOr<v1::WithdrawTicketResponse> StoreClient::WithdrawTicket(absl::string_view job,
                                                                        int64_t ticket) {
   grpc::ClientContext ctx;

@@ -86,6 +86,11 @@ class StoreClient final : public Store {
   /// checks and writes the records). `job` is the home namespace for tickets, the current
   /// epoch's for admissions.
   absl::StatusOr<int64_t> TakeTicket(absl::string_view job, int ranks);
+  /// Store.Join: the node of `ranks` ranks waits at most `wait` to be admitted to the elastic
+  /// job whose home is `job`; its daemon takes, and withdraws, the ticket. The call's deadline
+  /// leaves `grace` past `wait` (the daemon's kJoinGrace).
+  absl::StatusOr<v1::JoinResponse> Join(absl::string_view job, int ranks, absl::Duration wait,
+                                        absl::Duration grace);
   absl::StatusOr<v1::WithdrawTicketResponse> WithdrawTicket(absl::string_view job, int64_t ticket);
   absl::StatusOr<v1::AdmitJoinersResponse> AdmitJoiners(absl::string_view job, int epoch,
                                                         int min_world_size, int min_joined);

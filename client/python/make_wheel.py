@@ -1,6 +1,12 @@
 """Packs the built gradsync package (pure Python plus libgradsync_c.so) into a wheel.
 
-    make_wheel.py --package BUILD/python/gradsync --out BUILD/python/dist --version 0.1.0
+    make_wheel.py --package BUILD/python/gradsync --out BUILD/python/dist --version 0.1.0 \
+        [--dist_info BUILD/python/gradsync-0.1.0.dist-info]
+
+--dist_info also writes the package's metadata (METADATA, entry_points.txt) into that folder,
+beside the package, so that the package laid out in BUILD/python (PYTHONPATH) and installed
+from it (the Debian package) has what the wheel has: the entry point through which torch 2.x
+finds the backend "gradsync" when a script names it without importing gradsync.torch.
 
 The wheel is tagged py3-none-<platform>: the Python files run in any CPython 3.9+ and the
 library is loaded with ctypes, so nothing in it depends on the interpreter's ABI. It links the
@@ -15,6 +21,9 @@ import sysconfig
 import zipfile
 
 SUMMARY = "gradsync client: collectives through the node's gradsyncd, and gradsync.torch"
+# torch.distributed looks up a backend it does not know among these entry points (torch >= 2.x's
+# Backend._ensure_backend_registered) and calls the registrar.
+ENTRY_POINTS = "[torch.distributed.backends]\ngradsync = gradsync.torch:register_backend\n"
 
 
 def record_line(name, data):
@@ -27,6 +36,7 @@ def main():
     ap.add_argument("--package", required=True, help="the built package folder (gradsync/)")
     ap.add_argument("--out", required=True, help="folder for the wheel")
     ap.add_argument("--version", required=True)
+    ap.add_argument("--dist_info", help="also write METADATA and entry_points.txt here")
     args = ap.parse_args()
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
     tag = f"py3-none-{platform}"
@@ -40,6 +50,12 @@ def main():
         "Metadata-Version: 2.1\nName: gradsync\n"
         f"Version: {args.version}\nSummary: {SUMMARY}\nRequires-Python: >=3.9\n"
         "Provides-Extra: torch\nRequires-Dist: torch; extra == \"torch\"\n").encode()
+    files[f"{info}/entry_points.txt"] = ENTRY_POINTS.encode()
+    if args.dist_info:
+        os.makedirs(args.dist_info, exist_ok=True)
+        for name in ("METADATA", "entry_points.txt"):
+            with open(os.path.join(args.dist_info, name), "wb") as f:
+                f.write(files[f"{info}/{name}"])
     files[f"{info}/WHEEL"] = (
         "Wheel-Version: 1.0\nGenerator: gradsync make_wheel.py\nRoot-Is-Purelib: false\n"
         f"Tag: {tag}\n").encode()

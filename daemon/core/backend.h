@@ -17,6 +17,7 @@
 #include "common/dtype.h"
 #include "common/store.h"
 #include "daemon/core/buffer_importer.h"
+#include "daemon/core/submit_order.h"
 #include "gradsync/v1/gradsync.pb.h"
 
 namespace gradsync::core {
@@ -39,6 +40,9 @@ struct LocalMember {
   int group_rank;
   View input;
   View output;  // ALL_GATHER and REDUCE_SCATTER only
+  /// A device op's place in its trainer's submission order (submit_order.h): the data plane
+  /// launches it only once AwaitTurn says so. Empty for host ops.
+  std::optional<Turn> turn = std::nullopt;
 };
 
 /// Where an op's bytes live: host memory (the CPU backend, TCP across nodes) or GPU memory
@@ -78,19 +82,19 @@ struct Collective {
   /// streams drained, so that a trainer deregistering a buffer, ending its session or its job
   /// never unmaps memory a kernel still uses.
   std::shared_ptr<const void> keep_alive;
+  /// The trainers' records of a device op until it has settled (submit_order.h): a data plane
+  /// that keeps the op after Run returned (a launched device op) keeps these with it, and calls
+  /// Fail on each when the op fails on the device after its answer.
+  std::vector<std::shared_ptr<Settlements::Op>> settlements;
 };
 
 /// The job's store key holding the token of its current run (CommunicatorSpec::run).
 inline constexpr char kRunKey[] = "daemon/run";
-/// An elastic epoch past 0: "formed" or "unformed", whichever its daemons set first (by
-/// CompareSet) once every rank published, or once its first op's deadline passed without.
-inline constexpr char kFormationKey[] = "daemon/formation";
-/// Set by every daemon of an elastic job spanning nodes as it forms: a join may be decided.
-inline constexpr char kElasticKey[] = "daemon/elastic";
 /// The node (daemon TCP address) of rank `r` of a job spanning nodes, set by the rank's daemon.
 inline constexpr absl::string_view kRankKeyPrefix = "daemon/rank/";
 inline std::string RankKey(int r) { return absl::StrCat(kRankKeyPrefix, r); }
-// Every key above is the daemons' own (common/store_keys.h: kDaemonKeyPrefix).
+// Every key above is the daemons' own (common/store_keys.h: kDaemonKeyPrefix), as are the
+// elastic protocol's (membership.h).
 
 /// What a communicator is built for: one group of one job, and which of its members are local.
 struct CommunicatorSpec {

@@ -26,10 +26,15 @@ auto Log() { return logging::Logger("core"); }
 class InFlightSink final : public SessionSink {
  public:
   InFlightSink(std::shared_ptr<Session> session, std::shared_ptr<SessionSink> inner,
-               std::vector<std::shared_ptr<Session::DeviceUse>> uses)
-      : session_(std::move(session)), inner_(std::move(inner)), uses_(std::move(uses)) {}
+               std::vector<std::shared_ptr<Session::DeviceUse>> uses, std::optional<Turn> turn)
+      : session_(std::move(session)),
+        inner_(std::move(inner)),
+        uses_(std::move(uses)),
+        settlement_(turn ? std::exchange(turn->settlement, nullptr) : nullptr),
+        turn_(std::move(turn)) {}
   ~InFlightSink() override { Release(); }
   void OpDone(uint64_t tag, uint64_t seq, const absl::Status& status) override {
+    if (settlement_) settlement_->Answered(status);
     Release();
     inner_->OpDone(tag, seq, status);
   }
@@ -38,12 +43,17 @@ class InFlightSink final : public SessionSink {
   void Release() {
     if (released_.exchange(true)) return;
     for (const auto& use : uses_) use->Done();
+    if (turn_) turn_->order->Done(turn_->index);  // answered: launched, or failed
+    // The op's record settles once the data plane lets the op go (it holds it from here).
+    settlement_.reset();
     session_->ops_in_flight.fetch_sub(1);
   }
 
   const std::shared_ptr<Session> session_;
   const std::shared_ptr<SessionSink> inner_;
   const std::vector<std::shared_ptr<Session::DeviceUse>> uses_;
+  std::shared_ptr<Settlements::Op> settlement_;  // until the answer
+  const std::optional<Turn> turn_;               // its place in the order (no settlement)
   std::atomic<bool> released_{false};
 };
 
@@ -234,8 +244,14 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
     transport->OpDone(tag, 0, uses.status());
     return;
   }
+  // A device op takes its place in its trainer's order now, as submitted (submit_order.h).
+  std::optional<Turn> turn;
+  if (!uses->empty()) {
+    turn = Turn{session->device_order, session->device_order->Add(),
+                std::make_shared<Settlements::Op>(session->settlements)};
+  }
   const std::shared_ptr<SessionSink> sink =
-      std::make_shared<InFlightSink>(session, transport, *std::move(uses));
+      std::make_shared<InFlightSink>(session, transport, *std::move(uses), turn);
   const std::shared_ptr<Job>& job = session->job;
   if (job->spans_nodes) {
     absl::Status failed;
@@ -253,7 +269,7 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
             pool_->Schedule([this, weak, timeout] { OnFormationDeadline(weak, timeout); });
           });
         }
-        job->parked.push_back({session, sink, tag, op});  // replayed in order once formed
+        job->parked.push_back({session, sink, tag, op, turn});  // replayed in order once formed
         return;
       }
     }
@@ -262,17 +278,18 @@ void Engine::Submit(const std::shared_ptr<Session>& session,
       return;
     }
   }
-  SubmitNow(session, sink, tag, op);
+  SubmitNow(session, sink, tag, op, turn);
 }
 
 void Engine::SubmitNow(const std::shared_ptr<Session>& session,
                        const std::shared_ptr<SessionSink>& sink, uint64_t tag,
-                       const v1::OpRequest& op) {
+                       const v1::OpRequest& op, std::optional<Turn> turn) {
   absl::StatusOr<Arrival> resolved = internal::Resolve(*session, op, options_);
   if (!resolved.ok()) {
     sink->OpDone(tag, 0, resolved.status());
     return;
   }
+  resolved->turn = std::move(turn);
   resolved->session = session;
   resolved->sink = sink;
   resolved->tag = tag;

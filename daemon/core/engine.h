@@ -139,7 +139,16 @@ class Engine {
   absl::StatusOr<uint64_t> RegisterBuffer(Session& session,
                                           const v1::RegisterBufferRequest& request);
   /// NOT_FOUND for an unknown id. Ops already submitted keep their mapping until they finish.
-  absl::Status DeregisterBuffer(Session& session, uint64_t buffer_id);
+  /// `released` (may be null) runs once the daemon no longer uses the buffer's events: every
+  /// op that named it has been answered and has settled on the device (at once for a buffer
+  /// with none); only then may the trainer destroy them (an imported event's record pending
+  /// after its exporter destroyed it is undefined). It may run on this thread or another.
+  absl::Status DeregisterBuffer(Session& session, uint64_t buffer_id,
+                                std::function<void()> released = nullptr);
+  /// `done` runs (on this thread or another) once every device op the session submitted so
+  /// far has settled on the device, with OK or the first failure of one after its OK answer
+  /// since the last report (ABORTED, its results not valid). Host ops settle at their answer.
+  void Settle(Session& session, std::function<void(absl::Status)> done);
 
   /// Validates and matches an op; its outcome (an invalid request's error too) reaches `sink`
   /// with `tag`. An invalid op takes no sequence number. A session's ops must be submitted
@@ -283,23 +292,16 @@ class Engine {
   void DecideMembership(const std::weak_ptr<Job>& job);
   // Unregister of a trainer lost in an elastic job: its node's ranks go (see Unregister).
   void NoteTrainerLost(Session& session, absl::string_view reason);
-  // An elastic epoch past 0 that did not form by its first op's deadline: unless it formed
-  // meanwhile (kFormationKey), records the next membership without the ranks that never
-  // published (store calls). The error its waiting ops fail with (UNAVAILABLE); OK when it
-  // formed after all (nothing fails); std::nullopt when nothing could be decided.
-  std::optional<absl::Status> DecideUnformed(Job& job, absl::Duration timeout);
-  // An elastic epoch past 0 formed here (every rank published): OK unless its daemons decided
-  // it unformed first (then the error its parked ops fail with).
-  absl::Status ClaimFormed(Job& job);
   // An elastic epoch formed here: kept for Epochs(), with the decision that made it (read
   // from the previous epoch's namespace).
   void RecordEpoch(const std::weak_ptr<Job>& job, absl::Time formed);
+  // An elastic job lost a node: its membership decision, after --elastic_settle, once.
   void ScheduleDecisionLocked(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   void OnPeerLost(const std::weak_ptr<Job>& job, const std::string& node,
                   const absl::Status& cause);
-  // Submit past the formation check.
+  // Submit past the formation check; `turn`: a device op's place in its trainer's order.
   void SubmitNow(const std::shared_ptr<Session>& session, const std::shared_ptr<SessionSink>& sink,
-                 uint64_t tag, const v1::OpRequest& op);
+                 uint64_t tag, const v1::OpRequest& op, std::optional<Turn> turn);
 
   // Runs on_job_end_(job) on a thread of its own; `job` is in ending_ until it returns.
   // An elastic epoch `id` ended a while ago and is not running again: its namespace, kept for

@@ -77,8 +77,8 @@ void Engine::StartFormation(std::shared_ptr<Job> job, std::string node) {
     absl::MutexLock lock(&job->mu);
     job->run = run->value;
   }
-  if (job->elastic) {  // what lets a client ask for a join of this job (membership.h)
-    absl::Status s = retry([&] { return job->root_store->Set(job->id, kElasticKey, "1"); });
+  if (job->membership != nullptr) {  // what lets a client ask for a join of this job
+    absl::Status s = retry([&] { return job->membership->MarkElastic(); });
     if (!s.ok()) {
       OnFormed(job, absl::Status(s.code(), absl::StrCat("marking the job elastic: ", s.message())));
       return;
@@ -125,8 +125,8 @@ void Engine::OnFormationDeadline(const std::weak_ptr<Job>& weak, absl::Duration 
       job->root_store->WaitBlocking(job->id, keys, absl::Now() + absl::Milliseconds(100));
   std::deque<Job::Parked> failed;
   absl::Status error;
-  if (!missing.ok() && job->elastic && job->epoch > 0) {
-    std::optional<absl::Status> decided = DecideUnformed(*job, timeout);
+  if (!missing.ok() && job->membership != nullptr && job->epoch > 0) {
+    std::optional<absl::Status> decided = job->membership->DecideUnformed(timeout);
     if (decided.has_value() && decided->ok()) return;  // it formed after all: OnFormed goes on
     if (decided.has_value()) error = *std::move(decided);
   }
@@ -151,51 +151,6 @@ void Engine::OnFormationDeadline(const std::weak_ptr<Job>& weak, absl::Duration 
   for (Job::Parked& p : failed) p.sink->OpDone(p.tag, 0, error);
 }
 
-std::optional<absl::Status> Engine::DecideUnformed(Job& job, absl::Duration timeout) {
-  // One outcome for every daemon of the epoch: formed, or not (then decided without the
-  // ranks missing now; a rank publishing later finds it so in OnFormed).
-  absl::StatusOr<CompareSetResult> outcome =
-      job.root_store->CompareSet(job.id, kFormationKey, std::nullopt, "unformed");
-  if (!outcome.ok()) return std::nullopt;
-  if (outcome->value == "formed") return absl::OkStatus();
-  absl::StatusOr<std::vector<std::string>> published = job.root_store->List(job.id, kRankKeyPrefix);
-  if (!published.ok()) return std::nullopt;
-  std::vector<bool> here(job.world_size, false);
-  for (absl::string_view key : *published) {
-    int rank = -1;
-    absl::ConsumePrefix(&key, kRankKeyPrefix);
-    if (absl::SimpleAtoi(key, &rank) && rank >= 0 && rank < job.world_size) here[rank] = true;
-  }
-  std::vector<int> lost;
-  for (int r = 0; r < job.world_size; ++r) {
-    if (!here[r]) lost.push_back(r);
-  }
-  if (lost.empty() || lost.size() == here.size()) return std::nullopt;
-  const std::string why = absl::StrCat("rank(s) ", JoinBounded(lost, ","), " did not join epoch ",
-                                       job.epoch, " within ", absl::FormatDuration(timeout));
-  const std::string decision = MembershipDecisionText(
-      job.epoch + 1, job.world_size - static_cast<int>(lost.size()), lost, {}, 0, why);
-  absl::StatusOr<CompareSetResult> recorded =
-      job.root_store->CompareSet(job.id, std::string(kElasticDecisionKey), std::nullopt, decision);
-  if (!recorded.ok()) return std::nullopt;
-  if (recorded->swapped) {
-    Log()->warn("elastic job={}: membership changed, epoch {} -> {}: it did not form, {}", job.id,
-                job.epoch, job.epoch + 1, why);
-  }
-  return absl::UnavailableError(absl::StrCat("job ", job.id, " did not form: ", why,
-                                             " (their node is lost or gone); the others go on"));
-}
-
-absl::Status Engine::ClaimFormed(Job& job) {
-  absl::StatusOr<CompareSetResult> outcome =
-      job.root_store->CompareSet(job.id, kFormationKey, std::nullopt, "formed");
-  if (!outcome.ok() || outcome->value == "formed") return absl::OkStatus();
-  return absl::UnavailableError(
-      absl::StrCat("job ", job.id,
-                   " did not form by its first op's deadline: its daemons went "
-                   "on without the ranks missing then (this node's came too late)"));
-}
-
 void Engine::OnFormed(const std::weak_ptr<Job>& weak,
                       absl::StatusOr<std::vector<std::string>> nodes) {
   std::shared_ptr<Job> job = weak.lock();
@@ -206,12 +161,17 @@ void Engine::OnFormed(const std::weak_ptr<Job>& weak,
   }
   // An elastic epoch past 0 formed here: unless its daemons already went on without some of
   // its ranks (the deadline of the first op, on another node).
-  if (nodes.ok() && job->elastic && job->epoch > 0) {
-    if (absl::Status s = ClaimFormed(*job); !s.ok()) nodes = s;
-  } else if (job->elastic && job->epoch > 0 &&
+  if (nodes.ok() && job->membership != nullptr) {
+    if (job->epoch == 0) {
+      job->membership->Formed();
+    } else if (absl::Status s = job->membership->ClaimFormed(); !s.ok()) {
+      nodes = s;
+    }
+  } else if (job->membership != nullptr && job->epoch > 0 &&
              nodes.status().code() == absl::StatusCode::kDeadlineExceeded) {
     // Its wait for every rank ended first (the same bound as its first op's deadline).
-    std::optional<absl::Status> decided = DecideUnformed(*job, options_.default_op_timeout);
+    std::optional<absl::Status> decided =
+        job->membership->DecideUnformed(options_.default_op_timeout);
     if (decided.has_value() && !decided->ok()) nodes = *std::move(decided);
   }
   std::deque<Job::Parked> failed;
@@ -273,7 +233,7 @@ void Engine::OnFormed(const std::weak_ptr<Job>& weak,
       p = std::move(job->parked.front());
       job->parked.pop_front();
     }
-    SubmitNow(p.session, p.sink, p.tag, p.op);
+    SubmitNow(p.session, p.sink, p.tag, p.op, p.turn);
   }
 }
 
@@ -324,8 +284,7 @@ void Engine::OnPeerLost(const std::weak_ptr<Job>& weak, const std::string& node,
 
 void Engine::ScheduleDecisionLocked(Job& job) {
   // An elastic job records its next membership once the losses of the moment are in.
-  if (!job.elastic || job.membership_decision_due) return;
-  job.membership_decision_due = true;
+  if (job.membership == nullptr || !job.membership->BeginDeciding()) return;
   timer_.Schedule(absl::Now() + options_.elastic_settle,
                   [this, weak = std::weak_ptr<Job>(job.shared_from_this())] {
                     // A store call: off the timer's thread.
@@ -350,30 +309,34 @@ void Engine::DecideMembership(const std::weak_ptr<Job>& weak) {
       }
     }
   }
-  if (lost_ranks.empty()) return;
+  if (lost_ranks.empty() || job->membership == nullptr) return;
   std::sort(lost_ranks.begin(), lost_ranks.end());
-  const int world = job->world_size - static_cast<int>(lost_ranks.size());
-  const std::string decision =
-      MembershipDecisionText(job->epoch + 1, world, lost_ranks, lost_nodes, 0, why);
-  absl::StatusOr<CompareSetResult> recorded = job->root_store->CompareSet(
-      job->id, std::string(kElasticDecisionKey), std::nullopt, decision);
+  MembershipDecision decision;
+  decision.epoch = job->epoch + 1;
+  decision.world = job->world_size - static_cast<int>(lost_ranks.size());
+  decision.lost_ranks = std::move(lost_ranks);
+  decision.lost_nodes = std::move(lost_nodes);
+  decision.at = absl::Now();
+  decision.why = why;
+  absl::StatusOr<EpochMembership::Recorded> recorded = job->membership->Decide(decision);
   if (!recorded.ok()) {
     Log()->warn(
         "elastic job={}: the new membership could not be recorded in the job's store (root {}), "
         "so its survivors cannot go on: {}; decision was: {}",
         job->id, job->root_address.empty() ? "etcd" : job->root_address,
-        recorded.status().ToString(), decision);
+        recorded.status().ToString(), decision.Describe());
     return;
   }
-  if (recorded->swapped) {
+  if (recorded->ours) {
     Log()->warn(
         "elastic job={}: membership changed, epoch {} -> {}: world {} -> {}, ranks {} of "
         "node(s) {} lost ({})",
-        job->id, job->epoch, job->epoch + 1, job->world_size, world, JoinBounded(lost_ranks, ","),
-        JoinBounded(lost_nodes, ","), why);
+        job->id, job->epoch, job->epoch + 1, job->world_size, decision.world,
+        JoinBounded(decision.lost_ranks, ","), JoinBounded(decision.lost_nodes, ","), why);
   } else {
+    absl::StatusOr<MembershipDecision> theirs = MembershipDecision::Decode(recorded->decision);
     Log()->info("elastic job={}: the membership decision recorded by another daemon stands: {}",
-                job->id, recorded->value);
+                job->id, theirs.ok() ? theirs->Describe() : std::string(theirs.status().message()));
   }
 }
 
@@ -381,28 +344,18 @@ void Engine::RecordEpoch(const std::weak_ptr<Job>& weak, absl::Time formed) {
   std::shared_ptr<Job> job = weak.lock();
   if (!job) return;
   absl::StatusOr<std::string> base = ElasticBase(job->id, job->epoch);
-  if (!base.ok()) return;
+  if (!base.ok() || job->membership == nullptr) return;
   EpochRecord record{*base, job->epoch, job->world_size, "", formed, absl::ZeroDuration()};
-  if (job->epoch > 0) {  // the previous epoch's namespace keeps its decision while this runs
-    absl::StatusOr<std::vector<std::string>> decision = job->root_store->WaitBlocking(
-        ElasticJobId(*base, job->epoch - 1), {std::string(kElasticDecisionKey)},
-        absl::Now() + absl::Milliseconds(500));
-    if (decision.ok() && decision->size() == 1) {
-      // Store bytes, shown to operators: printable ASCII, bounded.
-      constexpr size_t kMaxChange = 1024;
-      record.change = (*decision)[0].substr(0, kMaxChange);
-      for (char& c : record.change) {
-        if (c < 0x20 || c > 0x7e) c = '?';
-      }
-      const absl::string_view head =
-          absl::string_view(record.change).substr(0, record.change.find(" why="));
-      for (absl::string_view field : absl::StrSplit(head, ' ')) {
-        int64_t ms = 0;
-        if (absl::ConsumePrefix(&field, "at=") && absl::SimpleAtoi(field, &ms)) {
-          record.took = formed - absl::FromUnixMillis(ms);
-        }
-      }
+  // The previous epoch's namespace keeps its decision while this runs.
+  if (std::optional<MembershipDecision> change =
+          job->membership->PreviousDecision(absl::Milliseconds(500))) {
+    // Words from the store, shown to operators: printable ASCII, bounded.
+    constexpr size_t kMaxChange = 1024;
+    record.change = change->Describe().substr(0, kMaxChange);
+    for (char& c : record.change) {
+      if (c < 0x20 || c > 0x7e) c = '?';
     }
+    record.took = formed - change->at;
   }
   // A membership change this node took part in (a loss or a join): counted once it formed.
   if (job->epoch > 0 && options_.counters != nullptr) {

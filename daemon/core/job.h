@@ -11,6 +11,7 @@
 #include <cassert>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -29,6 +30,7 @@
 #include "daemon/core/buffer_importer.h"
 #include "daemon/core/deadline_timer.h"
 #include "daemon/core/fingerprint.h"
+#include "daemon/core/membership.h"
 #include "gradsync/v1/gradsync.pb.h"
 
 namespace gradsync::core {
@@ -54,6 +56,7 @@ struct Arrival {
   std::optional<Plane> plane;
   absl::Duration timeout;
   absl::Time deadline;
+  std::optional<Turn> turn;  // a device op's place in its trainer's order (submit_order.h)
 };
 
 // Op k of a group while not every local member has submitted it.
@@ -117,6 +120,9 @@ struct Job : std::enable_shared_from_this<Job> {
         root_store(root_store),
         elastic(elastic),
         epoch(epoch),
+        membership(elastic && root_store != nullptr
+                       ? std::make_unique<EpochMembership>(root_store, this->id, epoch, world_size)
+                       : nullptr),
         ranks(world_size, nullptr),
         local_ranks(local_world_size, -1) {}
 
@@ -132,12 +138,15 @@ struct Job : std::enable_shared_from_this<Job> {
   // daemons record the next one (Engine::DecideMembership).
   const bool elastic;
   const int epoch;
+  // An elastic job spanning nodes: this epoch's state and records (null otherwise).
+  const std::unique_ptr<EpochMembership> membership;
   enum class Formation { kLocal, kForming, kReplaying, kFormed, kFailed };
   struct Parked {
     std::shared_ptr<Session> session;
     std::shared_ptr<SessionSink> sink;
     uint64_t tag;
     v1::OpRequest op;
+    std::optional<Turn> turn;
   };
   // Acquired after Engine::mu_ (when both are held).
   absl::Mutex mu;
@@ -153,7 +162,6 @@ struct Job : std::enable_shared_from_this<Job> {
   // Nodes the peer watch declared lost (or left), with why: groups spanning them fail.
   std::map<std::string, std::string> lost_nodes ABSL_GUARDED_BY(mu);
   std::set<std::string> left_nodes ABSL_GUARDED_BY(mu);  // of those, the ones that left on purpose
-  bool membership_decision_due ABSL_GUARDED_BY(mu) = false;  // elastic: scheduled once
   std::deque<Parked> parked ABSL_GUARDED_BY(mu);
   // Groups are never removed while the job lives: a Group* stays valid as long as its job.
   absl::flat_hash_map<std::string, std::unique_ptr<Group>> groups ABSL_GUARDED_BY(mu);
@@ -222,27 +230,69 @@ class Session {
     const std::shared_ptr<MappedBuffer> mapping;
     absl::Mutex mu;
     std::string group ABSL_GUARDED_BY(mu);
-    int ops ABSL_GUARDED_BY(mu) = 0;
+    int ops ABSL_GUARDED_BY(mu) = 0;        // ops that named it, not yet answered
+    int on_device ABSL_GUARDED_BY(mu) = 0;  // ops that named it, not yet settled (DeviceHold)
     bool deregistered ABSL_GUARDED_BY(mu) = false;
+    // Told once the events are released (DeregisterBuffer's answer).
+    std::vector<std::function<void()>> when_released ABSL_GUARDED_BY(mu);
 
-    /// The buffer goes (deregistered, or its session ended): its events are released now, or
-    /// by the answer of the op that holds them.
-    void Deregistered() {
+    /// The buffer goes (deregistered, or its session ended): its events are released, and
+    /// `then` runs (may be null), once no op holds them: every op that named it has been
+    /// answered and has settled on the device (a device op answered once launched holds them
+    /// until its streams have run it, or were drained after an abort). Until then the daemon
+    /// may still record "done" on them, so the trainer must not destroy them.
+    void Deregistered(std::function<void()> then = nullptr) {
       {
         absl::MutexLock lock(&mu);
         deregistered = true;
-        if (ops > 0) return;
+        if (then) when_released.push_back(std::move(then));
+        if (ops > 0 || on_device > 0) return;
       }
-      mapping->ReleaseEvents();
+      Release();
     }
     /// An op that held the events has its answer.
     void Done() {
       {
         absl::MutexLock lock(&mu);
-        if (--ops > 0 || !deregistered) return;
+        if (--ops > 0 || on_device > 0 || !deregistered) return;
+      }
+      Release();
+    }
+    /// An op that names the buffer holds it on the device (DeviceHold).
+    void Hold() {
+      absl::MutexLock lock(&mu);
+      ++on_device;
+    }
+    /// ... and has settled there.
+    void Unhold() {
+      {
+        absl::MutexLock lock(&mu);
+        if (--on_device > 0 || ops > 0 || !deregistered) return;
+      }
+      Release();
+    }
+
+   private:
+    void Release() {
+      std::vector<std::function<void()>> then;
+      {
+        absl::MutexLock lock(&mu);
+        then.swap(when_released);
       }
       mapping->ReleaseEvents();
+      for (auto& fn : then) fn();
     }
+  };
+
+  /// One op's hold on a device buffer from its resolution until it has settled on the device:
+  /// the op's pin of the buffer's mapping (Collective::keep_alive) owns it, so it goes when the
+  /// data plane lets the op go.
+  struct DeviceHold {
+    explicit DeviceHold(std::shared_ptr<DeviceUse> use) : use(std::move(use)) { this->use->Hold(); }
+    ~DeviceHold() { use->Unhold(); }
+    DeviceHold(const DeviceHold&) = delete;
+    DeviceHold& operator=(const DeviceHold&) = delete;
+    const std::shared_ptr<DeviceUse> use;
   };
 
   struct Buffer {
@@ -273,6 +323,10 @@ class Session {
 
   // Ops submitted whose outcome the session has not been sent yet (Engine::Submit).
   std::atomic<int> ops_in_flight{0};
+  // Its device ops in submission order: each GPU launches them in that order.
+  const std::shared_ptr<SubmitOrder> device_order = std::make_shared<SubmitOrder>();
+  // Its device ops answered OK and not yet settled on the device (Engine::Settle).
+  const std::shared_ptr<Settlements> settlements = std::make_shared<Settlements>();
 };
 
 namespace internal {

@@ -2,6 +2,7 @@
 #include "daemon/core/matcher.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/bounded_text.h"
@@ -123,7 +124,11 @@ Arrived Arrive(Group& group, uint64_t& next_seq, Arrival a) {
   r.op = MakeCollective(group, seq, p.fp, p.deadline, p.plane);
   std::vector<std::shared_ptr<MappedBuffer>> pins;
   for (std::optional<Arrival>& m : p.arrivals) {
-    r.op.local.push_back({m->group_rank, std::move(m->input), std::move(m->output)});
+    // The member's record settles with the op itself (settlements), not with its views.
+    if (m->turn && m->turn->settlement) {
+      r.op.settlements.push_back(std::exchange(m->turn->settlement, nullptr));
+    }
+    r.op.local.push_back({m->group_rank, std::move(m->input), std::move(m->output), m->turn});
     r.to.emplace_back(std::move(m->sink), m->tag);
     for (auto& pin : m->pins) pins.push_back(std::move(pin));
     r.bytes = std::max(r.bytes, m->bytes);

@@ -8,28 +8,53 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "common/bounded_text.h"
 #include "common/job_id.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "common/store_keys.h"
 #include "daemon/core/backend.h"
+#include "gradsync/v1/membership.pb.h"
 
 namespace gradsync::core {
 namespace {
 
-constexpr absl::string_view kRanksPrefix = "ranks=";
-constexpr absl::string_view kClaimed = "claimed";
-constexpr absl::string_view kWithdrawn = "withdrawn";
+// A ticket's record.
+std::string Ticket(v1::JoinTicket::State state, int ranks = 0) {
+  v1::JoinTicket t;
+  t.set_state(state);
+  t.set_ranks(ranks);
+  return t.SerializeAsString();
+}
 
-// The ranks a ticket's record asks to admit: "ranks=K", else 0 (withdrawn, claimed).
+// The ranks a waiting ticket's record asks to admit, else 0 (claimed, withdrawn).
 int RanksOf(absl::string_view record) {
-  int ranks = 0;
-  if (!absl::ConsumePrefix(&record, kRanksPrefix) || !absl::SimpleAtoi(record, &ranks) ||
-      ranks < 1 || ranks > kMaxJoinRanks) {
+  v1::JoinTicket t;
+  if (!t.ParseFromArray(record.data(), static_cast<int>(record.size())) ||
+      t.state() != v1::JoinTicket::WAITING || t.ranks() < 1 || t.ranks() > kMaxJoinRanks) {
     return 0;
   }
-  return ranks;
+  return t.ranks();
+}
+
+// A ticket's record in words, for its node: "waiting", "claimed", "withdrawn".
+std::string TicketState(absl::string_view record) {
+  v1::JoinTicket t;
+  if (!t.ParseFromArray(record.data(), static_cast<int>(record.size()))) return "unreadable";
+  switch (t.state()) {
+    case v1::JoinTicket::WAITING:
+      return "waiting";
+    case v1::JoinTicket::CLAIMED:
+      return "claimed";
+    case v1::JoinTicket::WITHDRAWN:
+      return "withdrawn";
+    default:
+      return "unreadable";
+  }
 }
 
 // The counter at `key` (absent: 0).
@@ -67,7 +92,7 @@ absl::StatusOr<int64_t> TakeTicket(gradsync::Store& store, absl::string_view hom
     GRADSYNC_ASSIGN_OR_RETURN(int64_t ticket, store.Add(home, kElasticTicketsKey, 1));
     GRADSYNC_ASSIGN_OR_RETURN(CompareSetResult written,
                               store.CompareSet(home, ElasticTicketKey(ticket), std::nullopt,
-                                               absl::StrCat(kRanksPrefix, ranks)));
+                                               Ticket(v1::JoinTicket::WAITING, ranks)));
     if (written.swapped) return ticket;
   }
   return absl::UnavailableError(absl::StrCat(label, "no ticket written in 3 tries"));
@@ -83,12 +108,11 @@ absl::StatusOr<Withdrawal> WithdrawTicket(gradsync::Store& store, absl::string_v
   const std::string key = ElasticTicketKey(ticket);
   for (int tries = 0; tries < 4; ++tries) {  // a record changed between read and swap: again
     std::optional<std::string> now = Peek(store, home, key);
-    if (!now.has_value() || RanksOf(*now) == 0) {
-      return Withdrawal{false, now.value_or(std::string(kWithdrawn))};
-    }
+    if (!now.has_value()) return Withdrawal{false, "withdrawn"};
+    if (RanksOf(*now) == 0) return Withdrawal{false, TicketState(*now)};
     GRADSYNC_ASSIGN_OR_RETURN(CompareSetResult r,
-                              store.CompareSet(home, key, *now, std::string(kWithdrawn)));
-    if (r.swapped) return Withdrawal{true, std::string(kWithdrawn)};
+                              store.CompareSet(home, key, *now, Ticket(v1::JoinTicket::WITHDRAWN)));
+    if (r.swapped) return Withdrawal{true, "withdrawn"};
   }
   return absl::UnavailableError(
       absl::StrCat("WithdrawTicket job=", home, " ticket=", ticket, ": its record keeps changing"));
@@ -154,9 +178,9 @@ absl::StatusOr<Admission> AdmitJoiners(gradsync::Store& store, absl::string_view
     if (!record.has_value() && t < taken) {
       // Taken and not written while a later one was (its writer failed, or is slow: it then
       // takes another): voided, so that it holds up no admission.
-      GRADSYNC_ASSIGN_OR_RETURN(
-          CompareSetResult voided,
-          store.CompareSet(*home, ElasticTicketKey(t), std::nullopt, std::string(kWithdrawn)));
+      GRADSYNC_ASSIGN_OR_RETURN(CompareSetResult voided,
+                                store.CompareSet(*home, ElasticTicketKey(t), std::nullopt,
+                                                 Ticket(v1::JoinTicket::WITHDRAWN)));
       record = voided.value;
     }
     if (!record.has_value()) break;  // the newest, being written: a later commit admits it
@@ -173,12 +197,13 @@ absl::StatusOr<Admission> AdmitJoiners(gradsync::Store& store, absl::string_view
   int joined = 0;
   auto unclaim = [&] {
     for (const Claim& c : claimed) {
-      (void)store.CompareSet(*home, ElasticTicketKey(c.ticket), std::string(kClaimed), c.record);
+      (void)store.CompareSet(*home, ElasticTicketKey(c.ticket), Ticket(v1::JoinTicket::CLAIMED),
+                             c.record);
     }
   };
   for (Claim& w : waiting) {
-    absl::StatusOr<CompareSetResult> c =
-        store.CompareSet(*home, ElasticTicketKey(w.ticket), w.record, std::string(kClaimed));
+    absl::StatusOr<CompareSetResult> c = store.CompareSet(
+        *home, ElasticTicketKey(w.ticket), w.record, Ticket(v1::JoinTicket::CLAIMED));
     if (!c.ok()) {
       unclaim();  // the store failed: they wait for a later commit
       return c.status();
@@ -193,9 +218,14 @@ absl::StatusOr<Admission> AdmitJoiners(gradsync::Store& store, absl::string_view
   }
   absl::StatusOr<CompareSetResult> recorded = store.CompareSet(
       job, std::string(kElasticDecisionKey), std::nullopt,
-      MembershipDecisionText(
-          epoch, world + joined, {}, {}, joined,
-          absl::StrCat(claimed.size(), " node(s) joining (", joined, " rank(s))")));
+      MembershipDecision{epoch,
+                         world + joined,
+                         {},
+                         {},
+                         joined,
+                         absl::Now(),
+                         absl::StrCat(claimed.size(), " node(s) joining (", joined, " rank(s))")}
+          .Encode());
   if (!recorded.ok() || !recorded->swapped) {
     unclaim();  // a loss was decided first (or the store failed): they join at a later commit
     if (!recorded.ok()) return recorded.status();
@@ -204,13 +234,192 @@ absl::StatusOr<Admission> AdmitJoiners(gradsync::Store& store, absl::string_view
   int rank = world;
   for (const Claim& c : claimed) {
     // A joiner told nothing does not come: the epoch forms without its ranks (their deadline).
-    (void)store.Set(*home, ElasticAdmitKey(c.ticket),
-                    absl::StrCat("epoch=", epoch, " world=", world + joined, " rank=", rank,
-                                 " min=", min_world_size));
+    v1::JoinAdmission admission;
+    admission.set_epoch(epoch);
+    admission.set_world(world + joined);
+    admission.set_rank(rank);
+    admission.set_min_world_size(min_world_size);
+    (void)store.Set(*home, ElasticAdmitKey(c.ticket), admission.SerializeAsString());
     rank += c.ranks;
   }
   (void)store.Add(*home, kElasticHandledKey, looked);
   return Admission{true, std::move(recorded->value), joined};
+}
+
+std::string MembershipDecision::Encode() const {
+  v1::MembershipDecision d;
+  d.set_epoch(epoch);
+  d.set_world(world);
+  for (int r : lost_ranks) d.add_lost_ranks(r);
+  for (const std::string& n : lost_nodes) d.add_lost_nodes(n);
+  d.set_joined(joined);
+  d.set_at_unix_ms(absl::ToUnixMillis(at == absl::InfinitePast() ? absl::Now() : at));
+  d.set_why(why);
+  return d.SerializeAsString();
+}
+
+absl::StatusOr<MembershipDecision> MembershipDecision::Decode(absl::string_view record) {
+  v1::MembershipDecision d;
+  if (!d.ParseFromArray(record.data(), static_cast<int>(record.size())) || d.epoch() < 1 ||
+      d.world() < 0 || d.joined() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("not a membership decision (", record.size(), " bytes)"));
+  }
+  return MembershipDecision{d.epoch(),
+                            d.world(),
+                            {d.lost_ranks().begin(), d.lost_ranks().end()},
+                            {d.lost_nodes().begin(), d.lost_nodes().end()},
+                            d.joined(),
+                            absl::FromUnixMillis(d.at_unix_ms()),
+                            d.why()};
+}
+
+std::string MembershipDecision::Describe() const {
+  return absl::StrCat("epoch=", epoch, " world=", world,
+                      " lost_ranks=", absl::StrJoin(lost_ranks, ","),
+                      " lost_nodes=", absl::StrJoin(lost_nodes, ","),
+                      joined > 0 ? absl::StrCat(" joined=", joined) : "",
+                      " at=", absl::ToUnixMillis(at), " why=", why);
+}
+
+const char* EpochMembership::StateName(State state) {
+  switch (state) {
+    case State::kForming:
+      return "forming";
+    case State::kFormed:
+      return "formed";
+    case State::kDeciding:
+      return "deciding";
+    case State::kDecided:
+      return "decided";
+    case State::kUnformed:
+      return "unformed";
+    case State::kEnded:
+      return "ended";
+  }
+  return "invalid";
+}
+
+EpochMembership::EpochMembership(gradsync::Store* store, std::string job, int epoch, int world_size)
+    : store_(store), job_(std::move(job)), epoch_(epoch), world_size_(world_size) {}
+
+EpochMembership::State EpochMembership::state() const {
+  absl::MutexLock lock(&mu_);
+  return state_;
+}
+
+bool EpochMembership::Advance(std::initializer_list<State> from, State to) {
+  absl::MutexLock lock(&mu_);
+  for (State s : from) {
+    if (state_ == s) {
+      state_ = to;
+      return true;
+    }
+  }
+  return false;
+}
+
+absl::Status EpochMembership::MarkElastic() { return store_->Set(job_, kElasticKey, "1"); }
+
+bool EpochMembership::Formed() { return Advance({State::kForming}, State::kFormed); }
+
+absl::Status EpochMembership::ClaimFormed() {
+  absl::StatusOr<CompareSetResult> outcome =
+      store_->CompareSet(job_, kFormationKey, std::nullopt, "formed");
+  if (!outcome.ok() || outcome->value == "formed") {
+    Advance({State::kForming}, State::kFormed);
+    return absl::OkStatus();
+  }
+  Advance({State::kForming}, State::kUnformed);
+  return absl::UnavailableError(
+      absl::StrCat("job ", job_,
+                   " did not form by its first op's deadline: its daemons went "
+                   "on without the ranks missing then (this node's came too late)"));
+}
+
+std::optional<absl::Status> EpochMembership::DecideUnformed(absl::Duration timeout) {
+  // One outcome for every daemon of the epoch: formed, or not (then decided without the
+  // ranks missing now; a rank publishing later finds it so in ClaimFormed).
+  absl::StatusOr<CompareSetResult> outcome =
+      store_->CompareSet(job_, kFormationKey, std::nullopt, "unformed");
+  if (!outcome.ok()) return std::nullopt;
+  if (outcome->value == "formed") {
+    Advance({State::kForming}, State::kFormed);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::vector<std::string>> published = store_->List(job_, kRankKeyPrefix);
+  if (!published.ok()) return std::nullopt;
+  std::vector<bool> here(world_size_, false);
+  for (absl::string_view key : *published) {
+    int rank = -1;
+    absl::ConsumePrefix(&key, kRankKeyPrefix);
+    if (absl::SimpleAtoi(key, &rank) && rank >= 0 && rank < world_size_) here[rank] = true;
+  }
+  MembershipDecision d;
+  for (int r = 0; r < world_size_; ++r) {
+    if (!here[r]) d.lost_ranks.push_back(r);
+  }
+  if (d.lost_ranks.empty() || d.lost_ranks.size() == here.size()) return std::nullopt;
+  d.epoch = epoch_ + 1;
+  d.world = world_size_ - static_cast<int>(d.lost_ranks.size());
+  d.why = absl::StrCat("rank(s) ", JoinBounded(d.lost_ranks, ","), " did not join epoch ", epoch_,
+                       " within ", absl::FormatDuration(timeout));
+  absl::StatusOr<CompareSetResult> recorded =
+      store_->CompareSet(job_, std::string(kElasticDecisionKey), std::nullopt, d.Encode());
+  if (!recorded.ok()) return std::nullopt;
+  Advance({State::kForming}, State::kUnformed);
+  if (recorded->swapped) {
+    logging::Logger("core")->warn(
+        "elastic job={}: membership changed, epoch {} -> {}: it did not form, {}", job_, epoch_,
+        epoch_ + 1, d.why);
+  }
+  return absl::UnavailableError(absl::StrCat("job ", job_, " did not form: ", d.why,
+                                             " (their node is lost or gone); the others go on"));
+}
+
+bool EpochMembership::BeginDeciding() {
+  return Advance({State::kFormed, State::kForming}, State::kDeciding);
+}
+
+absl::StatusOr<EpochMembership::Recorded> EpochMembership::Decide(
+    const MembershipDecision& decision) {
+  if (state() != State::kDeciding) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_, ": a membership decision while ", StateName(state())));
+  }
+  absl::StatusOr<CompareSetResult> recorded =
+      store_->CompareSet(job_, std::string(kElasticDecisionKey), std::nullopt, decision.Encode());
+  if (!recorded.ok()) return recorded.status();
+  Advance({State::kDeciding}, State::kDecided);
+  return Recorded{recorded->swapped, std::move(recorded->value)};
+}
+
+std::optional<MembershipDecision> EpochMembership::PreviousDecision(absl::Duration wait) const {
+  if (epoch_ == 0) return std::nullopt;
+  absl::StatusOr<std::string> base = ElasticBase(job_, epoch_);
+  if (!base.ok()) return std::nullopt;
+  absl::StatusOr<std::vector<std::string>> decision = store_->WaitBlocking(
+      ElasticJobId(*base, epoch_ - 1), {std::string(kElasticDecisionKey)}, absl::Now() + wait);
+  if (!decision.ok() || decision->size() != 1) return std::nullopt;
+  absl::StatusOr<MembershipDecision> d = MembershipDecision::Decode((*decision)[0]);
+  if (!d.ok()) return std::nullopt;
+  return *std::move(d);
+}
+
+void EpochMembership::End() {
+  absl::MutexLock lock(&mu_);
+  state_ = State::kEnded;
+}
+
+absl::StatusOr<bool> EpochMembership::HasDecision(gradsync::Store& store, absl::string_view job) {
+  absl::StatusOr<std::vector<std::string>> decided =
+      store.List(job, std::string(kElasticDecisionKey));
+  if (!decided.ok()) return decided.status();
+  return !decided->empty();
+}
+
+void EpochMembership::DropDecision(gradsync::Store& store, absl::string_view job) {
+  (void)store.Delete(job, std::string(kElasticDecisionKey));
 }
 
 }  // namespace gradsync::core

@@ -1,18 +1,123 @@
 #pragma once
 
-// An elastic job's joins, as its clients ask the daemons for them: a joining node takes a
-// ticket, rank 0 of the job admits the waiting tickets at a commit. The daemon checks every
-// request and writes every record itself (the tickets, the membership decision, the
-// admissions); clients only read the decision and their admission.
+// The membership of elastic jobs, on the daemon: one place for every record of the elastic
+// protocol in a job's store and for the state of an epoch.
+//
+// An epoch is a namespace of the job's store (ElasticJobId(base, epoch)). Its daemons form it
+// (EpochMembership: forming, then formed, or unformed when its first op's deadline found ranks
+// missing), decide its end when a node is lost (deciding, decided: the next epoch's
+// MembershipDecision at kElasticDecisionKey, the first writer wins), and end it. Nodes join
+// between epochs: a joining node takes a ticket, rank 0 of the job admits the waiting tickets at
+// a commit (TakeTicket, WithdrawTicket, AdmitJoiners). The daemon checks every request and writes
+// every record itself (the tickets, the decision, the admissions); clients only read the
+// decision and their admission.
 
 #include <cstdint>
+#include <initializer_list>
+#include <optional>
 #include <string>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/store.h"
 
 namespace gradsync::core {
+
+/// An elastic epoch past 0: "formed" or "unformed", whichever its daemons set first (by
+/// CompareSet) once every rank published, or once its first op's deadline passed without.
+inline constexpr char kFormationKey[] = "daemon/formation";
+/// Set by every daemon of an elastic job spanning nodes as it forms: a join may be decided.
+inline constexpr char kElasticKey[] = "daemon/elastic";
+
+/// The next membership of an elastic job, recorded once at the end of an epoch (in its
+/// namespace, at kElasticDecisionKey) as a gradsync.v1.MembershipDecision: this is its one
+/// writer and reader in the daemon; trainers read it as JSON through the C ABI
+/// (gs_record_json).
+struct MembershipDecision {
+  int epoch = 0;                         // the next epoch
+  int world = 0;                         // its world size
+  std::vector<int> lost_ranks;           // ranks of this epoch not in the next
+  std::vector<std::string> lost_nodes;   // their nodes, where known
+  int joined = 0;                        // ranks admitted from tickets
+  absl::Time at = absl::InfinitePast();  // when it was decided
+  std::string why;
+
+  std::string Encode() const;  // the record
+  /// INVALID_ARGUMENT when `record` is not a decision's.
+  static absl::StatusOr<MembershipDecision> Decode(absl::string_view record);
+  /// For people (logs, Inspect's epochs): "epoch=E world=W lost_ranks=R,.. lost_nodes=N,..
+  /// [joined=J] at=MS why=TEXT".
+  std::string Describe() const;
+};
+
+/// One elastic epoch of a job spanning nodes, on this daemon: its state, and the records it
+/// writes in the epoch's namespace of the job's store. Thread-safe; store calls are made
+/// without its lock. Transitions (docs/architecture.md, "Membership"):
+///   kForming  -> kFormed    Formed (epoch 0), or ClaimFormed won or found the epoch formed
+///   kForming  -> kUnformed  ClaimFormed found, or DecideUnformed recorded, that the epoch's
+///                           daemons went on without ranks missing at its first op's deadline
+///   kFormed   -> kDeciding  BeginDeciding: a node lost (once; the caller decides after the
+///                           losses of the moment are in)
+///   kDeciding -> kDecided   Decide recorded the next membership, or found one recorded first
+///   any       -> kEnded     End: the epoch's last session on this node ended
+/// Any other transition is refused (the call returns false, or an error, and changes nothing).
+class EpochMembership {
+ public:
+  enum class State { kForming, kFormed, kDeciding, kDecided, kUnformed, kEnded };
+  static const char* StateName(State state);
+
+  /// Epoch `epoch` (namespace `job`) of `world_size` ranks, in `store` (which outlives this).
+  EpochMembership(gradsync::Store* store, std::string job, int epoch, int world_size);
+
+  State state() const;
+  /// The namespace's mark that the job is elastic: what lets a client ask for a join.
+  absl::Status MarkElastic();
+  /// Epoch 0 formed (it has no outcome to claim: a lost rank there ends the job's first try).
+  bool Formed();
+  /// An epoch past 0 formed here: claims that outcome, unless its daemons already went on
+  /// without some ranks (UNAVAILABLE, kUnformed). A store failure counts as formed.
+  absl::Status ClaimFormed();
+  /// The epoch did not form by `timeout`: one outcome for every daemon. OK when it formed
+  /// after all (kFormed); UNAVAILABLE naming the ranks missing once the next membership without
+  /// them is recorded (kUnformed); nullopt when nothing can be decided (the store failed, or no
+  /// rank or every rank published).
+  std::optional<absl::Status> DecideUnformed(absl::Duration timeout);
+  /// kFormed (or kForming) -> kDeciding: true for the call that made the change.
+  bool BeginDeciding();
+  struct Recorded {
+    bool ours = false;     // this call's decision was recorded (else another's was first)
+    std::string decision;  // the record now
+  };
+  /// kDeciding -> kDecided: records `decision` unless another was recorded first. A store
+  /// failure leaves the state as it was.
+  absl::StatusOr<Recorded> Decide(const MembershipDecision& decision);
+  /// The decision that ended the previous epoch (waits up to `wait` for it); nullopt for epoch
+  /// 0, or when it cannot be read.
+  std::optional<MembershipDecision> PreviousDecision(absl::Duration wait) const;
+  /// -> kEnded.
+  void End();
+
+  /// Retention: whether namespace `job` holds a decision (so it is kept after its job ended
+  /// here, for survivors that have not read it); NOT_FOUND when the namespace is gone.
+  static absl::StatusOr<bool> HasDecision(gradsync::Store& store, absl::string_view job);
+  /// Deletes the decision of namespace `job` (its next epoch ended, or the job was abandoned).
+  static void DropDecision(gradsync::Store& store, absl::string_view job);
+
+ private:
+  // Moves to `to` when the state is one of `from`; false otherwise.
+  bool Advance(std::initializer_list<State> from, State to);
+
+  gradsync::Store* const store_;
+  const std::string job_;
+  const int epoch_;
+  const int world_size_;
+  mutable absl::Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kForming;
+};
 
 /// Most ranks one node brings, most ranks one decision admits, the largest world it may make,
 /// most tickets taken and not handled, most tickets one admission looks at.

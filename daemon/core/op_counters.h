@@ -58,11 +58,13 @@ class OpCounters {
     return static_cast<double>(latency_sum_ns_[plane].load(std::memory_order_relaxed)) * 1e-9;
   }
 
-  std::atomic<uint64_t> deadline_expiries{0};       // pending ops failed by their deadline here
-  std::atomic<uint64_t> desyncs{0};                 // fingerprint mismatches seen here
-  std::atomic<uint64_t> stalls{0};                  // stall warnings logged (--stall_warn)
-  std::atomic<uint64_t> nccl_aborts{0};             // NCCL communicators aborted
-  std::atomic<uint64_t> membership_changes{0};      // elastic epochs past 0 formed here
+  std::atomic<uint64_t> deadline_expiries{0};          // pending ops failed by their deadline here
+  std::atomic<uint64_t> desyncs{0};                    // fingerprint mismatches seen here
+  std::atomic<uint64_t> stalls{0};                     // stall warnings logged (--stall_warn)
+  std::atomic<uint64_t> nccl_aborts{0};                // NCCL communicators aborted
+  std::atomic<uint64_t> membership_changes{0};         // elastic epochs past 0 formed here
+  std::atomic<uint64_t> nccl_aborts_hung{0};           // NCCL aborts that ran past their bound
+  std::atomic<uint64_t> nccl_bootstrap_roots_left{0};  // NCCL ids whose build failed here
   std::atomic<uint64_t> nccl_rebuilds{0};           // NCCL communicators built again after an abort
   std::atomic<uint64_t> nccl_launched_failures{0};  // GPU ops failed after they were answered
 

@@ -2,7 +2,7 @@
 
 // The core's seam to the liveness of the other daemons of a job spanning nodes
 // (docs/architecture.md section 4, Faults): implemented over links of its own
-// (backend/cpu/peer_watch.h), faked in tests.
+// (backend/cpu/link_peer_watch.h), faked in tests.
 
 #include <cstdint>
 #include <functional>
@@ -16,13 +16,46 @@
 
 namespace gradsync::core {
 
+/// Why a peer was lost (or that it left), decided where the watch saw it happen.
+enum class LossCause {
+  kNone,
+  kSilent,       // no word within the timeout: frozen, or the network between is cut
+  kClosed,       // its end of the link closed: its daemon is gone
+  kReset,        // the connection was reset: its daemon is gone
+  kUnreachable,  // never reached, or no word since its link formed
+  kError,        // any other failure of the link
+  kLeft,         // it left the job on purpose (not a loss)
+};
+
+/// The metrics' name: "silent", "closed", "reset", "unreachable", "error", "left" ("" for kNone).
+inline const char* LossCauseName(LossCause cause) {
+  switch (cause) {
+    case LossCause::kNone:
+      return "";
+    case LossCause::kSilent:
+      return "silent";
+    case LossCause::kClosed:
+      return "closed";
+    case LossCause::kReset:
+      return "reset";
+    case LossCause::kUnreachable:
+      return "unreachable";
+    case LossCause::kError:
+      return "error";
+    case LossCause::kLeft:
+      return "left";
+  }
+  return "invalid";
+}
+
 /// A peer daemon of a job as this node sees it.
 struct PeerState {
   enum class State { kConnecting, kAlive, kLost, kLeft };
   std::string node;  // "host:port"
   State state = State::kConnecting;
   absl::Duration last_heard = absl::InfiniteDuration();  // since its last word (never: infinite)
-  std::string cause;                                     // kLost, kLeft: why
+  LossCause loss = LossCause::kNone;                     // kLost, kLeft: why
+  std::string cause;                                     // kLost, kLeft: why, in words
 };
 
 /// Watches the other daemons of each job spanning nodes, independently of ops: a peer that is
@@ -51,7 +84,7 @@ class PeerWatch {
   virtual void Unwatch(const std::string& job) = 0;
   /// The job's peers (empty when not watched).
   virtual std::vector<PeerState> Peers(const std::string& job) const = 0;
-  /// Peers lost since start, by cause: "silent", "closed", "reset", "unreachable", "error".
+  /// Peers lost since start, by LossCauseName (never "left").
   virtual std::map<std::string, int64_t> LossCounts() const = 0;
 };
 

@@ -5,9 +5,7 @@
 #include <tuple>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "common/bounded_text.h"
 #include "common/job_id.h"
 #include "common/logging.h"
@@ -22,10 +20,8 @@ auto Log() { return logging::Logger("core"); }
 
 constexpr int kMaxWorldSize = 1 << 16;
 
-}  // namespace
-
-absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequest& req,
-                                                          std::optional<uint32_t> uid) {
+// The request's own fields: the job's id and epoch, the rank's placement.
+absl::Status CheckPlacement(const v1::RegisterRequest& req) {
   GRADSYNC_RETURN_IF_ERROR(CheckJobId(req.job()));
   if (req.elastic()) {
     GRADSYNC_RETURN_IF_ERROR(ElasticBase(req.job(), req.epoch()).status());
@@ -43,6 +39,62 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
                      " world_size=", req.world_size(), " local_rank=", req.local_rank(),
                      " local_world_size=", req.local_world_size()));
   }
+  return absl::OkStatus();
+}
+
+// Whether `req` may join `job` as it stands on this node: the same shape, root and epoch, no
+// rank lost, one user's trainers, its rank and local rank free.
+absl::Status CheckJoin(const internal::Job& job, const v1::RegisterRequest& req,
+                       std::optional<uint32_t> uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu) {
+  if (job.spans_nodes && job.root_address != req.root_address()) {
+    return absl::InvalidArgumentError(absl::StrCat("job ", job.id, " has root_address ",
+                                                   job.root_address, "; rank ", req.rank(),
+                                                   " says ", req.root_address()));
+  }
+  if (job.world_size != req.world_size() || job.local_world_size != req.local_world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job ", job.id, " has world_size=", job.world_size,
+        " local_world_size=", job.local_world_size, "; rank ", req.rank(),
+        " says world_size=", req.world_size(), " local_world_size=", req.local_world_size()));
+  }
+  if (job.elastic != req.elastic() || job.epoch != req.epoch()) {
+    auto says = [](bool elastic, int epoch) {
+      return elastic ? absl::StrCat("elastic at epoch ", epoch) : std::string("not elastic");
+    };
+    return absl::InvalidArgumentError(
+        absl::StrCat("job ", job.id, " is ", says(job.elastic, job.epoch), "; rank ", req.rank(),
+                     " says ", says(req.elastic(), req.epoch())));
+  }
+  if (!job.departed.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job.id, " lost rank(s) ", JoinBounded(job.departed, ","),
+        "; it can start again once its remaining ", job.attached, " session(s) have ended"));
+  }
+  for (const Session* other : job.ranks) {  // one user's trainers per job on a node
+    if (other != nullptr && other->uid.has_value() && other->uid != uid) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("job ", job.id, " is held by another user's trainers on this node (uid ",
+                       *other->uid, "); rank ", req.rank(), " of uid ",
+                       uid.has_value() ? absl::StrCat(*uid) : "unknown", " refused"));
+    }
+  }
+  if (Session* other = job.ranks[req.rank()]) {
+    return absl::AlreadyExistsError(absl::StrCat("rank ", req.rank(), " of job ", job.id,
+                                                 " is already registered (session ", other->id,
+                                                 ")"));
+  }
+  if (int other = job.local_ranks[req.local_rank()]; other >= 0) {
+    return absl::AlreadyExistsError(absl::StrCat("local_rank ", req.local_rank(), " of job ",
+                                                 job.id, " is already taken by rank ", other));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequest& req,
+                                                          std::optional<uint32_t> uid) {
+  GRADSYNC_RETURN_IF_ERROR(CheckPlacement(req));
   const bool spans = req.local_world_size() != req.world_size();
   // A job spanning nodes names its root daemon, whose store it uses, unless every daemon
   // reaches the job's store itself (etcd).
@@ -102,47 +154,7 @@ absl::StatusOr<std::shared_ptr<Session>> Engine::Register(const v1::RegisterRequ
   std::shared_ptr<Job>& slot = jobs_[req.job()];
   Job& job = *slot;
   absl::MutexLock job_lock(&job.mu);
-  if (job.spans_nodes && job.root_address != req.root_address()) {
-    return absl::InvalidArgumentError(absl::StrCat("job ", job.id, " has root_address ",
-                                                   job.root_address, "; rank ", req.rank(),
-                                                   " says ", req.root_address()));
-  }
-  if (job.world_size != req.world_size() || job.local_world_size != req.local_world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job ", job.id, " has world_size=", job.world_size,
-        " local_world_size=", job.local_world_size, "; rank ", req.rank(),
-        " says world_size=", req.world_size(), " local_world_size=", req.local_world_size()));
-  }
-  if (job.elastic != req.elastic() || job.epoch != req.epoch()) {
-    auto says = [](bool elastic, int epoch) {
-      return elastic ? absl::StrCat("elastic at epoch ", epoch) : std::string("not elastic");
-    };
-    return absl::InvalidArgumentError(
-        absl::StrCat("job ", job.id, " is ", says(job.elastic, job.epoch), "; rank ", req.rank(),
-                     " says ", says(req.elastic(), req.epoch())));
-  }
-  if (!job.departed.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", job.id, " lost rank(s) ", JoinBounded(job.departed, ","),
-        "; it can start again once its remaining ", job.attached, " session(s) have ended"));
-  }
-  for (const Session* other : job.ranks) {  // one user's trainers per job on a node
-    if (other != nullptr && other->uid.has_value() && other->uid != uid) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("job ", job.id, " is held by another user's trainers on this node (uid ",
-                       *other->uid, "); rank ", req.rank(), " of uid ",
-                       uid.has_value() ? absl::StrCat(*uid) : "unknown", " refused"));
-    }
-  }
-  if (Session* other = job.ranks[req.rank()]) {
-    return absl::AlreadyExistsError(absl::StrCat("rank ", req.rank(), " of job ", job.id,
-                                                 " is already registered (session ", other->id,
-                                                 ")"));
-  }
-  if (int other = job.local_ranks[req.local_rank()]; other >= 0) {
-    return absl::AlreadyExistsError(absl::StrCat("local_rank ", req.local_rank(), " of job ",
-                                                 job.id, " is already taken by rank ", other));
-  }
+  GRADSYNC_RETURN_IF_ERROR(CheckJoin(job, req, uid));
   auto session =
       std::make_shared<Session>(absl::StrCat(job.id, "/", req.rank(), "#", next_session_++), slot,
                                 req.rank(), req.local_rank());
@@ -169,15 +181,15 @@ const std::string& Engine::SessionId(const Session& session) { return session.id
 
 void Engine::NoteTrainerLost(Session& session, absl::string_view reason) {
   const std::shared_ptr<Job> job = session.job;
-  if (!job->elastic || job->root_store == nullptr) return;
+  if (job->membership == nullptr) return;
   {
     absl::MutexLock lock(&job->mu);
     internal::AssertSessionOf(*job, session);
     if (!session.attached || job->node.empty() || job->node_of_rank.empty()) return;  // unformed
     job->lost_nodes.emplace(job->node, absl::StrCat("node ", job->node, " (its trainer of rank ",
                                                     session.rank, " is gone: ", reason, ")"));
-    if (job->membership_decision_due) return;  // the decision on its way takes this node too
-    job->membership_decision_due = true;
+    // Else the decision on its way takes this node too.
+    if (!job->membership->BeginDeciding()) return;
   }
   // Now, before the session ends (its job's end must find the decision there): one store
   // round trip, when a trainer of an elastic job dies.
@@ -233,6 +245,7 @@ void Engine::Unregister(Session& session, absl::string_view reason, End how) {
   for (auto& fn : out) fn();
   if (job_ended) {
     Log()->info("job ended job={}", job->id);
+    if (job->membership != nullptr) job->membership->End();
     if (peer_watch_ != nullptr) peer_watch_->Unwatch(job->id);  // its peers see it left
     if (on_job_end_) {
       ElasticEnd elastic;
@@ -259,17 +272,12 @@ void Engine::Unregister(Session& session, absl::string_view reason, End how) {
 }
 
 void Engine::EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store) {
-  const std::string prefix = absl::StrCat(elastic.base, ".e");  // of epochs past 0 (job_id.h)
-  // An epoch of the job: a later one, or one of a new run of the same id.
-  auto of_job = [&](absl::string_view id) {
-    int epoch = 0;
-    return id == elastic.base || (absl::ConsumePrefix(&id, prefix) && absl::SimpleAtoi(id, &epoch));
-  };
+  // An epoch of the job runs: a later one, or one of a new run of the same id.
   bool runs = false;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, job] : jobs_) runs = runs || of_job(id);
-    for (const std::string& id : ending_) runs = runs || of_job(id);
+    for (const auto& [id, job] : jobs_) runs = runs || IsEpochOf(id, elastic.base);
+    for (const std::string& id : ending_) runs = runs || IsEpochOf(id, elastic.base);
   }
   // Epoch 0's namespace is the job's home (its joiners' keys): it lives as long as the job.
   if (elastic.epoch > 0) EndKeptEpoch(ElasticJobId(elastic.base, elastic.epoch), store);
@@ -283,7 +291,7 @@ void Engine::EndKeptEpoch(const std::string& id, gradsync::Store* store) {
     absl::MutexLock lock(&mu_);
     if (shutdown_ || jobs_.contains(id) || ending_.contains(id)) return;  // running again
   }
-  (void)store->Delete(id, std::string(kElasticDecisionKey));
+  EpochMembership::DropDecision(*store, id);
   on_job_end_(id);
 }
 
@@ -304,10 +312,8 @@ void Engine::EndJobLater(const std::string& id, gradsync::Store* store, ElasticE
       // An elastic epoch that ended with no decision of a next one was the job's last.
       bool last = false;
       if (!elastic.base.empty()) {
-        absl::StatusOr<std::vector<std::string>> decided =
-            store->List(id, std::string(kElasticDecisionKey));
-        last = decided.ok() ? decided->empty()
-                            : decided.status().code() == absl::StatusCode::kNotFound;
+        absl::StatusOr<bool> decided = EpochMembership::HasDecision(*store, id);
+        last = decided.ok() ? !*decided : decided.status().code() == absl::StatusCode::kNotFound;
       }
       on_job_end_(id);
       if (!elastic.base.empty()) {
@@ -380,20 +386,33 @@ absl::StatusOr<uint64_t> Engine::RegisterBuffer(Session& session,
   return id;
 }
 
-absl::Status Engine::DeregisterBuffer(Session& session, uint64_t buffer_id) {
-  absl::MutexLock lock(&session.mu);
-  auto it = session.buffers.find(buffer_id);
-  if (it == session.buffers.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("buffer ", buffer_id, " is not registered in this session"));
+absl::Status Engine::DeregisterBuffer(Session& session, uint64_t buffer_id,
+                                      std::function<void()> released) {
+  std::shared_ptr<Session::DeviceUse> use;
+  {
+    absl::MutexLock lock(&session.mu);
+    auto it = session.buffers.find(buffer_id);
+    if (it == session.buffers.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("buffer ", buffer_id, " is not registered in this session"));
+    }
+    use = it->second.use;
+    session.buffers.erase(it);
   }
-  // Its events are the trainer's to destroy once this returns (or once the op holding them
-  // is answered).
-  if (it->second.use) it->second.use->Deregistered();
-  session.buffers.erase(it);
   buffers_.fetch_sub(1);
   Log()->debug("buffer deregistered session={} id={}", session.id, buffer_id);
+  // Its events are the trainer's to destroy once `released` runs: every op that named it has
+  // been answered and has settled on the device.
+  if (use) {
+    use->Deregistered(std::move(released));
+  } else if (released) {
+    released();
+  }
   return absl::OkStatus();
+}
+
+void Engine::Settle(Session& session, std::function<void(absl::Status)> done) {
+  session.settlements->Await(std::move(done));
 }
 
 std::vector<Engine::SessionInfo> Engine::ListSessions() const {

@@ -8,6 +8,7 @@
 // common/cuda_util.h, the conversion the client shares).
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -92,7 +93,15 @@ class GpuApi {
   /// ncclCommGetAsyncError: true when ready, false while still in progress, an error status
   /// when the communicator failed (then abort it).
   virtual absl::StatusOr<bool> NcclCommReady(Comm comm) = 0;
+  /// ncclCommAbort: stops the communicator's kernels and frees its resources. Blocks, even on
+  /// a non-blocking communicator (it waits for NCCL's internal streams and proxy threads, and
+  /// freeing device memory waits for the device): call it on the backend's aborter thread only
+  /// (backend/nccl/aborter.h).
   virtual absl::Status NcclCommAbort(Comm comm) = 0;
+  /// ncclCommRevoke (NCCL >= 2.28): sets the communicator's abort flag, so that its kernels
+  /// on the device return, and frees nothing; the communicator reports "in progress" until it
+  /// is quiescent. UNIMPLEMENTED where the linked NCCL lacks it.
+  virtual absl::Status NcclCommRevoke(Comm comm) = 0;
   virtual absl::Status NcclGroupStart() = 0;
   /// May leave the group's work in progress (non-blocking communicators): poll NcclCommReady.
   virtual absl::Status NcclGroupEnd() = 0;
@@ -113,6 +122,14 @@ inline absl::Status CheckNcclEnvironment(const char* comm_blocking) {
                    "overrides the communicator's config): unset it, gradsyncd polls non-blocking "
                    "communicators under each op's deadline"));
 }
+
+/// Sets NCCL's variables the daemon relies on, unless the operator set them (call before any
+/// thread starts: setenv is not thread-safe). NCCL_LAUNCH_ORDER_IMPLICIT=1 (NCCL >= 2.26): each
+/// GPU runs the ops of its communicators in the order the host launched them, so that the
+/// daemon, which launches a GPU's ops in its trainers' program order (core/submit_order.h), has
+/// them run in one order on every node ("Using multiple NCCL communicators concurrently" in
+/// NCCL's documentation).
+inline void SetNcclDefaults() { ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/0); }
 
 /// Told, once, of the first CUDA error that leaves this process's CUDA context unusable (see
 /// cuda::IsSticky): from then on every GPU call fails until the daemon restarts.

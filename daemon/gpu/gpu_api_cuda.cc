@@ -254,6 +254,16 @@ class CudaGpuApi final : public GpuApi {
     return FromNccl(ncclCommAbort(static_cast<ncclComm_t>(comm)), "ncclCommAbort");
   }
 
+  absl::Status NcclCommRevoke(Comm comm) override {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    auto c = static_cast<ncclComm_t>(comm);
+    return FromNccl(ncclCommRevoke(c, NCCL_REVOKE_DEFAULT), "ncclCommRevoke", c);
+#else
+    (void)comm;
+    return absl::UnimplementedError("ncclCommRevoke needs NCCL 2.28 or later");
+#endif
+  }
+
   absl::Status NcclGroupStart() override { return FromNccl(ncclGroupStart(), "ncclGroupStart"); }
   absl::Status NcclGroupEnd() override { return FromNccl(ncclGroupEnd(), "ncclGroupEnd"); }
 

@@ -31,6 +31,7 @@ class NoGpuApi final : public GpuApi {
   }
   absl::StatusOr<bool> NcclCommReady(Comm) override { return NoCuda(); }
   absl::Status NcclCommAbort(Comm) override { return NoCuda(); }
+  absl::Status NcclCommRevoke(Comm) override { return NoCuda(); }
   absl::Status NcclGroupStart() override { return NoCuda(); }
   absl::Status NcclGroupEnd() override { return NoCuda(); }
   absl::Status NcclCollective(const NcclCall&) override { return NoCuda(); }

@@ -114,6 +114,16 @@ MpsFacts GatherMpsFacts(GpuApi* gpu, const char* pipe_env, absl::Duration timeou
     answer->mps_devices = mps;
     answer->done = true;
   }).detach();
+  f.cuda_answered = [answer, asked = absl::Now()]() -> absl::Status {
+    absl::MutexLock lock(&answer->mu);
+    if (answer->done) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat(
+        "CUDA has not answered gradsyncd since it was first asked ",
+        absl::FormatDuration(absl::Trunc(absl::Now() - asked, absl::Seconds(1))),
+        " ago (its initialisation waits: an MPS server of another user draining? see "
+        "deploy/mps.md); CUDA buffers are refused until it does: retry later, or use host "
+        "buffers"));
+  };
   absl::MutexLock lock(&answer->mu);
   if (!answer->mu.AwaitWithTimeout(absl::Condition(&answer->done), timeout)) {
     f.gpu = absl::DeadlineExceededError(

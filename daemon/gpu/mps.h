@@ -10,6 +10,7 @@
 // created on this device will be shared via MPS") reports the outcome. The pipe alone is not
 // enough: it may be stale, or not reachable by this user.
 
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -31,6 +32,11 @@ struct MpsFacts {
                      // or it did not answer in time), with the reason
   int devices = 0;
   int mps_devices = 0;  // devices whose cudaDevAttrMpsEnabled is set for this process
+  /// OK once CUDA has answered the calls above (whatever it said), also later than `timeout`;
+  /// UNAVAILABLE while it has not, saying since when. Until then any CUDA call of the daemon
+  /// would wait inside CUDA's initialisation with no deadline. Thread-safe; never null from
+  /// GatherMpsFacts.
+  std::function<absl::Status()> cuda_answered;
 };
 
 enum class MpsMode { kOn, kOff, kUnavailable };

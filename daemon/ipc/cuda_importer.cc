@@ -219,6 +219,9 @@ absl::StatusOr<std::unique_ptr<core::MappedBuffer>> CudaImporter::Import(
     return absl::InvalidArgumentError(absl::StrCat("cuda buffer offset ", c.offset(), " and bytes ",
                                                    request.bytes(), " must not be negative"));
   }
+  if (cuda_answered_) {
+    if (absl::Status s = cuda_answered_(); !s.ok()) return s;
+  }
   absl::StatusOr<int> device = DaemonDevice(c);
   if (!device.ok()) return device.status();
   Key key{*device, c.mem_handle()};

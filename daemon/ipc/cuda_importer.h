@@ -3,6 +3,7 @@
 // The daemon's side of trainers' CUDA buffers: maps them from their IPC handles, one mapping
 // per allocation; and the importer that sends each registration to shared memory or CUDA.
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -47,6 +48,11 @@ class CudaImporter final : public core::BufferImporter {
 
   absl::StatusOr<std::unique_ptr<core::MappedBuffer>> Import(
       const v1::RegisterBufferRequest& request) override;
+  /// Until `answered` says OK, Import refuses with its status before any CUDA call: CUDA's
+  /// initialisation may not have answered (gpu::MpsFacts::cuda_answered). Call before serving.
+  void SetCudaAnswered(std::function<absl::Status()> answered) {
+    cuda_answered_ = std::move(answered);
+  }
 
   /// Allocations mapped now (for tests and inspection).
   int open_allocations() const;
@@ -70,6 +76,7 @@ class CudaImporter final : public core::BufferImporter {
 
   gpu::GpuApi* const api_;
   const absl::Duration settle_timeout_;
+  std::function<absl::Status()> cuda_answered_;
   mutable absl::Mutex mu_;
   std::map<Key, Allocation> open_ ABSL_GUARDED_BY(mu_);
   // Mappings closed so far, per device: what an open refused as already mapped waits for.

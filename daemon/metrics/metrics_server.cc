@@ -117,6 +117,13 @@ std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
               MetricType::Counter, static_cast<double>(c->stalls.load()));
     AddScalar(out, "gradsync_nccl_aborts_total", "NCCL communicators aborted on this node",
               MetricType::Counter, static_cast<double>(c->nccl_aborts.load()));
+    AddScalar(out, "gradsync_nccl_aborts_hung_total",
+              "NCCL aborts still running past their bound (the daemon was NOT_SERVING meanwhile)",
+              MetricType::Counter, static_cast<double>(c->nccl_aborts_hung.load()));
+    AddScalar(out, "gradsync_nccl_bootstrap_roots_left_total",
+              "NCCL bootstrap roots (a thread and a socket each) left by builds that failed here; "
+              "past 32 this node makes no more NCCL ids until it restarts",
+              MetricType::Counter, static_cast<double>(c->nccl_bootstrap_roots_left.load()));
     AddScalar(out, "gradsync_membership_changes_total",
               "Membership changes of elastic jobs formed on this node (a loss or a join)",
               MetricType::Counter, static_cast<double>(c->membership_changes.load()));

@@ -191,6 +191,7 @@ class GradSyncService::SessionReactor final
       }
       case v1::TrainerRequest::kRegisterBuffer:
       case v1::TrainerRequest::kDeregisterBuffer:
+      case v1::TrainerRequest::kSettle:
       case v1::TrainerRequest::kOp:
         if (!session_) {
           FinishNow(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
@@ -201,13 +202,27 @@ class GradSyncService::SessionReactor final
           engine().Submit(session_, sink_, tag, request_.op());  // answered through the sink
           return true;
         }
+        if (request_.has_settle()) {  // answered once the session's device ops settled
+          engine().Settle(*session_, [sink = sink_, event](absl::Status s) mutable {
+            SetStatus(s, event);
+            sink->Send(std::move(event));
+          });
+          return true;
+        }
         if (request_.has_register_buffer()) {
           auto id = engine().RegisterBuffer(*session_, request_.register_buffer());
           SetStatus(id.status(), event);
           if (id.ok()) event.mutable_register_buffer()->set_buffer_id(*id);
         } else {
-          SetStatus(engine().DeregisterBuffer(*session_, request_.deregister_buffer().buffer_id()),
-                    event);
+          // Answered once the daemon no longer uses the buffer's events (the trainer destroys
+          // them then): at once, or when the last op naming it has settled on the device.
+          absl::Status s = engine().DeregisterBuffer(
+              *session_, request_.deregister_buffer().buffer_id(), [sink = sink_, event]() mutable {
+                SetStatus(absl::OkStatus(), event);
+                sink->Send(std::move(event));
+              });
+          if (s.ok()) return true;
+          SetStatus(s, event);
         }
         break;
       default:

@@ -19,6 +19,7 @@
 #include "common/status_macros.h"
 #include "common/store_keys.h"
 #include "daemon/core/membership.h"
+#include "daemon/core/node_join.h"
 #include "daemon/rpc/call_util.h"
 
 namespace gradsync::rpc {
@@ -99,6 +100,58 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
   std::atomic<int> refs_{3};  // the store callback, OnDone and Start
   absl::Mutex mu_;
   std::optional<Store::WaitId> id_ ABSL_GUARDED_BY(mu_);
+  bool cancel_requested_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// A Join: completes when its NodeJoin does; OnCancel (the caller gone) cancels it, which
+// withdraws the node's ticket. Deleted once the join's answer, gRPC's OnDone and Start have
+// all run.
+class JoinReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit JoinReactor(v1::JoinResponse* resp) : resp_(resp) {}
+
+  void Start(gradsync::Store* store, WorkerPool* pool, std::string home, int ranks,
+             absl::Time deadline) {
+    std::shared_ptr<core::NodeJoin> join = core::NodeJoin::Start(
+        store, pool, std::move(home), ranks, deadline,
+        [this](absl::StatusOr<core::NodeJoin::Admitted> admitted) {
+          if (admitted.ok()) {
+            resp_->set_ticket(admitted->ticket);
+            resp_->set_admission(std::move(admitted->admission));
+          }
+          Finish(ToGrpcStatus(admitted.status()));
+          Unref();
+        });
+    bool cancel;
+    {
+      absl::MutexLock lock(&mu_);
+      join_ = join;
+      cancel = cancel_requested_;
+    }
+    if (cancel) join->Cancel();
+    Unref();  // Start's own
+  }
+
+  void OnCancel() override {
+    std::shared_ptr<core::NodeJoin> join;
+    {
+      absl::MutexLock lock(&mu_);
+      cancel_requested_ = true;
+      join = join_;
+    }
+    if (join != nullptr) join->Cancel();
+  }
+  void OnDone() override { Unref(); }
+
+ private:
+  void Unref() {
+    if (refs_.fetch_sub(1) == 1) delete this;
+  }
+
+  v1::JoinResponse* const resp_;
+  std::atomic<int> refs_{3};  // the join's answer, OnDone and Start
+  absl::Mutex mu_;
+  std::shared_ptr<core::NodeJoin> join_ ABSL_GUARDED_BY(mu_);
   bool cancel_requested_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -501,6 +554,27 @@ grpc::ServerUnaryReactor* StoreService::ClientCredential(grpc::CallbackServerCon
   }
   resp->set_credential(std::move(credential));
   return Reply(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* StoreService::Join(grpc::CallbackServerContext* ctx,
+                                             const v1::JoinRequest* req, v1::JoinResponse* resp) {
+  if (absl::Status s = auth_->Reach(ctx, req->job()).status(); !s.ok()) return Reply(ctx, s);
+  auto call_deadline = WaitDeadline(ctx, "Join", max_wait_ + kJoinGrace);
+  if (!call_deadline.ok()) return Reply(ctx, call_deadline.status());
+  const absl::Time now = absl::Now();
+  if (req->wait_ms() < 1 || now + absl::Milliseconds(req->wait_ms()) + kJoinGrace >
+                                *call_deadline + absl::Milliseconds(200)) {
+    return Reply(ctx, absl::InvalidArgumentError(absl::StrCat(
+                          "Join job=", req->job(), ": wait_ms=", req->wait_ms(),
+                          " must be 1 or more, and the call's deadline must leave ",
+                          absl::FormatDuration(kJoinGrace),
+                          " past it (an admission under way, the ticket's withdrawal)")));
+  }
+  auto* reactor = new JoinReactor(resp);
+  Start([this, reactor, req, wait = now + absl::Milliseconds(req->wait_ms())] {
+    reactor->Start(store_, offload_, req->job(), req->ranks(), wait);
+  });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* StoreService::TakeTicket(grpc::CallbackServerContext* ctx,

@@ -66,6 +66,8 @@ class StoreService final : public v1::Store::CallbackService {
   grpc::ServerUnaryReactor* ClientCredential(grpc::CallbackServerContext* ctx,
                                              const v1::ClientCredentialRequest* req,
                                              v1::ClientCredentialResponse* resp) override;
+  grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* ctx, const v1::JoinRequest* req,
+                                 v1::JoinResponse* resp) override;
   grpc::ServerUnaryReactor* TakeTicket(grpc::CallbackServerContext* ctx,
                                        const v1::TakeTicketRequest* req,
                                        v1::TakeTicketResponse* resp) override;

@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
 # The Debian packages as an operator installs them: builds them (./setup.sh package, into
 # build/packages/), then on this machine
-#   1. lintian: no errors on any of the three;
+#   1. lintian: no errors on any of the four;
 #   2. `cmake --install` of the same build into a scratch DESTDIR installs every absolute path
 #      the unit names, and every file the packages hold;
-#   3. apt-get install of gradsyncd, libgradsync-dev and python3-gradsync: the gradsync user,
-#      the unit enabled, the flagfile a conffile, systemd-analyze verify of the installed unit
-#      as it is; where systemd is PID 1, the unit active and SERVING;
+#   3. apt-get install of gradsyncd, libgradsync-c0, libgradsync-dev and python3-gradsync: the
+#      C library under its SONAME (libgradsync_c.so.0, its shlibs file), the gradsync user,
+#      the unit enabled, the flagfile and the environment file conffiles, systemd-analyze
+#      verify of the installed unit as it is; where systemd is PID 1, the unit active and SERVING;
 #   4. the installed unit's ExecStart run as its User and Group in its RuntimeDirectory, as
 #      systemd would: SERVING, gradsyncctl health and jobs (as a member of the gradsync group;
-#      refused to others), a C program built with `pkg-config gradsync` and Python's `import
+#      refused to others), a C program built with `pkg-config gradsync` (linked to the SONAME)
+#      and Python's `import
 #      gradsync` (no PYTHONPATH) each running an op through it, SIGTERM exits 0;
 #   5. apt-get purge: no file or directory of the packages left, no /etc/gradsync, no unit link.
 # Every wait is bounded; whatever happens, the packages are purged and the daemon stopped.
-# Needs root; installs and purges the three packages (refuses, exit 77, where one of them is
+# Needs root; installs and purges the four packages (refuses, exit 77, where one of them is
 # already installed). Exit 77 with the reason where it cannot run.
 #   tests/deploy/package_test.sh                              build the packages, then test
 #   GRADSYNC_PACKAGES_BUILT=1 tests/deploy/package_test.sh    test build/packages/ as it is
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 build_dir=${BUILD_DIR:-build}
-packages=(gradsyncd libgradsync-dev python3-gradsync)
+packages=(gradsyncd libgradsync-c0 libgradsync-dev python3-gradsync)
 export DEBIAN_FRONTEND=noninteractive
 # What systemd gives a service, and what the test's own commands see.
 clean_env=(env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8)
@@ -44,7 +46,7 @@ if [[ ${GRADSYNC_PACKAGES_BUILT:-0} != 1 ]]; then
   step "./setup.sh package"
   ./setup.sh package
 fi
-for tool in setpriv cc pkg-config lintian; do
+for tool in setpriv cc pkg-config lintian objdump; do
   command -v $tool >/dev/null || skip "$tool missing (./setup.sh installs it)"
 done
 debs=()
@@ -127,12 +129,14 @@ while read -r f; do
   [[ -e $dest$f ]] || fail "$f is in a package but not installed by cmake --install"
 done < <(cat "$work"/*.files)
 ok "the packages' files are the ones cmake --install installs"
-for f in /usr/sbin/gradsyncd /usr/bin/gradsyncctl /etc/gradsync/gradsyncd.flags; do
+conffiles=(/etc/gradsync/gradsyncd.flags /etc/gradsync/gradsyncd.env)
+for f in /usr/sbin/gradsyncd /usr/bin/gradsyncctl "${conffiles[@]}"; do
   grep -qx "$f" "$work/gradsyncd.files" || fail "gradsyncd does not ship $f"
 done
-dpkg-query -W -f='${Conffiles}\n' gradsyncd | grep -q ' /etc/gradsync/gradsyncd.flags ' ||
-  fail "/etc/gradsync/gradsyncd.flags is not a conffile"
-ok "/etc/gradsync/gradsyncd.flags is a conffile"
+for f in "${conffiles[@]}"; do
+  dpkg-query -W -f='${Conffiles}\n' gradsyncd | grep -q " $f " || fail "$f is not a conffile"
+  ok "$f is a conffile"
+done
 user=$(unit_value "$unit" User)
 group=$(unit_value "$unit" Group)
 getent passwd "$user" >/dev/null || fail "no user $user after installation"
@@ -197,6 +201,11 @@ extra=()
 # lines would be lost, so there, and only there, the daemon gets --log_sink=stderr (the last
 # value of a flag wins) and its log shows in a failure. Nothing else differs from the unit.
 [[ -S /run/systemd/journal/socket ]] || extra=(--log_sink=stderr)
+# The unit's EnvironmentFile= as installed sets nothing (comments only): no variable to pass.
+env_file=$(unit_value "$unit" EnvironmentFile)
+env_file=${env_file#-}
+[[ -f $env_file ]] || fail "the unit's EnvironmentFile=$env_file is not installed"
+! grep -Ev '^[[:space:]]*(#|$)' "$env_file" || fail "$env_file as installed sets variables (above)"
 echo "running as $user:$group: ${argv[*]} ${extra[*]}"
 (
   umask "${umask_value:-0022}"
@@ -269,6 +278,12 @@ read -ra pc_flags <<<"$(pkg-config --cflags --libs gradsync)"
 cc -Wall -Werror -o "$work/c_client" "$work/c_client.c" "${pc_flags[@]}" ||
   fail "cc with pkg-config --cflags --libs gradsync (${pc_flags[*]})"
 chmod 755 "$work" "$work/c_client"
+needed=$(objdump -p "$work/c_client" | awk '$1 == "NEEDED" && $2 ~ /gradsync/ {print $2}')
+[[ $needed == libgradsync_c.so.0 ]] || fail "the C client needs '$needed', not the SONAME libgradsync_c.so.0"
+soname=$(objdump -p "$(readlink -f /usr/lib/*/libgradsync_c.so.0)" | awk '$1 == "SONAME" {print $2}')
+[[ $soname == libgradsync_c.so.0 ]] || fail "libgradsync_c.so.0's SONAME is '$soname'"
+grep -q '^libgradsync_c 0 libgradsync-c0 (>= ' /var/lib/dpkg/info/libgradsync-c0*.shlibs ||
+  fail "libgradsync-c0's shlibs file: $(cat /var/lib/dpkg/info/libgradsync-c0*.shlibs 2>&1)"
 "${as_member[@]}" timeout 30 "$work/c_client" || fail "the C client against the daemon"
 ok "C: built with pkg-config gradsync (${pc_flags[*]}), ran as a member of $group"
 

@@ -15,6 +15,9 @@ gradsyncd this script starts:
                         bucket; backward() never synchronises the host.
   ddp_hook_one_rank     torch DDP (NCCL, one rank) with gradsync.torch.allreduce_hook on CUDA
                         buckets matches a plain model.
+  backend_ddp_one_rank  torch DDP on torch.distributed's backend "gradsync" (one rank, CUDA
+                        parameters) matches a plain model, its buckets reduced through the
+                        daemon; dist.all_reduce's Work.wait() and get_future() on CUDA.
   two_jobs_one_gpu      two one-rank jobs on one GPU through one daemon at once.
   two_groups_one_alloc  async all_gathers on two groups over tensors of one allocation, from
                         two streams, the first input written after a long kernel and waited
@@ -185,6 +188,20 @@ def t_optimizer_one_rank():
     return checks
 
 
+def _train_beside_plain(plain, ddp, model, steps=5):
+    """`steps` SGD steps of a plain model and of a DDP one on the same data: the largest
+    difference of their parameters (`model`: the module the DDP wraps)."""
+    import torch
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, ddp)]
+    for step in range(steps):
+        x, y = _data(step)
+        for m, o in zip((plain, ddp), opts):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    return max(float((a - b).abs().max()) for a, b in zip(plain.parameters(), model.parameters()))
+
+
 def t_ddp_hook_one_rank():
     import torch
     import torch.distributed as dist
@@ -196,18 +213,43 @@ def t_ddp_hook_one_rank():
     plain, model = _Net.make(2), _Net.make(2)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.01)
     ddp.register_comm_hook(None, gt.allreduce_hook)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, ddp)]
-    for step in range(5):
-        x, y = _data(step)
-        for m, o in zip((plain, ddp), opts):
-            o.zero_grad()
-            torch.nn.functional.mse_loss(m(x), y).backward()
-            o.step()
-    diff = max(float((a - b).abs().max()) for a, b in zip(plain.parameters(), model.parameters()))
+    diff = _train_beside_plain(plain, ddp, model)
     dist.destroy_process_group()
     gradsync.shutdown()
     return {f"matches the plain model (max diff {diff:.2e})": diff <= 1e-6,
             f"the hook reduced through the daemon ({counter['n']} ops)": counter["n"] >= 5}
+
+
+def t_backend_ddp_one_rank():
+    import torch
+    import torch.distributed as dist
+    gradsync = _init("pygpu-backend")
+    import gradsync.torch  # noqa: F401 - registers the backend
+    counter = _count_submits()
+    store = os.path.join(os.environ["GRADSYNC_TMP"], "backend-store")
+    dist.init_process_group("gradsync", init_method=f"file://{store}", rank=0, world_size=1)
+    plain, model = _Net.make(3), _Net.make(3)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.01)
+    diff = _train_beside_plain(plain, ddp, model)
+    ops = counter["n"]
+    # A long kernel writes the input; the op must start after it, the reads after the op.
+    t = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(50_000_000)
+    t.fill_(3.0)
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    waited = bool((t == 3.0).all())
+    u = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(50_000_000)
+    u.fill_(5.0)
+    got = dist.all_reduce(u, op=dist.ReduceOp.MAX, async_op=True).get_future().wait()
+    future = len(got) == 1 and bool((got[0] == 5.0).all())
+    dist.destroy_process_group()
+    gradsync.shutdown()
+    return {f"matches the plain model (max diff {diff:.2e})": diff <= 1e-6,
+            f"DDP's buckets went through the daemon ({ops} ops)": ops >= 5,
+            "Work.wait() orders the stream after the op": waited,
+            "the future's value is the output, after the op": future}
 
 
 def t_two_jobs_one_gpu():
@@ -287,7 +329,8 @@ def t_reregister_1000(rounds=1000):
 
 
 TESTS = {"cuda_tensors": t_cuda_tensors, "optimizer_one_rank": t_optimizer_one_rank,
-         "ddp_hook_one_rank": t_ddp_hook_one_rank, "two_jobs_one_gpu": t_two_jobs_one_gpu,
+         "ddp_hook_one_rank": t_ddp_hook_one_rank, "backend_ddp_one_rank": t_backend_ddp_one_rank,
+         "two_jobs_one_gpu": t_two_jobs_one_gpu,
          "two_groups_one_alloc": t_two_groups_one_allocation,
          "reregister_1000": t_reregister_1000}
 

@@ -1,6 +1,8 @@
 #include "tests/integration/daemon_process.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -271,6 +273,19 @@ bool RawSession::Start(const std::string& unix_target, const std::string& job,
   r.set_doorbell_fd_token(doorbell_fd_token);
   r.set_doorbell_shm_name(doorbell_shm_name);
   return stream->Write(reg);
+}
+
+int FreeLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  return ok ? ntohs(addr.sin_port) : -1;
 }
 
 absl::StatusOr<std::string> ShareFd(const std::string& socket_path, int fd) {

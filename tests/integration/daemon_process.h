@@ -63,6 +63,9 @@ struct RawSession {
   std::unique_ptr<grpc::ClientReaderWriter<v1::TrainerRequest, v1::TrainerEvent>> stream;
 };
 
+/// A TCP port of 127.0.0.1 free a moment ago (-1 when none could be had).
+int FreeLoopbackPort();
+
 /// Hands `fd` to the daemon serving `socket_path` over its fd channel; the one-time token.
 absl::StatusOr<std::string> ShareFd(const std::string& socket_path, int fd);
 

@@ -27,18 +27,6 @@
 namespace gradsync::testing {
 namespace {
 
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return -1;
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // GET http://127.0.0.1:port/metrics; the body, "" on failure.
 std::string ScrapeMetrics(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -130,7 +118,7 @@ class ObservabilityTest : public ::testing::Test {
 };
 
 TEST_F(ObservabilityTest, FrozenTrainerIsNamedByListOpsOnTheOtherNodeByStallWarningAndHistory) {
-  const int metrics_port = FreePort();
+  const int metrics_port = FreeLoopbackPort();
   ASSERT_GT(metrics_port, 0);
   StartDaemons(
       2, {{"--stall_warn=2s", absl::StrCat("--metrics_port=", metrics_port)}, {"--stall_warn=2s"}});

@@ -2,12 +2,16 @@
 // (with its dependencies) and find its methods, with no local .proto files. The reflection
 // client is generated from Debian's grpc-proto reflection.proto (test-only library).
 
+#include <signal.h>
+
 #include <set>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "client/store_client.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/descriptor.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
@@ -116,6 +120,50 @@ TEST(ReflectionTest, ListsServicesAndResolvesEveryOneLikeGrpcurl) {
       EXPECT_NE(store->FindMethodByName(m), nullptr) << m;
     }
   }
+}
+
+// --health_port: grpc.health.v1.Health alone, plaintext and without a token (a kubelet's probe
+// carries neither), its status the daemon's; the store, inspection and reflection are not there.
+TEST(ReflectionTest, TheHealthPortServesHealthAloneWithoutAToken) {
+  TempDir dir;
+  const int port = FreeLoopbackPort();
+  ASSERT_GT(port, 0);
+  DaemonProcess::Options options;
+  options.flags = {absl::StrCat("--health_port=", port)};
+  auto d = DaemonProcess::Start(dir.path(), options);
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+  auto health = grpc::health::v1::Health::NewStub(client::Connect(target));
+  for (const std::string service : {"", "gradsync.v1.Store", "gradsync.v1.Inspect"}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    const grpc::Status s = health->Check(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << service << ": " << s.error_message();
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
+  }
+  client::ClientOptions with_token;  // even the cluster's token opens nothing else here
+  with_token.token = (*d)->token();
+  client::StoreClient store(client::Connect(target, with_token), with_token);
+  EXPECT_EQ(store.Set("j", "k", "v").code(), absl::StatusCode::kUnimplemented);
+  auto reflection = refl::ServerReflection::NewStub(client::Connect(target));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  auto stream = reflection->ServerReflectionInfo(&ctx);
+  refl::ServerReflectionRequest req;
+  req.set_list_services("");
+  stream->Write(req);
+  stream->WritesDone();
+  refl::ServerReflectionResponse resp;
+  EXPECT_FALSE(stream->Read(&resp));
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  // The daemon's own TCP port keeps reflection, and the drain ends both servers.
+  EXPECT_TRUE(ReflectionClient((*d)->tcp_target()).ListServices().count("grpc.health.v1.Health"));
+  auto code = (*d)->Stop(SIGTERM);
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
 }
 
 }  // namespace

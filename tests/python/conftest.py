@@ -1,7 +1,9 @@
 """Fixtures for the Python package's tests: real gradsyncd processes, real trainer processes.
 
-Run with Debian's interpreter (torch lives there) after building:
+Run after building, under Debian's interpreter (torch 1.13) or the virtual environment that
+./setup.sh makes (torch 2.x); trainer processes run under the same interpreter:
     GRADSYNC_BUILD_DIR=$PWD/build /usr/bin/python3 -m pytest -q tests/python
+    GRADSYNC_BUILD_DIR=$PWD/build .venv/bin/python -m pytest -q tests/python
 """
 import json
 import os
@@ -17,15 +19,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.path.abspath(os.environ.get("GRADSYNC_BUILD_DIR", os.path.join(ROOT, "build")))
-PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+PYTHON = sys.executable  # the trainers' interpreter: the one running the tests
 EXAMPLE = os.path.join(ROOT, "client", "python", "examples", "train.py")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 PROCESS_TIMEOUT = 120  # seconds any trainer process may take
 
 
-def _need(path):
+def _need(path, how="build first (./setup.sh build)"):
     if not os.path.exists(path):
-        pytest.fail(f"{path} is missing: build first (./setup.sh build)")
+        pytest.fail(f"{path} is missing: {how}")
     return path
 
 

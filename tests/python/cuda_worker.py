@@ -175,6 +175,69 @@ def s_hook(fake, rank, world):
     return checks, {}
 
 
+def s_process_group(fake, rank, world):
+    """torch.distributed's backend on CUDA tensors (the c10d calls DDP and FSDP2 make, made on
+    the backend itself): stream ordered as torch's NCCL backend is, no host synchronisation."""
+    import torch.distributed as dist
+    c10d = torch._C._distributed_c10d
+    asynchronous = hasattr(c10d, "Backend")  # torch 1.13: each op completes in its call
+    checks = {}
+    pg = gt.ProcessGroupGradsync(rank, world, gradsync.WORLD, 30.0)
+    t = fake.to_device(torch.full((16,), float(rank + 1)))
+    reg, _ = fake_cuda.registry().locate(t.data_ptr(), 4)
+    opts = c10d.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.AVG
+    start = len(fake.log)
+    work = pg.allreduce([t], opts)
+    n = fake.last_op()
+    log = fake.log[start:]
+    checks["ready before the op is submitted"] = \
+        0 <= index_of(log, ("ready", reg.id, "default")) < \
+        index_of(log, ("submit", "all_reduce", (reg.id,)))
+    if asynchronous:
+        checks["unsettled before wait"] = reg.id in fake.settled()
+        with fake.stream("waiter") as s:
+            work.wait()
+            checks["wait() makes the waiter's stream wait on done"] = fake.op_settled(n, s)
+    else:
+        checks["settled on the calling stream when the call returns"] = fake.op_settled(n)
+    checks["allreduce AVG value"] = bool((t == (world + 1) / 2).all())
+    # DDP's reducer takes the op's future: it completes with the output tensors, on the stream
+    # the op was issued from.
+    g = fake.to_device(torch.full((8,), float(rank)))
+    with fake.stream("backward"):
+        work = pg.allreduce([g], c10d.AllreduceOptions())
+        n = fake.last_op()
+        fut = work.get_future()
+    got = fut.wait()
+    checks["the future's value is the output tensors"] = \
+        len(got) == 1 and bool((got[0] == float(sum(range(world)))).all())
+    checks["the future completes on the issuing stream"] = \
+        fake.op_settled(n, fake_cuda.FakeStream("backward"))
+    # all_gather_into_tensor and reduce_scatter_tensor, as FSDP2 calls them.
+    x = fake.to_device(torch.full((4,), float(rank)))
+    out = fake.to_device(torch.full((4 * world,), -1.0))
+    pg.all_gather_single(out, x, c10d.AllgatherOptions()).wait()
+    checks["all_gather_into_tensor"] = bool(torch.equal(
+        out, torch.arange(world, dtype=torch.float32).repeat_interleave(4)))
+    inp = fake.to_device(torch.arange(4.0 * world) + rank)
+    o = fake.to_device(torch.zeros(4))
+    ropts = c10d.ReduceScatterOptions()
+    ropts.reduceOp = dist.ReduceOp.SUM
+    pg.reduce_scatter_single(o, inp, ropts).wait()
+    checks["reduce_scatter_tensor"] = bool(torch.equal(
+        o, (torch.arange(4.0 * world) * world + sum(range(world)))[rank * 4:(rank + 1) * 4]))
+    b = fake.to_device(torch.full((3,), float(rank)))
+    bopts = c10d.BroadcastOptions()
+    bopts.rootRank = world - 1
+    pg.broadcast([b], bopts).wait()
+    checks["broadcast"] = bool((b == float(world - 1)).all())
+    checks["settled once waited"] = fake.settled() == []
+    checks["no violation"] = fake.violations == []
+    checks["no host read"] = fake.stats()["to_host"] == 0
+    return checks, {}
+
+
 def s_two_groups(fake, rank, world):
     """Async ops of two groups over tensors of one allocation: each op's "done" is its own, so
     a wait after the other op launched still waits for its op; the same from two threads on two
@@ -416,6 +479,7 @@ SCENARIOS = {
     "collectives": s_collectives,
     "realloc": s_realloc,
     "hook": s_hook,
+    "process_group": s_process_group,
     "two_groups": s_two_groups,
     "temporaries": s_temporaries,
     "lifetime_detector": s_lifetime_detector,

@@ -288,12 +288,13 @@ def bad_plan():
     gradsync.init()
     r = gradsync.get_rank()
     if r == 0:
-        plan_packs = gradsync.plan_packs
+        from gradsync import _native  # where DistributedOptimizer takes its plan from
+        plan_packs = _native.plan_packs
 
         def short_plan(grads, *args, **kwargs):
             return plan_packs(grads[:-1], *args, **kwargs)
 
-        gradsync.plan_packs = short_plan
+        _native.plan_packs = short_plan
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     opt = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

@@ -51,20 +51,26 @@ def main(steps, pause_s):
     if os.environ.get("ELASTIC_PLAN_STALL") == "1" and gradsync.get_rank() == 0:
         # Rank 0 of epoch 0 stops as it would store its first pack plan (the test kills it):
         # the other ranks are left waiting for that plan.
-        set_pack_list = gradsync.set_pack_list
+        from gradsync import _ops  # where DistributedOptimizer stores its plan through
+        set_pack_list = _ops.set_pack_list
 
         def stalling_set_pack_list(plan, group=gradsync.WORLD):
             if gradsync._ctx().epoch == 0:
                 emit(plan_stalled=True)
                 time.sleep(3600)
             set_pack_list(plan, group)
-        gradsync.set_pack_list = stalling_set_pack_list
+        _ops.set_pack_list = stalling_set_pack_list
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     # ELASTIC_PARAM_PACK=1: packed reductions, whose pack plan rank 0 makes after the first
     # step and makes again after each change.
     net = model
-    if os.environ.get("ELASTIC_DDP_PG"):
+    # ELASTIC_TORCH_BACKEND=1: torch DDP on the backend "gradsync", its process group made
+    # again for each membership at the top of train().
+    torch_backend = os.environ.get("ELASTIC_TORCH_BACKEND") == "1"
+    if torch_backend:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    elif os.environ.get("ELASTIC_DDP_PG"):
         # torch DDP with gradsync's comm hook (a gloo process group for DDP's construction
         # only: a model without buffers needs none afterwards) and a plain optimizer.
         import torch.distributed as dist
@@ -96,13 +102,17 @@ def main(steps, pause_s):
 
     @gradsync.elastic.run
     def train(state):
+        ddp = net
+        if torch_backend:
+            gt.init_process_group()
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
         while state.step < steps:
             # Each rank's data depends on its rank and the step: a mean over the world.
             g = torch.Generator().manual_seed(1000 * state.step + gradsync.get_rank())
             x = torch.randn(4, 8, generator=g)
             opt.zero_grad()
             try:
-                net(x).pow(2).mean().backward()
+                ddp(x).pow(2).mean().backward()
                 opt.step()
                 if state.step == stall_at:  # this rank stops coming (the test kills it)
                     emit(stalled=state.step)

@@ -9,7 +9,8 @@ waiter's stream); a change of stream joins the previous one; the host never sync
 synchronize call, no host read unless parameters went unused); registrations are cached per
 allocation (a hot loop registers nothing), an allocation freed and handed out again is
 registered anew with the old registration deregistered, and torch.cuda.empty_cache lets go of
-every registration but the optimizer's buckets first.
+every registration but the optimizer's buckets first. torch.distributed's backend on CUDA
+tensors: Work.wait() and the Work's future (DDP's reducer takes it) keep that stream order.
 """
 import ctypes
 import os
@@ -20,7 +21,8 @@ from conftest import BUILD, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "cuda_worker.py")
-SCENARIOS = ["detector", "collectives", "realloc", "empty_cache", "hook", "optimizer",
+SCENARIOS = ["detector", "collectives", "realloc", "empty_cache", "hook", "process_group",
+             "optimizer",
              "optimizer_pack", "optimizer_unused", "two_groups", "temporaries",
              "lifetime_detector"]
 
@@ -73,3 +75,45 @@ def test_cuda_calls_of_the_c_abi_refuse_clearly_without_a_gpu():
     import gradsync._cuda as cuda
     # The real seam sees host tensors as host tensors (the CPU path runs, torch without CUDA).
     assert cuda.TorchCuda().device_of(torch.zeros(3)) is None
+
+
+def test_a_cuda_buffer_is_destroyed_only_once_the_daemon_let_its_events_go(monkeypatch):
+    """A CudaBuffer's events are destroyed with the object only after its deregistration
+    succeeded (the daemon answers once every op that named it has settled on the device); when
+    the daemon never said so, they are kept to the process's end, since destroying an event
+    under the daemon's pending record of it is undefined."""
+    import sys
+    sys.path.insert(0, os.path.join(BUILD, "python"))
+    import gradsync._native as native
+
+    class Lib:  # libgradsync_c's CUDA buffer calls, seen
+        def __init__(self):
+            self.freed, self.rc = [], 0
+
+        def gs_cuda_buffer_id(self, ptr):
+            return ptr
+
+        def gs_cuda_buffer_deregister(self, client, ptr):
+            return self.rc
+
+        def gs_cuda_buffer_free(self, ptr):
+            self.freed.append(ptr)
+
+        def gs_last_error(self):
+            return b"the call's deadline passed"
+
+    lib = Lib()
+    monkeypatch.setattr(native, "_lib", lib)
+    client = object.__new__(native.Client)  # no session: its calls go straight to the lib
+    client._call = lambda fn, *args: fn(None, *args)
+    answered = native.CudaBuffer(7, 0x1000, 64)
+    client.deregister_cuda(answered)
+    del answered
+    assert lib.freed == [7]
+    lib.rc = native._CODES.index("DEADLINE_EXCEEDED")
+    unanswered = native.CudaBuffer(8, 0x2000, 64)
+    with pytest.raises(native.Error) as e:
+        client.deregister_cuda(unanswered)
+    assert e.value.code == "DEADLINE_EXCEEDED"
+    del unanswered
+    assert lib.freed == [7], "events destroyed though the daemon never let them go"

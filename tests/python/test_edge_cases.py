@@ -5,11 +5,12 @@ under a trainer."""
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
 
-from conftest import PROCESS_TIMEOUT, launch
+from conftest import BUILD, PROCESS_TIMEOUT, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "edge_worker.py")
@@ -166,3 +167,23 @@ def test_trainer_survives_a_daemon_stopped_and_resumed_under_its_op_and_its_shut
     assert lines["closed"] is True and lines["close_took"] < 10, lines
     # The daemon serves on.
     assert daemon.ctl("health").returncode == 0
+
+
+def test_the_daemons_records_are_read_by_one_parser_and_anything_else_is_refused():
+    """The elastic protocol's records (protobuf messages the daemons write) reach Python as
+    dicts through the C ABI's one parser; bytes that are no such record, or an unknown kind,
+    are INVALID_ARGUMENT, not a crash or a half-read dict."""
+    sys.path.insert(0, os.path.join(BUILD, "python"))
+    import gradsync
+    from gradsync import _native
+    # A JoinAdmission {epoch: 1, world: 4, rank: 2, min_world_size: 1}, as protobuf's wire
+    # format has it (field 1..4, varints).
+    admission = bytes([0x08, 1, 0x10, 4, 0x18, 2, 0x20, 1])
+    assert _native.record("admission", admission) == {
+        "epoch": 1, "world": 4, "rank": 2, "min_world_size": 1}
+    assert _native.record("ticket", bytes([0x08, 1, 0x10, 3])) == {"state": "WAITING", "ranks": 3}
+    for kind, raw in (("decision", b""), ("decision", b"epoch=1 world=2 at=1 why=x"),
+                      ("admission", b"\xff\xff\xff"), ("ticket", b""), ("nonsense", admission)):
+        with pytest.raises(gradsync.Error) as e:
+            _native.record(kind, raw)
+        assert e.value.code == "INVALID_ARGUMENT", (kind, raw, e.value)

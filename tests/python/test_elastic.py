@@ -415,8 +415,10 @@ def test_an_extra_node_of_two_ranks_joins_a_running_job(tmp, monkeypatch):
             out = ds[0].ctl("--job=elastic-extra", "store", "get", "_gradsync_elastic/" + key)
             assert out.returncode == 0, out
             home[key] = out.stdout.strip()
-        assert home == {"ticket/1": "claimed", "admit/1": "epoch=1 world=4 rank=2 min=1",
-                        "handled": "1"}, home
+        # (gradsyncctl shows the daemons' records as JSON.)
+        assert (json.loads(home["ticket/1"]), json.loads(home["admit/1"]), home["handled"]) == (
+            {"state": "CLAIMED", "ranks": 0},
+            {"epoch": 1, "world": 4, "rank": 2, "min_world_size": 1}, "1"), home
         done = _finish(ranks, [0, 1], timeout_s=120)
         joined = _finish(joiner, [0, 1], timeout_s=60)
     finally:
@@ -432,6 +434,48 @@ def test_an_extra_node_of_two_ranks_joins_a_running_job(tmp, monkeypatch):
         assert (j["world"], j["step"], j["epoch"]) == (4, steps, 1), j
         assert j["params"] == done[0]["params"]
     assert done[0]["params"] == done[1]["params"]
+
+
+def _ticket(daemon, job, ticket):
+    """Ticket `ticket`'s state in `job`'s home on `daemon` ("WAITING", ...), or None."""
+    out = daemon.ctl(f"--job={job}", "store", "get", f"_gradsync_elastic/ticket/{ticket}")
+    return json.loads(out.stdout)["state"] if out.returncode == 0 else None
+
+
+def _until_ticket(daemon, job, ticket, state, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while _ticket(daemon, job, ticket) != state:
+        assert time.monotonic() < deadline, (ticket, _ticket(daemon, job, ticket))
+        time.sleep(0.05)
+
+
+def test_a_node_not_admitted_in_time_or_gone_has_its_ticket_withdrawn(tmp, monkeypatch):
+    """No rank of the job commits, so nobody is admitted. A joining node of two ranks waits its
+    GRADSYNC_JOIN_TIMEOUT (1 s): both ranks fail with DEADLINE_EXCEEDED and its daemon has
+    withdrawn its ticket. A second joiner killed while it waits: its ticket is withdrawn too
+    (the daemon saw its call go)."""
+    ds = tcp_daemons(tmp, monkeypatch, 2)
+    job = "elastic-unadmitted"
+    late = launch(tmp, [ds[1], ds[1]], job, lambda r: [WORKER, "10", "0.05"], local=2,
+                  root=ds[0].tcp, extra_env=dict(JOIN_ENV, GRADSYNC_JOIN_TIMEOUT="1"))
+    gone = None
+    try:
+        for i in (0, 1):
+            late.procs[i].wait(60)
+            out = late.output(i)
+            assert late.procs[i].returncode != 0 and "DEADLINE_EXCEEDED" in out, out[-3000:]
+            assert "its ticket 1 is withdrawn" in out, out[-3000:]
+        assert "this node's local rank 0 asked to join" in late.output(1), late.output(1)[-3000:]
+        assert _ticket(ds[0], job, 1) == "WITHDRAWN"
+        gone = launch(tmp, [ds[1]], job, lambda r: [WORKER, "10", "0.05"], local=1,
+                      root=ds[0].tcp, extra_env=dict(JOIN_ENV, GRADSYNC_JOIN_TIMEOUT="120"))
+        _until_ticket(ds[0], job, 2, "WAITING")
+        gone.procs[0].kill()
+        _until_ticket(ds[0], job, 2, "WITHDRAWN")
+        log = open(ds[0].log).read()
+        assert "join: not admitted job=%s ticket=2 why=" % job in log, log[-3000:]
+    finally:
+        _stop(ds, late, gone)
 
 
 def test_a_rank_that_never_joins_the_next_epoch_is_left_behind(tmp, monkeypatch):
@@ -547,16 +591,22 @@ def test_a_change_during_a_pack_plan_exchange(tmp, three_daemons):
     assert done[1]["params"] == done[2]["params"]
 
 
-def test_torch_ddp_with_the_comm_hook_follows_the_change(tmp, three_daemons):
-    """torch's DistributedDataParallel with gradsync.torch.allreduce_hook and a plain optimizer:
-    node 2 is killed; the hook's failure reaches the run decorator wrapped by DDP, which still
-    resets, and the survivors' means are over 2 ranks from then on."""
+@pytest.mark.parametrize("how", ["comm_hook", "backend"])
+def test_torch_ddp_follows_the_change(tmp, three_daemons, how):
+    """torch's DistributedDataParallel with a plain optimizer, over gloo with
+    gradsync.torch.allreduce_hook, or on the backend "gradsync" (its group made again at the top
+    of the run decorator's function by gradsync.torch.init_process_group): node 2 is killed;
+    the failure reaches the run decorator wrapped by DDP, which still resets, and the
+    survivors' means are over 2 ranks from then on."""
     d0, d1, d2 = three_daemons
     steps = 20
-    ranks = launch(tmp, [d0, d1, d2], "elastic-ddp", lambda r: [WORKER, str(steps), "0.05"],
-                   local=1, root=d0.tcp,
-                   extra_env={"GRADSYNC_ELASTIC": "1",
-                              "ELASTIC_DDP_PG": os.path.join(str(tmp), "ddp-pg")})
+    env = {"GRADSYNC_ELASTIC": "1"}
+    if how == "comm_hook":
+        env["ELASTIC_DDP_PG"] = os.path.join(str(tmp), "ddp-pg")
+    else:
+        env["ELASTIC_TORCH_BACKEND"] = "1"
+    ranks = launch(tmp, [d0, d1, d2], "elastic-ddp-" + how,
+                   lambda r: [WORKER, str(steps), "0.05"], local=1, root=d0.tcp, extra_env=env)
     done = _lose_node(ranks, d2, 2, [0, 1], at_step=5)
     for r in (0, 1):
         result = done[r]

@@ -197,7 +197,7 @@ def test_joins_are_checked_and_written_by_the_daemon(job_across_two_nodes):
     refused(lambda: trainer.store_set("_gradsync_elastic/ticket/1", b"ranks=1024"))
     refused(lambda: trainer.store_set("_gradsync_elastic/admit/1", b"epoch=1 world=9 rank=2 min=1"))
     with pytest.raises(Error) as e:
-        trainer.store_take_ticket(1025)
+        trainer.store_join(1025, 1)
     assert e.value.code == "INVALID_ARGUMENT", e.value
     with pytest.raises(Error) as e:  # the job is not elastic: no join, whatever the caller says
         trainer.store_admit_joiners(1, 1)

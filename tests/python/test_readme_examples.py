@@ -1,10 +1,12 @@
-"""The README's examples, run for real.
+"""The README's examples, run for real (and docs/python.md's, which go on from them).
 
-Every code block of README.md with an HTML comment `<!-- example: NAME -->` on the line just
-above its opening fence is run, in README order, in one scratch directory:
+Every code block of README.md, then of docs/python.md, with an HTML comment
+`<!-- example: NAME -->` on the line just above its opening fence is run, in order, in one
+scratch directory:
 
 - `sh`/`bash` blocks run with `bash -e -o pipefail`, in the scratch directory, where `build`
-  links to the build tree (GRADSYNC_BUILD_DIR). The directory `/tmp/gradsync` the blocks use is
+  links to the build tree (GRADSYNC_BUILD_DIR) and `.venv` to the checkout's virtual
+  environment with torch 2.x (GRADSYNC_VENV; ./setup.sh makes it). The directory `/tmp/gradsync` the blocks use is
   replaced by a private one, and the ports 7451, 7452 and 29500 by free ones, so that runs do
   not collide; nothing else in a block changes. Daemons a block starts in the background are
   stopped at the end (each block runs in its own process group).
@@ -30,6 +32,8 @@ import pytest
 from conftest import BUILD, PYTHON, ROOT, Daemon, _need
 
 README = os.path.join(ROOT, "README.md")
+MORE = [os.path.join(ROOT, "docs", "python.md")]  # run after the README's, in the same place
+VENV = os.path.abspath(os.environ.get("GRADSYNC_VENV", os.path.join(ROOT, ".venv")))
 BLOCK_TIMEOUT_S = 240  # any one block, torchrun with its ranks included
 STOP_TIMEOUT_S = 20    # background processes of the blocks, after SIGTERM
 MARKER = re.compile(r"<!--\s*example:\s*(\S*)\s*-->")
@@ -80,6 +84,7 @@ class Runner:
         self.dir = os.path.join(scratch, "gradsync")  # stands for /tmp/gradsync
         os.mkdir(self.dir)
         os.symlink(BUILD, os.path.join(scratch, "build"))
+        os.symlink(_need(VENV, "./setup.sh makes it"), os.path.join(scratch, ".venv"))
         self.ports = {p: str(free_port()) for p in PORTS}
         self.groups = []
 
@@ -187,5 +192,12 @@ def test_readme_examples_run(runner):
     with open(README) as f:
         blocks = marked_blocks(f.read())
     assert blocks, "README.md has no block marked <!-- example: NAME -->: nothing to run"
+    for path in MORE:
+        with open(path) as f:
+            more = marked_blocks(f.read())
+        assert more, f"{path} has no block marked <!-- example: NAME -->: nothing to run"
+        blocks += more
+    names = [name for name, _, _ in blocks]
+    assert len(set(names)) == len(names), f"example names repeat across the files: {names}"
     for name, lang, code in blocks:
         runner.run(name, lang, code)

@@ -244,10 +244,11 @@ def ddp_hook(out):
     dims = [32, 64, 64, 8]
     model = train.build_model(dims, seed=1)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
-    calls = []
+    calls = []  # (step, bucket index, elements)
+    step = 0
 
     def counting_hook(state, bucket):
-        calls.append(bucket.index())
+        calls.append((step, bucket.index(), bucket.buffer().numel()))
         return gt.allreduce_hook(state, bucket)
 
     ddp.register_comm_hook(state=None, hook=counting_hook)
@@ -260,7 +261,11 @@ def ddp_hook(out):
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
     torch.save([p.detach().clone() for p in model.parameters()], out)
-    emit(rank=r, done=True, hook_calls=len(calls), buckets=len(set(calls)))
+    # Elements reduced per step (torch 2 buckets the first step differently: it rebuilds its
+    # buckets after it).
+    per_step = [sum(n for s, _, n in calls if s == k) for k in range(30)]
+    emit(rank=r, done=True, hook_calls=len(calls), buckets=len({b for _, b, _ in calls}),
+         per_step=per_step, params=sum(p.numel() for p in model.parameters()))
     dist.destroy_process_group()
 
 

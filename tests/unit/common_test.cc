@@ -62,6 +62,17 @@ TEST(JobIdTest, OneRuleRefusesPathsControlBytesAndOverlongIds) {
   }
 }
 
+TEST(JobIdTest, AnElasticJobsEpochsAreItsIdAndItsIdWithDotEAndTheEpoch) {
+  EXPECT_EQ(ElasticJobId("j", 0), "j");
+  EXPECT_EQ(ElasticJobId("j", 3), "j.e3");
+  EXPECT_EQ(*ElasticBase("j.e3", 3), "j");
+  EXPECT_FALSE(ElasticBase("j.e3", 2).ok());
+  for (const char* id : {"j", "j.e1", "j.e12"}) EXPECT_TRUE(IsEpochOf(id, "j")) << id;
+  for (const char* id : {"j.e0", "j.e01", "j.e", "j.ex", "j.e-1", "jj.e1", "j.e1.e2", "k"}) {
+    EXPECT_FALSE(IsEpochOf(id, "j")) << id;
+  }
+}
+
 TEST(BoundedTextTest, ListsNameTheFirstFewItemsAndCountTheRest) {
   EXPECT_EQ(JoinBounded(std::vector<int>{1, 2, 3}, ","), "1,2,3");
   std::vector<std::string> keys;

@@ -7,6 +7,8 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
+#include "daemon/gpu/mps.h"
 #include "gtest/gtest.h"
 #include "tests/unit/fake_gpu.h"
 
@@ -268,6 +270,34 @@ TEST(DispatchImporterTest, SendsEachRegistrationToItsKind) {
   (void)dispatch.Import(r);
   EXPECT_EQ(cuda.calls, 1);
   EXPECT_EQ(shm.calls, 1);
+}
+
+TEST(CudaInitTest, CudaBuffersAreRefusedUntilCudaAnswersAndNoCallWaitsInsideItsInitialisation) {
+  FakeGpu gpu;
+  gpu.exported[Handle('a')] = 1 << 20;
+  gpu.init_hangs = true;  // an MPS server of another user draining, say
+  const gpu::MpsFacts facts = gpu::GatherMpsFacts(&gpu, "/nonexistent", absl::Milliseconds(100));
+  EXPECT_EQ(facts.gpu.code(), absl::StatusCode::kDeadlineExceeded) << facts.gpu;
+  CudaImporter importer(&gpu);
+  importer.SetCudaAnswered(facts.cuda_answered);
+  auto refused = importer.Import(Cuda(Handle('a'), 0, 4096));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "CUDA has not answered gradsyncd"))
+      << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "CUDA buffers are refused until"))
+      << refused.status();
+  EXPECT_EQ(gpu.InitWaits(), 1);  // the start's probe only: the registration made no CUDA call
+  EXPECT_EQ(gpu.opens, 0);
+  gpu.init_hangs = false;  // CUDA answers at last
+  bool answered = false;
+  for (int i = 0; i < 500 && !answered; ++i) {
+    answered = facts.cuda_answered().ok();
+    if (!answered) absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(answered);
+  auto b = importer.Import(Cuda(Handle('a'), 0, 4096));
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(gpu.opens, 1);
 }
 
 }  // namespace

@@ -453,6 +453,17 @@ class KeepingBackend final : public Backend {
   void Release() {
     absl::MutexLock lock(&mu_);
     kept_.clear();
+    settlements_.clear();
+  }
+  // The kept ops failed on the device after their answer (as the NCCL plane finds it).
+  void FailKept(const absl::Status& why) {
+    absl::MutexLock lock(&mu_);
+    for (const auto& s : settlements_) s->Fail(why);
+  }
+  // The first local member's place in its trainer's order, of each op run.
+  std::vector<std::optional<Turn>> turns() {
+    absl::MutexLock lock(&mu_);
+    return turns_;
   }
 
  private:
@@ -461,12 +472,16 @@ class KeepingBackend final : public Backend {
     absl::Status Run(const Collective& op) override {
       absl::MutexLock lock(&owner->mu_);
       if (op.keep_alive) owner->kept_.push_back(op.keep_alive);
+      for (const auto& s : op.settlements) owner->settlements_.push_back(s);
+      owner->turns_.push_back(op.local.empty() ? std::nullopt : op.local[0].turn);
       return absl::OkStatus();
     }
     KeepingBackend* owner;
   };
   absl::Mutex mu_;
   std::vector<std::shared_ptr<const void>> kept_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::optional<Turn>> turns_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Settlements::Op>> settlements_ ABSL_GUARDED_BY(mu_);
 };
 
 TEST(EngineKeepAliveTest, AnOpsMappingsOutliveItsAnswerTheBuffersDeregistrationAndTheSession) {
@@ -641,35 +656,104 @@ TEST_F(EngineDeviceEventsTest, TheSameDeviceMemoryMayBeRegisteredOncePerOpWithEv
   EXPECT_TRUE(sinks_[0]->events()[0].status.ok()) << sinks_[0]->events()[0].status;
 }
 
-TEST_F(EngineDeviceEventsTest, EventsAreReleasedAtDeregistrationOrAtTheAnswerOfTheOpHoldingThem) {
+TEST_F(EngineDeviceEventsTest, EventsAreReleasedOnceDeregisteredAndEveryOpNamingThemHasSettled) {
   const uint64_t a = Register(0, "gpuev/0"), b = Register(1, "gpuev/1");
   engine_.Submit(sessions_[0], sinks_[0], 1, AllReduce(a));
   engine_.Submit(sessions_[1], sinks_[1], 1, AllReduce(b));
   ASSERT_TRUE(sinks_[0]->WaitFor(1));
   ASSERT_TRUE(sinks_[1]->WaitFor(1));
-  ASSERT_EQ(backend_.kept(), 1u);  // launched: the mappings stay with the op
+  ASSERT_EQ(backend_.kept(), 1u);  // launched: the op stays with the data plane
   EXPECT_EQ(importer_.events_released.load(), 0);
-  ASSERT_TRUE(engine_.DeregisterBuffer(*sessions_[0], a).ok());
-  // Released at once, though the launched op still holds the mapping: its calls on the events
-  // are enqueued, and the trainer may destroy them now.
-  EXPECT_EQ(importer_.events_released.load(), 1);
-  EXPECT_EQ(importer_.live.load(), 2);
-  // Deregistered while an op in flight holds them: released by that op's answer.
+  std::atomic<bool> told_a{false}, told_c{false};
+  ASSERT_TRUE(engine_.DeregisterBuffer(*sessions_[0], a, [&] { told_a = true; }).ok());
+  // The launched op may still record "done" on the device: the events stay, and the trainer is
+  // not told it may destroy them (an imported event's pending record after its exporter
+  // destroyed it is undefined).
+  EXPECT_EQ(importer_.events_released.load(), 0);
+  EXPECT_FALSE(told_a);
+  // Deregistered while an op not yet answered holds them: that op's answer is not enough
+  // either; its settling on the device is.
   const uint64_t c = Register(0, "gpuev/2");
   engine_.Submit(sessions_[0], sinks_[0], 2, AllReduce(c));  // waits for rank 1
-  ASSERT_TRUE(engine_.DeregisterBuffer(*sessions_[0], c).ok());
-  EXPECT_EQ(importer_.events_released.load(), 1);
+  ASSERT_TRUE(engine_.DeregisterBuffer(*sessions_[0], c, [&] { told_c = true; }).ok());
   engine_.Submit(sessions_[1], sinks_[1], 2, AllReduce(b));
   ASSERT_TRUE(sinks_[0]->WaitFor(2));
   EXPECT_TRUE(sinks_[0]->events()[1].status.ok()) << sinks_[0]->events()[1].status;
+  ASSERT_EQ(backend_.kept(), 2u);
+  EXPECT_EQ(importer_.events_released.load(), 0);
+  EXPECT_FALSE(told_c);
+  backend_.Release();  // both ops settled on the device
   EXPECT_EQ(importer_.events_released.load(), 2);
+  EXPECT_TRUE(told_a);
+  EXPECT_TRUE(told_c);
+  // A buffer no op holds is released, and said so, at once.
+  const uint64_t d = Register(0, "gpuev/3");
+  bool told_d = false;
+  ASSERT_TRUE(engine_.DeregisterBuffer(*sessions_[0], d, [&] { told_d = true; }).ok());
+  EXPECT_TRUE(told_d);
+  EXPECT_EQ(importer_.events_released.load(), 3);
   // The session's end releases the rest (rank 1's buffer).
   engine_.Unregister(*sessions_[1], "done");
-  EXPECT_EQ(importer_.events_released.load(), 3);
+  EXPECT_EQ(importer_.events_released.load(), 4);
   engine_.Unregister(*sessions_[0], "done");
-  backend_.Release();
   EXPECT_EQ(importer_.live.load(), 0);
-  EXPECT_EQ(importer_.events_released.load(), 3);  // none twice
+  EXPECT_EQ(importer_.events_released.load(), 4);  // none twice
+}
+
+TEST_F(EngineDeviceEventsTest, DeviceOpsTakeTheirTrainersOrderAtSubmissionAndLeaveItAtTheAnswer) {
+  const uint64_t a = Register(0, "gpuev/0"), c = Register(0, "gpuev/2");
+  const uint64_t host = Register(0, "host/0");
+  engine_.Submit(sessions_[0], sinks_[0], 1, AllReduce(a));       // world: waits for rank 1
+  engine_.Submit(sessions_[0], sinks_[0], 2, AllReduce(c, "0"));  // group 0: runs at once
+  engine_.Submit(sessions_[0], sinks_[0], 3, AllReduce(host, "0"));
+  ASSERT_TRUE(sinks_[0]->WaitFor(2));
+  std::vector<std::optional<Turn>> turns = backend_.turns();
+  ASSERT_EQ(turns.size(), 2u);
+  ASSERT_TRUE(turns[0].has_value());
+  EXPECT_EQ(turns[0]->index, 2u);  // the trainer's second device op
+  EXPECT_FALSE(turns[1].has_value()) << "a host op takes no turn";
+  // Its turn waits for the first, which waits for rank 1: the data plane would not launch it.
+  absl::Status early = turns[0]->order->AwaitTurn(turns[0]->index, absl::Now(), nullptr);
+  EXPECT_EQ(early.code(), absl::StatusCode::kDeadlineExceeded) << early;
+  EXPECT_TRUE(absl::StrContains(early.message(), "1 device op(s) its trainer submitted before"))
+      << early;
+  const uint64_t b = Register(1, "gpuev/1");
+  engine_.Submit(sessions_[1], sinks_[1], 1, AllReduce(b));
+  ASSERT_TRUE(sinks_[0]->WaitFor(3));  // the first is answered: launched
+  EXPECT_TRUE(turns[0]->order->AwaitTurn(turns[0]->index, absl::Now(), nullptr).ok());
+  backend_.Release();
+}
+
+TEST_F(EngineDeviceEventsTest, SettleWaitsForTheDeviceOpsAndReportsAFailureAfterAnAnswerOnce) {
+  const uint64_t a = Register(0, "gpuev/0"), b = Register(1, "gpuev/1");
+  engine_.Submit(sessions_[0], sinks_[0], 1, AllReduce(a));
+  engine_.Submit(sessions_[1], sinks_[1], 1, AllReduce(b));
+  ASSERT_TRUE(sinks_[0]->WaitFor(1));
+  EXPECT_TRUE(sinks_[0]->events()[0].status.ok()) << sinks_[0]->events()[0].status;
+  absl::Notification settled;
+  absl::Status got = absl::UnknownError("not settled");
+  engine_.Settle(*sessions_[0], [&](absl::Status s) {
+    got = std::move(s);
+    settled.Notify();
+  });
+  EXPECT_FALSE(settled.HasBeenNotified()) << "settled while the launched op runs on the device";
+  backend_.FailKept(absl::AbortedError("all_reduce seq=0 failed on the GPU after its answer"));
+  backend_.Release();  // the data plane lets the op go
+  ASSERT_TRUE(settled.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_EQ(got.code(), absl::StatusCode::kAborted) << got;
+  EXPECT_EQ(got.message(), "all_reduce seq=0 failed on the GPU after its answer");
+  // Reported once; nothing in flight: at once.
+  absl::Status again = absl::UnknownError("not settled");
+  engine_.Settle(*sessions_[0], [&](absl::Status s) { again = std::move(s); });
+  EXPECT_TRUE(again.ok()) << again;
+  // An op answered with an error is the trainer's news already: not reported again.
+  const uint64_t c = Register(0, "gpuev/2");
+  engine_.Submit(sessions_[0], sinks_[0], 2, AllReduce(c, "x,y"));  // refused: a bad group
+  ASSERT_TRUE(sinks_[0]->WaitFor(2));
+  EXPECT_FALSE(sinks_[0]->events()[1].status.ok());
+  absl::Status third = absl::UnknownError("not settled");
+  engine_.Settle(*sessions_[0], [&](absl::Status s) { third = std::move(s); });
+  EXPECT_TRUE(third.ok()) << third;
 }
 
 // Two engines as two nodes of one job, sharing the root's store: node A holds ranks 0 and 1,
@@ -871,14 +955,15 @@ TEST_F(TwoNodeEngineTest, AnElasticJobsDaemonsRecordOneDecisionOfItsNextMembersh
       continue;
     }
     ASSERT_TRUE(decision.ok()) << decision.status();
+    absl::StatusOr<MembershipDecision> d = MembershipDecision::Decode(*decision);
+    ASSERT_TRUE(d.ok()) << d.status();
     // It says when it was made (Inspect's epochs measure the change from it).
-    const size_t at = decision->find(" at="), why = decision->find(" why=");
-    ASSERT_TRUE(at != std::string::npos && why != std::string::npos && at < why) << *decision;
-    int64_t at_ms = 0;
-    ASSERT_TRUE(absl::SimpleAtoi(decision->substr(at + 4, why - at - 4), &at_ms)) << *decision;
-    EXPECT_LE(at_ms, absl::ToUnixMillis(absl::Now()));
-    EXPECT_GE(at_ms, absl::ToUnixMillis(absl::Now() - absl::Seconds(30)));
-    const std::string made = decision->substr(0, at) + decision->substr(why);
+    EXPECT_LE(d->at, absl::Now());
+    EXPECT_GE(d->at, absl::Now() - absl::Seconds(30));
+    const std::string described = d->Describe();
+    const size_t at = described.find(" at="), why = described.find(" why=");
+    ASSERT_TRUE(at != std::string::npos && why != std::string::npos && at < why) << described;
+    const std::string made = described.substr(0, at) + described.substr(why);
     // Whichever side came first: one decision, the survivors in order.
     const std::string a_decides =
         "epoch=1 world=2 lost_ranks=2 lost_nodes=b:7451 why=node b:7451 (ranks 2) lost: the "
@@ -886,7 +971,7 @@ TEST_F(TwoNodeEngineTest, AnElasticJobsDaemonsRecordOneDecisionOfItsNextMembersh
     const std::string b_decides =
         "epoch=1 world=1 lost_ranks=0,1 lost_nodes=a:7451 why=node a:7451 (ranks 0,1) lost: no "
         "word for 1.5 s";
-    EXPECT_TRUE(made == a_decides || made == b_decides) << *decision;
+    EXPECT_TRUE(made == a_decides || made == b_decides) << described;
     absl::SleepFor(absl::Seconds(1));  // both have decided by now: the first stands
     EXPECT_EQ(*store_.Get(job, std::string(kElasticDecisionKey), absl::InfinitePast()), *decision);
     // Each node keeps the membership it formed, epoch 0 of 3 ranks.

@@ -1,15 +1,23 @@
-// An elastic job's joins as the daemon records them (daemon/core/membership.h), on the
-// embedded store: tickets, their withdrawal, and rank 0's admissions with every check.
+// An elastic job's membership as the daemon records it (daemon/core/membership.h), on the
+// embedded store: tickets, their withdrawal, and rank 0's admissions with every check; the
+// decision's record; an epoch's states, one test per transition.
 
 #include "daemon/core/membership.h"
+#include "daemon/core/node_join.h"
 
+#include <optional>
 #include <string>
+#include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/worker_pool.h"
 #include "common/store_keys.h"
 #include "daemon/core/backend.h"
 #include "daemon/store/memory_store.h"
+#include "gradsync/v1/membership.pb.h"
 #include "gtest/gtest.h"
 
 namespace gradsync::core {
@@ -27,9 +35,32 @@ class MembershipTest : public ::testing::Test {
     for (int r = 0; r < world; ++r) ASSERT_TRUE(store_.Set(job, RankKey(r), "h:1").ok());
   }
   static std::string Epoch(int epoch) { return epoch == 0 ? "j" : absl::StrCat("j.e", epoch); }
+  // The record at `key`; a ticket's or an admission's in words ("ranks=K", "claimed",
+  // "withdrawn"; "epoch=E world=W rank=R min=M").
   std::string At(const std::string& job, const std::string& key) {
     auto v = store_.Peek(job, key);
-    return v.ok() ? *v : "<none>";
+    if (!v.ok()) return "<none>";
+    if (absl::StrContains(key, "/ticket/")) {
+      v1::JoinTicket t;
+      if (!t.ParseFromString(*v)) return "<unreadable>";
+      switch (t.state()) {
+        case v1::JoinTicket::WAITING:
+          return absl::StrCat("ranks=", t.ranks());
+        case v1::JoinTicket::CLAIMED:
+          return "claimed";
+        case v1::JoinTicket::WITHDRAWN:
+          return "withdrawn";
+        default:
+          return "<unreadable>";
+      }
+    }
+    if (absl::StrContains(key, "/admit/")) {
+      v1::JoinAdmission a;
+      if (!a.ParseFromString(*v)) return "<unreadable>";
+      return absl::StrCat("epoch=", a.epoch(), " world=", a.world(), " rank=", a.rank(),
+                          " min=", a.min_world_size());
+    }
+    return *v;
   }
 
   store::MemoryStore store_;
@@ -58,8 +89,10 @@ TEST_F(MembershipTest, AnAdmissionClaimsTheWaitingTicketsRecordsTheDecisionAndEa
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_TRUE(a->decided);
   EXPECT_EQ(a->joined, 5);
-  EXPECT_TRUE(absl::StartsWith(a->decision, "epoch=1 world=7 lost_ranks= lost_nodes= joined=5 "))
-      << a->decision;
+  absl::StatusOr<MembershipDecision> d = MembershipDecision::Decode(a->decision);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(absl::StartsWith(d->Describe(), "epoch=1 world=7 lost_ranks= lost_nodes= joined=5 "))
+      << d->Describe();
   EXPECT_EQ(At("j", std::string(kElasticDecisionKey)), a->decision);  // epoch 0's namespace
   EXPECT_EQ(At(Epoch(0), ElasticAdmitKey(1)), "epoch=1 world=7 rank=2 min=4");
   EXPECT_EQ(At(Epoch(0), ElasticAdmitKey(3)), "epoch=1 world=7 rank=4 min=4");
@@ -111,13 +144,15 @@ TEST_F(MembershipTest, TooFewRanksWaitingOrATicketNotWrittenYetAdmitNobody) {
 
 TEST_F(MembershipTest, ALossDecidedFirstWinsAndTheClaimsAreUndone) {
   Formed(1, 3);
-  ASSERT_TRUE(store_.Set("j.e1", kElasticDecisionKey, "epoch=2 world=2 lost_ranks=2").ok());
+  const std::string loss =
+      MembershipDecision{2, 2, {2}, {"c:7451"}, 0, absl::Now(), "node c:7451 lost"}.Encode();
+  ASSERT_TRUE(store_.Set("j.e1", kElasticDecisionKey, loss).ok());
   ASSERT_EQ(*TakeTicket(store_, "j", 1), 1);
   absl::StatusOr<Admission> a = AdmitJoiners(store_, "j.e1", 2, 1);
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_TRUE(a->decided);
   EXPECT_EQ(a->joined, 0);
-  EXPECT_EQ(a->decision, "epoch=2 world=2 lost_ranks=2");
+  EXPECT_EQ(a->decision, loss);
   EXPECT_EQ(At("j", ElasticTicketKey(1)), "ranks=1");  // waits for a later commit
 }
 
@@ -138,6 +173,280 @@ TEST_F(MembershipTest, AnAdmissionIsRefusedForAJobNotElasticNotFormedOrAnotherEp
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(At("j", ElasticTicketKey(1)), "ranks=1");  // nothing changed
   EXPECT_EQ(At("j", std::string(kElasticDecisionKey)), "<none>");
+}
+
+// ---- An epoch's states (EpochMembership), one test per transition -----------------------------
+
+using State = EpochMembership::State;
+
+TEST(MembershipDecisionTest, ItsRecordDecodesToEveryFieldAndReadsInWordsForPeople) {
+  MembershipDecision d{3,
+                       5,
+                       {1, 4},
+                       {"a:7451", "b:7451"},
+                       2,
+                       absl::FromUnixMillis(1234567),
+                       "node a:7451 (ranks 1,4) lost: no word for 1.5 s"};
+  absl::StatusOr<MembershipDecision> back = MembershipDecision::Decode(d.Encode());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->epoch, 3);
+  EXPECT_EQ(back->world, 5);
+  EXPECT_EQ(back->lost_ranks, (std::vector<int>{1, 4}));
+  EXPECT_EQ(back->lost_nodes, (std::vector<std::string>{"a:7451", "b:7451"}));
+  EXPECT_EQ(back->joined, 2);
+  EXPECT_EQ(back->at, absl::FromUnixMillis(1234567));
+  EXPECT_EQ(back->why, d.why);
+  EXPECT_EQ(back->Describe(),
+            "epoch=3 world=5 lost_ranks=1,4 lost_nodes=a:7451,b:7451 joined=2 at=1234567 "
+            "why=node a:7451 (ranks 1,4) lost: no word for 1.5 s");
+  // Not a decision: empty (epoch 0), words, bytes that are no message.
+  for (const std::string& bad :
+       {std::string(), std::string("epoch=1 world=2 at=1 why="), std::string("\xff\xff\xff", 3)}) {
+    EXPECT_EQ(MembershipDecision::Decode(bad).status().code(), absl::StatusCode::kInvalidArgument)
+        << absl::CEscape(bad);
+  }
+}
+
+TEST_F(MembershipTest, EpochZeroFormsWithoutAClaimAndMarksItselfElastic) {
+  EpochMembership m(&store_, "j", 0, 2);
+  EXPECT_EQ(m.state(), State::kForming);
+  ASSERT_TRUE(m.MarkElastic().ok());
+  EXPECT_EQ(At("j", kElasticKey), "1");
+  EXPECT_TRUE(m.Formed());
+  EXPECT_EQ(m.state(), State::kFormed);
+  EXPECT_FALSE(m.Formed());  // once
+  EXPECT_EQ(At("j", kFormationKey), "<none>");
+}
+
+TEST_F(MembershipTest, ALaterEpochClaimsFormedAndTheClaimIsTheOutcomeForEveryDaemon) {
+  EpochMembership first(&store_, "j.e1", 1, 2), second(&store_, "j.e1", 1, 2);
+  ASSERT_TRUE(first.ClaimFormed().ok());
+  EXPECT_EQ(first.state(), State::kFormed);
+  EXPECT_EQ(At("j.e1", kFormationKey), "formed");
+  ASSERT_TRUE(second.ClaimFormed().ok());  // another daemon finds it formed
+  EXPECT_EQ(second.state(), State::kFormed);
+  // A daemon whose first op's deadline passed meanwhile finds it formed too: nothing fails.
+  EpochMembership late(&store_, "j.e1", 1, 2);
+  std::optional<absl::Status> decided = late.DecideUnformed(absl::Seconds(1));
+  ASSERT_TRUE(decided.has_value());
+  EXPECT_TRUE(decided->ok()) << *decided;
+  EXPECT_EQ(late.state(), State::kFormed);
+}
+
+TEST_F(MembershipTest, AnEpochMissingRanksAtItsDeadlineIsUnformedAndDecidedWithoutThem) {
+  ASSERT_TRUE(store_.Set("j.e1", RankKey(0), "h:1").ok());
+  ASSERT_TRUE(store_.Set("j.e1", RankKey(2), "h:2").ok());
+  EpochMembership m(&store_, "j.e1", 1, 3);
+  std::optional<absl::Status> decided = m.DecideUnformed(absl::Seconds(30));
+  ASSERT_TRUE(decided.has_value());
+  EXPECT_EQ(decided->code(), absl::StatusCode::kUnavailable) << *decided;
+  EXPECT_TRUE(absl::StrContains(decided->message(), "rank(s) 1 did not join epoch 1")) << *decided;
+  EXPECT_EQ(m.state(), State::kUnformed);
+  EXPECT_EQ(At("j.e1", kFormationKey), "unformed");
+  absl::StatusOr<MembershipDecision> d =
+      MembershipDecision::Decode(At("j.e1", std::string(kElasticDecisionKey)));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->epoch, 2);
+  EXPECT_EQ(d->world, 2);
+  EXPECT_EQ(d->lost_ranks, std::vector<int>{1});
+  // The daemon of rank 1 publishes late: its claim finds the epoch unformed.
+  EpochMembership late(&store_, "j.e1", 1, 3);
+  const absl::Status claim = late.ClaimFormed();
+  EXPECT_EQ(claim.code(), absl::StatusCode::kUnavailable) << claim;
+  EXPECT_EQ(late.state(), State::kUnformed);
+}
+
+TEST_F(MembershipTest, NothingIsDecidedForAnEpochNoRankOrEveryRankPublished) {
+  EpochMembership none(&store_, "j.e1", 1, 2);
+  EXPECT_FALSE(none.DecideUnformed(absl::Seconds(1)).has_value());
+  EXPECT_EQ(none.state(), State::kForming);
+  EXPECT_EQ(At("j.e1", std::string(kElasticDecisionKey)), "<none>");
+}
+
+TEST_F(MembershipTest, ALossMakesAFormedEpochDecideOnceAndTheFirstDecisionStands) {
+  EpochMembership here(&store_, "j", 0, 3), there(&store_, "j", 0, 3);
+  ASSERT_TRUE(here.Formed() && there.Formed());
+  EXPECT_TRUE(here.BeginDeciding());
+  EXPECT_FALSE(here.BeginDeciding());  // the decision on its way takes later losses too
+  EXPECT_EQ(here.state(), State::kDeciding);
+  absl::StatusOr<EpochMembership::Recorded> ours =
+      here.Decide({1, 2, {2}, {"c:7451"}, 0, absl::Now(), "node c:7451 lost"});
+  ASSERT_TRUE(ours.ok()) << ours.status();
+  EXPECT_TRUE(ours->ours);
+  EXPECT_EQ(here.state(), State::kDecided);
+  ASSERT_TRUE(there.BeginDeciding());
+  absl::StatusOr<EpochMembership::Recorded> theirs =
+      there.Decide({1, 1, {1, 2}, {"b:7451", "c:7451"}, 0, absl::Now(), "two lost"});
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  EXPECT_FALSE(theirs->ours);
+  EXPECT_EQ(theirs->decision, ours->decision);
+  EXPECT_EQ(there.state(), State::kDecided);
+  EXPECT_EQ(At("j", std::string(kElasticDecisionKey)), ours->decision);
+}
+
+TEST_F(MembershipTest, TransitionsOutOfOrderAreRefusedAndChangeNothing) {
+  EpochMembership m(&store_, "j", 0, 2);
+  // No decision before a loss made the epoch decide.
+  EXPECT_EQ(m.Decide({1, 1, {1}, {}, 0, absl::Now(), "x"}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(At("j", std::string(kElasticDecisionKey)), "<none>");
+  EXPECT_EQ(m.state(), State::kForming);
+  // An unformed epoch does not form, nor decide again.
+  ASSERT_TRUE(store_.Set("j.e1", RankKey(0), "h:1").ok());
+  EpochMembership unformed(&store_, "j.e1", 1, 2);
+  ASSERT_TRUE(unformed.DecideUnformed(absl::Seconds(1)).has_value());
+  ASSERT_EQ(unformed.state(), State::kUnformed);
+  EXPECT_FALSE(unformed.Formed());
+  EXPECT_FALSE(unformed.BeginDeciding());
+  EXPECT_EQ(unformed.state(), State::kUnformed);
+}
+
+TEST_F(MembershipTest, AnEndedEpochStaysEndedAndItsDecisionKeepsItsNamespaceUntilDropped) {
+  EpochMembership m(&store_, "j", 0, 2);
+  ASSERT_TRUE(m.Formed() && m.BeginDeciding());
+  ASSERT_TRUE(m.Decide({1, 1, {1}, {"b:7451"}, 0, absl::Now(), "lost"}).ok());
+  m.End();
+  EXPECT_EQ(m.state(), State::kEnded);
+  EXPECT_FALSE(m.BeginDeciding());
+  EXPECT_FALSE(m.Formed());
+  EXPECT_EQ(m.state(), State::kEnded);
+  EXPECT_EQ(*EpochMembership::HasDecision(store_, "j"), true);
+  EpochMembership::DropDecision(store_, "j");
+  EXPECT_EQ(EpochMembership::HasDecision(store_, "j").value_or(false), false);
+  // The previous epoch's decision, as the next epoch's record shows it.
+  const MembershipDecision previous{1, 1, {1}, {}, 0, absl::FromUnixMillis(5), "w"};
+  ASSERT_TRUE(store_.Set("j", std::string(kElasticDecisionKey), previous.Encode()).ok());
+  EpochMembership next(&store_, "j.e1", 1, 1);
+  std::optional<MembershipDecision> got = next.PreviousDecision(absl::Milliseconds(100));
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->Describe(), previous.Describe());
+  EXPECT_FALSE(m.PreviousDecision(absl::Milliseconds(100)).has_value());  // epoch 0 has none
+}
+
+// A joining node's wait (node_join.h): its daemon takes the ticket, is told its place, or
+// withdraws the ticket when the wait ends without one.
+class NodeJoinTest : public MembershipTest {
+ protected:
+  // Starts a join of `ranks` ranks waiting until now + `wait`.
+  std::shared_ptr<NodeJoin> Start(int ranks, absl::Duration wait) {
+    return NodeJoin::Start(&store_, &pool_, "j", ranks, absl::Now() + wait,
+                           [this](absl::StatusOr<NodeJoin::Admitted> result) {
+                             absl::MutexLock lock(&mu_);
+                             ASSERT_FALSE(result_.has_value()) << "answered twice";
+                             result_ = std::move(result);
+                           });
+  }
+  // The join's answer (within 30 s).
+  absl::StatusOr<NodeJoin::Admitted> Answer() {
+    absl::MutexLock lock(&mu_);
+    if (!mu_.AwaitWithTimeout(absl::Condition(
+                                  +[](std::optional<absl::StatusOr<NodeJoin::Admitted>>* r) {
+                                    return r->has_value();
+                                  },
+                                  &result_),
+                              absl::Seconds(30))) {
+      return absl::DeadlineExceededError("the test's own wait: no answer in 30 s");
+    }
+    return *result_;
+  }
+  // Waits (up to 10 s) for ticket `ticket`'s record to read `want`.
+  bool TicketReads(int64_t ticket, const std::string& want) {
+    for (int i = 0; i < 1000; ++i) {
+      if (At("j", ElasticTicketKey(ticket)) == want) return true;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return false;
+  }
+
+  WorkerPool pool_{2};
+  absl::Mutex mu_;
+  std::optional<absl::StatusOr<NodeJoin::Admitted>> result_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(NodeJoinTest, ANodeIsToldItsPlaceOnceTheJobAdmitsIt) {
+  Formed(0, 3);
+  auto join = Start(2, absl::Seconds(20));
+  ASSERT_TRUE(TicketReads(1, "ranks=2"));
+  absl::StatusOr<Admission> a = AdmitJoiners(store_, "j", 1, 4);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(a->joined, 2);
+  absl::StatusOr<NodeJoin::Admitted> admitted = Answer();
+  ASSERT_TRUE(admitted.ok()) << admitted.status();
+  EXPECT_EQ(admitted->ticket, 1);
+  v1::JoinAdmission place;
+  ASSERT_TRUE(place.ParseFromString(admitted->admission));
+  EXPECT_EQ(place.epoch(), 1);
+  EXPECT_EQ(place.world(), 5);
+  EXPECT_EQ(place.rank(), 3);
+  EXPECT_EQ(place.min_world_size(), 4);
+  join->Cancel();  // answered: nothing changes
+  EXPECT_EQ(At("j", ElasticTicketKey(1)), "claimed");
+}
+
+TEST_F(NodeJoinTest, ANodeNotAdmittedInTimeHasItsTicketWithdrawn) {
+  Formed(0, 1);
+  auto join = Start(1, absl::Milliseconds(300));
+  absl::StatusOr<NodeJoin::Admitted> answer = Answer();
+  EXPECT_EQ(answer.status().code(), absl::StatusCode::kDeadlineExceeded) << answer.status();
+  EXPECT_TRUE(absl::StrContains(answer.status().message(), "ticket 1 is withdrawn"))
+      << answer.status();
+  EXPECT_EQ(At("j", ElasticTicketKey(1)), "withdrawn");
+  // A later admission finds nobody waiting.
+  absl::StatusOr<Admission> a = AdmitJoiners(store_, "j", 1, 1);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_FALSE(a->decided);
+}
+
+TEST_F(NodeJoinTest, ACallerThatGoesAwayHasItsTicketWithdrawn) {
+  Formed(0, 1);
+  auto join = Start(1, absl::Seconds(20));
+  ASSERT_TRUE(TicketReads(1, "ranks=1"));
+  join->Cancel();
+  absl::StatusOr<NodeJoin::Admitted> answer = Answer();
+  EXPECT_EQ(answer.status().code(), absl::StatusCode::kCancelled) << answer.status();
+  EXPECT_EQ(At("j", ElasticTicketKey(1)), "withdrawn");
+}
+
+TEST_F(NodeJoinTest, ACancelBeforeTheTicketIsTakenStillLeavesNoneWaiting) {
+  Formed(0, 1);
+  auto join = Start(1, absl::Seconds(20));
+  join->Cancel();  // the ticket is taken on the pool: before, during or after this
+  absl::StatusOr<NodeJoin::Admitted> answer = Answer();
+  EXPECT_EQ(answer.status().code(), absl::StatusCode::kCancelled) << answer.status();
+  const std::string ticket = At("j", ElasticTicketKey(1));
+  EXPECT_TRUE(ticket == "withdrawn" || ticket == "<none>") << ticket;
+}
+
+TEST_F(NodeJoinTest, AnAdmissionUnderWayAtTheDeadlineIsWaitedFor) {
+  Formed(0, 1);
+  auto join = Start(1, absl::Milliseconds(300));
+  ASSERT_TRUE(TicketReads(1, "ranks=1"));
+  // An admission claims the ticket, and writes the place only after the join's deadline.
+  v1::JoinTicket waiting, claimed;
+  waiting.set_state(v1::JoinTicket::WAITING);
+  waiting.set_ranks(1);
+  claimed.set_state(v1::JoinTicket::CLAIMED);
+  ASSERT_TRUE(store_.CompareSet("j", ElasticTicketKey(1), waiting.SerializeAsString(),
+                                claimed.SerializeAsString())
+                  ->swapped);
+  absl::SleepFor(absl::Milliseconds(600));
+  v1::JoinAdmission place;
+  place.set_epoch(1);
+  place.set_world(2);
+  place.set_rank(1);
+  place.set_min_world_size(1);
+  ASSERT_TRUE(store_.Set("j", ElasticAdmitKey(1), place.SerializeAsString()).ok());
+  absl::StatusOr<NodeJoin::Admitted> admitted = Answer();
+  ASSERT_TRUE(admitted.ok()) << admitted.status();
+  EXPECT_EQ(admitted->admission, place.SerializeAsString());
+}
+
+TEST_F(NodeJoinTest, BadRanksAreRefusedAndTakeNoTicket) {
+  Formed(0, 1);
+  auto join = Start(kMaxJoinRanks + 1, absl::Seconds(5));
+  absl::StatusOr<NodeJoin::Admitted> answer = Answer();
+  EXPECT_EQ(answer.status().code(), absl::StatusCode::kInvalidArgument) << answer.status();
+  EXPECT_EQ(At("j", std::string(kElasticTicketsKey)), "<none>");
 }
 
 }  // namespace

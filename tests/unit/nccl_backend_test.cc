@@ -16,6 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/logging.h"
@@ -27,120 +28,10 @@
 #include "gtest/gtest.h"
 #include "spdlog/sinks/ringbuffer_sink.h"
 #include "tests/unit/fake_gpu.h"
+#include "tests/unit/nccl_testing.h"
 
 namespace gradsync::backend::nccl {
 namespace {
-
-using testing::FakeGpu;
-
-// A registered device buffer as the CUDA importer makes it.
-class DeviceBuffer final : public core::MappedBuffer {
- public:
-  DeviceBuffer(int device, uintptr_t address, void* ready, void* done)
-      : device_(device), data_(reinterpret_cast<std::byte*>(address)), ready_(ready), done_(done) {}
-  std::byte* data() const override { return data_; }
-  int64_t size() const override { return 1 << 20; }
-  std::string Describe() const override { return "fake device buffer"; }
-  int device() const override { return device_; }
-  void* ready_event() const override { return ready_; }
-  void* done_event() const override { return done_; }
-
- private:
-  int device_;
-  std::byte* data_;
-  void* ready_;
-  void* done_;
-};
-
-class NcclBackendTest : public ::testing::Test {
- protected:
-  // Member r of the group: its buffer on `device`, events e(10r+1) ready and e(10r+2) done.
-  const DeviceBuffer& Buffer(int r, int device) {
-    absl::MutexLock lock(&buffers_mu_);  // tests make members from several threads
-    buffers_.push_back(std::make_unique<DeviceBuffer>(device, 0x9000'0000 + r * 0x10000,
-                                                      FakeGpu::Handle(1000 + 10 * r + 1),
-                                                      FakeGpu::Handle(1000 + 10 * r + 2)));
-    return *buffers_.back();
-  }
-  core::Collective AllReduce(const std::vector<std::pair<int, int>>& rank_device, int size,
-                             uint64_t seq = 0, absl::Duration timeout = absl::Seconds(5)) {
-    core::Collective op;
-    op.kind = v1::ALL_REDUCE;
-    op.reduce_op = v1::MEAN;
-    op.dtype = v1::FLOAT32;
-    op.count = 16;
-    op.group_size = size;
-    op.seq = seq;
-    op.deadline = absl::Now() + timeout;
-    op.label = absl::StrCat("all_reduce job=j group=world seq=", seq);
-    for (auto [rank, device] : rank_device) {
-      const DeviceBuffer& b = Buffer(rank, device);
-      op.local.push_back({rank, {{b.data(), 16, &b}}, {}});
-    }
-    return op;
-  }
-  // A device buffer of its own at `address` on `device`, events e(id+1) ready and e(id+2) done.
-  const DeviceBuffer& BufferAt(uintptr_t address, int device, int id) {
-    absl::MutexLock lock(&buffers_mu_);
-    buffers_.push_back(std::make_unique<DeviceBuffer>(device, address, FakeGpu::Handle(id + 1),
-                                                      FakeGpu::Handle(id + 2)));
-    return *buffers_.back();
-  }
-  // Segment of `count` floats at element `at` of `b`.
-  static core::Run Seg(const DeviceBuffer& b, int64_t at, int64_t count) {
-    return {b.data() + at * 4, count, &b};
-  }
-  // A fused all-reduce (sum, float32) of `views` (group rank, input segments).
-  static core::Collective Fused(const std::vector<std::pair<int, core::View>>& views, int size,
-                                uint64_t seq = 0) {
-    core::Collective op;
-    op.kind = v1::ALL_REDUCE;
-    op.reduce_op = v1::SUM;
-    op.dtype = v1::FLOAT32;
-    for (const core::Run& r : views.front().second) op.count += r.count;
-    op.group_size = size;
-    op.seq = seq;
-    op.deadline = absl::Now() + absl::Seconds(20);
-    op.label = absl::StrCat("all_reduce job=j group=world seq=", seq);
-    op.fingerprint = absl::StrCat("all_reduce(sum, float32, count=", op.count, ") seq=", seq);
-    for (const auto& [rank, view] : views) op.local.push_back({rank, view, {}});
-    return op;
-  }
-  core::CommunicatorSpec Spec(std::vector<int> local, int size, const std::string& group = "world",
-                              gradsync::Store* store = nullptr) {
-    core::CommunicatorSpec spec;
-    spec.job = "j";
-    spec.group = group;
-    for (int r = 0; r < size; ++r) spec.members.push_back(r);
-    spec.local_members = std::move(local);
-    spec.rendezvous = store;
-    return spec;
-  }
-  std::shared_ptr<core::Communicator> Make(const core::CommunicatorSpec& spec) {
-    auto c = backend_.CreateCommunicator(spec);
-    EXPECT_TRUE(c.ok());
-    return *c;
-  }
-  // Polls `done` (at most 2500 times over 5 s) until it holds: what a watcher thread does is
-  // seen without a further op.
-  static bool Eventually(const std::function<bool()>& done) {
-    const absl::Time give_up = absl::Now() + absl::Seconds(5);
-    for (int i = 0; i < 2500 && absl::Now() < give_up; ++i) {
-      if (done()) return true;
-      absl::SleepFor(absl::Milliseconds(2));
-    }
-    return done();
-  }
-  int Count(const std::string& prefix) {
-    return static_cast<int>(std::count_if(gpu_.log.begin(), gpu_.log.end(),
-                                          [&](auto& l) { return absl::StartsWith(l, prefix); }));
-  }
-
-  FakeGpu gpu_;
-  NcclBackend backend_{&gpu_};
-  absl::Mutex buffers_mu_;
-  std::vector<std::unique_ptr<DeviceBuffer>> buffers_ ABSL_GUARDED_BY(buffers_mu_);
-};
 
 TEST_F(NcclBackendTest, WaitsForTheTrainersThenRunsLocalRanksInOneGroupThenRecordsDone) {
   auto comm = Make(Spec({0, 1}, 2));
@@ -150,10 +41,10 @@ TEST_F(NcclBackendTest, WaitsForTheTrainersThenRunsLocalRanksInOneGroupThenRecor
                                          "init h1 d0 rank 0/2",
                                          "init h2 d1 rank 1/2",
                                          "group_end",
+                                         "query h1001",
+                                         "query h1011",  // the trainers' "ready", on the host
                                          "stream d0 h3",
                                          "stream d1 h4",
-                                         "wait h3 h1001",
-                                         "wait h4 h1011",  // the daemon's streams wait for "ready"
                                          "group_start",
                                          "coll1 h1 h3 n=16 inplace",
                                          "coll1 h2 h4 n=16 inplace",
@@ -172,10 +63,12 @@ TEST_F(NcclBackendTest, CommunicatorsOutliveTheEnginesCommunicatorObject) {
   // A trainer restarted: the engine makes a new Communicator for the same job and group.
   ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 1}}, 2, 1)).ok());
   EXPECT_EQ(backend_.comm_inits(), 2);
+  ASSERT_TRUE(backend_.FlushAborts());
   EXPECT_EQ(gpu_.aborts, 0);
   // The restarted trainer came back on another device: rebuilt.
   ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 0}}, 2, 2)).ok());
   EXPECT_EQ(backend_.comm_inits(), 4);
+  ASSERT_TRUE(backend_.FlushAborts());  // aborts run on the aborter's thread
   EXPECT_EQ(gpu_.aborts, 2);
 }
 
@@ -204,6 +97,7 @@ TEST_F(NcclBackendTest, OtherLocalRanksOnTheSameDevicesGetTheirOwnCommunicators)
   absl::Status s = Make(Spec({2, 3}, 4, "world", &store))
                        ->Run(AllReduce({{2, 0}, {3, 1}}, 4, 1, absl::Milliseconds(50)));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  ASSERT_TRUE(backend_.FlushAborts());  // aborts run on the aborter's thread
   EXPECT_EQ(gpu_.aborts, 2);
   EXPECT_EQ(Count("coll"), 2);  // op 0's only
 }
@@ -218,6 +112,7 @@ TEST_F(NcclBackendTest, AnOpIsAnsweredOnceLaunchedAndSettledWhenItsStreamsFinish
   EXPECT_EQ(backend_.LaunchedOps(), 1u);
   gpu_.streams_hang = false;  // the GPU finishes it: settled with no further op
   EXPECT_TRUE(Eventually([&] { return backend_.LaunchedOps() == 0; }));
+  ASSERT_TRUE(backend_.FlushAborts());
   EXPECT_EQ(gpu_.EventsOpen(), 0);  // the daemon's end marks are released
   EXPECT_EQ(gpu_.Aborts(), 0);
   ASSERT_TRUE(comm->Run(AllReduce({{0, 0}, {1, 1}}, 2, 1)).ok());
@@ -297,7 +192,8 @@ TEST_F(NcclBackendTest, AtMostAFixedNumberOfOpsPerGroupAreLaunchedTheNextWaitsFo
   EXPECT_TRUE(absl::StrContains(s.message(), "the oldest: all_reduce job=j group=world seq=0)"))
       << s;                                              // which op the GPU is stuck on
   EXPECT_EQ(Count("coll"), static_cast<int>(2 * kMax));  // it never reached NCCL
-  EXPECT_EQ(gpu_.Aborts(), 0);                           // the earlier ones run on
+  ASSERT_TRUE(backend_.FlushAborts());
+  EXPECT_EQ(gpu_.Aborts(), 0);  // the earlier ones run on
   // The GPU catches up while the next op waits: it launches.
   std::thread finish([&] {
     absl::SleepFor(absl::Milliseconds(50));
@@ -307,6 +203,7 @@ TEST_F(NcclBackendTest, AtMostAFixedNumberOfOpsPerGroupAreLaunchedTheNextWaitsFo
   finish.join();
   EXPECT_EQ(Count("coll"), static_cast<int>(2 * (kMax + 1)));
   EXPECT_TRUE(Eventually([&] { return backend_.LaunchedOps() == 0; }));
+  ASSERT_TRUE(backend_.FlushAborts());
   EXPECT_EQ(gpu_.EventsOpen(), 0);
 }
 
@@ -356,6 +253,7 @@ TEST_F(NcclBackendTest, ABufferItsTrainerLetGoWhileItsOpRunsIsUnmappedOnlyOnceTh
   gpu_.streams_hang = false;  // the kernel finishes
   ASSERT_TRUE(Eventually([&] { return gpu_.Closes() == 1; }));
   EXPECT_EQ(gpu_.closes_while_busy, 0);
+  ASSERT_TRUE(backend_.FlushAborts());
   EXPECT_EQ(gpu_.Aborts(), 0);
 }
 
@@ -400,6 +298,7 @@ TEST_F(NcclBackendTest, AThousandReallocationsAtOneAddressEachRegisterAndRunOnce
   EXPECT_EQ(gpu_.Closes(), kRounds);
   EXPECT_EQ(gpu_.closes_while_busy, 0);
   EXPECT_EQ(gpu_.DestroyedEventUses(), 0);
+  ASSERT_TRUE(backend_.FlushAborts());
   EXPECT_EQ(gpu_.EventsOpen(), 0);
 }
 
@@ -511,6 +410,7 @@ TEST_F(NcclBackendTest, StreamsStillBusyAfterTheBoundedWaitAreAbandonedAndSaidSo
   // queued behind at the next op.
   ASSERT_TRUE(Eventually([&] { return gpu.Aborts() == 1 && gpu.StreamsOpen() == 0; }));
   ASSERT_TRUE(Eventually([&] { return backend.LaunchedOps() == 0; }));
+  ASSERT_TRUE(backend.FlushAborts());
   log->sinks().pop_back();
   bool logged = false;
   for (const std::string& line : sink->last_formatted()) {
@@ -535,6 +435,7 @@ TEST_F(NcclBackendTest, CommunicatorsThatNeverInitialiseFailAtTheDeadline) {
   absl::Status s = comm->Run(AllReduce({{0, 0}, {1, 1}}, 2, 0, absl::Milliseconds(100)));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "not ready by the deadline")) << s;
+  ASSERT_TRUE(backend_.FlushAborts());
   EXPECT_EQ(gpu_.aborts, 2);
   EXPECT_EQ(Count("coll"), 0);
 }
@@ -592,10 +493,9 @@ TEST_F(NcclBackendTest, AFusedAllReduceRunsAsOneGroupOfCallsPerSegmentOnEveryLoc
                               2);
   ASSERT_TRUE(comm->Run(op).ok());
   const std::vector<std::string> want = {
-      "group_start", "init h1 d0 rank 0/2", "init h2 d1 rank 1/2", "group_end", "stream d0 h3",
-      "stream d1 h4",
-      // Each buffer's "ready" once.
-      "wait h3 h1001", "wait h3 h1011", "wait h4 h1021", "wait h4 h1031",
+      "group_start", "init h1 d0 rank 0/2", "init h2 d1 rank 1/2", "group_end",
+      // Each buffer's "ready" once, on the host.
+      "query h1001", "query h1011", "query h1021", "query h1031", "stream d0 h3", "stream d1 h4",
       // One group: segment by segment, every local rank's call.
       "group_start", "coll1 h1 h3 n=4 inplace", "coll1 h2 h4 n=4 inplace",
       "coll1 h1 h3 n=12 inplace", "coll1 h2 h4 n=12 inplace", "coll1 h1 h3 n=8 inplace",
@@ -711,8 +611,10 @@ TEST_F(NcclBackendTest, AllGatherTakesOneRangePerSideAdjacentSegmentsMerged) {
 
 TEST_F(NcclBackendTest, JobEndDropsItsCommunicatorsAndStreams) {
   ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
+  ASSERT_TRUE(backend_.FlushAborts());
   EXPECT_EQ(gpu_.streams_open, 2);
   backend_.JobEnded("j");
+  ASSERT_TRUE(backend_.FlushAborts());  // aborts run on the aborter's thread
   EXPECT_EQ(gpu_.aborts, 2);
   EXPECT_EQ(gpu_.streams_open, 0);
   ASSERT_TRUE(Make(Spec({0, 1}, 2))->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
@@ -737,7 +639,8 @@ TEST_F(NcclBackendTest, JobEndWaitsForTheJobsLaunchedOpsToFinishThenDropsTheComm
   finish.join();
   EXPECT_EQ(backend.LaunchedOps(), 0u);
   EXPECT_EQ(counters.nccl_launched_failures.load(), 0u);  // it finished: not aborted under it
-  EXPECT_EQ(gpu.Aborts(), 2);                             // then dropped
+  ASSERT_TRUE(backend.FlushAborts());
+  EXPECT_EQ(gpu.Aborts(), 2);  // then dropped
   EXPECT_EQ(gpu.StreamsOpen(), 0);
   EXPECT_EQ(gpu.EventsOpen(), 0);
 }
@@ -760,9 +663,11 @@ TEST_F(NcclBackendTest, JobEndAbortsALaunchedOpThatHangsPastItsDeadline) {
   backend.JobEnded("j");  // bounded by the op's deadline
   EXPECT_EQ(backend.LaunchedOps(), 0u);
   EXPECT_EQ(counters.nccl_launched_failures.load(), 1u);
+  ASSERT_TRUE(backend.FlushAborts());  // aborts run on the aborter's thread
   EXPECT_EQ(gpu.Aborts(), 1);
   EXPECT_EQ(gpu.Closes(), 1);  // the mapping went after the drain
   EXPECT_EQ(gpu.closes_while_busy, 0);
+  ASSERT_TRUE(backend.FlushAborts());
   EXPECT_EQ(gpu.StreamsOpen(), 0);
 }
 
@@ -785,6 +690,7 @@ TEST_F(NcclBackendTest, JobEndDoesNotWaitForeverForALaunchedOpWithNoDeadline) {
   end.join();
   EXPECT_TRUE(returned) << "JobEnded waited for a launched op with no deadline";
   EXPECT_EQ(backend.LaunchedOps(), 0u);
+  ASSERT_TRUE(backend.FlushAborts());
   EXPECT_EQ(gpu.Aborts(), 2);
   EXPECT_EQ(gpu.StreamsOpen(), 0);
   EXPECT_EQ(gpu.EventsOpen(), 0);
@@ -804,10 +710,12 @@ TEST_F(NcclBackendTest, TheWatchdogAbortsFailedIdleCommunicatorsAndTellsTheOther
   ASSERT_TRUE(local->Run(AllReduce({{0, 0}, {1, 1}}, 2)).ok());
   ASSERT_TRUE(Eventually([&] { return watched.LaunchedOps() == 0; }));  // idle now
   absl::SleepFor(absl::Milliseconds(30));
+  ASSERT_TRUE(watched.FlushAborts());
   EXPECT_EQ(gpu.Aborts(), 0);  // healthy idle communicators stay
   gpu.SetAsyncError(absl::UnavailableError("remote process exited"));
   const absl::Time give_up = absl::Now() + absl::Seconds(5);
   while (gpu.Aborts() < 3 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_TRUE(watched.FlushAborts());
   EXPECT_EQ(gpu.Aborts(), 3);  // both groups of the job, together
   auto told = store.Get("j", "nccl/world/broken/0", absl::Now() + absl::Seconds(1));
   ASSERT_TRUE(told.ok()) << told.status();
@@ -833,8 +741,9 @@ TEST_F(NcclBackendTest, ARestartedJobReusesCommunicatorsKeptOnItsNode) {
                   .ok());
   ASSERT_TRUE((*keeping.CreateCommunicator(spanning))->Run(AllReduce({{0, 0}}, 2)).ok());
   EXPECT_EQ(keeping.comm_inits(), 3);
-  keeping.JobEnded("j");       // the trainers exited
-  EXPECT_EQ(gpu.Aborts(), 1);  // the group spanning nodes: every node rebuilds it
+  keeping.JobEnded("j");               // the trainers exited
+  ASSERT_TRUE(keeping.FlushAborts());  // aborts run on the aborter's thread
+  EXPECT_EQ(gpu.Aborts(), 1);          // the group spanning nodes: every node rebuilds it
   // The trainers start again: same job id, same ranks on the same devices.
   ASSERT_TRUE((*keeping.CreateCommunicator(Spec({0, 1}, 2, "0,1")))
                   ->Run(AllReduce({{0, 0}, {1, 1}}, 2))
@@ -843,10 +752,12 @@ TEST_F(NcclBackendTest, ARestartedJobReusesCommunicatorsKeptOnItsNode) {
   EXPECT_EQ(keeping.comm_inits(), 4);  // only the spanning group's communicator is new
   // Ended again; another job builds on device 1: the kept ones make way for it at once.
   keeping.JobEnded("j");
+  ASSERT_TRUE(keeping.FlushAborts());  // aborts run on the aborter's thread
   EXPECT_EQ(gpu.Aborts(), 2);
   core::CommunicatorSpec other = Spec({0}, 1, "0");
   other.job = "k";
   ASSERT_TRUE((*keeping.CreateCommunicator(other))->Run(AllReduce({{0, 1}}, 1)).ok());
+  ASSERT_TRUE(keeping.FlushAborts());
   EXPECT_EQ(gpu.Aborts(), 4);
   keeping.JobEnded("k");
   // Nobody comes back: kept communicators go when their time is up (aborted, then their
@@ -855,6 +766,7 @@ TEST_F(NcclBackendTest, ARestartedJobReusesCommunicatorsKeptOnItsNode) {
   while ((gpu.Aborts() < 5 || gpu.StreamsOpen() != 0) && absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(5));
   }
+  ASSERT_TRUE(keeping.FlushAborts());
   EXPECT_EQ(gpu.Aborts(), 5);
   EXPECT_EQ(gpu.StreamsOpen(), 0);
   ASSERT_TRUE((*keeping.CreateCommunicator(Spec({0, 1}, 2, "0,1")))
@@ -1009,6 +921,8 @@ TEST_F(TwoNodesTest, OnlyTheOldestLaunchedOpOfAGroupWatchesTheStore) {
   gpu_.streams_hang = false;
   gpu_b_.streams_hang = false;
   EXPECT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
+  ASSERT_TRUE(backend_.FlushAborts());
+  ASSERT_TRUE(b_backend_.FlushAborts());
   EXPECT_EQ(gpu_.Aborts(), 0);
   EXPECT_EQ(gpu_b_.Aborts(), 0);
 }
@@ -1021,6 +935,8 @@ TEST_F(TwoNodesTest, KeysOfAnEarlierRunOfTheJobAreNotHeard) {
   EXPECT_TRUE(sa.ok()) << sa;
   EXPECT_TRUE(sb.ok()) << sb;
   EXPECT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
+  ASSERT_TRUE(backend_.FlushAborts());
+  ASSERT_TRUE(b_backend_.FlushAborts());
   EXPECT_EQ(gpu_.Aborts(), 0);
   EXPECT_EQ(gpu_b_.Aborts(), 0);
 }
@@ -1030,7 +946,8 @@ TEST_F(TwoNodesTest, ANodeThatFailsAnOpItselfTellsTheOthersWhoseLaunchedOpThenFa
   gpu_b_.streams_hang = true;  // B's ranks wait in NCCL for A's, which never come
   auto [sa, sb] = RunBoth(1, absl::FailedPreconditionError("desync: rank 0 submitted broadcast"));
   EXPECT_EQ(sa.code(), absl::StatusCode::kFailedPrecondition) << sa;
-  EXPECT_TRUE(sb.ok()) << sb;   // launched: answered before A's word could come
+  EXPECT_TRUE(sb.ok()) << sb;  // launched: answered before A's word could come
+  ASSERT_TRUE(backend_.FlushAborts());
   EXPECT_EQ(gpu_.Aborts(), 1);  // A skipped op 1: its communicator is out of step
   // B's watcher hears A's word with no further op (not at B's deadline of 20 s).
   ASSERT_TRUE(Eventually([&] { return gpu_b_.Aborts() == 1; }));
@@ -1163,8 +1080,70 @@ TEST_F(TwoNodesTest, ALostNodeAbortsTheJobsCommunicatorsThroughTheGroupsAbort) {
   const int before = gpu_.aborts;
   // The peer watch found node B lost: the engine aborts the group's communicator.
   a_pair->Abort(absl::UnavailableError("node b:7451 (ranks 1) lost: no word for 1.5 s"));
+  ASSERT_TRUE(backend_.FlushAborts());  // aborts run on the aborter's thread
   EXPECT_GT(gpu_.aborts, before) << "the job's idle communicators on A were not aborted";
   a_pair->Abort(absl::UnavailableError("again"));  // idempotent: nothing left to abort
+}
+
+TEST_F(TwoNodesTest, EachGpuLaunchesItsTrainersOpsInTheirOrderSoGroupsOnOneGpuNeverDeadlock) {
+  // Kernels finish once every rank's has started, a GPU starts them one at a time in launch
+  // order (fake_gpu.h, FakeFabric).
+  auto fabric = std::make_shared<testing::FakeFabric>();
+  gpu_.SetFabric(fabric);
+  gpu_b_.SetFabric(fabric);
+  // Groups x and y of the job on both nodes, all on device 0; each trainer's program calls
+  // x's op, then y's: their places in its order, as the engine gives them at submission.
+  auto ax = Make(NodeSpec({0}, "a:7451", "x")), ay = Make(NodeSpec({0}, "a:7451", "y"));
+  auto bx = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "x"));
+  auto by = *b_backend_.CreateCommunicator(NodeSpec({1}, "b:7451", "y"));
+  auto in_order = [](core::Collective op, const std::shared_ptr<core::SubmitOrder>& order) {
+    op.local[0].turn = core::Turn{order, order->Add()};
+    return op;
+  };
+  auto order_a = std::make_shared<core::SubmitOrder>();
+  auto order_b = std::make_shared<core::SubmitOrder>();
+  const core::Collective x_a = in_order(Op(0, 0), order_a), y_a = in_order(Op(0, 0), order_a);
+  const core::Collective x_b = in_order(Op(1, 0), order_b), y_b = in_order(Op(1, 0), order_b);
+  absl::Status s_ax, s_ay, s_bx, s_by;
+  // On node A, y's op reaches the data plane first (x waited for a local member, say); on
+  // node B, x's. Each is answered (launched) and takes its trainer's next op's turn.
+  std::thread a_y([&] {
+    s_ay = ay->Run(y_a);
+    order_a->Done(y_a.local[0].turn->index);
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  std::thread a_x([&] {
+    s_ax = ax->Run(x_a);
+    order_a->Done(x_a.local[0].turn->index);
+  });
+  std::thread b([&] {
+    s_bx = bx->Run(x_b);
+    order_b->Done(x_b.local[0].turn->index);
+    s_by = by->Run(y_b);
+    order_b->Done(y_b.local[0].turn->index);
+  });
+  a_y.join();
+  a_x.join();
+  b.join();
+  for (const absl::Status* s : {&s_ax, &s_ay, &s_bx, &s_by}) EXPECT_TRUE(s->ok()) << *s;
+  // Both GPUs ran x, then y: every op finished, nothing waited for its deadline or was aborted.
+  EXPECT_TRUE(Eventually([&] {
+    return backend_.LaunchedOps() == 0 && b_backend_.LaunchedOps() == 0;
+  })) << "the GPUs' kernels wait on each other";
+  ASSERT_TRUE(backend_.FlushAborts());
+  EXPECT_EQ(gpu_.Aborts(), 0);
+  // Node A built y's communicator first (its op came first), yet launched x's op first.
+  std::vector<std::string> inits, colls;
+  for (const std::string& line : gpu_.log) {
+    const std::vector<std::string> w = absl::StrSplit(line, ' ');
+    if (w[0] == "init") inits.push_back(w[1]);
+    if (absl::StartsWith(w[0], "coll")) colls.push_back(w[1]);
+  }
+  ASSERT_GE(inits.size(), 3u);
+  ASSERT_GE(colls.size(), 3u);
+  const std::string y_comm = inits[inits.size() - 2], x_comm = inits.back();
+  EXPECT_EQ(std::vector<std::string>(colls.end() - 2, colls.end()),
+            (std::vector<std::string>{x_comm, y_comm}));
 }
 
 TEST_F(TwoNodesTest, AnElasticJobsEpochsBuildTheirDeviceGroupsAfreshGrownThenShrunk) {
@@ -1209,6 +1188,7 @@ TEST_F(TwoNodesTest, AnElasticJobsEpochsBuildTheirDeviceGroupsAfreshGrownThenShr
   const int aborts = gpu_.aborts;
   a1->Abort(absl::UnavailableError("node c:7451 (ranks 2) lost: no word for 1.5 s"));
   b1->Abort(absl::UnavailableError("node c:7451 (ranks 2) lost: no word for 1.5 s"));
+  ASSERT_TRUE(backend_.FlushAborts());  // aborts run on the aborter's thread
   EXPECT_GT(gpu_.aborts, aborts);
   const std::vector<std::string> two = {"a:7451", "b:7451"};
   auto a2 = Make(spec("j.e2", 2, 0, "a:7451", two));
@@ -1231,8 +1211,11 @@ TEST_F(TwoNodesTest, CommunicatorsAbandonedOnOneNodeFailTheOthersNextOpAtOnce) {
   ASSERT_TRUE(a_pair->Run(AllReduce({{0, 0}}, 2, 0)).ok());
   t.join();
   ASSERT_TRUE(pair_b.ok()) << pair_b;
-  // Another group of the job failed on A: A aborts its idle "world" communicators too.
+  // Another group of the job failed on A: A aborts its idle "world" communicators too (idle:
+  // their earlier op has settled, else the abort would fail it and A's next op would say so).
+  ASSERT_TRUE(Eventually([&] { return backend_.LaunchedOps() == 0; }));
   backend_.AbortJob("j", absl::UnavailableError("group x: remote process exited"));
+  ASSERT_TRUE(backend_.FlushAborts());  // aborts run on the aborter's thread
   EXPECT_EQ(gpu_.aborts, 2);
   // B's "world" communicators are live, so B's next op on them hangs (launched, answered); A
   // builds anew and waits for B's ranks, which never come.
@@ -1253,6 +1236,7 @@ TEST_F(TwoNodesTest, CommunicatorsAbandonedOnOneNodeFailTheOthersNextOpAtOnce) {
   EXPECT_EQ(b2.code(), absl::StatusCode::kAborted) << b2;
   EXPECT_TRUE(absl::StrContains(b2.message(), "seq=1 failed after it was launched")) << b2;
   EXPECT_TRUE(absl::StrContains(b2.message(), "remote process exited")) << b2;
+  ASSERT_TRUE(b_backend_.FlushAborts());
   EXPECT_EQ(gpu_b_.Aborts(), 1);
   // The next op builds on both nodes again.
   auto [a3, b3] = RunBoth(3);
@@ -1322,6 +1306,8 @@ TEST_F(TwoNodesTest, NodesWhoseRanksSubmittedDifferentOpsFailTheNextOpWithDesync
     EXPECT_TRUE(absl::StrContains(s.message(), "broadcast(float32, count=16, root=0) seq=1")) << s;
   }
   EXPECT_TRUE(absl::StrContains(a2.message(), "node a:7451 has all_reduce")) << a2;
+  ASSERT_TRUE(backend_.FlushAborts());
+  ASSERT_TRUE(b_backend_.FlushAborts());
   EXPECT_EQ(gpu_.Aborts(), 1);
   EXPECT_EQ(gpu_b_.Aborts(), 1);
   auto [a3, b3] = RunBoth(3);
@@ -1335,6 +1321,7 @@ TEST_F(TwoNodesTest, ASlowOpThatCompletesLeavesNothingBehindInTheStore) {
   ASSERT_TRUE(sa.ok()) << sa;
   ASSERT_TRUE(sb.ok()) << sb;
   ASSERT_TRUE(Eventually([&] { return backend_.LaunchedOps() + b_backend_.LaunchedOps() == 0; }));
+  ASSERT_TRUE(backend_.FlushAborts());
   EXPECT_EQ(gpu_.Aborts(), 0);
   // The fingerprints go as the settled ops are released (after their group's lock, once their
   // publishers are joined).
@@ -1640,6 +1627,7 @@ TEST_F(NcclBackendTest, AJobEndsOffTheUnregisteringThreadAndANewRunStartsAfterIt
   EXPECT_TRUE(prompt) << "Unregister waited for the job's launched op";
   EXPECT_EQ(backend_done.load(), 0);              // the op still runs: the backend waits for it
   EXPECT_TRUE(store.Peek("j", "last_run").ok());  // and the job's keys are still there
+  ASSERT_TRUE(backend.FlushAborts());
   EXPECT_EQ(gpu.Aborts(), 0);
 
   gpu.streams_hang = false;  // the GPU finishes the op
@@ -1647,6 +1635,7 @@ TEST_F(NcclBackendTest, AJobEndsOffTheUnregisteringThreadAndANewRunStartsAfterIt
   restart.join();
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(backend_done.load(), 1);
+  ASSERT_TRUE(backend.FlushAborts());
   EXPECT_EQ(gpu.Aborts(), 2);  // the job's communicators were dropped after their op finished
   EXPECT_EQ(gpu.StreamsOpen(), 0);
   EXPECT_EQ(store.Peek("j", "last_run").status().code(), absl::StatusCode::kNotFound);

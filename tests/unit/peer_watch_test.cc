@@ -3,8 +3,7 @@
 // the timeout, one that ends its job is "left" and not counted as a loss, and Unwatch stops the
 // callbacks.
 
-#include "daemon/backend/cpu/peer_watch.h"
-
+#include <cerrno>
 #include <memory>
 #include <string>
 #include <thread>
@@ -12,7 +11,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/backend/cpu/link_peer_watch.h"
 #include "daemon/backend/cpu/record_links.h"
+#include "daemon/backend/cpu/socket.h"
 #include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"
 #include "tests/unit/record_links_testing.h"
@@ -93,6 +94,12 @@ TEST(PeerWatchTest, PeersComeAliveAndAPeerWhoseDaemonIsGoneIsLostAsClosed) {
   for (int i = 0; i < 2; ++i) {
     for (const core::PeerState& p : watches[i]->Peers("j")) {
       EXPECT_EQ(p.state, p.node == kNodes[2] ? State::kLost : State::kAlive) << p.node;
+      if (p.node == kNodes[2]) {
+        EXPECT_TRUE(p.loss == core::LossCause::kClosed || p.loss == core::LossCause::kReset)
+            << core::LossCauseName(p.loss);
+      } else {
+        EXPECT_EQ(p.loss, core::LossCause::kNone) << core::LossCauseName(p.loss);
+      }
     }
   }
 }
@@ -116,6 +123,7 @@ TEST(PeerWatchTest, APeerThatConnectedAndThenSaysNothingIsLostAsSilentWithinTheT
   const std::vector<core::PeerState> peers = watch.Peers("j");
   ASSERT_EQ(peers.size(), 1u);
   EXPECT_EQ(peers[0].state, State::kLost);
+  EXPECT_EQ(peers[0].loss, core::LossCause::kSilent);
   EXPECT_GE(peers[0].last_heard, absl::Milliseconds(600));
 }
 
@@ -144,7 +152,11 @@ TEST(PeerWatchTest, APeerWhoseLinkFormedButThatNeverSpeaksIsConnectingThenUnreac
 
 TEST(PeerWatchTest, APeerThatEndsItsJobIsLeftNotLostAndUnwatchStopsTheCallbacks) {
   store::MemoryStore store;
-  LinkPeerWatch zero(Fast()), one(Fast());
+  // The goodbye does not depend on the timeout; a long one keeps a thread stalled under a
+  // loaded sanitizer run from being read as "silent" before the goodbye arrives.
+  LinkPeerWatch::Options o = Fast();
+  o.timeout = absl::Seconds(10);
+  LinkPeerWatch zero(o), one(o);
   Losses zero_losses, one_losses;
   zero.Watch("j", "run1", {kNodes[0], kNodes[1]}, 0, &store, zero_losses.Callback());
   one.Watch("j", "run1", {kNodes[0], kNodes[1]}, 1, &store, one_losses.Callback());
@@ -157,6 +169,7 @@ TEST(PeerWatchTest, APeerThatEndsItsJobIsLeftNotLostAndUnwatchStopsTheCallbacks)
   EXPECT_TRUE(absl::StrContains(seen[0].second.message(), "left the job")) << seen[0].second;
   EXPECT_TRUE(zero.LossCounts().empty());
   ASSERT_TRUE(AwaitState(zero, "j", State::kLeft, 1));
+  EXPECT_EQ(zero.Peers("j")[0].loss, core::LossCause::kLeft);
   absl::SleepFor(absl::Milliseconds(800));
   EXPECT_TRUE(one_losses.Await(0, absl::ZeroDuration()).empty()) << "a callback after Unwatch";
 }
@@ -173,6 +186,16 @@ TEST(PeerWatchTest, APeerThatNeverConnectsIsLostAsUnreachable) {
   EXPECT_EQ(seen[0].first, kNodes[1]);
   EXPECT_TRUE(absl::StrContains(seen[0].second.message(), "lost: unreachable")) << seen[0].second;
   EXPECT_EQ(watch.LossCounts().at("unreachable"), 1);
+  ASSERT_EQ(watch.Peers("j").size(), 1u);
+  EXPECT_EQ(watch.Peers("j")[0].loss, core::LossCause::kUnreachable);
+}
+
+// The cause comes from what the socket layer met, never from a message's words.
+TEST(PeerWatchTest, ALinkFailuresErrnoTravelsWithItsStatusAndWordsAloneCarryNone) {
+  const absl::Status reset = sock::Error("recv", ECONNRESET);
+  EXPECT_EQ(sock::ErrnoOf(reset), ECONNRESET);
+  EXPECT_EQ(sock::ErrnoOf(absl::UnavailableError("recv: Connection reset by peer")), 0);
+  EXPECT_EQ(sock::ErrnoOf(absl::OkStatus()), 0);
 }
 
 }  // namespace

@@ -10,8 +10,8 @@ Run it with torchrun next to a running gradsyncd (`./setup.sh demo` does; README
 Every step draws one global batch (the same on every rank, from the step's seed); rank r
 trains on its contiguous 1/W shard, and the gradients are averaged across ranks, so W ranks
 end with the parameters one process reaches on the whole batch. --mode ddp runs the same
-training with torch DistributedDataParallel over gloo; --mode single runs one process on the
-whole batch. --out writes the final parameters (torch.save) for comparison; the last line on
+training with torch DistributedDataParallel over gloo (--backend gradsync: over the daemon, as
+torch.distributed's backend "gradsync"); --mode single runs one process on the whole batch. --out writes the final parameters (torch.save) for comparison; the last line on
 stdout is a JSON summary (steps/s measured after --warmup steps).
 """
 import argparse
@@ -42,6 +42,7 @@ def batch(step, size, dims, seed):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=("gradsync", "ddp", "single"), default="gradsync")
+    ap.add_argument("--backend", default="gloo", help="--mode ddp's torch.distributed backend")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3, help="steps before timing starts")
     ap.add_argument("--batch", type=int, default=64, help="global batch (split over ranks)")
@@ -84,7 +85,9 @@ def main(argv=None):
             scale = 1.0 / world  # a sum of per-shard means: scale the loss to match the mean
     elif args.mode == "ddp":
         import torch.distributed as dist
-        dist.init_process_group("gloo")
+        if args.backend == "gradsync":
+            import gradsync.torch  # noqa: F401 - registers the backend
+        dist.init_process_group(args.backend)
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = sgd
     else:

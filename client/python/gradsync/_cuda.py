@@ -9,6 +9,8 @@ current_stream() and hands them back.
 """
 import threading
 
+from . import _native
+
 _lock = threading.Lock()
 _api = None
 
@@ -32,7 +34,6 @@ class TorchCuda:
     def allocation(self, address):
         """(id, base, bytes, ipc_capable) of the allocation `address` lies in. id is unique over
         the process's life (0: not CUDA memory, or freed). Driver queries only, no sync."""
-        from . import _native
         alloc_id, base, nbytes, _, ipc = _native.cuda_allocation_of(address)
         return alloc_id, base, nbytes, ipc
 

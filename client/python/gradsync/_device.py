@@ -65,6 +65,7 @@ class Registry:
         self._ready_stream = {}  # registration id -> the stream "ready" was last recorded on
         self._orphans = []       # (handle, Run) of async ops whose Work went unwaited
         self.registrations = 0   # registered so far (tests count them)
+        _registries.add(self)
 
     def _allocation(self, address, nbytes):
         api = _cuda.api()
@@ -236,6 +237,7 @@ class Registry:
 
 _guard_lock = threading.Lock()
 _guarded = False
+_registries = weakref.WeakSet()  # every Registry made, one per session (live or ended)
 
 
 def _guard_empty_cache():
@@ -251,9 +253,9 @@ def _guard_empty_cache():
         empty_cache = torch.cuda.empty_cache
 
         def guarded_empty_cache(*args, **kwargs):
-            from . import _context
-            if _context is not None and not _context.client.closed:
-                _context.device.release_unpinned()
+            for registry in list(_registries):
+                if not registry._client.closed:  # the open session's
+                    registry.release_unpinned()
             return empty_cache(*args, **kwargs)
 
         guarded_empty_cache.__doc__ = empty_cache.__doc__
@@ -346,6 +348,32 @@ class Run:
         (self.writes if written else self.reads).append(reg)
         return reg.id, offset, count * len(tensors)
 
+    def in_place(self, x):
+        """[x's segment] for an op that reads and writes x."""
+        return [self.contiguous(x, written=True)]
+
+    def one(self, x, written):
+        """[x's segment] for an op that writes x (written) or reads it."""
+        return [self.contiguous(x, written)]
+
+    def joined(self, operands, count, written):
+        """[One segment over operands of `count` elements each, back to back]: where they lie
+        when they are one run of memory, else a temporary (filled now when the op reads it,
+        copied out at the end when it writes it)."""
+        tensors = [x.obj for x in operands]
+        seg = self.adjacent(tensors, count, written)
+        if seg is None:  # not one run of memory: one temporary holds them
+            n = count * len(tensors)
+            flat = self.scratch(n, tensors[0].dtype)
+            for k, t in enumerate(tensors):
+                part = flat[k * count:(k + 1) * count]
+                if written:
+                    self.copies.append((t, part.view_as(t)))
+                else:
+                    part.copy_(t.reshape(-1))  # on the current stream
+            seg = self.segment(flat, n, written)
+        return [seg]
+
     def scratch(self, count, dtype):
         """A temporary of `count` elements on the device (the caller fills or reads it)."""
         import torch
@@ -354,26 +382,25 @@ class Run:
         self.keep.append(t)
         return t
 
-    def start(self, submit, result, async_op, finish=None):
-        """Makes the memory ready, submits the op; a Work (async) or the result."""
-        from . import Work
+    # ---- around the op (the operations' one path calls these, as on the host) ----
+    def ready(self):
+        """Before the op is submitted: its memory is made ready on the op's stream."""
         self.registry.settle_orphans()
         self.registry.ready(self.reads + self.writes, self.stream)
-        try:
-            handle = submit()
-        except BaseException:
-            self._release()
-            raise
-        work = Work(handle, finish=lambda: self._finish(finish), result=result,
-                    release=self._release, on_complete=self._wait_done)
-        if not async_op:
-            out = work.wait()
-            # Unwaited ops answered before this one (its group's answers come in order) go
-            # now, not only at the next op's start.
-            self.registry.settle_orphans()
-            return out
+
+    def on_complete(self):
+        """On each successful wait: the waiter's current stream waits for the daemon."""
+        self._wait_done()
+
+    def adopt(self, work, handle):
+        """An async op's `work` was handed out: if it goes unwaited, the registry keeps this
+        Run until the op has its outcome."""
         weakref.finalize(work, self.registry.adopt, handle, self)
-        return work
+
+    def waited(self):
+        """A synchronous op has its outcome: unwaited ops answered before it (its group's
+        answers come in order) are settled now, not only at the next op's start."""
+        self.registry.settle_orphans()
 
     def _wait_done(self, stream=None):
         """The current stream (of whoever waits) waits for the daemon's writes; the op's
@@ -388,13 +415,12 @@ class Run:
                 api.record_stream(t, stream)
         return stream
 
-    def _finish(self, finish):
+    def finish(self):
+        """The op succeeded: results staged in temporaries go to the caller's tensors."""
         for t, tmp in self.copies:
             t.copy_(tmp)  # on the current stream, which waits for "done"
-        if finish is not None:
-            finish()
 
-    def _release(self):
+    def release(self):
         """The op has its outcome and, if it succeeded, a stream waited on its "done": its
         leases end and its tensors go back to their owners (or torch's allocator)."""
         if self.released:
@@ -417,4 +443,4 @@ class Run:
         except Error:
             pass  # failed: nothing was written that anyone waits for
         finally:
-            self._release()
+            self.release()

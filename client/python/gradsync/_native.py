@@ -107,14 +107,15 @@ def _load():
         "gs_store_get": ([P, cs, I64, pp, ctypes.POINTER(SZ)], I),
         "gs_store_compare_set": ([P, cs, ctypes.c_char_p, SZ, ctypes.c_char_p, SZ, ip, pp,
                                   ctypes.POINTER(SZ)], I),
-        "gs_store_take_ticket": ([P, I, i64p], I),
-        "gs_store_withdraw_ticket": ([P, I64, ip, pp, ctypes.POINTER(SZ)], I),
+        "gs_store_join": ([P, I, I64, i64p, pp, ctypes.POINTER(SZ)], I),
         "gs_store_admit_joiners": ([P, I, I, I, ip, pp, ctypes.POINTER(SZ)], I),
+        "gs_settle": ([P], I),
         "gs_free": ([P], None),
         "gs_set_pack_list": ([P, cs, cs], I),
         "gs_get_pack_list": ([P, cs, I64, pp], I),
         "gs_plan_packs": ([cs, I64, ctypes.c_int32, pp], I),
         "gs_dtype_size": ([I], I64),
+        "gs_record_json": ([cs, cs, SZ, pp], I),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
@@ -195,6 +196,17 @@ def _plan_to_json(plan):
                        "first_alone": int(plan["first_alone"])})
 
 
+def record(kind, raw):
+    """A record of an elastic job's store that daemons write, read by the C ABI's one parser:
+    kind "decision" (gradsync.v1.MembershipDecision), "ticket" (gradsync.v1.JoinTicket) or
+    "admission" (gradsync.v1.JoinAdmission), as a dict of its fields (proto names; int64 fields
+    as strings, as JSON has them). Error INVALID_ARGUMENT when `raw` is not such a record."""
+    raw = bytes(raw)
+    out = ctypes.c_void_p()
+    _check(_lib.gs_record_json(kind.encode(), raw, len(raw), ctypes.byref(out)))
+    return json.loads(_take_string(out))
+
+
 def plan_packs(grads, threshold_bytes, first_alone=0):
     """The pack planner of common/: grads are (index, dtype name, shape) in backward order.
     Returns the plan as a dict: {"packs": [{"dtype", "indices", "shapes", "bytes"}, ...],
@@ -271,6 +283,13 @@ class CudaBuffer:
         self.id = _lib.gs_cuda_buffer_id(ptr)
         self.base = base
         self.nbytes = nbytes
+        self._keep = False  # the daemon never said it let the events go: never destroyed
+
+    def keep_events(self):
+        """Never destroys the events (left to the process's end): the daemon may still record
+        "done" on them, and destroying an event under a pending record of an importing process
+        is undefined."""
+        self._keep = True
 
     def ready(self, stream):
         _check(_lib.gs_cuda_buffer_ready(self._ptr, ctypes.c_void_p(int(stream) or None)))
@@ -280,7 +299,7 @@ class CudaBuffer:
 
     def __del__(self):
         ptr, self._ptr = getattr(self, "_ptr", None), None
-        if ptr and _lib is not None:
+        if ptr and _lib is not None and not getattr(self, "_keep", False):
             _lib.gs_cuda_buffer_free(ptr)
 
 
@@ -412,8 +431,21 @@ class Client:
         return CudaBuffer(out.value, int(address), int(nbytes))
 
     def deregister_cuda(self, buf):
-        """Deregisters a CudaBuffer; its events live on with the object."""
-        _check(self._call(_lib.gs_cuda_buffer_deregister, buf._ptr))
+        """Deregisters a CudaBuffer. Returns once the daemon no longer uses its events (every op
+        that named it has settled on the device); they live on with the object. When the daemon
+        does not say so (an error: the session is gone, the answer came too late), the events
+        are kept to the process's end rather than destroyed under a record it may still run."""
+        try:
+            _check(self._call(_lib.gs_cuda_buffer_deregister, buf._ptr))
+        except Error:
+            buf.keep_events()
+            raise
+
+    def settle(self):
+        """Waits until every device op of this session has settled on the device; raises the
+        failure of one answered OK that failed there afterwards (ABORTED: its results are not
+        valid), reported once."""
+        _check(self._call(_lib.gs_settle))
 
     # ---- ops ----
     def _submit(self, fn, *args):
@@ -508,21 +540,17 @@ class Client:
         finally:
             _lib.gs_free(out)
 
-    def store_take_ticket(self, ranks):
-        """Elastic jobs: a ticket for a node of `ranks` ranks joining the job of this store
-        client (its home: epoch 0's id). The daemon writes it; returns its number."""
-        out = ctypes.c_int64()
-        _check(self._call(_lib.gs_store_take_ticket, int(ranks), ctypes.byref(out)))
-        return out.value
-
-    def store_withdraw_ticket(self, ticket):
-        """Withdraws a ticket unless an admission claimed it. Returns (withdrawn, its record
-        now: b"claimed" while an admission is under way)."""
-        done, out, n = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t()
-        _check(self._call(_lib.gs_store_withdraw_ticket, int(ticket), ctypes.byref(done),
-                          ctypes.byref(out), ctypes.byref(n)))
+    def store_join(self, ranks, timeout_s):
+        """Elastic jobs: this node of `ranks` ranks asks to join the job of this store client
+        (its home: epoch 0's id) and waits at most timeout_s to be admitted at the job's next
+        commit; the daemon takes the node's ticket and withdraws it when the wait ends
+        unadmitted (Error DEADLINE_EXCEEDED) or this call goes away. Returns the admission's
+        record (gs_record_json's "admission"). Blocks in C for the whole wait."""
+        ticket, out, n = ctypes.c_int64(), ctypes.c_void_p(), ctypes.c_size_t()
+        _check(self._call(_lib.gs_store_join, int(ranks), max(1, int(float(timeout_s) * 1000)),
+                          ctypes.byref(ticket), ctypes.byref(out), ctypes.byref(n)))
         try:
-            return bool(done.value), ctypes.string_at(out, n.value)
+            return ctypes.string_at(out, n.value)
         finally:
             _lib.gs_free(out)
 

@@ -40,179 +40,35 @@ A node whose trainers die (their connections lost) while its daemon lives is los
 daemon decides so. Groups made by new_group follow each change (gradsync.Group): lost ranks
 leave them, the others take their new ranks.
 """
+import array
 import copy
 import functools
+import gc
 import io
 import os
+import pickle
 import time
-import weakref
 
+from . import _membership, _ops
+from ._membership import (CHECK_S, DECISION_WAIT_S, JOIN_TIMEOUT_S, LOBBY_WAIT_S,  # noqa: F401
+                          MembershipChanged, classify, parse_decision)
 from ._native import Error
 
 __all__ = ["MembershipChanged", "State", "TorchState", "run", "reset", "classify",
            "parse_decision"]
 
-# How long a trainer waits for its daemons' decision after an op failed on a lost node: their
-# settle time (300 ms) plus a store round trip, with room for a loaded machine.
-DECISION_WAIT_S = 5.0
-# How often a store wait of an elastic job looks for a membership decision (_until_changed).
-CHECK_S = 0.5
+# Defined in _membership (the operations raise them), they are this module's to its users
+# (repr, pickle, help).
+for _name in ("MembershipChanged", "classify", "parse_decision"):
+    globals()[_name].__module__ = __name__
+del _name
+
 # The most membership changes one run() call goes through before it gives up.
 MAX_RESETS = 64
-_DECISION_KEY = "_gradsync_elastic/decision"
 # How long ranks below min_world_size wait for nodes to join (GRADSYNC_ELASTIC_TIMEOUT).
 ELASTIC_TIMEOUT_S = 600.0
-# How many times a joining node's ranks look for their admission before they give up, and how
-# long they wait for each other.
-MAX_TICKET_TRIES = 5
-LOBBY_WAIT_S = 60.0
 # The most ranks one commit admits (the daemons' kMaxJoinedPerDecision).
 MAX_JOINED_PER_COMMIT = 1024
-# How long a joiner waits to be admitted (GRADSYNC_JOIN_TIMEOUT): until the job's next commit().
-JOIN_TIMEOUT_S = 300.0
-
-
-def _admit_key(ticket):
-    """Where the daemons write a joining node's place ("epoch=E world=W rank=R min=M", R the
-    rank of the node's local rank 0), in the job's home namespace."""
-    return f"_gradsync_elastic/admit/{ticket}"
-
-
-# Codes an op fails with when a peer node is lost (the peer watch's word, a link that broke,
-# an aborted device group): only these make a trainer look for a decision.
-_LOSS_CODES = ("UNAVAILABLE", "ABORTED", "CANCELLED")
-
-_reset_hooks = weakref.WeakSet()  # objects with _reset_membership() (DistributedOptimizer)
-
-
-class MembershipChanged(Error):
-    """The job's membership changed: the op that raised this (and every later op of the old
-    membership) did not complete on this rank and wrote none of its operands on the CPU plane
-    (a device op cut off may have; a survivor whose last bytes arrived before the loss may
-    have completed the same op: run's restore() brings every rank back to the last commit).
-    `lost_ranks` and `lost_nodes` say who went, `world_size` the new
-    size, `rank` this rank's new rank, `epoch` the new membership's number. Call reset() (the
-    run decorator does) before the next op."""
-
-    def __init__(self, code, detail, epoch=0, world_size=0, rank=-1, lost_ranks=(),
-                 lost_nodes=(), why="", joined=0):
-        super().__init__(code, detail)
-        self.epoch = epoch
-        self.world_size = world_size
-        self.rank = rank
-        self.lost_ranks = tuple(lost_ranks)
-        self.lost_nodes = tuple(lost_nodes)
-        self.why = why
-        self.joined = joined  # ranks joining (they take the ranks after the others')
-
-    def __reduce__(self):
-        return type(self), (self.code, self.detail, self.epoch, self.world_size, self.rank,
-                            self.lost_ranks, self.lost_nodes, self.why, self.joined)
-
-
-def _fields(text):
-    """The key=value fields of a record of the job's store ("epoch=E world=N ...")."""
-    return dict(part.split("=", 1) for part in text.split() if "=" in part)
-
-
-def parse_decision(text):
-    """The fields of a decision as the daemons record it: "epoch=E
-    world=N lost_ranks=a,b lost_nodes=x,y [joined=K] at=MS why=..." (why last: it may hold
-    spaces)."""
-    head, _, why = text.partition(" why=")
-    fields = _fields(head)
-    try:
-        return {
-            "epoch": int(fields["epoch"]),
-            "world_size": int(fields["world"]),
-            "lost_ranks": [int(r) for r in fields.get("lost_ranks", "").split(",") if r],
-            "lost_nodes": [n for n in fields.get("lost_nodes", "").split(",") if n],
-            "joined": int(fields.get("joined", "0")),
-            "why": why,
-        }
-    except (KeyError, ValueError) as e:
-        raise Error("INTERNAL", f"unreadable membership decision {text!r}: {e}") from None
-
-
-def classify(ctx, err):
-    """`err` as the trainer should see it in an elastic job: MembershipChanged when the job's
-    daemons recorded a new membership, an Error saying why when this rank is not part of it,
-    else `err` itself."""
-    if (ctx is None or not ctx.elastic or isinstance(err, MembershipChanged)
-            or not isinstance(err, Error) or err.code not in _LOSS_CODES):
-        return err
-    if ctx.membership_change is not None:
-        return ctx.membership_change
-    try:
-        raw = ctx.client.store_get(_DECISION_KEY, DECISION_WAIT_S)
-    except Error as e:
-        if e.code == "DEADLINE_EXCEEDED":
-            return err  # no node was lost: the op failed for its own reason
-        where = (f"the daemon at {ctx.root_address} (the job's root)" if ctx.root_address
-                 else "the job's store")
-        code = e.code
-        return Error(code, f"elastic job {ctx.base_job}: {err.detail}; its new membership "
-                             f"cannot be read from {where}: {e.detail}. An elastic job "
-                             "survives the loss of its root's node only with its store on "
-                             "etcd (gradsyncd --store=etcd)")
-    return _seen(ctx, raw)
-
-
-def _until_changed(ctx, wait, timeout_s):
-    """wait(slice_s) in slices of at most CHECK_S seconds until it returns (its result) or
-    timeout_s passes (its DEADLINE_EXCEEDED). A store wait is no op on a group, so a node's loss
-    does not wake it: between slices, a membership decision recorded for this epoch raises what
-    it means to this rank (MembershipChanged)."""
-    deadline = time.monotonic() + max(float(timeout_s), 0.0)
-    while True:
-        try:
-            return wait(max(0.001, min(deadline - time.monotonic(), CHECK_S)))
-        except Error as e:
-            if e.code != "DEADLINE_EXCEEDED" or time.monotonic() >= deadline:
-                raise classify(ctx, e) from None
-        if ctx.membership_change is not None:
-            raise ctx.membership_change
-        try:
-            raw = ctx.client.store_get(_DECISION_KEY, 0)
-        except Error as e:
-            if e.code != "DEADLINE_EXCEEDED":
-                raise classify(ctx, e) from None
-            continue
-        raise _seen(ctx, raw)
-
-
-def _seen(ctx, raw):
-    """What the decision `raw` (its bytes in the store) means to this rank, kept as the change
-    this session saw."""
-    ctx.membership_change = _change_of(ctx, parse_decision(raw.decode(errors="replace")))
-    return ctx.membership_change
-
-
-def _change_of(ctx, d):
-    """What decision `d` means to this rank: MembershipChanged, or an Error when this rank is
-    out of the job."""
-    lost = d["lost_ranks"]
-    if ctx.rank in lost:
-        return Error("UNAVAILABLE", f"elastic job {ctx.base_job}: this rank ({ctx.rank}) is "
-                                    f"out of the job: the other nodes lost its node "
-                                    f"({d['why']}) and go on without it")
-    rank = ctx.rank - sum(1 for r in lost if r < ctx.rank)
-    what = []
-    if lost:
-        what.append(f"rank(s) {','.join(map(str, lost))} on node(s) "
-                    f"{','.join(d['lost_nodes'])} lost")
-    if d["joined"]:
-        what.append(f"{d['joined']} rank(s) joining")
-    if d["world_size"] < ctx.min_world_size:
-        what.append(f"fewer than min_world_size={ctx.min_world_size}: after reset() it waits "
-                    "for nodes to join")
-    return MembershipChanged(
-        "ABORTED",
-        f"membership of elastic job {ctx.base_job} changed: {' and '.join(what)} "
-        f"({d['why']}); it goes on as epoch {d['epoch']} with {d['world_size']} rank(s), "
-        f"this rank becoming {rank} (was {ctx.rank})",
-        epoch=d["epoch"], world_size=d["world_size"], rank=rank, lost_ranks=lost,
-        lost_nodes=d["lost_nodes"], why=d["why"], joined=d["joined"])
 
 
 def reset(change=None):
@@ -220,13 +76,12 @@ def reset(change=None):
     its new rank in the next epoch (the daemons form it as they did the first), then lets the
     package's objects (DistributedOptimizer) follow it. `change`: the MembershipChanged raised
     (default: the one this session saw)."""
-    from . import _ctx, _reinit  # noqa: PLC0415 - the package imports this module
-    ctx = _ctx()
+    ctx = _ops.context()
     change = change or ctx.membership_change
     if not isinstance(change, MembershipChanged):
         raise Error("FAILED_PRECONDITION", "no membership change to reset to")
-    _reinit(change)
-    for obj in list(_reset_hooks):
+    _ops.reinit(change)
+    for obj in _membership.followers():
         obj._reset_membership()
     if change.world_size < ctx.min_world_size:
         _wait_for_joiners()
@@ -236,8 +91,7 @@ def _wait_for_joiners():
     """Fewer ranks than min_world_size: rank 0 admits joining nodes once they bring the world
     back to it (or a loss is decided meanwhile), and every rank raises that change; Error
     DEADLINE_EXCEEDED after GRADSYNC_ELASTIC_TIMEOUT seconds (default 600) without."""
-    from . import _context  # noqa: PLC0415
-    ctx = _context
+    ctx = _ops.current()
     timeout_s = float(os.environ.get("GRADSYNC_ELASTIC_TIMEOUT") or ELASTIC_TIMEOUT_S)
     need = min(ctx.min_world_size - ctx.world_size, MAX_JOINED_PER_COMMIT)
     deadline = time.monotonic() + timeout_s
@@ -259,20 +113,20 @@ def _wait_for_joiners():
             if time.monotonic() >= deadline:
                 raise late
             try:  # a pause, which also ends when a loss is decided meanwhile
-                ctx.client.store_get(_DECISION_KEY, 0.2)
+                ctx.client.store_get(_membership.DECISION_KEY, 0.2)
                 break
             except Error as e:
                 if e.code != "DEADLINE_EXCEEDED":
                     raise
     try:
         # Past the deadline, rank 0 has given up first.
-        raw = ctx.client.store_get(_DECISION_KEY,
+        raw = ctx.client.store_get(_membership.DECISION_KEY,
                                    max(0.1, deadline - time.monotonic()) + DECISION_WAIT_S)
     except Error as e:
         if e.code == "DEADLINE_EXCEEDED":
             raise late from None
         raise
-    raise _seen(ctx, raw)
+    raise _membership.seen(ctx, raw)
 
 
 class State:
@@ -310,7 +164,11 @@ class State:
     def commit(self):
         """Keeps a copy of the state in memory (what restore() goes back to), then admits the
         nodes waiting to join an elastic job: if there are, the membership changes here, and
-        MembershipChanged is raised on every rank (the run decorator resets and syncs)."""
+        MembershipChanged is raised on every rank (the run decorator resets and syncs). First
+        waits until this trainer's device ops have settled on the GPU: one that failed there
+        after its answer raises instead (MembershipChanged in an elastic job that lost a
+        node), so what commit() saves came from ops that succeeded."""
+        _settle()
         self._save()
         _admit_joiners()
 
@@ -360,8 +218,7 @@ class TorchState(State):
         """Rank 0's model, optimizer and scalars on every rank (one broadcast of their bytes)."""
         import torch  # noqa: PLC0415 - torch only where a TorchState is used
         snapshot = None
-        from . import get_rank  # noqa: PLC0415
-        if get_rank() == 0:
+        if _ops.get_rank() == 0:
             buf = io.BytesIO()
             torch.save({
                 "model": self.model.state_dict() if self.model is not None else None,
@@ -370,7 +227,7 @@ class TorchState(State):
                 "scalars": dict(self._scalars)}, buf)
             snapshot = buf.getvalue()
         data = _broadcast_bytes(snapshot)
-        if get_rank() != 0:
+        if _ops.get_rank() != 0:
             # Onto the host (rank 0's device index means nothing here); load_state_dict copies
             # into the model's own tensors, wherever they are.
             try:
@@ -387,29 +244,40 @@ class TorchState(State):
 
 def _broadcast_bytes(data):
     """rank 0's `data` (bytes) on every rank of the world."""
-    import array  # noqa: PLC0415
-    from . import broadcast, get_rank  # noqa: PLC0415
-    size = array.array("q", [len(data) if get_rank() == 0 else 0])
-    broadcast(size, src=0)
-    payload = bytearray(data if get_rank() == 0 else bytes(size[0]))
+    size = array.array("q", [len(data) if _ops.get_rank() == 0 else 0])
+    _ops.broadcast(size, src=0)
+    payload = bytearray(data if _ops.get_rank() == 0 else bytes(size[0]))
     if size[0]:
-        broadcast(payload, src=0)
+        _ops.broadcast(payload, src=0)
     return bytes(payload)
 
 
 def _broadcast_object(obj):
-    import pickle  # noqa: PLC0415
-    from . import get_rank  # noqa: PLC0415
-    data = pickle.dumps(obj) if get_rank() == 0 else b""
+    data = pickle.dumps(obj) if _ops.get_rank() == 0 else b""
     return pickle.loads(_broadcast_bytes(data))
+
+
+def _settle():
+    """Waits until the device ops this trainer submitted have settled on the GPU (at once on the
+    CPU path); raises the failure of one that failed there after its OK answer, as a failed op
+    raises it."""
+    ctx = _ops.current()
+    if ctx is None or ctx.client.closed:
+        return
+    try:
+        ctx.client.settle()
+    except Error as e:
+        seen = classify(ctx, e)
+        if seen is e:
+            raise
+        raise seen from e
 
 
 def _admit_joiners():
     """commit()'s part in an elastic job: rank 0 admits the joining nodes waiting (it records
     the decision), every rank learns whether it did (a broadcast), and if so every rank raises
     MembershipChanged."""
-    from . import _context  # noqa: PLC0415 - the package imports this module
-    ctx = _context
+    ctx = _ops.current()
     if ctx is None or not ctx.elastic or ctx.client.closed:
         return
     if not ctx.root_address and ctx.local_world_size == ctx.world_size:
@@ -425,109 +293,22 @@ def _admit_joiners():
         except Exception as e:  # noqa: BLE001 - raised after the others are told
             failure = e
             decided = 1 if _decided(ctx) else 0
-    import array  # noqa: PLC0415
-    from . import broadcast  # noqa: PLC0415
     flag = array.array("q", [decided])
-    broadcast(flag, src=0)  # a loss meanwhile raises MembershipChanged here
+    _ops.broadcast(flag, src=0)  # a loss meanwhile raises MembershipChanged here
     if failure is not None:
         raise failure
     if flag[0] == 0:
         return
-    raw = ctx.client.store_get(_DECISION_KEY, DECISION_WAIT_S)  # there: rank 0 saw it
-    raise _seen(ctx, raw)
+    raw = ctx.client.store_get(_membership.DECISION_KEY, DECISION_WAIT_S)  # there: rank 0 saw it
+    raise _membership.seen(ctx, raw)
 
 
 def _decided(ctx):
     """The decision recorded in this epoch's namespace, or None (none, or unreadable)."""
     try:
-        return ctx.client.store_get(_DECISION_KEY, 0.5)
+        return ctx.client.store_get(_membership.DECISION_KEY, 0.5)
     except Error:
         return None
-
-
-def _lobby_id(job, socket):
-    """The one-node job in which a joining node's ranks share its ticket: named after the node
-    (its host and daemon socket), as with --store=etcd every node's daemon reaches one store."""
-    import hashlib  # noqa: PLC0415
-    import socket as sockets  # noqa: PLC0415
-    node = hashlib.sha256(f"{sockets.gethostname()}:{socket}".encode()).hexdigest()[:16]
-    lobby = f"{job}.join-{node}"
-    if len(lobby) <= 128:
-        return lobby
-    return "gradsync-join-" + hashlib.sha256(f"{job}:{node}".encode()).hexdigest()[:32]
-
-
-def _join(job, local_rank, local_world_size, socket, connect, timeout_s=None):
-    """A joining node's rank: takes this node's ticket (local rank 0, once every local rank has
-    come; the others learn it from their daemon), waits to be admitted at the job's next
-    commit() and returns (epoch, rank, world_size, min_world_size) to register as. Called by
-    gradsync.init(join=True)."""
-    from . import _native, _open_store  # noqa: PLC0415
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("GRADSYNC_JOIN_TIMEOUT") or JOIN_TIMEOUT_S)
-    home = _open_store(job, connect)
-    lobby = None
-    ticket = None
-    try:
-        if local_world_size > 1:  # the node's ranks, on this daemon alone
-            lobby = _native.Client(socket, _lobby_id(job, socket), local_world_size, local_rank,
-                                   local_rank, local_world_size,
-                                   rpc_timeout_s=float(connect.get("rpc_timeout") or 0))
-            lobby.barrier(timeout_s=LOBBY_WAIT_S).wait()  # every local rank has come
-        if local_rank == 0:
-            ticket = home.store_take_ticket(local_world_size)
-            if lobby is not None:
-                lobby.store_set("ticket", str(ticket).encode())
-        if lobby is not None:
-            # Read only once rank 0 has written it: the lobby's namespace is this node's ranks'
-            # since they registered (no other user's process may write it), but a value put
-            # there before is overwritten only by rank 0's.
-            lobby.barrier(timeout_s=LOBBY_WAIT_S).wait()
-        if local_rank != 0:
-            ticket = int(lobby.store_get("ticket", LOBBY_WAIT_S))
-        if lobby is not None:
-            lobby.close()
-            lobby = None
-        raw = _wait_admission(home, job, ticket, local_rank == 0, timeout_s)
-    except BaseException:
-        if local_rank == 0 and ticket is not None:  # not admitted: nobody waits for it
-            try:
-                home.store_withdraw_ticket(ticket)
-            except Error:
-                pass
-        raise
-    finally:
-        if lobby is not None:
-            lobby.close()
-        home.close()
-    fields = _fields(raw.decode(errors="replace"))
-    try:
-        return (int(fields["epoch"]), int(fields["rank"]) + local_rank, int(fields["world"]),
-                int(fields["min"]))
-    except (KeyError, ValueError):
-        raise Error("INTERNAL", f"elastic job {job}: unreadable admission {raw!r}") from None
-
-
-def _wait_admission(home, job, ticket, withdraws, timeout_s):
-    """The admission of `ticket`, waited for at most timeout_s; then the node's local rank 0
-    (`withdraws`) withdraws it, unless rank 0 of the job claimed it meanwhile (then its answer
-    comes at once, or the claim is undone and it withdraws)."""
-    late = Error("DEADLINE_EXCEEDED",
-                 f"elastic job {job}: not admitted within {timeout_s:g} s (the job's ranks "
-                 "admit joining nodes at state.commit()); this node's ticket is withdrawn")
-    wait = timeout_s
-    for _ in range(MAX_TICKET_TRIES):
-        try:
-            return home.store_get(_admit_key(ticket), wait)
-        except Error as e:
-            if e.code != "DEADLINE_EXCEEDED":
-                raise
-        if withdraws:
-            withdrawn, state = home.store_withdraw_ticket(ticket)
-            if withdrawn or state != b"claimed":
-                raise late
-        wait = DECISION_WAIT_S  # claimed: being admitted (or the claim undone) now
-    raise late
 
 
 def run(func):
@@ -547,6 +328,10 @@ def run(func):
                 if change is not None:
                     change = None
                     state.on_reset()
+                    # What the last call built over the old membership (a torch DDP, whose
+                    # hooks on the parameters would fire beside the new one's) goes before the
+                    # next call builds it again: it sits in reference cycles.
+                    gc.collect()
                 return func(state, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 - a change may come wrapped (below)
                 seen = _change_behind(e)
@@ -558,8 +343,15 @@ def run(func):
                 if changes > MAX_RESETS:
                     raise Error("RESOURCE_EXHAUSTED", f"the membership changed {MAX_RESETS} "
                                                       "times in one run; giving up") from e
-                change = seen
+                change = _detached(seen)
     return wrapper
+
+
+def _detached(change):
+    """`change` holding no frame of the failed call, through its traceback or the errors it
+    came from (whose frames hold what that call built: a torch DDP over the old membership)."""
+    change.__cause__ = change.__context__ = None
+    return change.with_traceback(None)
 
 
 def _change_behind(err):
@@ -568,7 +360,7 @@ def _change_behind(err):
     RuntimeError of its own); else None."""
     if isinstance(err, MembershipChanged):
         return err
-    from . import _context  # noqa: PLC0415 - the package imports this module
-    if _context is None or not _context.elastic:
+    ctx = _ops.current()
+    if ctx is None or not ctx.elastic:
         return None
-    return _context.membership_change
+    return ctx.membership_change

@@ -26,10 +26,13 @@ import threading
 
 import torch
 
-import gradsync
-from gradsync import Error, WORLD, _cuda
+from . import _cuda, _membership, _native, _ops, _process_group
+from ._native import Error
+from ._ops import WORLD
+from ._process_group import ProcessGroupGradsync
 
-__all__ = ["DistributedOptimizer", "allreduce_hook"]
+__all__ = ["DistributedOptimizer", "allreduce_hook", "ProcessGroupGradsync",
+           "init_process_group", "register_backend"]
 
 # torch >= 2.1 runs a hook once a parameter's gradient is accumulated; before, the hook goes on
 # the gradient's accumulator node (the same moment).
@@ -49,20 +52,20 @@ class _HostBucket:
     registration = None
 
     def __init__(self, nbytes):
-        self._buf = gradsync._new_buffer(nbytes)
-        self._ctx = gradsync._ctx()  # the session it is registered with
+        self._buf = _ops.new_buffer(nbytes)
+        self._ctx = _ops.context()  # the session it is registered with
         self.buffer_id = self._buf.id
         self.offset = 0  # of the bucket in the registered buffer
 
     def view(self, dtype, count, byte_offset):
-        return gradsync._view(self._buf, dtype, count, byte_offset)
+        return _ops.shared_view(self._buf, dtype, count, byte_offset)
 
     def zero_(self):
         torch.frombuffer(self._buf, dtype=torch.uint8).zero_()
 
     def release(self):
-        if self._ctx is gradsync._context:
-            gradsync._release_buffer(self._buf)
+        if self._ctx is _ops.current():
+            _ops.release_buffer(self._buf)
         # Else its session has ended (an elastic reset): the daemon dropped it with the session.
 
 
@@ -73,7 +76,7 @@ class _DeviceBucket:
 
     def __init__(self, nbytes, device):
         self._mem = _cuda.api().empty(nbytes, device)
-        self._registry = gradsync._ctx().device
+        self._registry = _ops.context().device
         self.registration, self.offset = self._registry.locate(self._mem.data_ptr(), nbytes,
                                                                pin=True)
         self.buffer_id = self.registration.id
@@ -173,7 +176,7 @@ class DistributedOptimizer:
         if self._distributed and reduce_method not in ("sum", "mean"):
             raise ValueError("reduce_method must be 'sum' or 'mean' when distributed")
         if dist_group is not None and dist_group.rank < 0:
-            raise ValueError(f"this rank ({gradsync.get_rank()}) is not in {dist_group}")
+            raise ValueError(f"this rank ({_ops.get_rank()}) is not in {dist_group}")
         if bcast_period < -1:
             raise ValueError("bcast_period is -1 (never), 0 (once) or a period")
         self._reduce_method = reduce_method
@@ -219,9 +222,9 @@ class DistributedOptimizer:
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]  # the gradient's accumulator
                 acc.register_hook(self._make_hook(i))
                 self._hooks.append(acc)  # the node lives as long as we hold it
-        gradsync.elastic._reset_hooks.add(self)  # follows an elastic job's membership changes
+        _membership.follow(self)  # follows an elastic job's membership changes
         # A rank joining a running elastic job gets its parameters from the state's sync().
-        if bcast_period != -1 and not (self._distributed and gradsync._ctx().joined):
+        if bcast_period != -1 and not (self._distributed and _ops.context().joined):
             self.bcast_param()
 
     def _reset_membership(self):
@@ -436,11 +439,11 @@ class DistributedOptimizer:
             for other in streams:
                 if other != stream:
                     api.join_streams(stream, other)
-            gradsync._ctx().device.ready([bucket.registration], stream)
-        handle = gradsync.client().all_reduce(
-            gradsync.dtype_name(self._params[indices[0]].dtype), self._reduce_method,
+            _ops.context().device.ready([bucket.registration], stream)
+        handle = _ops.client().all_reduce(
+            _ops.dtype_name(self._params[indices[0]].dtype), self._reduce_method,
             [(bucket.buffer_id, bucket.offset + offset, count)], self._group.key, name,
-            gradsync._timeout(self._timeout))
+            _ops.seconds(self._timeout))
         self._works.append(handle)
 
     def _wait_done(self):
@@ -524,7 +527,7 @@ class DistributedOptimizer:
                     p.grad = None  # no rank did: as in one process
                     self._reduced[i] = False
         if first_error is not None:
-            seen = gradsync.elastic.classify(gradsync._context, first_error)
+            seen = _membership.classify(_ops.current(), first_error)
             if seen is first_error:
                 raise first_error
             raise seen from first_error
@@ -549,12 +552,12 @@ class DistributedOptimizer:
     def _make_plan(self):
         group = self._group
         if group.rank == 0:
-            grads = [(i, gradsync.dtype_name(self._params[i].dtype), list(self._params[i].shape))
+            grads = [(i, _ops.dtype_name(self._params[i].dtype), list(self._params[i].shape))
                      for i in self._order]
-            plan = gradsync.plan_packs(grads, self._param_pack_thd, self._param_pack_first_alone)
-            gradsync.set_pack_list(plan, group)
+            plan = _native.plan_packs(grads, self._param_pack_thd, self._param_pack_first_alone)
+            _ops.set_pack_list(plan, group)
         else:
-            plan = gradsync.get_pack_list(group, self._timeout or 300.0)
+            plan = _ops.get_pack_list(group, self._timeout or 300.0)
         planned = sorted(i for p in plan["packs"] for i in p["indices"])
         if planned != list(range(len(self._params))):
             raise Error("FAILED_PRECONDITION",
@@ -603,8 +606,8 @@ class DistributedOptimizer:
                 size = torch.empty((), dtype=dtype).element_size()
                 flat = _cuda.api().empty(numel * size, self._device).view(dtype)
                 torch.cat(parts, out=flat)
-            gradsync.broadcast(flat, src=root, group=self._group, name="bcast_param",
-                               timeout=self._timeout)
+            _ops.broadcast(flat, src=root, group=self._group, name="bcast_param",
+                           timeout=self._timeout)
             at = 0
             with torch.no_grad():
                 for p in params:
@@ -678,8 +681,16 @@ class _Completer:
 
 
 _completer = _Completer()
-gradsync._shutdown_hooks.append(_completer.stop)
+_ops.on_shutdown(_completer.stop)
 os.register_at_fork(after_in_child=_completer.forget)
+_process_group.register(_completer)  # torch.distributed's backend "gradsync"
+
+
+def register_backend():
+    """Registers torch.distributed's backend "gradsync" (importing this module does). The
+    package's entry point (group torch.distributed.backends): torch 2.x calls it when a script
+    names the backend without importing gradsync.torch."""
+    _process_group.register(_completer)
 
 
 def allreduce_hook(state, bucket):
@@ -693,10 +704,10 @@ def allreduce_hook(state, bucket):
     with that stream current, so its waiters' streams wait for the daemon's write through it
     (no host synchronisation), as with torch's NCCL backend.
     """
-    group = state if isinstance(state, gradsync.Group) else WORLD
+    group = state if isinstance(state, _ops.Group) else WORLD
     tensor = bucket.buffer()
-    work = gradsync.all_reduce(tensor, op="mean", group=group, async_op=True,
-                               name=f"ddp{bucket.index()}")
+    work = _ops.all_reduce(tensor, op="mean", group=group, async_op=True,
+                           name=f"ddp{bucket.index()}")
     device = _cuda.api().device_of(tensor)
     if device is None:
         future = torch.futures.Future()
@@ -705,3 +716,24 @@ def allreduce_hook(state, bucket):
     future = _cuda.api().future(device)
     _completer.add(work, future, _cuda.api().current_stream(device))
     return future
+
+
+def init_process_group(**kwargs):
+    """torch.distributed's default group on the backend "gradsync", over this process's gradsync
+    session as it is now (gradsync.init() first, when it is not open): its rank and world size
+    are gradsync.get_rank() and gradsync.get_world_size(). A default group already there is
+    destroyed first. In an elastic job, call it at the top of the function gradsync.elastic.run
+    runs (and build DDP or FSDP2 there): after a membership change the run decorator calls that
+    function again, and the group is made again for the new membership. kwargs go to
+    torch.distributed.init_process_group (timeout, device_id, ...).
+
+    No rendezvous of torch's is needed (the session's ranks are the job's already): torch's
+    store is the job's store in gradsync (a SessionStore; torch's keys under "torch/")."""
+    import torch.distributed as dist  # noqa: PLC0415 - only where a process group is made
+    if not _ops.is_initialized():
+        _ops.init()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(_process_group.NAME, store=_process_group.SessionStore(),
+                            rank=_ops.get_rank(), world_size=_ops.get_world_size(),
+                            **kwargs)

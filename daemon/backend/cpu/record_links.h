@@ -18,47 +18,9 @@
 #include "absl/types/span.h"
 #include "common/store.h"
 #include "common/unique_fd.h"
+#include "daemon/backend/cpu/link_park.h"
 
 namespace gradsync::backend::cpu {
-
-/// Connections an elastic job's groups leave on this daemon at their epoch's end
-/// (RecordLinks::Park), for the next epoch's groups to take over where the peer kept the same
-/// connection (RecordLinks::Connect): a membership change re-links only the pairs of nodes it
-/// changed. Per (job, peer node): the latest epoch's, at most kMaxPerPeer (the oldest go); each
-/// is closed `keep` after it was parked unless taken (by a thread of its own: a job's last
-/// epoch parks too). Thread-safe.
-class LinkPark {
- public:
-  struct Link {
-    UniqueFd fd;
-    std::string id;  // the connection's id, the same at both ends (its handshake's nonces)
-    int epoch = 0;   // of the group that parked it
-    absl::Time until;
-  };
-  /// Starts the thread that closes links past their time.
-  explicit LinkPark(absl::Duration keep = absl::Seconds(20));
-  ~LinkPark();  // closes every link kept
-  LinkPark(const LinkPark&) = delete;
-  LinkPark& operator=(const LinkPark&) = delete;
-  static constexpr size_t kMaxPerPeer = 64;
-  /// Keeps `link` to `node` for job `home`; those of earlier epochs to `node` are closed (and
-  /// `link` is, when a later epoch's are there).
-  void Put(const std::string& home, const std::string& node, Link link);
-  /// Takes every link kept for `home` to one of `nodes`, by node.
-  std::map<std::string, std::vector<Link>> Take(const std::string& home,
-                                                const std::vector<std::string>& nodes);
-  size_t size() const;  // links kept now
-
- private:
-  void SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Sweep() ABSL_LOCKS_EXCLUDED(mu_);  // the thread: closes each link at its time
-  const absl::Duration keep_;
-  mutable absl::Mutex mu_;
-  absl::CondVar changed_;
-  std::map<std::string, std::map<std::string, std::vector<Link>>> links_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;  // last: started once the state above exists
-};
 
 /// One TCP connection per pair of the group's nodes, each carrying a stream of messages both
 /// ways (a message: a 64-byte frame header holding its length, then its bytes; a message whose
@@ -71,15 +33,11 @@ class LinkPark {
 ///
 /// Connecting: every node listens on an ephemeral port of its address and publishes
 /// "host port key" in the job's store under `prefix` (the key: 128 random bits); the node
-/// later in `nodes` connects to the earlier one. Both prove they hold the earlier node's key
-/// without sending it: the connector sends a nonce, the listener answers with its own nonce and
-/// an HMAC-SHA256 under the key over both, the connector checks it and answers with its own
-/// HMAC (socket.h does the I/O). A passive observer learns nothing that lets it join, and a
-/// host that cannot read the job's store (the cluster token protects it) cannot take a peer's
-/// place. Handshakes run side by side with a short deadline each; past a few per source address
-/// (or the total limit) the oldest is dropped for the newcomer, and a connector whose
-/// handshake failed tries again until its deadline: silent or garbage connections cannot keep
-/// a peer out. (The records themselves are not encrypted.)
+/// later in `nodes` connects to the earlier one, and both prove they hold the earlier node's key
+/// without sending it (link_handshake.h). A passive observer learns nothing that lets it join,
+/// and a host that cannot read the job's store (the cluster token protects it) cannot take a
+/// peer's place; silent or garbage connections cannot keep a peer out. (The records themselves
+/// are not encrypted.)
 ///
 /// Taking over (Spec::park): a node takes the connections kept for this job to the group's
 /// nodes (LinkPark), publishes their ids with its address, and reads the publication of every
@@ -157,6 +115,8 @@ class RecordLinks {
   /// Ends what this node sends to `node` (a FIN after what was sent); reading goes on.
   void CloseWrite(int node);
 
+  /// Whether `node` closed its end (an orderly close: what it sent before stays readable).
+  bool PeerClosed(int node) const;
   /// Bytes received from `node` and not yet returned by Receive (for tests).
   size_t BufferedFrom(int node) const;
 
@@ -177,6 +137,14 @@ class RecordLinks {
   // Looks at the frames `p` received past those looked at before, up to its end mark if it
   // came (Peer::ended): a Send blocked on a peer that parked its end fails at once.
   void Walk(Peer& p) const;
+  // The published "host port key [ids]" of the nodes `published`, split, by node index.
+  absl::StatusOr<std::vector<std::vector<std::string>>> ReadAddresses(
+      const std::vector<int>& published, absl::Time deadline);
+  // Takes over the connections `kept` from an earlier epoch that the peer kept too (`parts_of`:
+  // ReadAddresses'), the rest back to the park; resumes them. `key`: this node's of this epoch.
+  absl::Status TakeOver(std::map<int, std::vector<LinkPark::Link>>& kept,
+                        const std::vector<std::vector<std::string>>& parts_of,
+                        const std::string& key, absl::Time deadline);
   // The resume marks on the connections taken over, both ways, by `deadline`.
   absl::Status Resume(std::vector<Resuming>& resuming, absl::Time deadline);
   // Reads what `node`'s socket holds into its buffer, without waiting. OK when nothing is there.

@@ -23,8 +23,10 @@ core::Collective WithoutMembers(const core::Collective& op) {
   return c;
 }
 
-// Whether every device has finished the op (an error: a stream of it failed).
+// Whether every device has finished the op (an error: a stream of it failed). An op not yet
+// answered has not: its Run is still recording its end.
 absl::StatusOr<bool> Finished(gpu::GpuApi* api, const LaunchedOp& op) {
+  if (!op.answered.load()) return false;
   for (const auto& [device, event] : op.finished) {
     absl::StatusOr<bool> done = api->EventDone(device, event);
     if (!done.ok() || !*done) return done;
@@ -37,7 +39,33 @@ absl::StatusOr<bool> Finished(gpu::GpuApi* api, const LaunchedOp& op) {
 void Release(gpu::GpuApi* api, std::shared_ptr<LaunchedOp> op, absl::Status result,
              DeferredWrites& later) {
   for (const auto& [device, event] : op->finished) (void)api->DestroyEvent(device, event);
+  if (op->answered.load() && !result.ok()) {  // its trainers hear at their next settle
+    const absl::Status failed = absl::AbortedError(
+        absl::StrCat(op->op.label,
+                     " failed on the GPU after it was answered OK, so its results are not "
+                     "valid: ",
+                     result.message()));
+    for (const auto& settlement : op->op.settlements) settlement->Fail(failed);
+  }
+  if (!op->answered.load()) {  // its Run ends its watch; the mappings go with the last holder
+    later.Defer([op = std::move(op)] {});
+    return;
+  }
   later.Defer([op = std::move(op), result = std::move(result)] { op->peers.Finished(result); });
+}
+
+// Whether `c`'s communicators were revoked by a job-wide abort: their kernels return early and
+// the events after them fire, so nothing may be settled as finished.
+bool RevokedLocked(const GroupComms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
+  return c.generation.load() != 0 && c.revoked_generation.load() == c.generation.load();
+}
+
+// The first of the group's launched ops that was answered (null: none).
+const LaunchedOp* FirstAnsweredLocked(const GroupComms& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu) {
+  for (const auto& op : c.launched) {
+    if (op->answered.load()) return op.get();
+  }
+  return nullptr;
 }
 
 // Settles the group's oldest launched ops while they have finished; returns the first failure
@@ -48,6 +76,9 @@ absl::Status SettleFinishedLocked(gpu::GpuApi* api, GroupComms& c, DeferredWrite
     absl::StatusOr<bool> done = Finished(api, *c.launched.front());
     if (!done.ok()) return done.status();
     if (!*done) break;
+    // Looked at after the events: a revoke (which takes no group lock) marks the group before
+    // it stops the kernels, so events that fired because of it are seen here as revoked.
+    if (RevokedLocked(c)) break;
     std::shared_ptr<LaunchedOp> op = std::move(c.launched.front());
     c.launched.pop_front();
     Release(api, std::move(op), absl::OkStatus(), later);
@@ -89,10 +120,10 @@ void LookAtLaunchedLocked(CommsTable& table, GroupComms& c, DeferredWrites& late
       return;
     }
   }
-  // Another group of the job failed, also while this one is idle: AbortJob found this lock
+  // Another group of the job failed, also while this one is idle: AbortJobNow found this lock
   // held (by the watcher, say) and left the abort to whoever held it.
   if (c.abort_requested.exchange(false)) {
-    (void)table.AbortLocked(
+    table.AbortWithJobLocked(
         c,
         absl::AbortedError(absl::StrCat("aborted with the job's other NCCL communicators on this "
                                         "node: ",
@@ -145,12 +176,7 @@ void FailLaunchedLocked(CommsTable& table, GroupComms& c, const std::shared_ptr<
               c.job, c.group, status.ToString());
   table.CountLaunchFailure();
   if (c.launch_failure.ok()) c.launch_failure = Remembered(c, *op, why);
-  if (absl::Status drained = table.AbortLocked(c, status, later); !drained.ok()) {
-    c.launch_failure =
-        absl::Status(c.launch_failure.code(),
-                     absl::StrCat(c.launch_failure.message(), " (", drained.message(), ")"));
-  }
-  if (!on_peer_word) table.AbortJob(c.job, status, later);
+  table.AbortOnFailureLocked(c, status, on_peer_word, later);
   // The other nodes hear at once that this op failed here rather than wait for it.
   if (c.store != nullptr && !op->peers.peers_know()) {
     later.WriteWhileRunLasts(c.store, c.job, c.run, FailKey(*op->spec, op->op.seq),
@@ -163,24 +189,27 @@ std::vector<std::shared_ptr<LaunchedOp>> TakeUnfinishedLocked(gpu::GpuApi* api, 
                                                               DeferredWrites& later) {
   (void)SettleFinishedLocked(api, c, later);  // an op whose stream failed did not finish
   if (c.launched.empty()) return {};
-  if (c.launch_failure.ok()) c.launch_failure = Remembered(c, *c.launched.front(), why);
+  const LaunchedOp* answered = FirstAnsweredLocked(c);
+  if (c.launch_failure.ok() && answered != nullptr) {
+    c.launch_failure = Remembered(c, *answered, why);
+  }
   std::vector<std::shared_ptr<LaunchedOp>> out(c.launched.begin(), c.launched.end());
   c.launched.clear();
   return out;
 }
 
-void ReleaseAbortedLocked(gpu::GpuApi* api, GroupComms& c,
-                          std::vector<std::shared_ptr<LaunchedOp>> ops, const absl::Status& why,
-                          DeferredWrites& later) {
-  (void)c;
+void ReleaseAborted(gpu::GpuApi* api, std::vector<std::shared_ptr<LaunchedOp>> ops,
+                    const absl::Status& why, DeferredWrites& later) {
   const absl::Status result = why.ok() ? absl::AbortedError("aborted") : why;
   for (std::shared_ptr<LaunchedOp>& op : ops) Release(api, std::move(op), result, later);
 }
 
 absl::Status TakeLaunchFailureLocked(GroupComms& c, const core::Collective& op) {
   if (c.launch_failure.ok()) return absl::OkStatus();
+  const std::string note = c.TakeAbortNote();
   const absl::Status s = absl::AbortedError(
       absl::StrCat(op.label, ": not run, the group's earlier op ", c.launch_failure.message(),
+                   note.empty() ? "" : absl::StrCat(" (", note, ")"),
                    "; its NCCL communicators were aborted and the group's next op rebuilds them"));
   c.launch_failure = absl::OkStatus();
   return s;

@@ -6,6 +6,7 @@
 // job-wide abort, another node's word, its deadline): the group's communicators are then
 // aborted and drained, and the failure is remembered for the group's next op.
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -42,6 +43,11 @@ struct LaunchedOp {
   /// Per device of the op: an event of the daemon's recorded after the op on that device's
   /// stream. The op has finished once every one is done.
   std::vector<std::pair<int, gpu::Event>> finished;
+  /// In its group's list (GroupComms::launched): from the moment its kernels may be queued;
+  /// an abort then takes it, with its buffers, until the streams are drained.
+  bool in_group = false;
+  /// Answered OK to the trainers; until then its Run owns the outcome (its watch's end too).
+  std::atomic<bool> answered{false};
 };
 
 /// One look at `c`'s launched ops, without blocking: those finished (oldest first) are settled
@@ -68,16 +74,16 @@ void FailLaunchedLocked(CommsTable& table, GroupComms& c, const std::shared_ptr<
 
 /// For CommsTable::AbortLocked, before it aborts `c`'s communicators: settles the launched ops
 /// that have finished, and returns the others (remembering, unless a failure is already, that
-/// they were aborted with `why`). Release them with ReleaseAbortedLocked once the streams are
+/// they were aborted with `why`). Release them with ReleaseAborted once the streams are
 /// drained.
 std::vector<std::shared_ptr<LaunchedOp>> TakeUnfinishedLocked(gpu::GpuApi* api, GroupComms& c,
                                                               const absl::Status& why,
                                                               DeferredWrites& later)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
-/// Releases aborted ops (their events now; their watches and buffers through `later`).
-void ReleaseAbortedLocked(gpu::GpuApi* api, GroupComms& c,
-                          std::vector<std::shared_ptr<LaunchedOp>> ops, const absl::Status& why,
-                          DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+/// Releases aborted ops once their streams are drained (their events now; their watches and
+/// buffers through `later`). Needs no group lock: the ops are out of their group.
+void ReleaseAborted(gpu::GpuApi* api, std::vector<std::shared_ptr<LaunchedOp>> ops,
+                    const absl::Status& why, DeferredWrites& later);
 
 /// The failure remembered on `c` for its next op, now reported by op `op`: ABORTED naming the
 /// failed op, or OK when there is none. Forgotten once taken.

@@ -19,8 +19,25 @@ auto Log() { return logging::Logger("nccl"); }
 
 }  // namespace
 
+namespace {
+
+Aborter::Options AborterOptions(const NcclOptions& o) {
+  Aborter::Options a;
+  a.hung_after = o.abort_hung_after;
+  a.on_hung = [counters = o.counters, tell = o.on_abort_hung](const absl::Status& why) {
+    if (counters != nullptr) counters->nccl_aborts_hung.fetch_add(1);
+    if (tell) tell(why);
+  };
+  a.on_returned = o.on_abort_returned;
+  return a;
+}
+
+}  // namespace
+
 NcclBackend::NcclBackend(gpu::GpuApi* api, NcclOptions options)
-    : api_(api), options_(options), table_(api, options_.abort_drain, options_.counters) {
+    : api_(api),
+      options_(options),
+      table_(api, options_.abort_drain, options_.counters, AborterOptions(options_)) {
   launch_watcher_ = std::thread([this] { WatchLaunched(); });
   if (options_.watch_every <= absl::ZeroDuration()) return;
   watchdog_ = std::thread([this] {
@@ -56,7 +73,7 @@ void NcclBackend::SettleLaunched(const std::string& job, absl::Duration bound) {
     // Each op's own deadline bounds the wait (one past it fails); `bound` may end it sooner
     // (an infinite one saturates to InfiniteFuture).
     if (!AwaitLaunchedLocked(table_, *c, 0, absl::Now() + bound, later).ok()) {
-      (void)table_.AbortLocked(*c, absl::UnavailableError("the daemon is shutting down"), later);
+      table_.AbortLocked(*c, absl::UnavailableError("the daemon is shutting down"), later);
     }
     table_.ForgetLaunched(c.get());
   }
@@ -75,8 +92,8 @@ void NcclBackend::WatchIdle() {
     if (!c->mu.TryLock()) continue;  // running an op, which watches its communicators itself
     LockedComms locked(c.get(), LockedComms::Adopt{});
     if (!c->launched.empty()) continue;        // not idle: the launch watcher looks at it
-    if (c->abort_requested.exchange(false)) {  // AbortJob found this lock held: abort it now
-      (void)table_.AbortLocked(*c, c->AbortReason(), later);
+    if (c->abort_requested.exchange(false)) {  // AbortJobNow found this lock held: abort now
+      table_.AbortWithJobLocked(*c, c->AbortReason(), later);
       continue;
     }
     absl::Status failed;
@@ -91,7 +108,7 @@ void NcclBackend::WatchIdle() {
     if (!failed.ok()) {  // idle: no kernels to stop on the job's other groups
       Log()->warn("aborting the group's communicators on this node job={} group={} error={}",
                   c->job, c->group, failed.ToString());
-      (void)table_.AbortLocked(*c, failed, later);
+      table_.AbortLocked(*c, failed, later);
     }
   }
 }
@@ -104,6 +121,7 @@ void NcclBackend::StopWatchdog() {
   // The ops still on the GPUs finish, or are aborted, while the stores their watches read are
   // still there; their buffers are released after.
   SettleLaunched("", options_.abort_drain);
+  (void)table_.FlushAborts(options_.abort_drain + options_.abort_hung_after);
 }
 
 NcclBackend::~NcclBackend() {
@@ -112,9 +130,9 @@ NcclBackend::~NcclBackend() {
   for (auto& c : table_.TakeAll()) {
     LockedComms locked(c.get());
     c->store = nullptr;
-    (void)table_.AbortLocked(*c, absl::OkStatus(), none);
-    table_.DestroyStreamsLocked(*c);
+    table_.AbortLocked(*c, absl::OkStatus(), none);
   }
+  table_.StopAborter();  // runs the aborts queued: the buffers they hold go before the importer
 }
 
 absl::StatusOr<std::shared_ptr<core::Communicator>> NcclBackend::CreateCommunicator(
@@ -132,8 +150,7 @@ size_t NcclBackend::LaunchedOps() {
 }
 
 void NcclBackend::AbortJob(const std::string& job, const absl::Status& reason) {
-  DeferredWrites later;  // declared before any group's lock: written once none is held
-  table_.AbortJob(job, reason, later);
+  table_.AbortJob(job, reason);
 }
 
 void NcclBackend::JobEnded(const std::string& job) {
@@ -150,7 +167,7 @@ void NcclBackend::JobEnded(const std::string& job) {
     const absl::Time until =
         no_deadline ? absl::Now() + options_.abort_drain : absl::InfiniteFuture();
     if (!AwaitLaunchedLocked(table_, *c, 0, until, later).ok()) {
-      (void)table_.AbortLocked(
+      table_.AbortLocked(
           *c,
           absl::AbortedError(
               absl::StrCat("the job's trainers on this node have left and ", c->launched.size(),

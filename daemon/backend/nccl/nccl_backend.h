@@ -4,6 +4,7 @@
 // watchdog over idle ones, and what a job's end does to them (dropped, or kept for a restart).
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,6 +37,13 @@ struct NcclOptions {
   /// daemon. Past this bound the streams are abandoned (logged, named in the op's error, and
   /// replaced at the next op).
   absl::Duration abort_drain = absl::Seconds(10);
+  /// NCCL's aborts run on a thread of their own (aborter.h); one still running this long is
+  /// reported: an error line, the nccl_aborts_hung counter, and on_abort_hung.
+  absl::Duration abort_hung_after = absl::Seconds(30);
+  /// Told when an abort runs past abort_hung_after (the daemon's health goes NOT_SERVING), and
+  /// when it returns at last; may be null.
+  std::function<void(const absl::Status&)> on_abort_hung;
+  std::function<void()> on_abort_returned;
   /// Aborts and rebuilds are counted here (nccl_aborts, nccl_rebuilds); may be null. Must
   /// outlive the backend.
   core::OpCounters* counters = nullptr;
@@ -51,8 +59,9 @@ struct NcclOptions {
 /// objects. When the job ends (JobEnded), those of groups on this node alone may be kept for a
 /// restart of the job with the same rank layout (NcclOptions::keep_after_job).
 ///
-/// Launched, not finished: an op is answered once NCCL has enqueued it on the daemon's streams
-/// (after the trainers' "ready" events) and the trainers' "done" events are recorded after it;
+/// Launched, not finished: an op is answered once the trainers' "ready" events have completed
+/// (polled from the host: the daemon's streams never wait on another process), NCCL has
+/// enqueued it on the daemon's streams and the trainers' "done" events are recorded after it;
 /// the trainers' streams wait on those, their hosts do not. The group keeps the op (with its
 /// buffers' mappings, an event marking its end on each stream, its deadline and its watch on
 /// the other nodes) until the GPU has run it: looked at, without blocking, at the start of the
@@ -64,8 +73,12 @@ struct NcclOptions {
 /// the job on this node together (a communicator's local ranks must abort together); an op not
 /// yet answered fails with the reason, one already answered fails the group's next op (ABORTED,
 /// naming it and saying its results are not valid), and the op after that builds the group's
-/// communicators again. Every abort waits (bounded by NcclOptions::abort_drain) until the
-/// group's streams are idle, so no buffer is unmapped while its kernels may still touch it.
+/// communicators again. ncclCommAbort blocks (seconds under load): every abort runs on the
+/// aborter's thread (aborter.h), never on the peer watch's, gRPC's or an op's; the job's
+/// communicators are all revoked (their kernels return) before the first is aborted, since an
+/// abort frees device memory, which waits for the device. An abort waits (bounded by
+/// NcclOptions::abort_drain) until the group's streams are idle before it releases the ops'
+/// buffers, so no buffer is unmapped while its kernels may still touch it.
 ///
 /// Groups spanning nodes tell each other through the job's store, so that no node waits out
 /// its deadline for a peer that has already given up: a node that fails op `s` of a group (for
@@ -108,6 +121,11 @@ class NcclBackend final : public core::Backend {
   /// before the stores the communicators report to go away.
   void StopWatchdog();
 
+  /// Waits until every NCCL abort asked for so far has returned, at most `within`; whether
+  /// they have (for tests: aborts run on the aborter's thread).
+  bool FlushAborts(absl::Duration within = absl::Seconds(10)) { return table_.FlushAborts(within); }
+  /// NCCL aborts that ran past abort_hung_after so far.
+  int hung_aborts() const { return table_.hung_aborts(); }
   /// NCCL communicators created so far (ncclCommInitRankConfig calls), for tests.
   int comm_inits() const { return table_.comm_inits(); }
   /// Ops launched and not yet settled (finished, failed or aborted) on every group, for tests.

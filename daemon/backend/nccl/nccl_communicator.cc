@@ -39,12 +39,6 @@ absl::Status Context(const core::Collective& op, const absl::Status& s) {
   return absl::Status(s.code(), absl::StrCat(op.label, ": ", s.message()));
 }
 
-// The op's failure `s`, saying so when the abort that followed left its streams busy.
-absl::Status WithDrain(const absl::Status& s, const absl::Status& drained) {
-  if (drained.ok()) return s;
-  return absl::Status(s.code(), absl::StrCat(s.message(), " (", drained.message(), ")"));
-}
-
 // The element counts of a view's segments.
 std::vector<int64_t> Counts(const core::View& view) {
   std::vector<int64_t> counts;
@@ -261,18 +255,24 @@ absl::Status NcclCommunicator::Run(const core::Collective& op) {
       prepared.reset();
       continue;
     }
-    s = RunOnGroupLocked(*c, op, *launched, *prepared, later);
-    if (s.ok() && !launched->finished.empty()) {
-      c->launched.push_back(launched);
-      table_->NoteLaunched(c);
+    s = RunOnGroupLocked(*c, op, launched, *prepared, later);
+    if (launched->in_group) {  // its kernels were queued: the group, or an abort, holds it
       watched = true;
+      if (s.ok()) {
+        launched->answered = true;
+        table_->NoteLaunched(c);
+      }
     }
     break;
   }
   // Built for the op but not taken (it failed first): gone, so the other nodes' fail too.
-  for (gpu::Comm comm : prepared->comms) (void)api_->NcclCommAbort(comm);
-  if (watched) return s;
-  for (const auto& [device, event] : launched->finished) (void)api_->DestroyEvent(device, event);
+  table_->AbortUnused(std::exchange(prepared->comms, {}),
+                      "built for an op that failed before it used them");
+  if (watched && s.ok()) return s;
+  // The events of an op taken by an abort go with it, once its streams are drained.
+  if (!watched) {
+    for (const auto& [device, event] : launched->finished) (void)api_->DestroyEvent(device, event);
+  }
   launched->peers.Finished(s);
   // This node is out of step with the others on this group now (its communicators went under
   // the lock): the other nodes hear at once that this op failed rather than wait for it.
@@ -309,14 +309,62 @@ NcclCommunicator::Prepared NcclCommunicator::Prepare(GroupComms& c, const core::
   if (p.status.ok()) {
     LockedComms locked(&c);  // a look (and a deferred abort): nothing waits on others under it
     if (!c.erased && c.abort_requested.exchange(false)) {  // aborted while an op ran
-      (void)table_->AbortLocked(c, c.AbortReason(), later);
+      table_->AbortWithJobLocked(c, c.AbortReason(), later);
     }
     // A launched op's failure fails this op before it builds anything (RunOnGroupLocked).
     build = c.erased || (c.launch_failure.ok() && NeedsBuildLocked(c, p, op.group_size));
   }
   if (build) p.status = Build(op, p, peers, later, &p.comms);
+  if (p.status.ok()) p.status = AwaitTrainers(op, *p.plan, peers);
+  // Last, just before the launch: every device op its trainers submitted before this one has
+  // been launched (or failed), so each GPU's launches follow its trainers' program order.
+  for (const core::LocalMember& m : op.local) {
+    if (!p.status.ok() || !m.turn.has_value()) continue;
+    if (absl::Status s = m.turn->order->AwaitTurn(m.turn->index, op.deadline,
+                                                  [&peers] { return peers.Check(); });
+        !s.ok()) {
+      p.status = Context(
+          op, absl::Status(s.code(), absl::StrCat("rank ", m.group_rank, ": ", s.message())));
+    }
+  }
   peers.InterruptWith(nullptr);
   return p;
+}
+
+absl::Status NcclCommunicator::AwaitTrainers(const core::Collective& op, const Plan& plan,
+                                             PeerFailureWatch& peers) {
+  // Each buffer's "ready" event, once: polled here rather than waited on by the daemon's
+  // stream, since a stream that waits on an event of a process that dies before the record runs
+  // waits forever, and NCCL's internal streams wait on that stream: ncclCommAbort would wait
+  // with them (docs/gpu.md, "A trainer dies mid-op").
+  std::vector<std::pair<int, const core::MappedBuffer*>> waiting;
+  absl::flat_hash_set<const core::MappedBuffer*> seen;
+  for (const Member& m : plan.members) {
+    for (const core::MappedBuffer* b : Buffers(m.in, HasOutput(op.kind) ? &m.out : nullptr)) {
+      if (b->ready_event() != nullptr && seen.insert(b).second)
+        waiting.emplace_back(m.group_rank, b);
+    }
+  }
+  Backoff backoff;
+  for (size_t next = 0; next < waiting.size();) {
+    const auto& [rank, buffer] = waiting[next];
+    absl::StatusOr<bool> done = api_->EventDone(buffer->device(), buffer->ready_event());
+    if (!done.ok()) return Context(op, done.status());
+    if (*done) {
+      ++next;
+      continue;
+    }
+    if (absl::Status s = peers.Check(); !s.ok()) return Context(op, s);
+    if (absl::Now() > op.deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          op.label, ": rank ", rank, "'s trainer never said its buffer (", buffer->Describe(),
+          ") was ready: its \"ready\" event did not complete by the op's deadline (the trainer's "
+          "GPU work before the op is stuck, or its process died with the event's record "
+          "queued); nothing was launched"));
+    }
+    backoff.Pause();
+  }
+  return absl::OkStatus();
 }
 
 bool NcclCommunicator::NeedsBuildLocked(const GroupComms& c, const Prepared& p, int group_size) {
@@ -325,15 +373,15 @@ bool NcclCommunicator::NeedsBuildLocked(const GroupComms& c, const Prepared& p, 
 }
 
 absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Collective& op,
-                                                LaunchedOp& launched, Prepared& prepared,
-                                                DeferredWrites& later) {
+                                                const std::shared_ptr<LaunchedOp>& launched,
+                                                Prepared& prepared, DeferredWrites& later) {
   if (c.kept_until != absl::InfinitePast()) {
     Log()->info("nccl communicators kept from the job's last run reused job={} group={}",
                 spec_->job, spec_->group);
     c.kept_until = absl::InfinitePast();
   }
   if (c.abort_requested.exchange(false)) {  // the job's communicators aborted while idle
-    (void)table_->AbortLocked(c, c.AbortReason(), later);
+    table_->AbortWithJobLocked(c, c.AbortReason(), later);
   }
   // The group's earlier ops still on the GPU: a failure of one since fails this op (one that
   // failed here already keeps its own reason, and the earlier op's is added below).
@@ -357,7 +405,7 @@ absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Colle
     // The other nodes run this op: its calls would no longer pair up. The earlier ops, which
     // every node runs, finish first (or fail).
     (void)AwaitLaunchedLocked(*table_, c, 0, op.deadline, later);
-    if (!c.comms.empty()) (void)table_->AbortLocked(c, s, later);
+    if (!c.comms.empty()) table_->AbortLocked(c, s, later);
   }
   if (!c.launch_failure.ok()) {  // earlier launched ops went with this op's abort
     s = absl::Status(s.code(), absl::StrCat(s.message(), "; and the group's earlier op ",
@@ -368,9 +416,9 @@ absl::Status NcclCommunicator::RunOnGroupLocked(GroupComms& c, const core::Colle
 }
 
 absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& op,
-                                         LaunchedOp& launched, Prepared& prepared,
-                                         DeferredWrites& later) {
-  PeerFailureWatch& peers = launched.peers;
+                                         const std::shared_ptr<LaunchedOp>& launched,
+                                         Prepared& prepared, DeferredWrites& later) {
+  PeerFailureWatch& peers = launched->peers;
   if (!op.local_failure.ok()) return op.local_failure;
   if (!prepared.plan.ok()) return prepared.plan.status();
   const Plan& plan = *prepared.plan;
@@ -391,8 +439,7 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
     }
     if (absl::Status f = TakeLaunchFailureLocked(c, op); !f.ok()) return f;
     Log()->info("nccl layout changed job={} group={}: rebuilding", spec_->job, spec_->group);
-    (void)table_->AbortLocked(c, absl::AbortedError("its local ranks moved to other devices"),
-                              later);
+    table_->AbortLocked(c, absl::AbortedError("its local ranks moved to other devices"), later);
   }
   if (c.comms.empty()) {
     if (prepared.comms.empty()) {
@@ -410,19 +457,16 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
     if (!stream.ok()) return Context(op, stream.status());
     c.streams[d] = *stream;
   }
-  // The daemon's streams wait for the trainers' work on the buffers (each buffer once).
-  for (const Member& m : members) {
-    for (const core::MappedBuffer* b : Buffers(m.in, HasOutput(op.kind) ? &m.out : nullptr)) {
-      if (b->ready_event() == nullptr) continue;
-      if (absl::Status s = api_->StreamWaitEvent(m.device, c.streams[m.device], b->ready_event());
-          !s.ok()) {
-        return Context(op, s);
-      }
-    }
-  }
+  // The trainers' work on the buffers is done (AwaitTrainers, before the lock): the daemon's
+  // streams depend on no other process.
+  // From here the op's kernels may be queued: the group holds it (and its buffers' mappings),
+  // and an abort takes it along until the streams are drained.
+  launched->in_group = true;
+  c.launched.push_back(launched);
   if (absl::Status s = LaunchLocked(c, op, plan); !s.ok()) {
     // Some ranks' kernels may be queued already: stopped, and gone, before the buffers go.
-    return Context(op, WithDrain(s, table_->AbortLocked(c, s, later)));
+    table_->AbortLocked(c, s, later);
+    return Context(op, s);
   }
   // Non-blocking communicators may still be putting the kernels on the streams after
   // ncclGroupEnd: until they are, neither the "done" events nor the streams say anything. The
@@ -449,7 +493,7 @@ absl::Status NcclCommunicator::RunLocked(GroupComms& c, const core::Collective& 
     if (std::find(devices.begin(), devices.end(), device) == devices.end()) continue;
     absl::StatusOr<gpu::Event> event = api_->CreateEvent(device);
     if (!event.ok()) return FailLocked(c, op, event.status(), peers, later);
-    launched.finished.emplace_back(device, *event);
+    launched->finished.emplace_back(device, *event);
     if (absl::Status e = api_->RecordEvent(device, *event, stream); !e.ok()) {
       return FailLocked(c, op, e, peers, later);
     }
@@ -461,10 +505,12 @@ absl::StatusOr<std::string> NcclCommunicator::UniqueId(const core::Collective& o
                                                        const std::string& key,
                                                        PeerFailureWatch& peers) {
   if (RootHere()) {
+    if (absl::Status s = table_->MayMakeRoot(); !s.ok()) return Context(op, s);
     absl::StatusOr<std::string> id = api_->NcclUniqueId();
     if (!id.ok()) return Context(op, id.status());
     if (Spanning()) {
       if (absl::Status s = spec_->rendezvous->Set(spec_->job, key, *id); !s.ok()) {
+        table_->RootLeft(spec_->job, spec_->group);
         return Context(op, s);
       }
     }
@@ -511,7 +557,10 @@ absl::Status NcclCommunicator::Build(const core::Collective& op, const Prepared&
                                " ranks) not ready by the deadline: a peer node never joined"));
   }
   if (!s.ok()) {
-    for (gpu::Comm comm : comms) (void)api_->NcclCommAbort(comm);
+    // Their initialisation may still wait for a peer: the abort waits for it, on the aborter.
+    table_->AbortUnused(std::move(comms), s.message());
+    // The bootstrap root this node made for them waits on for the ranks that never came.
+    if (RootHere()) table_->RootLeft(spec_->job, spec_->group);
     return Context(op, s);
   }
   *out = std::move(comms);
@@ -520,8 +569,7 @@ absl::Status NcclCommunicator::Build(const core::Collective& op, const Prepared&
 
 void NcclCommunicator::InstallLocked(GroupComms& c, const core::Collective& op, Prepared& p,
                                      DeferredWrites& later) {
-  c.comms = std::move(p.comms);
-  p.comms.clear();
+  table_->InstallLocked(c, std::exchange(p.comms, {}));
   c.devices = p.devices;
   c.ranks = p.ranks;
   c.group_size = op.group_size;
@@ -542,6 +590,13 @@ void NcclCommunicator::InstallLocked(GroupComms& c, const core::Collective& op, 
 
 absl::Status NcclCommunicator::LaunchLocked(GroupComms& c, const core::Collective& op,
                                             const Plan& plan) {
+  // One thread at a time launches on a device (NCCL: "it is not safe to issue NCCL operations
+  // in parallel to independent communicators located on the same device with multiple
+  // threads"), and in the order the launches come (NCCL_LAUNCH_ORDER_IMPLICIT then runs them
+  // in that order on the GPU).
+  std::vector<int> devices;
+  for (const Member& m : plan.members) devices.push_back(m.device);
+  const DeviceLaunches launching = table_->LaunchOn(std::move(devices));
   absl::Status s = api_->NcclGroupStart();
   for (const Call& each : plan.calls) {
     for (size_t i = 0; s.ok() && i < plan.members.size(); ++i) {
@@ -590,14 +645,10 @@ absl::Status NcclCommunicator::FailLocked(GroupComms& c, const core::Collective&
               peers.failed_on_peer_word() ? "the group's communicators"
                                           : "the job's communicators on this node",
               spec_->job, status.ToString());
-  const absl::Status drained = table_->AbortLocked(c, status, later);
-  if (!peers.failed_on_peer_word()) table_->AbortJob(spec_->job, status, later);
-  return WithDrain(status, drained);
+  table_->AbortOnFailureLocked(c, status, peers.failed_on_peer_word(), later);
+  return status;
 }
 
-void NcclCommunicator::Abort(const absl::Status& status) {
-  DeferredWrites later;  // declared before any group's lock: written once none is held
-  table_->AbortJob(spec_->job, status, later);
-}
+void NcclCommunicator::Abort(const absl::Status& status) { table_->AbortJob(spec_->job, status); }
 
 }  // namespace gradsync::backend::nccl

@@ -32,17 +32,19 @@ class NcclCommunicator final : public core::Communicator {
         api_(table->api()),
         spec_(std::make_shared<const core::CommunicatorSpec>(std::move(spec))) {}
 
-  /// Returns once the op is launched: NCCL has enqueued it on the daemon's streams, after the
-  /// trainers' "ready" events, and their "done" events are recorded after it (or once it
-  /// failed). The group keeps watching it until its streams have run it (launched_ops.h), with
-  /// its buffers' mappings (op.keep_alive). First looks at the group's earlier launched ops: if
-  /// one failed, this op fails (ABORTED, naming it) without running; with kMaxLaunchedPerGroup
-  /// of them unfinished, waits (under op.deadline) for the oldest.
+  /// Returns once the op is launched: the trainers' "ready" events have completed (polled from
+  /// the host), every device op its trainers submitted before has been launched (LocalMember's
+  /// turn), NCCL has enqueued the op on the daemon's streams, and their "done" events are
+  /// recorded after it (or once it failed). The group keeps watching it until its streams have
+  /// run it (launched_ops.h), with its buffers' mappings (op.keep_alive) and its trainers'
+  /// records (op.settlements). First looks at the group's earlier launched ops: if one failed,
+  /// this op fails (ABORTED, naming it) without running; with kMaxLaunchedPerGroup of them
+  /// unfinished, waits (under op.deadline) for the oldest.
   absl::Status Run(const core::Collective& op) override;
   /// A node of the job was lost (the peer watch): every communicator of the job on this node is
-  /// aborted (CommsTable::AbortJob: at once when idle; a running op aborts when it next looks,
-  /// a launched one through the launch watcher), so no device op waits for the lost node until
-  /// its deadline. Later ops never reach it (the engine fails them).
+  /// revoked, then aborted, on the aborter's thread (CommsTable::AbortJob; this makes no NCCL
+  /// call and returns at once: the peer watch's heartbeats go on), so no device op waits for the
+  /// lost node until its deadline. Later ops never reach it (the engine fails them).
   void Abort(const absl::Status& status) override;
 
  private:
@@ -107,19 +109,23 @@ class NcclCommunicator final : public core::Communicator {
   };
   Prepared Prepare(GroupComms& c, const core::Collective& op, LaunchedOp& launched,
                    DeferredWrites& later) ABSL_LOCKS_EXCLUDED(c.mu);
+  // Polls the trainers' "ready" events of the plan's buffers until all are done (OK), another
+  // node's word or a job-wide abort ends the wait (that), or the op's deadline passes
+  // (DEADLINE_EXCEEDED naming the rank and buffer). No group lock held.
+  absl::Status AwaitTrainers(const core::Collective& op, const Plan& plan, PeerFailureWatch& peers);
   // Whether the op needs communicators other than the group's (none yet, or another layout).
   static bool NeedsBuildLocked(const GroupComms& c, const Prepared& p, int group_size)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // The op on the group whose lock is held, from a job-wide abort requested while it was idle
   // and the group's earlier launched ops to the op's launch.
-  absl::Status RunOnGroupLocked(GroupComms& c, const core::Collective& op, LaunchedOp& launched,
-                                Prepared& prepared, DeferredWrites& later)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  absl::Status RunOnGroupLocked(GroupComms& c, const core::Collective& op,
+                                const std::shared_ptr<LaunchedOp>& launched, Prepared& prepared,
+                                DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // Installs the prepared communicators (when built) and launches the op; on OK
   // `launched.finished` marks its end.
-  absl::Status RunLocked(GroupComms& c, const core::Collective& op, LaunchedOp& launched,
-                         Prepared& prepared, DeferredWrites& later)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
+  absl::Status RunLocked(GroupComms& c, const core::Collective& op,
+                         const std::shared_ptr<LaunchedOp>& launched, Prepared& prepared,
+                         DeferredWrites& later) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c.mu);
   // The unique id of the communicators op `op` builds: made here when the group's rank 0 is
   // local (and published for the other nodes), otherwise fetched from the job's store, where
   // that rank's node put it.
