@@ -495,8 +495,8 @@ int gs_store_join(gs_client* client, int ranks, int64_t timeout_ms, int64_t* tic
                   (rc = Check(admission, "admission")) || (rc = Check(n, "n"))) {
     return rc;
   }
-  auto v = client->store->Join(client->job, ranks, absl::Milliseconds(timeout_ms),
-                               gradsync::kJoinGrace);
+  auto v =
+      client->store->Join(client->job, ranks, absl::Milliseconds(timeout_ms), gradsync::kJoinGrace);
   if (!v.ok()) return Fail(v.status());
   *ticket = v->ticket();
   return CopyOut(v->admission(), admission, n);

@@ -120,13 +120,9 @@ DaemonServer::DaemonServer(DaemonConfig config)
           [this](const std::string& job) {
             // First: a data plane may tell the job's other nodes through its store.
             static_cast<core::Backend&>(dispatch_backend_).JobEnded(job);
-            // An elastic job's decision of its next membership stays (with its namespace) for
-            // the survivors that have not read it yet; the next epoch's end deletes it.
-            if (absl::StatusOr<bool> kept = core::EpochMembership::HasDecision(*store_, job);
-                kept.ok() && *kept) {
-              return;
-            }
-            store_->DeleteJob(job);
+            // The membership room's retention: an elastic epoch's namespace holding a decision
+            // stays for the survivors that have not read it (membership.h).
+            if (!core::RetainsNamespace(*store_, job)) store_->DeleteJob(job);
           },
           [this](const std::string& address) { return PeerStore(address); }),
       peer_watch_({config_.peer_timeout, config_.peer_heartbeat}),

@@ -216,19 +216,9 @@ class Engine {
     std::vector<HistoryEntry> ops;  // oldest first
     uint64_t dropped = 0;           // older ops the ring no longer holds
   };
-  /// An elastic job's membership formed on this node (ListEpochs).
-  struct EpochRecord {
-    std::string job;  // the job's own id
-    int epoch = 0;
-    int world_size = 0;
-    std::string change;  // the decision that made it; empty for epoch 0
-    absl::Time formed;
-    absl::Duration took;  // from the decision's time to `formed`; zero when unknown
-  };
   /// The epochs of elastic job `job` (empty: of every job) formed here, oldest first (the
-  /// last kMaxEpochRecords of all jobs).
+  /// last EpochHistory::kMaxRecords of all jobs).
   std::vector<EpochRecord> Epochs(const std::string& job) const;
-  static constexpr size_t kMaxEpochRecords = 256;
 
   /// The group's last EngineOptions::history_size ops finished on this node. NOT_FOUND for a
   /// job with no rank attached here or a group that never had an op.
@@ -303,24 +293,14 @@ class Engine {
   void SubmitNow(const std::shared_ptr<Session>& session, const std::shared_ptr<SessionSink>& sink,
                  uint64_t tag, const v1::OpRequest& op, std::optional<Turn> turn);
 
-  // Runs on_job_end_(job) on a thread of its own; `job` is in ending_ until it returns.
   // An elastic epoch `id` ended a while ago and is not running again: its namespace, kept for
   // a decision, goes (the decision from `store`, then on_job_end_).
   void EndKeptEpoch(const std::string& id, gradsync::Store* store);
-  // An elastic job's epoch that ended here.
-  struct ElasticEnd {
-    std::string base;  // the job's id (epoch 0's); empty: not elastic, or not spanning nodes
-    int epoch = 0;
-    bool held_rank0 = false;  // this node held rank 0 in it
-  };
-  // `elastic`: the namespace of the epoch before goes too (unless a job of that id runs again
-  // here; epoch 0's is the job's home, kept for its joiners), and the home with the job's last
-  // epoch (one that ended with no decision of a next).
-  void EndJobLater(const std::string& job, gradsync::Store* store, ElasticEnd elastic);
-  // Once no op could still wait for an ended epoch's decision: its namespace goes, and the
-  // job's home too if no epoch of the job (nor of a new run of its id) runs on the node that
-  // held rank 0.
-  void EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store);
+  // Runs on_job_end_(job) on a thread of its own, then releases the namespaces its end
+  // releases (ReleasedAtEnd); `job` is in ending_ meanwhile.
+  void EndJobLater(const std::string& job, gradsync::Store* store, EpochEnd elastic);
+  // Once no op could still wait for an ended epoch's decision: ReleasedWhenAbandoned.
+  void EndAbandoned(const EpochEnd& elastic, gradsync::Store* store);
 
   // Calls f for each job holding store namespace `ns`: the job of that id, or an elastic job
   // whose home it is.
@@ -334,7 +314,7 @@ class Engine {
   const JobEndCallback on_job_end_;
   const StoreResolver resolve_store_;
   mutable absl::Mutex mu_;  // acquired before any Job::mu
-  std::deque<EpochRecord> epochs_ ABSL_GUARDED_BY(mu_);
+  EpochHistory epochs_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   // Ids of jobs whose last session ended and whose on_job_end_ is still running (its thread
   // in job_ends_); a Register of such an id waits for it.

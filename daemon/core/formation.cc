@@ -345,34 +345,15 @@ void Engine::RecordEpoch(const std::weak_ptr<Job>& weak, absl::Time formed) {
   if (!job) return;
   absl::StatusOr<std::string> base = ElasticBase(job->id, job->epoch);
   if (!base.ok() || job->membership == nullptr) return;
-  EpochRecord record{*base, job->epoch, job->world_size, "", formed, absl::ZeroDuration()};
-  // The previous epoch's namespace keeps its decision while this runs.
-  if (std::optional<MembershipDecision> change =
-          job->membership->PreviousDecision(absl::Milliseconds(500))) {
-    // Words from the store, shown to operators: printable ASCII, bounded.
-    constexpr size_t kMaxChange = 1024;
-    record.change = change->Describe().substr(0, kMaxChange);
-    for (char& c : record.change) {
-      if (c < 0x20 || c > 0x7e) c = '?';
-    }
-    record.took = formed - change->at;
-  }
   // A membership change this node took part in (a loss or a join): counted once it formed.
   if (job->epoch > 0 && options_.counters != nullptr) {
     options_.counters->membership_changes.fetch_add(1);
   }
-  absl::MutexLock lock(&mu_);
-  epochs_.push_back(std::move(record));
-  while (epochs_.size() > kMaxEpochRecords) epochs_.pop_front();
+  // The previous epoch's namespace keeps its decision while this runs.
+  epochs_.Add(*std::move(base), job->epoch, job->world_size, formed,
+              job->membership->PreviousDecision(absl::Milliseconds(500)));
 }
 
-std::vector<Engine::EpochRecord> Engine::Epochs(const std::string& job) const {
-  std::vector<EpochRecord> out;
-  absl::MutexLock lock(&mu_);
-  for (const EpochRecord& e : epochs_) {
-    if (job.empty() || e.job == job) out.push_back(e);
-  }
-  return out;
-}
+std::vector<EpochRecord> Engine::Epochs(const std::string& job) const { return epochs_.Of(job); }
 
 }  // namespace gradsync::core

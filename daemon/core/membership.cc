@@ -70,6 +70,32 @@ std::optional<std::string> Peek(gradsync::Store& store, absl::string_view job,
   return *std::move(v);
 }
 
+// The world of namespace `job`, an elastic job's formed epoch: the count of its ranks' node
+// keys, so a caller cannot name another. FAILED_PRECONDITION (after `label`) otherwise.
+absl::StatusOr<int> FormedElasticWorld(gradsync::Store& store, absl::string_view job,
+                                       absl::string_view label) {
+  if (!Peek(store, job, kRunKey).has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(label, "the namespace holds no formed job (no run token)"));
+  }
+  if (!Peek(store, job, kElasticKey).has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(label, "the job is not elastic"));
+  }
+  auto ranks = store.List(job, kRankKeyPrefix);
+  if (!ranks.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(label, ranks.status().message()));
+  }
+  const int world = static_cast<int>(ranks->size());
+  for (int r = 0; r < world; ++r) {
+    if (!Peek(store, job, RankKey(r)).has_value()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(label, "the epoch has not formed: rank ", r, " has no node"));
+    }
+  }
+  if (world == 0) return absl::FailedPreconditionError(absl::StrCat(label, "no ranks"));
+  return world;
+}
+
 }  // namespace
 
 absl::StatusOr<int64_t> TakeTicket(gradsync::Store& store, absl::string_view home, int ranks) {
@@ -138,26 +164,7 @@ absl::StatusOr<Admission> AdmitJoiners(gradsync::Store& store, absl::string_view
     return absl::InvalidArgumentError(
         absl::StrCat(label, "min_joined=", min_joined, " is not 1 to ", kMaxJoinedPerDecision));
   }
-  // The epoch formed, as an elastic job: the world is the count of its ranks' node keys, so a
-  // caller cannot name another.
-  if (!Peek(store, job, kRunKey).has_value()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(label, "the namespace holds no formed job (no run token)"));
-  }
-  if (!Peek(store, job, kElasticKey).has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(label, "the job is not elastic"));
-  }
-  auto ranks = store.List(job, kRankKeyPrefix);
-  if (!ranks.ok())
-    return absl::FailedPreconditionError(absl::StrCat(label, ranks.status().message()));
-  const int world = static_cast<int>(ranks->size());
-  for (int r = 0; r < world; ++r) {
-    if (!Peek(store, job, RankKey(r)).has_value()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(label, "the epoch has not formed: rank ", r, " has no node"));
-    }
-  }
-  if (world == 0) return absl::FailedPreconditionError(absl::StrCat(label, "no ranks"));
+  GRADSYNC_ASSIGN_OR_RETURN(const int world, FormedElasticWorld(store, job, label));
   if (std::optional<std::string> decided = Peek(store, job, kElasticDecisionKey)) {
     return Admission{true, *std::move(decided), 0};  // a change is on its way already
   }
@@ -420,6 +427,55 @@ absl::StatusOr<bool> EpochMembership::HasDecision(gradsync::Store& store, absl::
 
 void EpochMembership::DropDecision(gradsync::Store& store, absl::string_view job) {
   (void)store.Delete(job, std::string(kElasticDecisionKey));
+}
+
+void EpochHistory::Add(std::string base, int epoch, int world_size, absl::Time formed,
+                       const std::optional<MembershipDecision>& change) {
+  EpochRecord record{std::move(base), epoch, world_size, "", formed, absl::ZeroDuration()};
+  if (change.has_value()) {
+    // Words from the store, shown to operators: printable ASCII, bounded.
+    constexpr size_t kMaxChange = 1024;
+    record.change = change->Describe().substr(0, kMaxChange);
+    for (char& c : record.change) {
+      if (c < 0x20 || c > 0x7e) c = '?';
+    }
+    record.took = formed - change->at;
+  }
+  absl::MutexLock lock(&mu_);
+  records_.push_back(std::move(record));
+  while (records_.size() > kMaxRecords) records_.pop_front();
+}
+
+std::vector<EpochRecord> EpochHistory::Of(const std::string& job) const {
+  std::vector<EpochRecord> out;
+  absl::MutexLock lock(&mu_);
+  for (const EpochRecord& e : records_) {
+    if (job.empty() || e.job == job) out.push_back(e);
+  }
+  return out;
+}
+
+bool RetainsNamespace(gradsync::Store& store, absl::string_view job) {
+  absl::StatusOr<bool> kept = EpochMembership::HasDecision(store, job);
+  return kept.ok() && *kept;
+}
+
+std::vector<std::string> ReleasedAtEnd(const EpochEnd& end, const absl::StatusOr<bool>& decided) {
+  std::vector<std::string> out;
+  if (end.base.empty()) return out;
+  if (end.epoch >= 2) out.push_back(ElasticJobId(end.base, end.epoch - 1));
+  const bool last =
+      decided.ok() ? !*decided : decided.status().code() == absl::StatusCode::kNotFound;
+  if (last && end.epoch >= 1) out.push_back(ElasticJobId(end.base, 0));
+  return out;
+}
+
+std::vector<std::string> ReleasedWhenAbandoned(const EpochEnd& end, bool runs) {
+  std::vector<std::string> out;
+  if (end.base.empty()) return out;
+  if (end.epoch > 0) out.push_back(ElasticJobId(end.base, end.epoch));
+  if (end.held_rank0 && !runs) out.push_back(ElasticJobId(end.base, 0));
+  return out;
 }
 
 }  // namespace gradsync::core

@@ -13,6 +13,7 @@
 // decision and their admission.
 
 #include <cstdint>
+#include <deque>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -118,6 +119,55 @@ class EpochMembership {
   mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kForming;
 };
+
+/// An elastic job's membership formed on this node (Inspect's ListEpochs).
+struct EpochRecord {
+  std::string job;  // the job's own id
+  int epoch = 0;
+  int world_size = 0;
+  std::string change;  // the decision that made it, in words; empty for epoch 0
+  absl::Time formed;
+  absl::Duration took;  // from the decision's time to `formed`; zero when unknown
+};
+
+/// The epochs formed on this node, the last kMaxRecords of all jobs. Thread-safe.
+class EpochHistory {
+ public:
+  static constexpr size_t kMaxRecords = 256;
+  /// Epoch `epoch` of job `base`, of `world_size` ranks, formed at `formed`; `change` the
+  /// decision that made it (nullopt: epoch 0, or unread), shown to operators: its words are
+  /// bounded and made printable here.
+  void Add(std::string base, int epoch, int world_size, absl::Time formed,
+           const std::optional<MembershipDecision>& change);
+  /// The epochs of job `job` (empty: of every job), oldest first.
+  std::vector<EpochRecord> Of(const std::string& job) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::deque<EpochRecord> records_ ABSL_GUARDED_BY(mu_);
+};
+
+/// Retention of an elastic job's namespaces (one per epoch; epoch 0's is the job's home, which
+/// holds its joiners' tickets). A namespace whose job ended on a node stays while it holds a
+/// decision of the next membership (RetainsNamespace), for survivors that have not read it;
+/// the next epoch's end releases it (ReleasedAtEnd), or, once no op could still wait for it,
+/// the job's abandonment (ReleasedWhenAbandoned); the home goes with the job's last epoch.
+struct EpochEnd {
+  std::string base;  // the job's id (epoch 0's); empty: not elastic, or not spanning nodes
+  int epoch = 0;
+  bool held_rank0 = false;  // this node held rank 0 in it
+};
+/// Whether the namespace `job`, whose job ended here, is kept: it holds a decision.
+bool RetainsNamespace(gradsync::Store& store, absl::string_view job);
+/// The namespaces released when epoch `end` ended here, besides its own: the previous epoch's
+/// (no decision left to keep it; never the home), and the home when `end` was the job's last.
+/// `decided`: HasDecision of its namespace, read before its end (NOT_FOUND: gone, so no
+/// decision; another failure keeps the home).
+std::vector<std::string> ReleasedAtEnd(const EpochEnd& end, const absl::StatusOr<bool>& decided);
+/// The namespaces released once no op could still wait for ended epoch `end`'s decision: its
+/// own (not the home), and the home when this node held rank 0 and no epoch of the job (nor of
+/// a new run of its id) runs here (`runs`).
+std::vector<std::string> ReleasedWhenAbandoned(const EpochEnd& end, bool runs);
 
 /// Most ranks one node brings, most ranks one decision admits, the largest world it may make,
 /// most tickets taken and not handled, most tickets one admission looks at.

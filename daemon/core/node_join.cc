@@ -19,8 +19,8 @@ auto Log() { return logging::Logger("core"); }
 std::shared_ptr<NodeJoin> NodeJoin::Start(gradsync::Store* store, WorkerPool* pool,
                                           std::string home, int ranks, absl::Time deadline,
                                           Done done) {
-  auto join = std::make_shared<NodeJoin>(store, pool, std::move(home), ranks, deadline,
-                                         std::move(done));
+  auto join =
+      std::make_shared<NodeJoin>(store, pool, std::move(home), ranks, deadline, std::move(done));
   join->Run([join] { join->Take(); });
   return join;
 }
@@ -143,18 +143,22 @@ void NodeJoin::Withdraw(absl::Status why) {
       !w.ok() ? absl::StrCat("; withdrawing its ticket ", ticket, " failed: ", w.status().message())
       : w->withdrawn ? absl::StrCat("; its ticket ", ticket, " is withdrawn")
                      : absl::StrCat("; its ticket ", ticket, " is ", w->state);
-  Log()->info("join: not admitted job={} ticket={} why={}{}", home_, ticket, std::string(why.message()), what);
+  Log()->info("join: not admitted job={} ticket={} why={}{}", home_, ticket,
+              std::string(why.message()), what);
   if (why.code() == absl::StatusCode::kDeadlineExceeded) {
     Finish(absl::DeadlineExceededError(
-        absl::StrCat("elastic job ", home_, ": the node was not admitted before the join's "
+        absl::StrCat("elastic job ", home_,
+                     ": the node was not admitted before the join's "
                      "deadline (the job's ranks admit joining nodes at state.commit())",
                      what)));
   } else if (why.code() == absl::StatusCode::kCancelled) {
-    Finish(absl::CancelledError(
-        absl::StrCat("elastic job ", home_, ": the join was cancelled (its caller went away)", what)));
+    Finish(absl::CancelledError(absl::StrCat(
+        "elastic job ", home_, ": the join was cancelled (its caller went away)", what)));
   } else {
-    Finish(absl::Status(why.code(), absl::StrCat("elastic job ", home_, ": waiting for the "
-                                                 "node's admission failed: ", why.message(), what)));
+    Finish(absl::Status(why.code(), absl::StrCat("elastic job ", home_,
+                                                 ": waiting for the "
+                                                 "node's admission failed: ",
+                                                 why.message(), what)));
   }
 }
 

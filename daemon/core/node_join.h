@@ -25,7 +25,8 @@ namespace gradsync::core {
 /// How long a join whose deadline passed while an admission had claimed its ticket waits for
 /// that admission (each time), and how many times.
 inline constexpr absl::Duration kClaimedJoinWait = absl::Seconds(2);
-inline constexpr int kMaxClaimedJoinWaits = 4;// Together (8 s) within kJoinGrace (10 s): the caller is still there for the answer.
+inline constexpr int kMaxClaimedJoinWaits =
+    4;  // Together (8 s) within kJoinGrace (10 s): the caller is still there for the answer.
 
 /// One joining node's wait to be admitted: takes its ticket for `ranks` ranks in the home
 /// `home`, waits until `deadline` for the admission an AdmitJoiners writes, and withdraws the
@@ -43,9 +44,8 @@ class NodeJoin : public std::enable_shared_from_this<NodeJoin> {
   };
   using Done = std::function<void(absl::StatusOr<Admitted>)>;
 
-  static std::shared_ptr<NodeJoin> Start(gradsync::Store* store, WorkerPool* pool,
-                                         std::string home, int ranks, absl::Time deadline,
-                                         Done done);
+  static std::shared_ptr<NodeJoin> Start(gradsync::Store* store, WorkerPool* pool, std::string home,
+                                         int ranks, absl::Time deadline, Done done);
   /// The caller went away: the wait ends (CANCELLED) and the ticket is withdrawn. A no-op once
   /// done.
   void Cancel();

@@ -248,7 +248,7 @@ void Engine::Unregister(Session& session, absl::string_view reason, End how) {
     if (job->membership != nullptr) job->membership->End();
     if (peer_watch_ != nullptr) peer_watch_->Unwatch(job->id);  // its peers see it left
     if (on_job_end_) {
-      ElasticEnd elastic;
+      EpochEnd elastic;
       if (job->elastic && job->root_store != nullptr) {
         if (absl::StatusOr<std::string> base = ElasticBase(job->id, job->epoch); base.ok()) {
           elastic.base = *std::move(base);
@@ -271,7 +271,7 @@ void Engine::Unregister(Session& session, absl::string_view reason, End how) {
   }
 }
 
-void Engine::EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store) {
+void Engine::EndAbandoned(const EpochEnd& elastic, gradsync::Store* store) {
   // An epoch of the job runs: a later one, or one of a new run of the same id.
   bool runs = false;
   {
@@ -279,11 +279,7 @@ void Engine::EndAbandoned(const ElasticEnd& elastic, gradsync::Store* store) {
     for (const auto& [id, job] : jobs_) runs = runs || IsEpochOf(id, elastic.base);
     for (const std::string& id : ending_) runs = runs || IsEpochOf(id, elastic.base);
   }
-  // Epoch 0's namespace is the job's home (its joiners' keys): it lives as long as the job.
-  if (elastic.epoch > 0) EndKeptEpoch(ElasticJobId(elastic.base, elastic.epoch), store);
-  // No epoch of the job runs on the node that held rank 0 (which stays in the job while it
-  // lives): the job was abandoned after its last decision, and its home goes too.
-  if (elastic.held_rank0 && !runs) EndKeptEpoch(ElasticJobId(elastic.base, 0), store);
+  for (const std::string& id : ReleasedWhenAbandoned(elastic, runs)) EndKeptEpoch(id, store);
 }
 
 void Engine::EndKeptEpoch(const std::string& id, gradsync::Store* store) {
@@ -295,7 +291,7 @@ void Engine::EndKeptEpoch(const std::string& id, gradsync::Store* store) {
   on_job_end_(id);
 }
 
-void Engine::EndJobLater(const std::string& id, gradsync::Store* store, ElasticEnd elastic) {
+void Engine::EndJobLater(const std::string& id, gradsync::Store* store, EpochEnd elastic) {
   std::vector<std::thread> finished;  // their on_job_end_ has returned: joined outside the lock
   {
     absl::MutexLock lock(&mu_);
@@ -309,20 +305,13 @@ void Engine::EndJobLater(const std::string& id, gradsync::Store* store, ElasticE
       job_ends_.erase(it++);
     }
     job_ends_[id] = std::thread([this, id, store, elastic = std::move(elastic)] {
-      // An elastic epoch that ended with no decision of a next one was the job's last.
-      bool last = false;
-      if (!elastic.base.empty()) {
-        absl::StatusOr<bool> decided = EpochMembership::HasDecision(*store, id);
-        last = decided.ok() ? !*decided : decided.status().code() == absl::StatusCode::kNotFound;
-      }
+      // Read before the end: a namespace without a decision goes with it.
+      const absl::StatusOr<bool> decided = elastic.base.empty()
+                                               ? absl::StatusOr<bool>(false)
+                                               : EpochMembership::HasDecision(*store, id);
       on_job_end_(id);
-      if (!elastic.base.empty()) {
-        // The previous epoch's namespace has no decision left to keep it (epoch 0's is the
-        // job's home: it goes with the job's last epoch).
-        if (elastic.epoch >= 2) {
-          EndKeptEpoch(ElasticJobId(elastic.base, elastic.epoch - 1), store);
-        }
-        if (last && elastic.epoch >= 1) EndKeptEpoch(ElasticJobId(elastic.base, 0), store);
+      for (const std::string& released : ReleasedAtEnd(elastic, decided)) {
+        EndKeptEpoch(released, store);
       }
       absl::MutexLock lock(&mu_);
       ending_.erase(id);

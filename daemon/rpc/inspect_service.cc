@@ -399,7 +399,7 @@ grpc::ServerUnaryReactor* InspectService::ListEpochs(grpc::CallbackServerContext
   if (!req->job().empty()) {
     if (absl::Status s = CheckJobId(req->job()); !s.ok()) return Reply(ctx, s);
   }
-  for (const core::Engine::EpochRecord& e : engine_->Epochs(req->job())) {
+  for (const core::EpochRecord& e : engine_->Epochs(req->job())) {
     if (!auth_->MayReach(*who, e.job).ok()) continue;  // another user's
     v1::Epoch* out = resp->add_epochs();
     out->set_job(e.job);

@@ -112,16 +112,16 @@ class JoinReactor final : public grpc::ServerUnaryReactor {
 
   void Start(gradsync::Store* store, WorkerPool* pool, std::string home, int ranks,
              absl::Time deadline) {
-    std::shared_ptr<core::NodeJoin> join = core::NodeJoin::Start(
-        store, pool, std::move(home), ranks, deadline,
-        [this](absl::StatusOr<core::NodeJoin::Admitted> admitted) {
-          if (admitted.ok()) {
-            resp_->set_ticket(admitted->ticket);
-            resp_->set_admission(std::move(admitted->admission));
-          }
-          Finish(ToGrpcStatus(admitted.status()));
-          Unref();
-        });
+    std::shared_ptr<core::NodeJoin> join =
+        core::NodeJoin::Start(store, pool, std::move(home), ranks, deadline,
+                              [this](absl::StatusOr<core::NodeJoin::Admitted> admitted) {
+                                if (admitted.ok()) {
+                                  resp_->set_ticket(admitted->ticket);
+                                  resp_->set_admission(std::move(admitted->admission));
+                                }
+                                Finish(ToGrpcStatus(admitted.status()));
+                                Unref();
+                              });
     bool cancel;
     {
       absl::MutexLock lock(&mu_);

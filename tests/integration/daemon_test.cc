@@ -346,6 +346,42 @@ TEST_F(DaemonTest, WaitingCallWithoutADeadlineIsInvalidArgument) {
   }
 }
 
+TEST_F(DaemonTest, JoinsWithoutRoomForTheirWaitOrWithBadRanksAreRefusedAndTakeNoTicket) {
+  auto stub = v1::Store::NewStub(client::Connect(daemon_->unix_target()));
+  struct Case {
+    int ranks;
+    int64_t wait_ms;
+    absl::Duration deadline;  // zero: none
+    const char* says;
+  };
+  for (const Case& c :
+       {Case{1, 1000, absl::ZeroDuration(), "deadline"}, Case{1, 0, absl::Seconds(20), "wait_ms=0"},
+        Case{1, -5, absl::Seconds(20), "wait_ms=-5"}, Case{1, 5000, absl::Seconds(6), "past it"},
+        Case{0, 100, absl::Seconds(20), "ranks=0"},
+        Case{1025, 100, absl::Seconds(20), "ranks=1025"}}) {
+    grpc::ClientContext ctx;
+    if (c.deadline > absl::ZeroDuration()) {
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + c.deadline));
+    }
+    v1::JoinRequest req;
+    req.set_job("joiners");
+    req.set_ranks(c.ranks);
+    req.set_wait_ms(c.wait_ms);
+    v1::JoinResponse resp;
+    const grpc::Status s = stub->Join(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.says;
+    EXPECT_TRUE(absl::StrContains(s.error_message(), c.says)) << s.error_message();
+  }
+  // None took a ticket: the job's home holds no key.
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  v1::ListRequest list;
+  list.set_job("joiners");
+  v1::ListResponse keys;
+  const grpc::Status s = stub->List(&ctx, list, &keys);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+}
+
 TEST_F(DaemonTest, BadPackListsAndGroupKeysAreRefusedAndNothingIsStored) {
   auto plan = SamplePlan();
   ASSERT_TRUE(plan.ok());

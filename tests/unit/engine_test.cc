@@ -976,7 +976,7 @@ TEST_F(TwoNodeEngineTest, AnElasticJobsDaemonsRecordOneDecisionOfItsNextMembersh
     EXPECT_EQ(*store_.Get(job, std::string(kElasticDecisionKey), absl::InfinitePast()), *decision);
     // Each node keeps the membership it formed, epoch 0 of 3 ranks.
     for (Node* node : {&a_, &b_}) {
-      const std::vector<Engine::EpochRecord> epochs = node->engine.Epochs(job);
+      const std::vector<EpochRecord> epochs = node->engine.Epochs(job);
       ASSERT_EQ(epochs.size(), 1u);
       EXPECT_EQ(epochs[0].job, job);
       EXPECT_EQ(epochs[0].epoch, 0);

@@ -3,7 +3,6 @@
 // decision's record; an epoch's states, one test per transition.
 
 #include "daemon/core/membership.h"
-#include "daemon/core/node_join.h"
 
 #include <optional>
 #include <string>
@@ -13,9 +12,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/worker_pool.h"
 #include "common/store_keys.h"
+#include "common/worker_pool.h"
 #include "daemon/core/backend.h"
+#include "daemon/core/node_join.h"
 #include "daemon/store/memory_store.h"
 #include "gradsync/v1/membership.pb.h"
 #include "gtest/gtest.h"
@@ -323,6 +323,67 @@ TEST_F(MembershipTest, AnEndedEpochStaysEndedAndItsDecisionKeepsItsNamespaceUnti
   EXPECT_FALSE(m.PreviousDecision(absl::Milliseconds(100)).has_value());  // epoch 0 has none
 }
 
+TEST_F(MembershipTest, ANamespaceIsKeptWhileItHoldsADecision) {
+  Formed(1, 2);
+  EXPECT_FALSE(RetainsNamespace(store_, "j.e1"));
+  MembershipDecision next;
+  next.epoch = 2;
+  next.world = 1;
+  ASSERT_TRUE(store_.Set("j.e1", kElasticDecisionKey, next.Encode()).ok());
+  EXPECT_TRUE(RetainsNamespace(store_, "j.e1"));
+  EpochMembership::DropDecision(store_, "j.e1");
+  EXPECT_FALSE(RetainsNamespace(store_, "j.e1"));
+  EXPECT_FALSE(RetainsNamespace(store_, "no-such-job"));
+}
+
+TEST(RetentionTest, AnEpochsEndReleasesThePreviousOneAndTheHomeWithTheLast) {
+  using V = std::vector<std::string>;
+  const absl::StatusOr<bool> decided = true, last = false;
+  const absl::StatusOr<bool> gone = absl::NotFoundError("no keys");
+  const absl::StatusOr<bool> failed = absl::UnavailableError("store down");
+  EXPECT_EQ(ReleasedAtEnd({"", 3, true}, last), V{});  // not elastic
+  EXPECT_EQ(ReleasedAtEnd({"j", 0, true}, decided), V{});
+  EXPECT_EQ(ReleasedAtEnd({"j", 0, true}, last), V{});  // epoch 0's is the home itself
+  EXPECT_EQ(ReleasedAtEnd({"j", 1, false}, decided), V{});
+  EXPECT_EQ(ReleasedAtEnd({"j", 1, false}, last), V{"j"});
+  EXPECT_EQ(ReleasedAtEnd({"j", 3, false}, decided), V{"j.e2"});
+  EXPECT_EQ(ReleasedAtEnd({"j", 3, false}, last), (V{"j.e2", "j"}));
+  EXPECT_EQ(ReleasedAtEnd({"j", 3, false}, gone), (V{"j.e2", "j"}));
+  EXPECT_EQ(ReleasedAtEnd({"j", 3, false}, failed), V{"j.e2"});  // unknown: the home stays
+}
+
+TEST(RetentionTest, AnAbandonedEpochReleasesItselfAndTheHomeWhereRankZeroWasAndNothingRuns) {
+  using V = std::vector<std::string>;
+  EXPECT_EQ(ReleasedWhenAbandoned({"", 2, true}, false), V{});
+  EXPECT_EQ(ReleasedWhenAbandoned({"j", 2, false}, false), V{"j.e2"});
+  EXPECT_EQ(ReleasedWhenAbandoned({"j", 2, true}, false), (V{"j.e2", "j"}));
+  EXPECT_EQ(ReleasedWhenAbandoned({"j", 2, true}, true), V{"j.e2"});
+  EXPECT_EQ(ReleasedWhenAbandoned({"j", 0, true}, false), V{"j"});
+  EXPECT_EQ(ReleasedWhenAbandoned({"j", 0, true}, true), V{});
+}
+
+TEST(EpochHistoryTest, KeepsTheLastRecordsWithTheChangeInPrintableWords) {
+  EpochHistory history;
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  history.Add("a", 0, 3, t0, std::nullopt);
+  MembershipDecision change{1, 2, {2}, {"h:1"}, 0, t0, "node h:1 lost\x01"};
+  history.Add("a", 1, 2, t0 + absl::Seconds(2), change);
+  history.Add("b", 0, 4, t0, std::nullopt);
+  std::vector<EpochRecord> a = history.Of("a");
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a[0].change, "");
+  EXPECT_EQ(a[0].took, absl::ZeroDuration());
+  EXPECT_EQ(a[1].epoch, 1);
+  EXPECT_EQ(a[1].world_size, 2);
+  EXPECT_EQ(a[1].took, absl::Seconds(2));
+  EXPECT_TRUE(absl::StrContains(a[1].change, "lost_ranks=2")) << a[1].change;
+  EXPECT_TRUE(absl::EndsWith(a[1].change, "lost?")) << a[1].change;
+  EXPECT_EQ(history.Of("").size(), 3u);
+  for (size_t i = 0; i < EpochHistory::kMaxRecords; ++i) history.Add("c", 0, 1, t0, std::nullopt);
+  EXPECT_EQ(history.Of("").size(), EpochHistory::kMaxRecords);
+  EXPECT_TRUE(history.Of("a").empty());  // the oldest went
+}
+
 // A joining node's wait (node_join.h): its daemon takes the ticket, is told its place, or
 // withdraws the ticket when the wait ends without one.
 class NodeJoinTest : public MembershipTest {
@@ -426,8 +487,9 @@ TEST_F(NodeJoinTest, AnAdmissionUnderWayAtTheDeadlineIsWaitedFor) {
   waiting.set_state(v1::JoinTicket::WAITING);
   waiting.set_ranks(1);
   claimed.set_state(v1::JoinTicket::CLAIMED);
-  ASSERT_TRUE(store_.CompareSet("j", ElasticTicketKey(1), waiting.SerializeAsString(),
-                                claimed.SerializeAsString())
+  ASSERT_TRUE(store_
+                  .CompareSet("j", ElasticTicketKey(1), waiting.SerializeAsString(),
+                              claimed.SerializeAsString())
                   ->swapped);
   absl::SleepFor(absl::Milliseconds(600));
   v1::JoinAdmission place;

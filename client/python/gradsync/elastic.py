@@ -24,12 +24,13 @@ ring all-reduce that stopped midway may have added part of the sum).
 
 A replacement (or an extra) node joins a running job: its daemon starts as the others did, and
 its trainers call gradsync.init(job=..., elastic=True, join=True) (or GRADSYNC_JOIN=1; their
-rank and world size are given to them). Each joining node takes a ticket in the job's home keys
-(the store namespace of the job's own id); the ranks admit the waiting nodes at their next
-state.commit(): rank 0 records the decision (the world grows, the joiners take the ranks after
-the others'), commit() raises MembershipChanged on every rank, and the run decorator resets and
-syncs the state from rank 0, which the joiners receive in their first sync(). A joiner not
-admitted within its join timeout withdraws its ticket and fails.
+rank and world size are given to them). Each joining node asks its daemon to join and is told
+its place; the job's ranks admit the waiting nodes at their next state.commit(): rank 0's
+daemon records the decision (the world grows, the joiners take the ranks after the others'),
+commit() raises MembershipChanged on every rank, and the run decorator resets and syncs the
+state from rank 0, which the joiners receive in their first sync(). A joiner not admitted
+within its join timeout (GRADSYNC_JOIN_TIMEOUT, default 300 s) fails with DEADLINE_EXCEEDED;
+its daemon withdraws its place in line, as it does when the joiner dies while it waits.
 
 Each membership is an epoch: epoch E of job J runs as job "J.eE" in the daemons (E = 0: "J").
 Below min_world_size the survivors reset to their smaller world and wait there (at most
