@@ -35,7 +35,9 @@ inline constexpr int kMaxClaimedJoinWaits =
 /// most kMaxClaimedJoinWaits times, a claim being undone meanwhile). `done` runs exactly once:
 /// with the ticket and its admission record, or the error (DEADLINE_EXCEEDED: not admitted in
 /// time, ticket withdrawn; CANCELLED: Cancel; the store's or TakeTicket's error). Store calls
-/// that block run on `pool` (inline when null), never on a store's callback thread.
+/// that block run on `pool`; without one (a store whose calls do not wait on the network, as
+/// the embedded one), inline: on Start's caller and on the store's wait callback, which holds
+/// no store lock (common/store.h).
 class NodeJoin : public std::enable_shared_from_this<NodeJoin> {
  public:
   struct Admitted {

@@ -385,12 +385,14 @@ TEST(EpochHistoryTest, KeepsTheLastRecordsWithTheChangeInPrintableWords) {
 }
 
 // A joining node's wait (node_join.h): its daemon takes the ticket, is told its place, or
-// withdraws the ticket when the wait ends without one.
-class NodeJoinTest : public MembershipTest {
+// withdraws the ticket when the wait ends without one. With a pool (an etcd store's call
+// threads) and without (the embedded store: the steps run inline, on the caller's thread and
+// the store's).
+class NodeJoinTest : public MembershipTest, public ::testing::WithParamInterface<bool> {
  protected:
   // Starts a join of `ranks` ranks waiting until now + `wait`.
   std::shared_ptr<NodeJoin> Start(int ranks, absl::Duration wait) {
-    return NodeJoin::Start(&store_, &pool_, "j", ranks, absl::Now() + wait,
+    return NodeJoin::Start(&store_, GetParam() ? &pool_ : nullptr, "j", ranks, absl::Now() + wait,
                            [this](absl::StatusOr<NodeJoin::Admitted> result) {
                              absl::MutexLock lock(&mu_);
                              ASSERT_FALSE(result_.has_value()) << "answered twice";
@@ -424,7 +426,7 @@ class NodeJoinTest : public MembershipTest {
   std::optional<absl::StatusOr<NodeJoin::Admitted>> result_ ABSL_GUARDED_BY(mu_);
 };
 
-TEST_F(NodeJoinTest, ANodeIsToldItsPlaceOnceTheJobAdmitsIt) {
+TEST_P(NodeJoinTest, ANodeIsToldItsPlaceOnceTheJobAdmitsIt) {
   Formed(0, 3);
   auto join = Start(2, absl::Seconds(20));
   ASSERT_TRUE(TicketReads(1, "ranks=2"));
@@ -444,7 +446,7 @@ TEST_F(NodeJoinTest, ANodeIsToldItsPlaceOnceTheJobAdmitsIt) {
   EXPECT_EQ(At("j", ElasticTicketKey(1)), "claimed");
 }
 
-TEST_F(NodeJoinTest, ANodeNotAdmittedInTimeHasItsTicketWithdrawn) {
+TEST_P(NodeJoinTest, ANodeNotAdmittedInTimeHasItsTicketWithdrawn) {
   Formed(0, 1);
   auto join = Start(1, absl::Milliseconds(300));
   absl::StatusOr<NodeJoin::Admitted> answer = Answer();
@@ -458,7 +460,7 @@ TEST_F(NodeJoinTest, ANodeNotAdmittedInTimeHasItsTicketWithdrawn) {
   EXPECT_FALSE(a->decided);
 }
 
-TEST_F(NodeJoinTest, ACallerThatGoesAwayHasItsTicketWithdrawn) {
+TEST_P(NodeJoinTest, ACallerThatGoesAwayHasItsTicketWithdrawn) {
   Formed(0, 1);
   auto join = Start(1, absl::Seconds(20));
   ASSERT_TRUE(TicketReads(1, "ranks=1"));
@@ -468,7 +470,7 @@ TEST_F(NodeJoinTest, ACallerThatGoesAwayHasItsTicketWithdrawn) {
   EXPECT_EQ(At("j", ElasticTicketKey(1)), "withdrawn");
 }
 
-TEST_F(NodeJoinTest, ACancelBeforeTheTicketIsTakenStillLeavesNoneWaiting) {
+TEST_P(NodeJoinTest, ACancelBeforeTheTicketIsTakenStillLeavesNoneWaiting) {
   Formed(0, 1);
   auto join = Start(1, absl::Seconds(20));
   join->Cancel();  // the ticket is taken on the pool: before, during or after this
@@ -478,7 +480,7 @@ TEST_F(NodeJoinTest, ACancelBeforeTheTicketIsTakenStillLeavesNoneWaiting) {
   EXPECT_TRUE(ticket == "withdrawn" || ticket == "<none>") << ticket;
 }
 
-TEST_F(NodeJoinTest, AnAdmissionUnderWayAtTheDeadlineIsWaitedFor) {
+TEST_P(NodeJoinTest, AnAdmissionUnderWayAtTheDeadlineIsWaitedFor) {
   Formed(0, 1);
   auto join = Start(1, absl::Milliseconds(300));
   ASSERT_TRUE(TicketReads(1, "ranks=1"));
@@ -503,13 +505,18 @@ TEST_F(NodeJoinTest, AnAdmissionUnderWayAtTheDeadlineIsWaitedFor) {
   EXPECT_EQ(admitted->admission, place.SerializeAsString());
 }
 
-TEST_F(NodeJoinTest, BadRanksAreRefusedAndTakeNoTicket) {
+TEST_P(NodeJoinTest, BadRanksAreRefusedAndTakeNoTicket) {
   Formed(0, 1);
   auto join = Start(kMaxJoinRanks + 1, absl::Seconds(5));
   absl::StatusOr<NodeJoin::Admitted> answer = Answer();
   EXPECT_EQ(answer.status().code(), absl::StatusCode::kInvalidArgument) << answer.status();
   EXPECT_EQ(At("j", std::string(kElasticTicketsKey)), "<none>");
 }
+
+INSTANTIATE_TEST_SUITE_P(PoolOrInline, NodeJoinTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? "Pool" : "Inline";
+                         });
 
 }  // namespace
 }  // namespace gradsync::core
