@@ -200,11 +200,11 @@ int gs_store_compare_set(gs_client* client, const char* key, const void* expecte
  * the job's next commit; the daemon takes the node's ticket and withdraws it when the wait ends
  * unadmitted (DEADLINE_EXCEEDED) or the caller goes away. *admission (gs_free) and *n: the
  * node's gradsync.v1.JoinAdmission record (gs_record_json reads it), *ticket its ticket.
- * The steps, for tools: a joining node takes a ticket in the job's home (the client's job: epoch 0's id) for its
- * `ranks` ranks; its admission appears at "_gradsync_elastic/admit/<ticket>". It may withdraw
- * it: *withdrawn 1 if this call did, else *state (gs_free) says why ("claimed": an admission is
- * under way). Rank 0 admits the waiting tickets at a commit (the client's job: the current
- * epoch's id; `epoch` the next), none unless they bring `min_joined` ranks: *decided 1 when
+ * The steps, for tools: a joining node takes a ticket in the job's home (the client's job: epoch
+ * 0's id) for its `ranks` ranks; its admission appears at "_gradsync_elastic/admit/<ticket>". It
+ * may withdraw it: *withdrawn 1 if this call did, else *state (gs_free) says why ("claimed": an
+ * admission is under way). Rank 0 admits the waiting tickets at a commit (the client's job: the
+ * current epoch's id; `epoch` the next), none unless they bring `min_joined` ranks: *decided 1 when
  * the epoch has a decision now, *decision (gs_free) the record. */
 int gs_store_join(gs_client* client, int ranks, int64_t timeout_ms, int64_t* ticket,
                   void** admission, size_t* n);

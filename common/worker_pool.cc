@@ -21,6 +21,14 @@ WorkerPool::~WorkerPool() {
   for (std::thread& t : threads_) t.join();
 }
 
+void WorkerPool::RunOn(WorkerPool* pool, std::function<void()> task) {
+  if (pool == nullptr) {
+    task();
+  } else {
+    pool->Schedule(std::move(task));
+  }
+}
+
 void WorkerPool::Schedule(std::function<void()> task) {
   {
     absl::MutexLock lock(&mu_);

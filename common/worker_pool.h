@@ -30,6 +30,10 @@ class WorkerPool {
 
   int size() const { return static_cast<int>(threads_.size()); }
 
+  /// `task` on `pool`, or on the caller when `pool` is null (for callers whose pool is
+  /// optional).
+  static void RunOn(WorkerPool* pool, std::function<void()> task);
+
  private:
   void Loop();
 

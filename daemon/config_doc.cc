@@ -269,8 +269,7 @@ absl::StatusOr<std::string> RenderManual() {
       {"Files",
        "/etc/gradsync/gradsyncd.flags: the flags the systemd unit passes.\n"
        "/etc/gradsync/cluster.token: the cluster token (mode 600 or 640, owned by gradsync), when "
-       "TCP "
-       "listens.\n"
+       "TCP listens.\n"
        "/run/gradsync/gradsyncd.sock: the unix socket trainers and gradsyncctl connect to."},
       {"Exit status",
        "0 after a drain; 1 when the daemon cannot start (the log says why); 2 on "

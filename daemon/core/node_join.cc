@@ -21,7 +21,7 @@ std::shared_ptr<NodeJoin> NodeJoin::Start(gradsync::Store* store, WorkerPool* po
                                           Done done) {
   auto join =
       std::make_shared<NodeJoin>(store, pool, std::move(home), ranks, deadline, std::move(done));
-  join->Run([join] { join->Take(); });
+  WorkerPool::RunOn(join->pool_, [join] { join->Take(); });
   return join;
 }
 
@@ -33,14 +33,6 @@ NodeJoin::NodeJoin(gradsync::Store* store, WorkerPool* pool, std::string home, i
       ranks_(ranks),
       deadline_(deadline),
       done_(std::move(done)) {}
-
-void NodeJoin::Run(std::function<void()> step) {
-  if (pool_ == nullptr) {
-    step();
-  } else {
-    pool_->Schedule(std::move(step));
-  }
-}
 
 void NodeJoin::Cancel() {
   std::optional<Store::WaitId> wait;
@@ -115,7 +107,7 @@ void NodeJoin::Waited(uint64_t wait, absl::StatusOr<std::vector<std::string>> va
   // Not admitted (the deadline, Cancel, or the store failed): the ticket goes, off the
   // store's thread.
   auto self = shared_from_this();
-  Run([self, why = values.status()] { self->Withdraw(why); });
+  WorkerPool::RunOn(pool_, [self, why = values.status()] { self->Withdraw(why); });
 }
 
 void NodeJoin::Withdraw(absl::Status why) {

@@ -56,7 +56,6 @@ class NodeJoin : public std::enable_shared_from_this<NodeJoin> {
            absl::Time deadline, Done done);
 
  private:
-  void Run(std::function<void()> step);
   void Take();
   void Wait(absl::Time until);
   void Waited(uint64_t wait, absl::StatusOr<std::vector<std::string>> values);

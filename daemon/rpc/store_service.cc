@@ -292,14 +292,6 @@ grpc::ServerUnaryReactor* StoreService::Run(grpc::CallbackServerContext* ctx,
   return reactor;
 }
 
-void StoreService::Start(std::function<void()> start) {
-  if (offload_ == nullptr) {
-    start();
-  } else {
-    offload_->Schedule(std::move(start));
-  }
-}
-
 grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* StoreService::Session(
     grpc::CallbackServerContext* ctx) {
   const absl::StatusOr<Who> caller = auth_->Identify(ctx);
@@ -435,8 +427,9 @@ grpc::ServerUnaryReactor* StoreService::Get(grpc::CallbackServerContext* ctx,
     resp->set_value(std::move(values.front()));
     return absl::OkStatus();
   });
-  Start(
-      [reactor, req, deadline = *deadline] { reactor->Start(req->job(), {req->key()}, deadline); });
+  WorkerPool::RunOn(offload_, [reactor, req, deadline = *deadline] {
+    reactor->Start(req->job(), {req->key()}, deadline);
+  });
   return reactor;
 }
 
@@ -454,7 +447,7 @@ grpc::ServerUnaryReactor* StoreService::Wait(grpc::CallbackServerContext* ctx,
     for (std::string& v : values) resp->add_values(std::move(v));
     return absl::OkStatus();
   });
-  Start([reactor, req, deadline = *deadline] {
+  WorkerPool::RunOn(offload_, [reactor, req, deadline = *deadline] {
     reactor->Start(req->job(), {req->keys().begin(), req->keys().end()}, deadline);
   });
   return reactor;
@@ -527,7 +520,7 @@ grpc::ServerUnaryReactor* StoreService::GetPackList(grpc::CallbackServerContext*
     if (pack_list.ok()) *resp->mutable_pack_list() = *std::move(pack_list);
     return pack_list.status();
   });
-  Start([reactor, req, deadline = *deadline] {
+  WorkerPool::RunOn(offload_, [reactor, req, deadline = *deadline] {
     reactor->Start(req->job(), {PackListKey(req->group())}, deadline);
   });
   return reactor;
@@ -570,10 +563,10 @@ grpc::ServerUnaryReactor* StoreService::Join(grpc::CallbackServerContext* ctx,
                           absl::FormatDuration(kJoinGrace),
                           " past it (an admission under way, the ticket's withdrawal)")));
   }
+  // NodeJoin takes its blocking steps to offload_ itself.
   auto* reactor = new JoinReactor(resp);
-  Start([this, reactor, req, wait = now + absl::Milliseconds(req->wait_ms())] {
-    reactor->Start(store_, offload_, req->job(), req->ranks(), wait);
-  });
+  reactor->Start(store_, offload_, req->job(), req->ranks(),
+                 now + absl::Milliseconds(req->wait_ms()));
   return reactor;
 }
 

@@ -88,8 +88,6 @@ class StoreService final : public v1::Store::CallbackService {
   // Run, for a caller that may reach job `job` (PeerAuth::MayReach); else its refusal.
   grpc::ServerUnaryReactor* RunForJob(grpc::CallbackServerContext* ctx, absl::string_view job,
                                       std::function<absl::Status()> work);
-  // Runs `start` (which begins a store wait) inline, or on offload_.
-  void Start(std::function<void()> start);
 
   // The calls that never wait, shared by the unary methods and Session; `caller` decides which
   // keys they may touch (common/store_keys.h).

@@ -267,14 +267,7 @@ absl::Status EtcdStore::Probe(absl::Duration timeout) {
 // ---- Keys and limits ------------------------------------------------------------------------
 
 absl::Status EtcdStore::CheckKey(absl::string_view job, absl::string_view key) const {
-  if (absl::Status s = CheckJobId(job); !s.ok()) return s;
-  if (key.empty()) return absl::InvalidArgumentError("key is empty");
-  if (static_cast<int64_t>(key.size()) > options_.limits.max_key_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("key is ", key.size(), " bytes; the limit is ",
-                                                   options_.limits.max_key_bytes,
-                                                   " (--store_max_key_bytes)"));
-  }
-  return absl::OkStatus();
+  return CheckJobKey(job, key, options_.limits.max_key_bytes);
 }
 
 std::string EtcdStore::JobPrefix(absl::string_view job) const {

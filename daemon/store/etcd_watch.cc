@@ -149,12 +149,7 @@ void EtcdStore::RunCallbacks(std::vector<Fired>& fired) {
 Store::WaitId EtcdStore::WaitAsync(absl::string_view job, std::vector<std::string> keys,
                                    absl::Time deadline, WaitCallback done) {
   calls_.fetch_add(1, std::memory_order_relaxed);
-  absl::Status invalid;
-  if (keys.empty()) invalid = absl::InvalidArgumentError("wait needs at least one key");
-  for (const std::string& key : keys) {
-    if (!invalid.ok()) break;
-    invalid = CheckKey(job, key);
-  }
+  absl::Status invalid = CheckWaitKeys(job, keys, options_.limits.max_key_bytes);
   WaitId id = 0;
   {
     absl::MutexLock lock(&mu_);

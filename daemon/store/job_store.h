@@ -8,11 +8,19 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/store.h"
 
 namespace gradsync::store {
+
+/// A key of job `job` as every job store takes it: a valid job id, a key of 1 to
+/// `max_key_bytes` bytes (--store_max_key_bytes); INVALID_ARGUMENT saying which.
+absl::Status CheckJobKey(absl::string_view job, absl::string_view key, int64_t max_key_bytes);
+/// The keys of a wait: at least one, each as CheckJobKey takes it.
+absl::Status CheckWaitKeys(absl::string_view job, const std::vector<std::string>& keys,
+                           int64_t max_key_bytes);
 
 /// Size of one job's namespace, for inspection.
 struct JobStats {

@@ -41,14 +41,7 @@ MemoryStore::~MemoryStore() {
 }
 
 absl::Status MemoryStore::CheckKey(absl::string_view job, absl::string_view key) const {
-  if (absl::Status s = CheckJobId(job); !s.ok()) return s;
-  if (key.empty()) return absl::InvalidArgumentError("key is empty");
-  if (static_cast<int64_t>(key.size()) > options_.max_key_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("key is ", key.size(), " bytes; the limit is ",
-                                                   options_.max_key_bytes,
-                                                   " (--store_max_key_bytes)"));
-  }
-  return absl::OkStatus();
+  return CheckJobKey(job, key, options_.max_key_bytes);
 }
 
 absl::Status MemoryStore::PutLocked(absl::string_view job, absl::string_view key, std::string value,
@@ -226,12 +219,7 @@ absl::Status MemoryStore::Set(absl::string_view job, absl::string_view key, std:
 Store::WaitId MemoryStore::WaitAsync(absl::string_view job, std::vector<std::string> keys,
                                      absl::Time deadline, WaitCallback done) {
   calls_.fetch_add(1, std::memory_order_relaxed);
-  absl::Status invalid;
-  if (keys.empty()) invalid = absl::InvalidArgumentError("wait needs at least one key");
-  for (const std::string& key : keys) {
-    if (!invalid.ok()) break;
-    invalid = CheckKey(job, key);
-  }
+  absl::Status invalid = CheckWaitKeys(job, keys, options_.max_key_bytes);
   std::vector<Fired> fired;
   WaitId id = 0;
   {
