@@ -103,8 +103,13 @@ ABSL_FLAG(absl::Duration, peer_timeout, absl::Milliseconds(1500),
           "once with UNAVAILABLE naming it. Raise it only on networks that drop all traffic for "
           "seconds at a time");
 ABSL_FLAG(absl::Duration, peer_heartbeat, absl::Milliseconds(250),
-          "How often each daemon of a job spanning nodes tells the others it is alive (at most "
-          "--peer_timeout / 2)");
+          "How often each daemon of a job spanning nodes tells its ring neighbours it is alive (at "
+          "most --peer_timeout / 2)");
+ABSL_FLAG(int, peer_watch_ring, 2,
+          "Ring neighbours each way whose heartbeats a daemon of a job spanning nodes checks "
+          "(and that check its own); a loss one finds is passed to every daemon of the job over "
+          "O(log N) links each. 0: every daemon watches every other (a mesh: 2(N-1) heartbeats "
+          "each). Every daemon of a job must use the same value");
 ABSL_FLAG(int64_t, cpu_inline_max_bytes, gradsync::backend::cpu::CpuTuning{}.inline_max_bytes,
           "Ops across nodes moving at most this many bytes per node travel inside their verdict "
           "record (one exchange); larger ones run a ring, broadcast or all-gather after it. The "
@@ -299,6 +304,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.cpu.min_bytes_per_part = absl::GetFlag(FLAGS_cpu_min_bytes_per_part);
   c.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
   c.peer_heartbeat = absl::GetFlag(FLAGS_peer_heartbeat);
+  c.peer_watch_ring = absl::GetFlag(FLAGS_peer_watch_ring);
   c.cpu.await_peer_watch = c.peer_timeout + absl::Milliseconds(500);
   c.nccl_keep = absl::GetFlag(FLAGS_nccl_keep);
   c.engine.history_size = absl::GetFlag(FLAGS_history_size);
@@ -408,6 +414,9 @@ absl::Status Validate(const DaemonConfig& c) {
   if (c.peer_heartbeat < absl::Milliseconds(10) || c.peer_timeout < 2 * c.peer_heartbeat) {
     return absl::InvalidArgumentError(
         "--peer_heartbeat must be at least 10ms and --peer_timeout at least twice it");
+  }
+  if (c.peer_watch_ring < 0 || c.peer_watch_ring > 64) {
+    return absl::InvalidArgumentError("--peer_watch_ring must be 0 (a mesh) to 64");
   }
   if (c.nccl_keep < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--nccl_keep must not be negative");

@@ -45,10 +45,11 @@ struct DaemonConfig {
   int workers = 0;  // threads for large collectives; 0: one per CPU
   // The CPU data plane's tuning (--cpu_*): for benchmarking.
   backend::cpu::CpuTuning cpu;
-  // Liveness of the other daemons of jobs spanning nodes: a heartbeat every peer_heartbeat, a
-  // peer silent for peer_timeout is lost.
+  // Liveness of the other daemons of jobs spanning nodes: a heartbeat every peer_heartbeat to
+  // each ring neighbour, a neighbour silent for peer_timeout is lost (and every node told).
   absl::Duration peer_timeout = absl::Milliseconds(1500);
   absl::Duration peer_heartbeat = absl::Milliseconds(250);
+  int peer_watch_ring = 2;  // ring neighbours watched each way (0: every peer)
   // A finished job's NCCL communicators on one node, kept for its restart (0: dropped at once).
   absl::Duration nccl_keep = absl::Minutes(5);
   std::string cluster_token;  // TCP calls must carry it (required with TCP); from --token_file

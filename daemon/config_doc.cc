@@ -97,15 +97,19 @@ const std::vector<Section>& Sections() {
        "register, and how long a finished job's NCCL communicators are kept for its restart.",
        {"op_timeout", "max_op_timeout", "workers", "max_buffers_per_session", "nccl_keep"}},
       {"Liveness of other daemons",
-       "Every daemon of a job spanning nodes sends the others a heartbeat on links of its own, "
-       "from a thread that does nothing else: no op, however busy, delays it, and a trainer's "
-       "pause (a long step, a garbage collection) does not count, since only daemons send "
-       "them. A peer that sends nothing for --peer_timeout, whose connection closes or resets, "
-       "or that cannot be reached, is lost: the job's ops on groups spanning it fail at once "
-       "with UNAVAILABLE naming the node, its ranks and the cause, on every survivor. The "
-       "default (1.5 s, six heartbeats) leaves a daemon thread five missed heartbeats of "
-       "scheduling delay before it counts as frozen.",
-       {"peer_timeout", "peer_heartbeat"}},
+       "Every daemon of a job spanning nodes sends its --peer_watch_ring neighbours each way "
+       "around the job's ring a heartbeat on links of its own, from a thread that does nothing "
+       "else: no op, however busy, delays it, and a trainer's pause (a long step, a garbage "
+       "collection) does not count, since only daemons send them. A neighbour that sends "
+       "nothing for --peer_timeout, a linked peer whose connection closes or resets, or one "
+       "that cannot be reached, is lost; the daemon that finds it tells the others over its "
+       "O(log N) links and each passes it on once, so every survivor learns it within a few "
+       "hops: the job's ops on groups spanning it fail at once with UNAVAILABLE naming the "
+       "node, its ranks and the cause. A daemon declared lost by the others (it was frozen or "
+       "cut off) counts every peer lost when it hears so. The default (1.5 s, six heartbeats) "
+       "leaves a daemon thread five missed heartbeats of scheduling delay before it counts as "
+       "frozen.",
+       {"peer_timeout", "peer_heartbeat", "peer_watch_ring"}},
       {"CPU data plane tuning",
        "How the host plane moves bytes between nodes and splits large single-node ops across "
        "threads. Change them almost never: they are for benchmarking (the defaults were chosen "

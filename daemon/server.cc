@@ -35,6 +35,14 @@ namespace {
 
 auto Log() { return logging::Logger("daemon"); }
 
+backend::cpu::LinkPeerWatch::Options WatchOptions(const DaemonConfig& c) {
+  backend::cpu::LinkPeerWatch::Options o;
+  o.timeout = c.peer_timeout;
+  o.interval = c.peer_heartbeat;
+  o.ring = c.peer_watch_ring;
+  return o;
+}
+
 // What a reply's payload may take of --max_message_bytes, the rest left for its envelope.
 int64_t ReplyBytes(const DaemonConfig& config) { return config.max_message_bytes - 4096; }
 
@@ -125,7 +133,7 @@ DaemonServer::DaemonServer(DaemonConfig config)
             if (!core::RetainsNamespace(*store_, job)) store_->DeleteJob(job);
           },
           [this](const std::string& address) { return PeerStore(address); }),
-      peer_watch_({config_.peer_timeout, config_.peer_heartbeat}),
+      peer_watch_(WatchOptions(config_)),
       pool_(config_.workers > 0
                 ? config_.workers
                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),

@@ -25,9 +25,11 @@ enum class LossCause {
   kUnreachable,  // never reached, or no word since its link formed
   kError,        // any other failure of the link
   kLeft,         // it left the job on purpose (not a loss)
+  kExpelled,     // this node's peers declared it lost (it was frozen or cut off): all are lost
 };
 
-/// The metrics' name: "silent", "closed", "reset", "unreachable", "error", "left" ("" for kNone).
+/// The metrics' name: "silent", "closed", "reset", "unreachable", "error", "left", "expelled"
+/// ("" for kNone).
 inline const char* LossCauseName(LossCause cause) {
   switch (cause) {
     case LossCause::kNone:
@@ -44,6 +46,8 @@ inline const char* LossCauseName(LossCause cause) {
       return "error";
     case LossCause::kLeft:
       return "left";
+    case LossCause::kExpelled:
+      return "expelled";
   }
   return "invalid";
 }
@@ -84,8 +88,18 @@ class PeerWatch {
   virtual void Unwatch(const std::string& job) = 0;
   /// The job's peers (empty when not watched).
   virtual std::vector<PeerState> Peers(const std::string& job) const = 0;
-  /// Peers lost since start, by LossCauseName (never "left").
+  /// Peers lost since start, by LossCauseName (never "left"); "expelled" counts the times this
+  /// node was declared lost by its peers.
   virtual std::map<std::string, int64_t> LossCounts() const = 0;
+
+  /// What watching costs this daemon, over every job: links open now, and messages sent since
+  /// start (heartbeats; notices of a peer lost or left, passed on).
+  struct Totals {
+    int64_t links = 0;
+    int64_t heartbeats_sent = 0;
+    int64_t notices_sent = 0;
+  };
+  virtual Totals GetTotals() const { return {}; }
 };
 
 /// "connecting", "alive", "lost", "left".

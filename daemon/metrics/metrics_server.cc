@@ -54,6 +54,34 @@ void AddScalar(std::vector<MetricFamily>& out, std::string name, std::string hel
   out.push_back(std::move(f));
 }
 
+// Losses by cause, and what watching costs (links, heartbeats, notices passed on).
+void AddPeerWatch(std::vector<MetricFamily>& out, const core::PeerWatch& watch) {
+  MetricFamily losses = Family("gradsync_peer_losses_total",
+                               "Peer daemons of jobs spanning nodes found lost, by cause "
+                               "(silent, closed, reset, unreachable, error; expelled: this node "
+                               "was declared lost by its peers)",
+                               MetricType::Counter);
+  const std::map<std::string, int64_t> counts = watch.LossCounts();
+  for (const char* cause : {"silent", "closed", "reset", "unreachable", "error", "expelled"}) {
+    prometheus::ClientMetric m;
+    m.label.push_back({"cause", cause});
+    auto it = counts.find(cause);
+    m.counter.value = static_cast<double>(it == counts.end() ? 0 : it->second);
+    losses.metric.push_back(std::move(m));
+  }
+  out.push_back(std::move(losses));
+  const core::PeerWatch::Totals t = watch.GetTotals();
+  AddScalar(out, "gradsync_peer_watch_links",
+            "Liveness links open to peer daemons, over every job (O(log N) per job)",
+            MetricType::Gauge, static_cast<double>(t.links));
+  AddScalar(out, "gradsync_peer_heartbeats_sent_total",
+            "Heartbeats sent to peer daemons (to ring neighbours only: a constant rate per job)",
+            MetricType::Counter, static_cast<double>(t.heartbeats_sent));
+  AddScalar(out, "gradsync_peer_notices_sent_total",
+            "Notices of a peer lost or left passed on to other daemons", MetricType::Counter,
+            static_cast<double>(t.notices_sent));
+}
+
 }  // namespace
 
 std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
@@ -142,21 +170,7 @@ std::vector<MetricFamily> CollectMetrics(const MetricSources& s) {
     AddScalar(out, "gradsync_mapped_bytes", "Bytes of trainer buffers mapped by the daemon",
               MetricType::Gauge, static_cast<double>(t.mapped_bytes));
   }
-  if (s.peer_watch != nullptr) {
-    MetricFamily losses = Family("gradsync_peer_losses_total",
-                                 "Peer daemons of jobs spanning nodes found lost, by cause "
-                                 "(silent, closed, reset, unreachable, error)",
-                                 MetricType::Counter);
-    const std::map<std::string, int64_t> counts = s.peer_watch->LossCounts();
-    for (const char* cause : {"silent", "closed", "reset", "unreachable", "error"}) {
-      prometheus::ClientMetric m;
-      m.label.push_back({"cause", cause});
-      auto it = counts.find(cause);
-      m.counter.value = static_cast<double>(it == counts.end() ? 0 : it->second);
-      losses.metric.push_back(std::move(m));
-    }
-    out.push_back(std::move(losses));
-  }
+  if (s.peer_watch != nullptr) AddPeerWatch(out, *s.peer_watch);
   if (!s.mps.empty()) {
     MetricFamily mps = Family("gradsync_mps_active",
                               "1 when this daemon's CUDA contexts are MPS clients (its kernels can "

@@ -3,15 +3,19 @@
 // the timeout, one that ends its job is "left" and not counted as a loss, and Unwatch stops the
 // callbacks.
 
+#include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/backend/cpu/link_peer_watch.h"
+#include "daemon/backend/cpu/link_plan.h"
 #include "daemon/backend/cpu/record_links.h"
 #include "daemon/backend/cpu/socket.h"
 #include "daemon/store/memory_store.h"
@@ -188,6 +192,182 @@ TEST(PeerWatchTest, APeerThatNeverConnectsIsLostAsUnreachable) {
   EXPECT_EQ(watch.LossCounts().at("unreachable"), 1);
   ASSERT_EQ(watch.Peers("j").size(), 1u);
   EXPECT_EQ(watch.Peers("j")[0].loss, core::LossCause::kUnreachable);
+}
+
+// Beyond five nodes a watch is not a mesh (link_plan.h): these jobs have more nodes than two
+// ring neighbours each way reach.
+std::vector<std::string> ManyNodes(int n) {
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) out.push_back(absl::StrCat("127.0.0.1:", 100 + i));
+  return out;
+}
+
+// `n` watches of one job on `ring`, node `skip` (if any) left to the test.
+struct Job {
+  store::MemoryStore store;
+  std::vector<std::string> nodes;
+  std::vector<std::unique_ptr<Losses>> losses;  // outlive the watches, whose threads call them
+  std::vector<std::unique_ptr<LinkPeerWatch>> watches;
+
+  Job(int n, LinkPeerWatch::Options o, int skip = -1) : nodes(ManyNodes(n)) {
+    for (int i = 0; i < n; ++i) {
+      losses.push_back(std::make_unique<Losses>());
+      watches.push_back(i == skip ? nullptr : std::make_unique<LinkPeerWatch>(o));
+    }
+    for (int i = 0; i < n; ++i) {
+      if (watches[i]) watches[i]->Watch("j", "run1", nodes, i, &store, losses[i]->Callback());
+    }
+  }
+};
+
+TEST(PeerWatchPlanTest, ADaemonGoneIsReportedOnceToEverySurvivorOverLogNLinksEach) {
+  constexpr int kN = 10;
+  LinkPeerWatch::Options o = Fast();
+  o.ring = 1;  // node i links to i+-1, i+-2, i+-4, i+-8: 6 of its 9 peers; heartbeats to 2
+  Job job(kN, o);
+  for (int i = 0; i < kN; ++i) {
+    ASSERT_TRUE(AwaitState(*job.watches[i], "j", State::kAlive, kN - 1)) << i;
+    EXPECT_EQ(job.watches[i]->GetTotals().links, 6) << i;
+  }
+  absl::SleepFor(absl::Milliseconds(500));
+  const int64_t beats = job.watches[0]->GetTotals().heartbeats_sent;
+  EXPECT_GT(beats, 0);
+  constexpr int kGone = 5;
+  job.watches[kGone].reset();  // its connections close: its linked peers see it at once
+  for (int i = 0; i < kN; ++i) {
+    if (i == kGone) continue;
+    auto seen = job.losses[i]->Await(1, absl::Seconds(20));
+    ASSERT_EQ(seen.size(), 1u) << "node " << i;
+    EXPECT_EQ(seen[0].first, job.nodes[kGone]);
+    EXPECT_EQ(seen[0].second.code(), absl::StatusCode::kUnavailable);
+    EXPECT_TRUE(absl::StrContains(seen[0].second.message(), "lost: the connection was"))
+        << i << ": " << seen[0].second;
+    const std::vector<int> linked = LinkedNodes(kN, i, 1);
+    if (!std::binary_search(linked.begin(), linked.end(), kGone)) {
+      // Not linked to it: told by one that is.
+      EXPECT_TRUE(absl::StrContains(seen[0].second.message(), ", seen by node 127.0.0.1:"))
+          << i << ": " << seen[0].second;
+    }
+  }
+  // Reported once each, and the survivors still hear each other.
+  absl::SleepFor(absl::Milliseconds(800));
+  for (int i = 0; i < kN; ++i) {
+    if (i == kGone) continue;
+    EXPECT_EQ(job.losses[i]->Await(0, absl::ZeroDuration()).size(), 1u) << i;
+    for (const core::PeerState& p : job.watches[i]->Peers("j")) {
+      EXPECT_EQ(p.state, p.node == job.nodes[kGone] ? State::kLost : State::kAlive)
+          << i << " sees " << p.node;
+    }
+  }
+  EXPECT_GT(job.watches[0]->GetTotals().notices_sent, 0);
+}
+
+// The wire form of a notice (link_peer_watch.cc): "gsnote01", then int32 left, node, origin,
+// cause (core::LossCause), then the text.
+std::string NoticeBytes(int node, int origin, core::LossCause cause, const std::string& text) {
+  std::string out("gsnote01", 8);
+  for (int32_t v : {0, node, origin, static_cast<int32_t>(cause)}) {
+    out.append(reinterpret_cast<const char*>(&v), sizeof(v));
+  }
+  return out + text;
+}
+
+TEST(PeerWatchPlanTest, AFrozenNodeIsFoundByItsRingNeighboursEveryOtherIsToldAndSoIsIt) {
+  constexpr int kN = 8, kFrozen = 7;
+  LinkPeerWatch::Options o = Fast();
+  o.ring = 1;  // node 7's ring neighbours: 6 and 0
+  Job job(kN, o, kFrozen);
+  // Node 7: links of the watch's kind over its plan that say one word each and then nothing
+  // (a daemon frozen).
+  RecordLinks::Spec spec;
+  spec.store = &job.store;
+  spec.job = "j";
+  spec.prefix = "watch/run1/";
+  spec.nodes = job.nodes;
+  spec.me = kFrozen;
+  spec.peers = LinkedNodes(kN, kFrozen, 1);
+  spec.max_message_bytes = 4096;
+  auto frozen = RecordLinks::Connect(spec, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(frozen.ok()) << frozen.status();
+  const std::byte word[8] = {};
+  ASSERT_TRUE((*frozen)->Send(word, absl::Now() + absl::Seconds(20)).ok());
+  for (int i = 0; i < kFrozen; ++i) {
+    auto seen = job.losses[i]->Await(1, absl::Seconds(20));
+    ASSERT_EQ(seen.size(), 1u) << "node " << i;
+    EXPECT_EQ(seen[0].first, job.nodes[kFrozen]);
+    EXPECT_TRUE(absl::StrContains(seen[0].second.message(), "lost: no word for"))
+        << i << ": " << seen[0].second;
+    // Its ring neighbours (0, 6) find it themselves, or hear it from the other one first; the
+    // rest are told.
+    if (i != 0 && i != 6) {
+      EXPECT_TRUE(absl::StrContains(seen[0].second.message(), ", seen by node"))
+          << i << ": " << seen[0].second;
+    }
+    EXPECT_EQ(job.watches[i]->LossCounts().at("silent"), 1) << i;
+  }
+  // A neighbour told node 7 before it dropped the link: a notice about node 7 itself.
+  bool told = false;
+  for (int from : {0, 6}) {
+    for (int k = 0; k < 64 && !told; ++k) {
+      auto m = (*frozen)->Receive(from, absl::Now() + absl::Seconds(5));
+      if (!m.ok()) break;
+      int32_t about = -1;
+      if (m->size() >= 24 && std::memcmp(m->data(), "gsnote01", 8) == 0) {
+        std::memcpy(&about, m->data() + 12, sizeof(about));
+        told = about == kFrozen;
+      }
+    }
+  }
+  EXPECT_TRUE(told) << "no ring neighbour told the frozen node it was declared lost";
+}
+
+TEST(PeerWatchPlanTest, ANodeToldItIsLostCountsEveryPeerLostAndTheOthersGoOn) {
+  constexpr int kN = 6, kTeller = 5, kTold = 4;
+  LinkPeerWatch::Options o = Fast();
+  o.ring = 1;
+  o.timeout = absl::Seconds(30);  // no one falls silent here: node 5 is the test's
+  Job job(kN, o, kTeller);
+  RecordLinks::Spec spec;
+  spec.store = &job.store;
+  spec.job = "j";
+  spec.prefix = "watch/run1/";
+  spec.nodes = job.nodes;
+  spec.me = kTeller;
+  spec.peers = LinkedNodes(kN, kTeller, 1);  // 0, 1, 3, 4
+  spec.max_message_bytes = 4096;
+  auto teller = RecordLinks::Connect(spec, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(teller.ok()) << teller.status();
+  const std::byte word[8] = {};
+  ASSERT_TRUE((*teller)->Send(word, absl::Now() + absl::Seconds(20)).ok());
+  for (int i = 0; i < kTeller; ++i) ASSERT_TRUE(AwaitState(*job.watches[i], "j", State::kAlive, 5));
+  const std::string notice = NoticeBytes(kTold, kTeller, core::LossCause::kSilent,
+                                         "lost: no word for 9.9 s (frozen, or the network ...)");
+  const absl::Span<const std::byte> parts[] = {
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(notice.data()), notice.size())};
+  ASSERT_TRUE((*teller)->SendTo(kTold, parts, absl::Now() + absl::Seconds(5)).ok());
+  // Node 4 counts every peer lost, as expelled, once.
+  auto seen = job.losses[kTold]->Await(kN - 1, absl::Seconds(20));
+  ASSERT_EQ(seen.size(), static_cast<size_t>(kN - 1));
+  for (const auto& [node, cause] : seen) {
+    EXPECT_TRUE(absl::StrContains(cause.message(),
+                                  "this node was declared lost by node " + job.nodes[kTeller]))
+        << cause;
+  }
+  EXPECT_EQ(job.watches[kTold]->LossCounts().at("expelled"), 1);
+  for (const core::PeerState& p : job.watches[kTold]->Peers("j")) {
+    EXPECT_EQ(p.loss, core::LossCause::kExpelled) << p.node;
+  }
+  // The others lose node 4 (it dropped its links) and no one else: its word was not passed on.
+  for (int i = 0; i < kTold; ++i) {
+    auto lost = job.losses[i]->Await(1, absl::Seconds(20));
+    ASSERT_EQ(lost.size(), 1u) << i;
+    EXPECT_EQ(lost[0].first, job.nodes[kTold]) << i;
+  }
+  absl::SleepFor(absl::Milliseconds(500));
+  for (int i = 0; i < kTold; ++i) {
+    EXPECT_EQ(job.losses[i]->Await(0, absl::ZeroDuration()).size(), 1u) << i;
+    EXPECT_EQ(job.watches[i]->LossCounts().count("expelled"), 0u) << i;
+  }
 }
 
 // The cause comes from what the socket layer met, never from a message's words.

@@ -125,8 +125,8 @@ bool MaySetSendBuffer() {
 // One handshake with the listener at `host port` holding `key`, as node `me` to node `to`.
 absl::StatusOr<Link> HandshakeOnce(const std::string& host, const std::string& port,
                                    const std::string& key, int me, int to, absl::Time deadline,
-                                   int cancel_fd) {
-  absl::StatusOr<UniqueFd> fd = sock::Connect(host, port, deadline, cancel_fd);
+                                   int cancel_fd, const std::string& source) {
+  absl::StatusOr<UniqueFd> fd = sock::Connect(host, port, deadline, cancel_fd, source);
   if (!fd.ok()) return fd.status();
   if (absl::Status s = SetLinkOptions(fd->get()); !s.ok()) return s;
   Hello hello{kHelloMagic, static_cast<uint32_t>(me), static_cast<uint32_t>(to), {}};
@@ -181,19 +181,24 @@ class Acceptor {
     for (bool w : wanted_) missing_ += w ? 1 : 0;
   }
 
-  absl::StatusOr<std::vector<Link>> Run(absl::Time deadline, int cancel_fd) {
+  absl::StatusOr<std::vector<Link>> Run(absl::Time deadline, int cancel_fd, int stop_fd) {
     while (missing_ > 0) {
       if (absl::Now() >= deadline) return Late();
       absl::Time wake = deadline;
+      // The listener, the handshakes (fds[1...]), then the stop fd (ignored by poll when -1).
       std::vector<pollfd> fds = {{listener_, POLLIN, 0}};
       for (const Pending& c : pending_) {
         fds.push_back({c.fd.get(), POLLIN, 0});
         wake = std::min(wake, c.until);
       }
+      fds.push_back({stop_fd, POLLIN, 0});
       absl::StatusOr<int> polled = sock::Poll(absl::MakeSpan(fds), wake, cancel_fd);
       if (!polled.ok()) {
         return absl::Status(polled.status().code(),
                             absl::StrCat("record links: accepting: ", polled.status().message()));
+      }
+      if ((fds.back().revents & POLLIN) != 0) {
+        return absl::CancelledError("record links: accepting: stopped");
       }
       // Handshakes first (their indices match fds[1...]), then new connections.
       std::vector<Pending> still;
@@ -348,10 +353,11 @@ absl::Status SetLinkOptions(int fd) {
 }
 
 absl::StatusOr<Link> Dial(const std::string& host, const std::string& port, const std::string& key,
-                          int me, int to, absl::Time deadline, int cancel_fd) {
+                          int me, int to, absl::Time deadline, int cancel_fd,
+                          const std::string& source) {
   absl::Status last;
   for (int attempt = 0;; ++attempt) {
-    absl::StatusOr<Link> link = HandshakeOnce(host, port, key, me, to, deadline, cancel_fd);
+    absl::StatusOr<Link> link = HandshakeOnce(host, port, key, me, to, deadline, cancel_fd, source);
     if (link.ok()) return link;
     last = link.status();
     if (last.code() == absl::StatusCode::kCancelled || last.code() == absl::StatusCode::kInternal ||
@@ -372,8 +378,8 @@ absl::StatusOr<Link> Dial(const std::string& host, const std::string& port, cons
 absl::StatusOr<std::vector<Link>> AcceptPeers(int listener, const std::string& key, int me,
                                               const std::vector<std::string>& nodes,
                                               std::vector<bool> wanted, absl::Time deadline,
-                                              int cancel_fd) {
-  return Acceptor(listener, key, me, nodes, std::move(wanted)).Run(deadline, cancel_fd);
+                                              int cancel_fd, int stop_fd) {
+  return Acceptor(listener, key, me, nodes, std::move(wanted)).Run(deadline, cancel_fd, stop_fd);
 }
 
 absl::Status ResumeMark(const std::string& sender_key, int from, int to, const std::string& id,

@@ -42,17 +42,20 @@ struct Link {
 /// and runs the handshake; one that fails for a reason that passes (dropped among a stranger's
 /// flood, a stranger on a reused port) is tried again until `deadline`. Failures name the
 /// attempts and the last reason: UNAVAILABLE (refused, not proven), DEADLINE_EXCEEDED,
-/// CANCELLED (cancel_fd fired), INTERNAL (OpenSSL).
+/// CANCELLED (cancel_fd fired), INTERNAL (OpenSSL). `source`: this node's own host, which the
+/// connection comes from when both are loopback addresses (sock::Connect).
 absl::StatusOr<Link> Dial(const std::string& host, const std::string& port, const std::string& key,
-                          int me, int to, absl::Time deadline, int cancel_fd);
+                          int me, int to, absl::Time deadline, int cancel_fd,
+                          const std::string& source = "");
 
 /// On `listener`, runs the handshakes of the nodes marked in `wanted` (by index; each later
 /// than `me`, holding `key`) until each of them connected, by `deadline`: the links by node.
-/// DEADLINE_EXCEEDED names the nodes (`nodes`, by index) that did not connect.
+/// DEADLINE_EXCEEDED names the nodes (`nodes`, by index) that did not connect; CANCELLED once
+/// `cancel_fd` or `stop_fd` (either may be -1) is readable.
 absl::StatusOr<std::vector<Link>> AcceptPeers(int listener, const std::string& key, int me,
                                               const std::vector<std::string>& nodes,
                                               std::vector<bool> wanted, absl::Time deadline,
-                                              int cancel_fd);
+                                              int cancel_fd, int stop_fd = -1);
 
 /// The mark a node sends on a connection taken over, after whatever its earlier epoch sent: a
 /// magic number, zeros, then an HMAC under the sender's key of this epoch (fresh, so no earlier

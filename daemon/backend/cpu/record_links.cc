@@ -9,9 +9,11 @@
 #include <sys/uio.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <map>
 #include <new>
+#include <thread>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -71,6 +73,7 @@ struct RecordLinks::Peer {
   bool cut = false;           // a message of ours went out in part: the stream cannot go on
   bool ended = false;         // the peer parked the connection (its end mark came in)
   bool write_closed = false;  // CloseWrite
+  bool linked = true;         // in Spec::peers (or every node when that is empty)
 };
 
 struct RecordLinks::Resuming {
@@ -81,7 +84,22 @@ struct RecordLinks::Resuming {
   bool found = false;
 };
 
-RecordLinks::RecordLinks(Spec spec) : spec_(std::move(spec)), peers_(spec_.nodes.size()) {}
+RecordLinks::RecordLinks(Spec spec) : spec_(std::move(spec)), peers_(spec_.nodes.size()) {
+  if (spec_.peers.empty()) return;
+  for (Peer& p : peers_) p.linked = false;
+  for (int i : spec_.peers) {
+    if (i >= 0 && i < nodes() && i != spec_.me) peers_[i].linked = true;
+  }
+  for (Peer& p : peers_) {
+    if (!p.linked) p.error = absl::FailedPreconditionError("no link to that node (link plan)");
+  }
+}
+
+bool RecordLinks::Linked(int node) const {
+  return node >= 0 && node < nodes() && node != spec_.me && peers_[node].linked;
+}
+
+int RecordLinks::PollFd(int node) const { return Linked(node) ? peers_[node].fd.get() : -1; }
 
 RecordLinks::~RecordLinks() {
   // Unread bytes at close(2) make the kernel reset the connection, which can drop what we
@@ -123,8 +141,10 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
   std::map<int, std::vector<LinkPark::Link>> kept;
   std::string kept_ids;
   if (s.park != nullptr) {
-    std::vector<std::string> peers = s.nodes;
-    peers.erase(peers.begin() + me);
+    std::vector<std::string> peers;
+    for (int i = 0; i < n; ++i) {
+      if (links->Linked(i)) peers.push_back(s.nodes[i]);
+    }
     for (auto& [node, links_to] : s.park->Take(s.home, peers)) {
       for (const LinkPark::Link& link : links_to) {
         absl::StrAppend(&kept_ids, kept_ids.empty() ? " " : ",", link.id);
@@ -141,32 +161,51 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
   // The addresses of every earlier node, and of every later one this node kept a connection to.
   std::vector<int> published;
   for (int i = 0; i < n; ++i) {
-    if (i < me || (i > me && kept.count(i) > 0)) published.push_back(i);
+    if (links->Linked(i) && (i < me || kept.count(i) > 0)) published.push_back(i);
   }
   absl::StatusOr<std::vector<std::vector<std::string>>> addresses =
       links->ReadAddresses(published, deadline);
   if (!addresses.ok()) return addresses.status();
   if (absl::Status st = links->TakeOver(kept, *addresses, *key, deadline); !st.ok()) return st;
-  // Connect to every earlier node, proving we hold its key and checking that it does.
-  for (int i = 0; i < me; ++i) {
-    if (links->peers_[i].adopted) continue;
-    const std::vector<std::string>& parts = (*addresses)[i];
-    absl::StatusOr<link::Link> made =
-        link::Dial(parts[0], parts[1], parts[2], me, i, deadline, s.cancel_fd);
-    if (!made.ok()) return links->Fail(i, made.status());
-    links->peers_[i].fd = std::move(made->fd);
-    links->peers_[i].id = std::move(made->id);
-  }
-  // Accept every later node not taken over.
+  // Accept every later node not taken over (on a thread of its own, from now), while this one
+  // dials every earlier node, proving we hold its key and checking that it does: a node's
+  // accepting never waits for its own dialing, so no chain of nodes waits on each other.
   std::vector<bool> wanted(n, false);
   bool any = false;
   for (int j = me + 1; j < n; ++j) {
-    wanted[j] = !links->peers_[j].adopted;
+    wanted[j] = links->Linked(j) && !links->peers_[j].adopted;
     any = any || wanted[j];
   }
-  if (!any) return links;
-  absl::StatusOr<std::vector<link::Link>> accepted =
-      link::AcceptPeers(listener->fd.get(), *key, me, s.nodes, wanted, deadline, s.cancel_fd);
+  UniqueFd stop_accepting(any ? sock::NewCancelFd() : -1);
+  if (any && stop_accepting.get() < 0) {
+    return absl::InternalError(absl::StrCat("record links: eventfd: ", std::strerror(errno)));
+  }
+  absl::StatusOr<std::vector<link::Link>> accepted = std::vector<link::Link>();
+  std::thread accepting;
+  if (any) {
+    accepting = std::thread([&] {
+      accepted = link::AcceptPeers(listener->fd.get(), *key, me, s.nodes, wanted, deadline,
+                                   s.cancel_fd, stop_accepting.get());
+    });
+  }
+  absl::Status dialed;
+  for (int i = 0; i < me && dialed.ok(); ++i) {
+    if (!links->Linked(i) || links->peers_[i].adopted) continue;
+    const std::vector<std::string>& parts = (*addresses)[i];
+    absl::StatusOr<link::Link> made =
+        link::Dial(parts[0], parts[1], parts[2], me, i, deadline, s.cancel_fd, host);
+    if (!made.ok()) {
+      dialed = links->Fail(i, made.status());
+      break;
+    }
+    links->peers_[i].fd = std::move(made->fd);
+    links->peers_[i].id = std::move(made->id);
+  }
+  if (accepting.joinable()) {
+    if (!dialed.ok()) sock::Signal(stop_accepting.get());
+    accepting.join();
+  }
+  if (!dialed.ok()) return dialed;
   if (!accepted.ok()) return accepted.status();
   for (int j = me + 1; j < n; ++j) {
     if (!wanted[j]) continue;
@@ -457,8 +496,7 @@ absl::Status RecordLinks::Send(absl::Span<const std::byte> message, absl::Time d
 
 absl::Status RecordLinks::SendTo(int to, absl::Span<const absl::Span<const std::byte>> parts,
                                  absl::Time deadline) {
-  if ((to != kEveryPeer && (to < 0 || to >= nodes() || to == spec_.me)) ||
-      parts.size() > kMaxParts) {
+  if ((to != kEveryPeer && !Linked(to)) || parts.size() > kMaxParts) {
     return absl::InvalidArgumentError(
         absl::StrCat("record links: no peer ", to, ", or more than ", kMaxParts, " parts"));
   }
@@ -476,7 +514,7 @@ absl::Status RecordLinks::SendTo(int to, absl::Span<const absl::Span<const std::
   const size_t total = kFrameHeader + length;
   std::vector<size_t> sent(n, total);  // bytes of the frame each peer took
   for (int i = 0; i < n; ++i) {
-    if (i == spec_.me || (to != kEveryPeer && i != to)) continue;
+    if (i == spec_.me || !peers_[i].linked || (to != kEveryPeer && i != to)) continue;
     if (!peers_[i].error.ok()) return peers_[i].error;
     // A peer that ended its stream reads no more: a send to it would wait to the deadline.
     if (peers_[i].ended) return Fail(i, EndedError());
@@ -519,7 +557,7 @@ absl::Status RecordLinks::SendTo(int to, absl::Span<const absl::Span<const std::
     node_of.clear();
     bool waiting = false;
     for (int i = 0; i < n; ++i) {
-      if (i == spec_.me) continue;
+      if (i == spec_.me || !peers_[i].linked) continue;
       const short events =
           static_cast<short>((peers_[i].closed ? 0 : POLLIN) | (sent[i] < total ? POLLOUT : 0));
       waiting = waiting || sent[i] < total;

@@ -63,9 +63,12 @@ class RecordLinks {
   struct Spec {
     gradsync::Store* store = nullptr;  // the job's store
     std::string job;
-    std::string prefix;                  // keys of this group's links (run and group in it)
-    std::vector<std::string> nodes;      // the group's nodes ("host:port"), sorted
-    int me = -1;                         // this node's index in `nodes`
+    std::string prefix;              // keys of this group's links (run and group in it)
+    std::vector<std::string> nodes;  // the group's nodes ("host:port"), sorted
+    int me = -1;                     // this node's index in `nodes`
+    // The nodes (indices) this node links to; empty: every other node. Both ends of a link must
+    // list each other (link_plan.h's plans do). Sends to "every peer" go to these.
+    std::vector<int> peers;
     size_t max_message_bytes = 1 << 20;  // a longer incoming message fails the link
     // An eventfd (or -1): once readable, every wait here (connecting included) returns
     // CANCELLED at once; the links stay as they were (the owner decides what follows).
@@ -78,7 +81,8 @@ class RecordLinks {
     int epoch = 0;
   };
 
-  /// Connects to every other node of the group, by `deadline`.
+  /// Connects to every other node of the group (or Spec::peers), by `deadline`: dials the
+  /// earlier ones while it accepts the later ones, so no node waits for another's dialing.
   static absl::StatusOr<std::unique_ptr<RecordLinks>> Connect(Spec spec, absl::Time deadline);
   /// Closes every connection after what was sent (the peers read it before they see the end).
   ~RecordLinks();
@@ -106,6 +110,11 @@ class RecordLinks {
   absl::StatusOr<absl::Span<const std::byte>> Receive(int node, absl::Time deadline);
 
   int nodes() const { return static_cast<int>(spec_.nodes.size()); }
+  /// Whether this node has a link to `node` (Spec::peers).
+  bool Linked(int node) const;
+  /// The connection to `node` (-1 when not linked), for a caller that polls several links at
+  /// once; only to wait for it to be readable (BufferedFrom first: bytes may wait here).
+  int PollFd(int node) const;
   int me() const { return spec_.me; }
   const std::string& node(int i) const { return spec_.nodes[i]; }
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
@@ -186,6 +187,12 @@ absl::Status ConnectOutcome(int fd) {
   return absl::OkStatus();
 }
 
+namespace {
+
+bool IsLoopback(const std::string& host) { return host == "::1" || absl::StartsWith(host, "127."); }
+
+}  // namespace
+
 std::string HostOf(const std::string& node) {
   std::string host = node.substr(0, node.rfind(':'));
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
@@ -215,11 +222,19 @@ absl::StatusOr<Listening> Listen(const std::string& host, int backlog) {
 }
 
 absl::StatusOr<UniqueFd> Connect(const std::string& host, const std::string& port,
-                                 absl::Time deadline, int cancel_fd) {
+                                 absl::Time deadline, int cancel_fd, const std::string& source) {
   absl::StatusOr<AddrInfo> remote = Resolve(host, port);
   if (!remote.ok()) return remote.status();
   UniqueFd fd(::socket((*remote)->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (fd.get() < 0) return Error("socket", errno);
+  if (IsLoopback(host) && IsLoopback(source) && source != host) {
+    absl::StatusOr<AddrInfo> local = Resolve(source, "0");
+    if (!local.ok()) return local.status();
+    if ((*local)->ai_family == (*remote)->ai_family &&
+        ::bind(fd.get(), (*local)->ai_addr, (*local)->ai_addrlen) != 0) {
+      return Error(absl::StrCat("bind ", source), errno);
+    }
+  }
   int rv = -1;
   do {
     rv = ::connect(fd.get(), (*remote)->ai_addr, (*remote)->ai_addrlen);

@@ -68,9 +68,13 @@ struct Listening {
 absl::StatusOr<Listening> Listen(const std::string& host, int backlog = 128);
 
 /// A TCP connection to `host`:`port` (numeric), non-blocking, connected by `deadline`
-/// (DEADLINE_EXCEEDED "connect timed out"; CANCELLED when cancel_fd fires).
+/// (DEADLINE_EXCEEDED "connect timed out"; CANCELLED when cancel_fd fires). `source`: when it
+/// and `host` are both loopback addresses (127.0.0.0/8, ::1), the connection comes from
+/// `source` (daemons on distinct 127.0.0.x of one machine look like distinct hosts to each
+/// other's per-source limits); elsewhere the system picks, as its routes say.
 absl::StatusOr<UniqueFd> Connect(const std::string& host, const std::string& port,
-                                 absl::Time deadline, int cancel_fd = -1);
+                                 absl::Time deadline, int cancel_fd = -1,
+                                 const std::string& source = "");
 
 /// accept4(2) without waiting (non-blocking, close-on-exec): the connection and its source
 /// address; `fd` empty when none waits or the kernel dropped it (ECONNABORTED, EPROTO) or the
