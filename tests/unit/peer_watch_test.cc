@@ -262,6 +262,46 @@ TEST(PeerWatchPlanTest, ADaemonGoneIsReportedOnceToEverySurvivorOverLogNLinksEac
   EXPECT_GT(job.watches[0]->GetTotals().notices_sent, 0);
 }
 
+TEST(PeerWatchPlanTest, ANodeGoneBeforeItsLinksFormedIsLostAloneOnEverySurvivor) {
+  // Node 3 registered (it is in the job's node list) and died before its watch connected:
+  // the nodes linked to it (2, 4 ring; 1, 5, 7 fingers) find it unreachable by the connect
+  // timeout, the rest (0, 6) are told, and no survivor loses anyone else.
+  constexpr int kN = 8, kGone = 3;
+  LinkPeerWatch::Options o = Fast();
+  o.ring = 1;
+  o.connect_timeout = absl::Seconds(3);
+  Job job(kN, o, kGone);
+  for (int i = 0; i < kN; ++i) {
+    if (i == kGone) continue;
+    auto seen = job.losses[i]->Await(1, absl::Seconds(30));
+    ASSERT_EQ(seen.size(), 1u) << "node " << i;
+    EXPECT_EQ(seen[0].first, job.nodes[kGone]) << i;
+    EXPECT_TRUE(absl::StrContains(seen[0].second.message(), "lost: unreachable"))
+        << i << ": " << seen[0].second;
+    if (i == 0 || i == 6) {
+      EXPECT_TRUE(absl::StrContains(seen[0].second.message(), ", seen by node"))
+          << i << ": " << seen[0].second;
+    }
+  }
+  for (int i = 0; i < kN; ++i) {
+    if (i == kGone) continue;
+    for (int k = 0; k < 100; ++k) {  // the ring neighbours' first words, bounded
+      bool settled = true;
+      for (const core::PeerState& p : job.watches[i]->Peers("j")) {
+        settled = settled &&
+                  (p.node == job.nodes[kGone] ? p.state == State::kLost : p.state == State::kAlive);
+      }
+      if (settled) break;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    for (const core::PeerState& p : job.watches[i]->Peers("j")) {
+      EXPECT_EQ(p.state, p.node == job.nodes[kGone] ? State::kLost : State::kAlive)
+          << i << " sees " << p.node << ": " << p.cause;
+    }
+    EXPECT_EQ(job.losses[i]->Await(0, absl::ZeroDuration()).size(), 1u) << i;
+  }
+}
+
 // The wire form of a notice (link_peer_watch.cc): "gsnote01", then int32 left, node, origin,
 // cause (core::LossCause), then the text.
 std::string NoticeBytes(int node, int origin, core::LossCause cause, const std::string& text) {

@@ -181,9 +181,13 @@ class Acceptor {
     for (bool w : wanted_) missing_ += w ? 1 : 0;
   }
 
-  absl::StatusOr<std::vector<Link>> Run(absl::Time deadline, int cancel_fd, int stop_fd) {
+  absl::StatusOr<std::vector<Link>> Run(absl::Time deadline, int cancel_fd, int stop_fd,
+                                        bool partial) {
     while (missing_ > 0) {
-      if (absl::Now() >= deadline) return Late();
+      if (absl::Now() >= deadline) {
+        if (partial) break;
+        return Late();
+      }
       absl::Time wake = deadline;
       // The listener, the handshakes (fds[1...]), then the stop fd (ignored by poll when -1).
       std::vector<pollfd> fds = {{listener_, POLLIN, 0}};
@@ -378,8 +382,9 @@ absl::StatusOr<Link> Dial(const std::string& host, const std::string& port, cons
 absl::StatusOr<std::vector<Link>> AcceptPeers(int listener, const std::string& key, int me,
                                               const std::vector<std::string>& nodes,
                                               std::vector<bool> wanted, absl::Time deadline,
-                                              int cancel_fd, int stop_fd) {
-  return Acceptor(listener, key, me, nodes, std::move(wanted)).Run(deadline, cancel_fd, stop_fd);
+                                              int cancel_fd, int stop_fd, bool partial) {
+  return Acceptor(listener, key, me, nodes, std::move(wanted))
+      .Run(deadline, cancel_fd, stop_fd, partial);
 }
 
 absl::Status ResumeMark(const std::string& sender_key, int from, int to, const std::string& id,

@@ -50,12 +50,14 @@ absl::StatusOr<Link> Dial(const std::string& host, const std::string& port, cons
 
 /// On `listener`, runs the handshakes of the nodes marked in `wanted` (by index; each later
 /// than `me`, holding `key`) until each of them connected, by `deadline`: the links by node.
-/// DEADLINE_EXCEEDED names the nodes (`nodes`, by index) that did not connect; CANCELLED once
-/// `cancel_fd` or `stop_fd` (either may be -1) is readable.
+/// DEADLINE_EXCEEDED names the nodes (`nodes`, by index) that did not connect (`partial`: OK,
+/// their links left empty); CANCELLED once `cancel_fd` or `stop_fd` (either may be -1) is
+/// readable.
 absl::StatusOr<std::vector<Link>> AcceptPeers(int listener, const std::string& key, int me,
                                               const std::vector<std::string>& nodes,
                                               std::vector<bool> wanted, absl::Time deadline,
-                                              int cancel_fd, int stop_fd = -1);
+                                              int cancel_fd, int stop_fd = -1,
+                                              bool partial = false);
 
 /// The mark a node sends on a connection taken over, after whatever its earlier epoch sent: a
 /// magic number, zeros, then an HMAC under the sender's key of this epoch (fresh, so no earlier

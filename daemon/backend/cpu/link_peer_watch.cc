@@ -98,7 +98,8 @@ struct LinkPeerWatch::Entry {
   absl::Time connected_at;
   bool connect_failed = false;
   absl::Status connect_error;
-  bool expelled = false;  // the peers declared this node lost
+  bool expelled = false;                                 // the peers declared this node lost
+  std::vector<std::pair<int, std::string>> unconnected;  // linked nodes whose link did not form
   std::unique_ptr<RecordLinks> links;
   std::vector<bool> readable;  // by node: the last poll saw bytes (or none was done yet)
   absl::Time last_sent = absl::InfinitePast();
@@ -151,6 +152,7 @@ void LinkPeerWatch::Watch(const std::string& job, const std::string& run,
   spec.nodes = entry->nodes;
   spec.me = me;
   spec.peers = entry->linked;
+  spec.partial = true;  // a node gone before its link formed is lost alone, and passed on
   spec.max_message_bytes = 4096;
   spec.cancel_fd = entry->cancel.get();
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
@@ -170,6 +172,11 @@ void LinkPeerWatch::Watch(const std::string& job, const std::string& run,
         // still forming sends nothing yet, and is not silent for it. The others are alive
         // until a loss is seen or told.
         e->links = *std::move(links);
+        for (int i : e->linked) {
+          if (absl::Status s = e->links->ConnectError(i); !s.ok()) {
+            e->unconnected.push_back({i, absl::StrCat("lost: unreachable: ", s.message())});
+          }
+        }
         e->connected = true;
         e->connected_at = absl::Now();
         for (size_t i = 0; i < e->nodes.size(); ++i) {
@@ -359,6 +366,10 @@ void LinkPeerWatch::Serve(Entry& e, Lost& lost) {
       return;
     }
     if (!e.connected || e.expelled) return;
+    for (const auto& [i, why] : e.unconnected) {
+      Lose(e, i, core::LossCause::kUnreachable, why, e.me, lost);
+    }
+    e.unconnected.clear();
   }
   RecordLinks& links = *e.links;
   const absl::Time now = absl::Now();

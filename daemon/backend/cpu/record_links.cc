@@ -29,6 +29,8 @@ namespace {
 using link::kKeyBytes;
 using link::kMarkBytes;
 
+// A first dial of each earlier node gives up after this (a second try runs to the deadline).
+constexpr absl::Duration kFirstDial = absl::Seconds(2);
 // Store waits for a peer's address are sliced so that a cancel is seen.
 constexpr absl::Duration kStoreSlice = absl::Milliseconds(200);
 // Reads take at least this much room, so a stream of small messages costs one recv each
@@ -95,6 +97,12 @@ RecordLinks::RecordLinks(Spec spec) : spec_(std::move(spec)), peers_(spec_.nodes
   }
 }
 
+absl::Status RecordLinks::ConnectError(int node) const {
+  if (!Linked(node)) return absl::FailedPreconditionError("no link to that node (link plan)");
+  const Peer& p = peers_[node];
+  return p.fd.get() >= 0 || p.error.ok() ? absl::OkStatus() : p.error;
+}
+
 bool RecordLinks::Linked(int node) const {
   return node >= 0 && node < nodes() && node != spec_.me && peers_[node].linked;
 }
@@ -122,6 +130,72 @@ absl::Status RecordLinks::Fail(int node, absl::Status status) {
   }
   return p.error;
 }
+
+// The later nodes' connections, accepted on a thread of its own (Start), collected by Finish;
+// destroyed without Finish, it stops that thread first.
+class RecordLinks::Accepting {
+ public:
+  Accepting(RecordLinks& links, int listener, const std::string& key, absl::Time deadline)
+      : links_(links), listener_(listener), key_(key), deadline_(deadline) {}
+  ~Accepting() {
+    if (thread_.joinable()) {
+      sock::Signal(stop_.get());
+      thread_.join();
+    }
+  }
+
+  void Start() {
+    if (started_) return;
+    started_ = true;
+    const Spec& s = links_.spec_;
+    wanted_.assign(s.nodes.size(), false);
+    bool any = false;
+    for (int j = s.me + 1; j < links_.nodes(); ++j) {
+      wanted_[j] = links_.Linked(j) && !links_.peers_[j].adopted;
+      any = any || wanted_[j];
+    }
+    if (!any) return;
+    stop_ = UniqueFd(sock::NewCancelFd());
+    if (stop_.get() < 0) {
+      accepted_ =
+          absl::InternalError(absl::StrCat("record links: eventfd: ", std::strerror(errno)));
+      return;
+    }
+    thread_ = std::thread([this, &s] {
+      accepted_ = link::AcceptPeers(listener_, key_, s.me, s.nodes, wanted_, deadline_, s.cancel_fd,
+                                    stop_.get(), s.partial);
+    });
+  }
+
+  // Waits for the accepting to end; the links accepted into place (Spec::partial: a node that
+  // did not connect has its link failed, naming it).
+  absl::Status Finish() {
+    if (thread_.joinable()) thread_.join();
+    if (!accepted_.ok()) return accepted_.status();
+    for (int j = 0; j < links_.nodes(); ++j) {
+      if (j >= static_cast<int>(wanted_.size()) || !wanted_[j]) continue;
+      if ((*accepted_)[j].fd.get() < 0) {
+        links_.Fail(j, absl::DeadlineExceededError("it did not connect by the deadline"))
+            .IgnoreError();
+        continue;
+      }
+      links_.peers_[j].fd = std::move((*accepted_)[j].fd);
+      links_.peers_[j].id = std::move((*accepted_)[j].id);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  RecordLinks& links_;
+  const int listener_;
+  const std::string& key_;
+  const absl::Time deadline_;
+  bool started_ = false;
+  std::vector<bool> wanted_;
+  UniqueFd stop_;
+  std::thread thread_;
+  absl::StatusOr<std::vector<link::Link>> accepted_ = std::vector<link::Link>();
+};
 
 absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, absl::Time deadline) {
   const int n = static_cast<int>(spec.nodes.size());
@@ -158,61 +232,76 @@ absl::StatusOr<std::unique_ptr<RecordLinks>> RecordLinks::Connect(Spec spec, abs
       !st.ok()) {
     return st;
   }
+  // Accepting runs on a thread of its own while this one reads the addresses and dials every
+  // earlier node: a node's accepting never waits for its own dialing, so no chain of nodes
+  // waits on each other. It starts at once unless connections were kept (which later nodes
+  // connect afresh is known once the addresses are read).
+  Accepting accepting(*links, listener->fd.get(), *key, deadline);
+  if (kept.empty()) accepting.Start();
   // The addresses of every earlier node, and of every later one this node kept a connection to.
   std::vector<int> published;
   for (int i = 0; i < n; ++i) {
     if (links->Linked(i) && (i < me || kept.count(i) > 0)) published.push_back(i);
   }
-  absl::StatusOr<std::vector<std::vector<std::string>>> addresses =
-      links->ReadAddresses(published, deadline);
+  // Partial: the addresses there by a first, short wait; DialEarlier waits for the others.
+  absl::StatusOr<std::vector<std::vector<std::string>>> addresses = links->ReadAddresses(
+      published, s.partial ? std::min(deadline, absl::Now() + kFirstDial) : deadline);
   if (!addresses.ok()) return addresses.status();
   if (absl::Status st = links->TakeOver(kept, *addresses, *key, deadline); !st.ok()) return st;
-  // Accept every later node not taken over (on a thread of its own, from now), while this one
-  // dials every earlier node, proving we hold its key and checking that it does: a node's
-  // accepting never waits for its own dialing, so no chain of nodes waits on each other.
-  std::vector<bool> wanted(n, false);
-  bool any = false;
-  for (int j = me + 1; j < n; ++j) {
-    wanted[j] = links->Linked(j) && !links->peers_[j].adopted;
-    any = any || wanted[j];
+  accepting.Start();  // no-op when started
+  if (absl::Status st = links->DialEarlier(*std::move(addresses), host, deadline); !st.ok()) {
+    return st;
   }
-  UniqueFd stop_accepting(any ? sock::NewCancelFd() : -1);
-  if (any && stop_accepting.get() < 0) {
-    return absl::InternalError(absl::StrCat("record links: eventfd: ", std::strerror(errno)));
-  }
-  absl::StatusOr<std::vector<link::Link>> accepted = std::vector<link::Link>();
-  std::thread accepting;
-  if (any) {
-    accepting = std::thread([&] {
-      accepted = link::AcceptPeers(listener->fd.get(), *key, me, s.nodes, wanted, deadline,
-                                   s.cancel_fd, stop_accepting.get());
-    });
-  }
-  absl::Status dialed;
-  for (int i = 0; i < me && dialed.ok(); ++i) {
-    if (!links->Linked(i) || links->peers_[i].adopted) continue;
-    const std::vector<std::string>& parts = (*addresses)[i];
-    absl::StatusOr<link::Link> made =
-        link::Dial(parts[0], parts[1], parts[2], me, i, deadline, s.cancel_fd, host);
-    if (!made.ok()) {
-      dialed = links->Fail(i, made.status());
-      break;
-    }
-    links->peers_[i].fd = std::move(made->fd);
-    links->peers_[i].id = std::move(made->id);
-  }
-  if (accepting.joinable()) {
-    if (!dialed.ok()) sock::Signal(stop_accepting.get());
-    accepting.join();
-  }
-  if (!dialed.ok()) return dialed;
-  if (!accepted.ok()) return accepted.status();
-  for (int j = me + 1; j < n; ++j) {
-    if (!wanted[j]) continue;
-    links->peers_[j].fd = std::move((*accepted)[j].fd);
-    links->peers_[j].id = std::move((*accepted)[j].id);
-  }
+  if (absl::Status st = accepting.Finish(); !st.ok()) return st;
   return links;
+}
+
+absl::Status RecordLinks::DialEarlier(std::vector<std::vector<std::string>> addresses,
+                                      const std::string& host, absl::Time deadline) {
+  // Proving we hold each one's key and checking that it does. A first try of each by a short
+  // deadline, then the ones that failed until the whole deadline: a peer that is gone (or slow
+  // to come) does not hold up the others.
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 1 && spec_.partial) {
+      // The addresses that had not come by the first wait, waited for to the deadline.
+      std::vector<int> missing;
+      for (int i = 0; i < spec_.me; ++i) {
+        if (Linked(i) && !peers_[i].adopted && addresses[i].empty()) missing.push_back(i);
+      }
+      absl::StatusOr<std::vector<std::vector<std::string>>> more = ReadAddresses(missing, deadline);
+      if (!more.ok()) return more.status();
+      for (int i : missing) {
+        addresses[i] = std::move((*more)[i]);
+        if (addresses[i].empty()) {
+          Fail(i, absl::DeadlineExceededError("its address never came by the deadline"))
+              .IgnoreError();
+        }
+      }
+    }
+    std::vector<int> todo;
+    for (int i = 0; i < spec_.me; ++i) {
+      if (Linked(i) && !peers_[i].adopted && (pass == 0 || peers_[i].fd.get() < 0)) {
+        todo.push_back(i);
+      }
+    }
+    for (int i : todo) {
+      if (!peers_[i].error.ok() || addresses[i].empty()) continue;  // no address (yet)
+      const std::vector<std::string>& parts = addresses[i];
+      const absl::Time until = pass == 0 ? std::min(deadline, absl::Now() + kFirstDial) : deadline;
+      absl::StatusOr<link::Link> made =
+          link::Dial(parts[0], parts[1], parts[2], spec_.me, i, until, spec_.cancel_fd, host);
+      if (made.ok()) {
+        peers_[i].fd = std::move(made->fd);
+        peers_[i].id = std::move(made->id);
+      } else if (made.status().code() == absl::StatusCode::kCancelled) {
+        return made.status();
+      } else if (pass == 1 || absl::Now() >= deadline) {
+        if (!spec_.partial) return Fail(i, made.status());
+        Fail(i, made.status()).IgnoreError();
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<std::vector<std::string>>> RecordLinks::ReadAddresses(
@@ -236,6 +325,14 @@ absl::StatusOr<std::vector<std::vector<std::string>>> RecordLinks::ReadAddresses
       break;
     }
   }
+  if (!values.ok() && s.partial && values.status().code() == absl::StatusCode::kDeadlineExceeded) {
+    // Those that came; each one missing is left empty (the caller waits again, or gives up).
+    values = std::vector<std::string>(keys.size());
+    for (size_t k = 0; k < keys.size(); ++k) {
+      absl::StatusOr<std::string> one = s.store->Get(s.job, keys[k], absl::InfinitePast());
+      if (one.ok()) (*values)[k] = *std::move(one);
+    }
+  }
   if (!values.ok()) {
     // Name the first node whose address is missing (a look at each, on this failure only).
     size_t missing = 0;
@@ -250,6 +347,7 @@ absl::StatusOr<std::vector<std::vector<std::string>>> RecordLinks::ReadAddresses
   // "host port key [id,id...]" of each.
   for (size_t k = 0; k < published.size(); ++k) {
     const int i = published[k];
+    if ((*values)[k].empty()) continue;  // not yet (Spec::partial)
     parts_of[i] = absl::StrSplit((*values)[k], ' ');
     if ((parts_of[i].size() != 3 && parts_of[i].size() != 4) ||
         parts_of[i][2].size() != 2 * kKeyBytes) {

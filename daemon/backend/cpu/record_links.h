@@ -69,6 +69,9 @@ class RecordLinks {
     // The nodes (indices) this node links to; empty: every other node. Both ends of a link must
     // list each other (link_plan.h's plans do). Sends to "every peer" go to these.
     std::vector<int> peers;
+    // Connect succeeds with the peers that connected by the deadline; the link to each other
+    // one is failed (UNAVAILABLE or DEADLINE_EXCEEDED naming it; Connected says which).
+    bool partial = false;
     size_t max_message_bytes = 1 << 20;  // a longer incoming message fails the link
     // An eventfd (or -1): once readable, every wait here (connecting included) returns
     // CANCELLED at once; the links stay as they were (the owner decides what follows).
@@ -112,6 +115,9 @@ class RecordLinks {
   int nodes() const { return static_cast<int>(spec_.nodes.size()); }
   /// Whether this node has a link to `node` (Spec::peers).
   bool Linked(int node) const;
+  /// Whether the link to `node` connected (Spec::partial: a linked node may not have); its
+  /// failure when not (OK when it did).
+  absl::Status ConnectError(int node) const;
   /// The connection to `node` (-1 when not linked), for a caller that polls several links at
   /// once; only to wait for it to be readable (BufferedFrom first: bytes may wait here).
   int PollFd(int node) const;
@@ -141,7 +147,12 @@ class RecordLinks {
   struct Peer;
   explicit RecordLinks(Spec spec);
   struct Resuming;
+  class Accepting;
   absl::Status Fail(int node, absl::Status status);
+  // Dials every linked earlier node not taken over (`addresses`: ReadAddresses'; Spec::partial:
+  // those empty are waited for), from `host`.
+  absl::Status DialEarlier(std::vector<std::vector<std::string>> addresses, const std::string& host,
+                           absl::Time deadline);
   static absl::Status EndedError();
   // Looks at the frames `p` received past those looked at before, up to its end mark if it
   // came (Peer::ended): a Send blocked on a peer that parked its end fails at once.
