@@ -302,8 +302,46 @@ TEST(PeerWatchPlanTest, ANodeGoneBeforeItsLinksFormedIsLostAloneOnEverySurvivor)
   }
 }
 
-// The wire form of a notice (link_peer_watch.cc): "gsnote01", then int32 left, node, origin,
-// cause (core::LossCause), then the text.
+TEST(PeerWatchPlanTest, OneWatcherHearingNothingIsASuspicionTwoAreALoss) {
+  // Node 7 (the test's links) keeps talking to its ring neighbour 0 and says nothing to 6 (a
+  // link dropping packets): 6 suspects it, and no one loses it. Then it falls silent to 0 too:
+  // two watchers, and every node loses it.
+  constexpr int kN = 8, kQuiet = 7;
+  LinkPeerWatch::Options o = Fast();
+  o.ring = 1;
+  Job job(kN, o, kQuiet);
+  RecordLinks::Spec spec;
+  spec.store = &job.store;
+  spec.job = "j";
+  spec.prefix = "watch/run1/";
+  spec.nodes = job.nodes;
+  spec.me = kQuiet;
+  spec.peers = LinkedNodes(kN, kQuiet, 1);
+  spec.max_message_bytes = 4096;
+  auto quiet = RecordLinks::Connect(spec, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(quiet.ok()) << quiet.status();
+  const std::byte word[8] = {};
+  ASSERT_TRUE((*quiet)->Send(word, absl::Now() + absl::Seconds(20)).ok());
+  const absl::Span<const std::byte> beat[] = {word};
+  const absl::Time talk_until = absl::Now() + absl::Seconds(2);  // past the 600 ms timeout
+  for (int k = 0; k < 100 && absl::Now() < talk_until; ++k) {
+    ASSERT_TRUE((*quiet)->SendTo(0, beat, absl::Now() + absl::Seconds(5)).ok());
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  for (int i = 0; i < kQuiet; ++i) {
+    EXPECT_TRUE(job.losses[i]->Await(0, absl::ZeroDuration()).empty()) << "node " << i;
+  }
+  for (int i = 0; i < kQuiet; ++i) {
+    auto seen = job.losses[i]->Await(1, absl::Seconds(20));
+    ASSERT_EQ(seen.size(), 1u) << "node " << i;
+    EXPECT_EQ(seen[0].first, job.nodes[kQuiet]);
+    EXPECT_TRUE(absl::StrContains(seen[0].second.message(), "lost: no word for"))
+        << i << ": " << seen[0].second;
+  }
+}
+
+// The wire form of a notice (link_peer_watch.cc): "gsnote01", then int32 kind (0: lost),
+// node, origin, cause (core::LossCause), then the text.
 std::string NoticeBytes(int node, int origin, core::LossCause cause, const std::string& text) {
   std::string out("gsnote01", 8);
   for (int32_t v : {0, node, origin, static_cast<int32_t>(cause)}) {

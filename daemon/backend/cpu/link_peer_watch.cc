@@ -65,11 +65,15 @@ core::LossCause CauseOf(const RecordLinks& links, int node, const absl::Status& 
 
 }  // namespace
 
-// A loss or leave passed from node to node: its head on the wire, then its text.
+// A loss, leave or suspicion passed from node to node: its head on the wire, then its text.
+constexpr int32_t kLostNotice = 0;  // `node` was lost (`origin` saw it first)
+constexpr int32_t kLeftNotice = 1;  // `node` left on purpose
+constexpr int32_t kSuspectNotice =
+    2;  // `origin`, a ring neighbour of `node`, hears nothing from it
 struct LinkPeerWatch::Notice {
   struct Head {
     char magic[8];
-    int32_t left;    // 1: `node` left on purpose; 0: it was lost
+    int32_t kind;    // kLostNotice, kLeftNotice, kSuspectNotice
     int32_t node;    // the node it is about, an index into the job's nodes
     int32_t origin;  // the node that saw it first
     int32_t cause;   // core::LossCause
@@ -98,7 +102,10 @@ struct LinkPeerWatch::Entry {
   absl::Time connected_at;
   bool connect_failed = false;
   absl::Status connect_error;
-  bool expelled = false;                                 // the peers declared this node lost
+  bool expelled = false;  // the peers declared this node lost
+  // By node: the ring neighbours of it that found it silent, and when this node heard so.
+  std::vector<std::map<int, absl::Time>> suspects;
+  std::vector<int> quorum;  // by node: suspicions that make it lost (2; 1 when watched by one)
   std::vector<std::pair<int, std::string>> unconnected;  // linked nodes whose link did not form
   std::unique_ptr<RecordLinks> links;
   std::vector<bool> readable;  // by node: the last poll saw bytes (or none was done yet)
@@ -145,6 +152,12 @@ void LinkPeerWatch::Watch(const std::string& job, const std::string& run,
   entry->loss.assign(n, core::LossCause::kNone);
   entry->cause.assign(n, "");
   entry->readable.assign(n, true);
+  entry->suspects.assign(n, {});
+  entry->quorum.assign(n, 1);
+  for (int i = 0; i < n; ++i) {
+    entry->quorum[i] =
+        std::min<int>(2, static_cast<int>(RingNeighbours(n, i, options_.ring).size()));
+  }
   RecordLinks::Spec spec;
   spec.store = store;
   spec.job = job;
@@ -419,10 +432,10 @@ void LinkPeerWatch::Serve(Entry& e, Lost& lost) {
              e.me, lost);
       }
     } else if (absl::Now() - e.heard[i] > options_.timeout) {
-      Lose(e, i, core::LossCause::kSilent,
-           absl::StrFormat("lost: no word for %.1f s (frozen, or the network between is cut)",
-                           absl::ToDoubleSeconds(absl::Now() - e.heard[i])),
-           e.me, lost);
+      Suspect(e, i, e.me,
+              absl::StrFormat("lost: no word for %.1f s (frozen, or the network between is cut)",
+                              absl::ToDoubleSeconds(absl::Now() - e.heard[i])),
+              lost);
     }
   }
 }
@@ -430,6 +443,7 @@ void LinkPeerWatch::Serve(Entry& e, Lost& lost) {
 void LinkPeerWatch::Lose(Entry& e, int i, core::LossCause loss, const std::string& why, int origin,
                          Lost& lost) {
   if (!e.Open(i)) return;
+  e.suspects[i].clear();
   const bool left = loss == core::LossCause::kLeft;
   const std::string said =
       origin == e.me || left ? why : absl::StrCat(why, ", seen by node ", e.nodes[origin]);
@@ -449,7 +463,7 @@ void LinkPeerWatch::Lose(Entry& e, int i, core::LossCause loss, const std::strin
   if (!e.connected) return;  // no links to pass it on
   Notice notice;
   std::memcpy(notice.head.magic, kNote, sizeof(kNote));
-  notice.head.left = left ? 1 : 0;
+  notice.head.kind = left ? kLeftNotice : kLostNotice;
   notice.head.node = i;
   notice.head.origin = origin;
   notice.head.cause = static_cast<int32_t>(loss);
@@ -481,6 +495,35 @@ void LinkPeerWatch::Spread(Entry& e, const Notice& notice, int except) {
   }
 }
 
+void LinkPeerWatch::Suspect(Entry& e, int i, int origin, const std::string& why, Lost& lost) {
+  if (!e.Open(i)) return;
+  const absl::Time now = absl::Now();
+  std::map<int, absl::Time>& by = e.suspects[i];
+  // A suspicion lasts two timeouts (its watcher renews it while it hears nothing): a frozen
+  // node's watchers all time out within a heartbeat of each other.
+  for (auto it = by.begin(); it != by.end();) {
+    it = now - it->second > 2 * options_.timeout ? by.erase(it) : std::next(it);
+  }
+  if (by.count(origin) > 0) return;  // heard, and passed on, already
+  by[origin] = now;
+  if (static_cast<int>(by.size()) >= e.quorum[i]) {
+    // Found silent by as many of its watchers as it takes: lost (a link that drops a few
+    // packets in a row delays one watcher's heartbeats, never two watchers' at once).
+    const int first = by.count(e.me) > 0 ? e.me : origin;
+    Lose(e, i, core::LossCause::kSilent, why, first, lost);
+    return;
+  }
+  Log()->info("peer suspected job={} node={} by={}: {}", e.job, e.nodes[i], e.nodes[origin], why);
+  Notice notice;
+  std::memcpy(notice.head.magic, kNote, sizeof(kNote));
+  notice.head.kind = kSuspectNotice;
+  notice.head.node = i;
+  notice.head.origin = origin;
+  notice.head.cause = static_cast<int32_t>(core::LossCause::kSilent);
+  notice.text = why.substr(0, kMaxNoticeText);
+  Spread(e, notice, origin);
+}
+
 void LinkPeerWatch::Heed(Entry& e, int from, const Notice& notice, Lost& lost) {
   const int n = static_cast<int>(e.nodes.size());
   const int about = notice.head.node, origin = notice.head.origin;
@@ -492,11 +535,15 @@ void LinkPeerWatch::Heed(Entry& e, int from, const Notice& notice, Lost& lost) {
   // What a node this one holds lost or left says is not believed: a node cut off finds every
   // peer gone.
   if (origin != e.me && !e.Open(origin)) return;
+  if (notice.head.kind == kSuspectNotice) {
+    if (about != e.me) Suspect(e, about, origin, notice.text, lost);
+    return;
+  }
   if (about != e.me) {
     Lose(e, about, static_cast<core::LossCause>(notice.head.cause), notice.text, origin, lost);
     return;
   }
-  if (notice.head.left != 0) return;
+  if (notice.head.kind != kLostNotice) return;
   // This node was declared lost: the job went on without it. Every peer is lost to it, and it
   // passes nothing on (its word is not believed).
   e.expelled = true;

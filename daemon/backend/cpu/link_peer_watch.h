@@ -30,14 +30,17 @@ namespace gradsync::backend::cpu {
 /// Not a mesh: a node links only to those `ring` places from it each way around the job's ring
 /// of nodes and to those 2, 4, 8, ... places away (link_plan.h: at most 2 * (ring + log2 N)
 /// links), and exchanges heartbeats only with its ring neighbours (2 * ring of them, whatever the
-/// job's size; `ring` 0: every peer, the mesh). A watched peer is lost when nothing came from it
-/// for `timeout` ("no word for 1.5 s": frozen, or the network between is cut; the kernel of a
-/// frozen daemon still ACKs TCP, so TCP keepalive could not tell), when it never connected
-/// (unreachable); any linked peer is lost when its connection is closed or reset (its daemon
-/// died). The node that finds a loss tells every node it links to, and each tells its own links
-/// the first time it hears (at most about log2 N hops, each one message on an open link), so every
-/// node of the job learns of every loss and why ("..., seen by node h:p"). A node that hears that
-/// it is itself lost (it was frozen, or cut off, and its peers went on) counts every peer lost
+/// job's size; `ring` 0: every peer, the mesh). A watched peer from which nothing came for
+/// `timeout` ("no word for 1.5 s": frozen, or the network between is cut; the kernel of a
+/// frozen daemon still ACKs TCP, so TCP keepalive could not tell) is suspected, and the
+/// suspicion passed on; it is lost once two of its watchers suspect it within two timeouts (one,
+/// when only one watches it): a link that drops packets delays one watcher's heartbeats by
+/// TCP's retransmissions, never two at once (tools/sim/watch_sim.py). A linked peer is lost at
+/// once when it never connected (unreachable) or its connection is closed or reset (its
+/// daemon died). The node that finds a loss tells every node it links to, and each tells its own
+/// links the first time it hears (at most about log2 N hops, each one message on an open link), so
+/// every node of the job learns of every loss and why ("..., seen by node h:p"). A node that hears
+/// that it is itself lost (it was frozen, or cut off, and its peers went on) counts every peer lost
 /// ("expelled") and passes nothing on; a node reported lost is told so before its links are
 /// dropped, and what a node lost reports is not believed. A peer whose job ended there says
 /// goodbye first and is "left", not lost, and that is passed on the same way. The thread does
@@ -79,7 +82,12 @@ class LinkPeerWatch final : public core::PeerWatch {
   // and passes it on. No-op when it was already.
   void Lose(Entry& e, int i, core::LossCause loss, const std::string& why, int origin, Lost& lost)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // What node `from` told: a loss to believe and pass on, or this node's own expulsion.
+  // Node `origin` (this one, or one that told) found its ring neighbour `i` silent: passed on
+  // once; `i` is lost once the suspicions of it within two timeouts reach its quorum.
+  void Suspect(Entry& e, int i, int origin, const std::string& why, Lost& lost)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What node `from` told: a loss to believe and pass on, a suspicion, or this node's own
+  // expulsion.
   void Heed(Entry& e, int from, const Notice& notice, Lost& lost)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends `notice` to every linked peer still open but `except` (and the node it is about).
