@@ -243,6 +243,59 @@ TEST_F(MultiNodeTest, AFrozenDaemonIsFoundLostByEverySurvivorAndItsTrainerGetsAn
   ExpectAllPassed(Run("after", {1, 1, 2}, "matrix", {"counts=7,70001"}), "matrix cases=");
 }
 
+// Nine daemons watching each other over a ring of one neighbour each way and fingers
+// (--peer_watch_ring=1: each links to 6 of its 8 peers and watches 2): a daemon frozen mid-op
+// is found silent by its two ring neighbours, and every survivor, those not linked to it
+// included, fails the op naming it ("seen by node ..." where another daemon found it); a
+// daemon killed is found at once by the daemons linked to it and passed on to the rest.
+TEST_F(MultiNodeTest, NineDaemonsOnARingWatchAFrozenOneAndAKilledOneReachEverySurvivor) {
+  constexpr int kN = 9;
+  StartDaemons(kN, {"--peer_watch_ring=1"});
+  std::vector<int> node_of(kN);
+  for (int r = 0; r < kN; ++r) node_of[r] = r;
+  for (const bool freeze : {true, false}) {
+    const int gone = freeze ? 4 : 7;  // not the root (daemon 0 holds the job's store)
+    std::vector<std::string> scenarios(kN, "nodesurvivor");
+    scenarios[gone] = "idle";
+    const std::string job = freeze ? "ring-freeze" : "ring-kill";
+    const std::vector<pid_t> pids = Start(job, node_of, scenarios, {});
+    absl::SleepFor(absl::Milliseconds(2500));  // everyone passed the barrier; the rest wait
+    std::vector<pid_t> survivors;
+    for (int r = 0; r < kN; ++r) {
+      if (r != gone && pids[r] >= 0) survivors.push_back(pids[r]);
+    }
+    if (freeze) {
+      ASSERT_EQ(::kill(daemons_[gone]->pid(), SIGSTOP), 0);
+    } else {
+      ASSERT_TRUE(daemons_[gone]->Stop(SIGKILL).ok());
+    }
+    const std::vector<int> codes = WaitAll(survivors, absl::Seconds(60));
+    if (freeze) {
+      ASSERT_EQ(::kill(daemons_[gone]->pid(), SIGCONT), 0);
+    }
+    ::kill(pids[gone], SIGKILL);  // its trainer idles for up to 20 s otherwise
+    (void)WaitAll({pids[gone]}, absl::Seconds(60));
+    int told = 0;
+    for (size_t k = 0, r = 0; r < kN; ++r) {
+      if (static_cast<int>(r) == gone) continue;
+      const std::string out = ReadFile(absl::StrCat(dirs_[0]->path(), "/out.", r));
+      EXPECT_EQ(codes[k++], 0) << job << " rank " << r << ": " << out;
+      EXPECT_TRUE(absl::StrContains(out, "node survivor ok"))
+          << job << " rank " << r << ": " << out;
+      EXPECT_TRUE(absl::StrContains(out, daemons_[gone]->tcp_target()))
+          << job << " rank " << r << ": " << out;
+      EXPECT_TRUE(absl::StrContains(
+          out, freeze ? absl::StrCat("(ranks ", gone, ") lost: no word for")
+                      : absl::StrCat("(ranks ", gone, ") lost: the connection was")))
+          << job << " rank " << r << ": " << out;
+      told += absl::StrContains(out, ", seen by node ") ? 1 : 0;
+    }
+    // Two of the eight survivors have no link to it, and those linked to it but not watching
+    // it hear of a freeze from its watchers.
+    EXPECT_GE(told, 2) << job;
+  }
+}
+
 // Two daemons in separate network namespaces joined by a veth pair (created and removed here):
 // the job forms and all-reduces over a real link, not loopback. One daemon binds the wildcard
 // address and advertises its veth address. Skips where namespaces are not permitted.
