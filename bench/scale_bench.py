@@ -18,8 +18,10 @@ dominate), forms and is measured:
   detection   SIGSTOP of one daemon (the last), then every other rank runs a barrier; the time
               from the SIGSTOP to the last survivor's barrier failing (its daemon learned of
               the loss), with default --peer_timeout (1.5 s)
-The peer (--torch, N up to --torch_max): the same N ranks as a torch.distributed gloo job over
-TCPStore (bench/torch_formation_worker.py): formation, and a 4 KiB all-reduce's median.
+The peers (N up to --torch_max): the same N ranks as a torch.distributed gloo job over TCPStore
+(--torch; bench/torch_formation_worker.py): formation, and a 4 KiB all-reduce's median; and as
+Open MPI processes (--mpi; bench/mpi_allreduce, TCP between the ranks on loopback, as between
+nodes): a 4 KiB MPI_Allreduce's median.
 
 Daemon 0 is the job's root and holds its store. Every daemon gets
 --max_tcp_connections_per_source=4096: on one machine every daemon's gRPC channel to the root
@@ -28,6 +30,7 @@ comes from 127.0.0.1, which a real cluster's per-source limit would never see.
 Run:  .venv/bin/python bench/scale_bench.py --build build [--daemons 32,64,128,256]
 """
 import argparse
+import json
 import os
 import re
 import shutil
@@ -187,6 +190,29 @@ def run_torch(n):
             r.kill()
 
 
+def run_mpi(build, n):
+    """Median microseconds of a 4 KiB MPI_Allreduce across n Open MPI ranks (TCP), or None."""
+    mpirun = shutil.which("mpirun")
+    binary = os.path.join(build, "bench", "mpi_allreduce")
+    if mpirun is None or not os.path.exists(binary):
+        return None
+    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(n), "--mca", "btl",
+           "self,tcp", "--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo"]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    cmd += [binary, "--sizes", "4096", "--min-iters", "20", "--max-iters", "200", "--seconds",
+            "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if out.returncode != 0:
+        raise RuntimeError(f"mpirun failed: {out.stderr[-1500:]}")
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            if r.get("case") == "allreduce" and r.get("bytes") == 4096:
+                return r["median_us"]
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,8 +221,9 @@ def main():
     ap.add_argument("--rings", default="2,0", help="--peer_watch_ring values to compare")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds heartbeats are counted")
     ap.add_argument("--torch", type=int, default=1, help="1: measure the torch peer too")
+    ap.add_argument("--mpi", type=int, default=1, help="1: measure Open MPI's all-reduce too")
     ap.add_argument("--torch_max", type=int, default=64,
-                    help="largest N for the torch peer (a torch process is ~300 MB here)")
+                    help="largest N for the peers (a torch process is ~300 MB here)")
     args = ap.parse_args()
     counts = [int(c) for c in args.daemons.split(",")]
     rings = [int(r) for r in args.rings.split(",")]
@@ -210,19 +237,23 @@ def main():
           f"this machine (daemon i on 127.0.1.{{i+2}})")
     header = (f"{'N':>4} {'ring':>4} {'formation ms':>12} {'detect ms':>9} {'sockets':>8} "
               f"{'links':>6} {'beats/s':>8} {'4KiB us':>9} {'4MiB us':>9}"
-              f" {'torch form ms':>13} {'torch 4KiB us':>13} {'4KiB vs torch':>13}")
+              f" {'torch form ms':>13} {'torch 4KiB us':>13} {'4KiB vs torch':>13}"
+              f" {'MPI 4KiB us':>11}")
     print(header)
     print("-" * len(header))
     failed = True
     try:
         for n in counts:
-            peer = None
+            peer = mpi = None
             if args.torch and n <= args.torch_max:
                 peer = run_torch(n)
+            if args.mpi and n <= args.torch_max:
+                mpi = run_mpi(args.build, n)
             for ring in rings:
                 r = run_gradsync(args.build, tmp, token_file, n, ring, args.settle)
                 tail = (f" {peer[0]:>13,.0f} {peer[1]:>13,.0f} {r['small'] / peer[1]:>12.2f}x"
                         if peer else f" {'-':>13} {'-':>13} {'-':>13}")
+                tail += f" {mpi:>11,.0f}" if mpi else f" {'-':>11}"
                 print(f"{n:>4} {ring:>4} {r['formation']:>12,.0f} {r['detection']:>9,.0f} "
                       f"{r['sockets']:>8.1f} {r['links']:>6.1f} {r['beats']:>8.1f} "
                       f"{r['small']:>9,.0f} {r['large']:>9,.0f}" + tail, flush=True)
