@@ -553,6 +553,35 @@ core::Collective TwoNodeAllReduce(uint64_t seq, int rank, std::vector<float>& da
   return op;
 }
 
+TEST(NodesCommunicatorPeerTest, AnErrorNamesAFewOfAGroupsManyNodesAndCountsTheRest) {
+  // A group of twelve nodes, one member each, whose peers never come: the op fails by its
+  // deadline naming the first eight peers and counting the other three (a group of hundreds
+  // of nodes must not make every error list them all).
+  store::MemoryStore store;
+  core::CommunicatorSpec spec = TwoNodeSpec(store, 0);
+  spec.members.clear();
+  spec.member_nodes.clear();
+  for (int i = 0; i < 12; ++i) {
+    spec.members.push_back(i);
+    spec.member_nodes.push_back(absl::StrCat("127.0.0.1:", 100 + i));
+  }
+  spec.node = spec.member_nodes[0];
+  CpuTuning tuning;
+  tuning.peer_grace = absl::Milliseconds(200);
+  NodesCommunicator a(spec, tuning);
+  std::vector<float> data(64, 1.0f);
+  core::Collective op = TwoNodeAllReduce(0, 0, data, absl::Milliseconds(300));
+  op.group_size = 12;
+  const absl::Status s = a.Run(op);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "node 127.0.0.1:101 (ranks 1); node 127.0.0.1:102"))
+      << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "node 127.0.0.1:108 (ranks 8) and 3 more node(s)"))
+      << s;
+  EXPECT_FALSE(absl::StrContains(s.message(), "127.0.0.1:109")) << s;
+  for (float v : data) ASSERT_EQ(v, 1.0f);
+}
+
 const absl::Status kLost =
     absl::UnavailableError("node 127.0.0.1:2 lost: no word from it for 1.5 s");
 

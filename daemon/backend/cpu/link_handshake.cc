@@ -15,9 +15,12 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/bounded_text.h"
 #include "daemon/backend/cpu/socket.h"
 
 namespace gradsync::backend::cpu::link {
@@ -234,14 +237,12 @@ class Acceptor {
   };
 
   absl::Status Late() const {
-    std::string who;
+    std::vector<std::string> who;
     for (size_t j = 0; j < nodes_.size(); ++j) {
-      if (wanted_[j] && links_[j].fd.get() < 0) {
-        absl::StrAppend(&who, who.empty() ? "" : ", ", nodes_[j]);
-      }
+      if (wanted_[j] && links_[j].fd.get() < 0) who.push_back(nodes_[j]);
     }
-    return absl::DeadlineExceededError(
-        absl::StrCat("record links: node(s) ", who, " did not connect by the deadline"));
+    return absl::DeadlineExceededError(absl::StrCat("record links: node(s) ", JoinBounded(who),
+                                                    " did not connect by the deadline"));
   }
 
   bool Waiting(int from) const {

@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "common/bounded_text.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "common/store_keys.h"
@@ -153,17 +154,20 @@ absl::Status NodesCommunicator::Unrunnable(const core::Collective& op) const {
 }
 
 std::string NodesCommunicator::PeersWithRanks() const {
+  // Bounded: a group of hundreds of nodes names the first few and counts the rest.
   std::string out;
-  for (size_t i = 0; i < nodes_.size(); ++i) {
+  size_t named = 0;
+  for (size_t i = 0; i < nodes_.size() && named < kListedInErrors; ++i) {
     if (static_cast<int>(i) == my_node_) continue;
-    absl::StrAppend(&out, out.empty() ? "node " : "; node ", nodes_[i], " (ranks ");
-    bool first = true;
+    std::vector<int> ranks;
     for (size_t m = 0; m < spec_.members.size(); ++m) {
-      if (node_of_group_rank_[m] != static_cast<int>(i)) continue;
-      absl::StrAppend(&out, first ? "" : ",", spec_.members[m]);
-      first = false;
+      if (node_of_group_rank_[m] == static_cast<int>(i)) ranks.push_back(spec_.members[m]);
     }
-    absl::StrAppend(&out, ")");
+    absl::StrAppend(&out, named++ == 0 ? "" : "; ", "node ", nodes_[i], " (ranks ",
+                    JoinBounded(ranks, ","), ")");
+  }
+  if (nodes_.size() - 1 > named) {
+    absl::StrAppend(&out, " and ", nodes_.size() - 1 - named, " more node(s)");
   }
   return out;
 }
