@@ -55,8 +55,9 @@ class Daemon:
 
     def wait_ready(self, deadline):
         while time.time() < deadline:
-            log = open(self.log_path).read()
-            tcp = re.search(r"tcp=127\.0\.0\.1:(\d+)", log)
+            with open(self.log_path) as f:
+                log = f.read()
+            tcp = re.search(r"tcp=[0-9.]+:(\d+)", log)
             metrics = re.search(r"metrics serving http://127\.0\.0\.1:(\d+)/", log)
             if tcp and metrics:
                 self.port, self.metrics = int(tcp.group(1)), int(metrics.group(1))
@@ -66,10 +67,14 @@ class Daemon:
             time.sleep(0.02)
         raise RuntimeError(f"gradsyncd did not start; see {self.log_path}")
 
-    def store_calls(self):
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as r:
-            m = re.search(rb"^gradsync_store_calls_total ([0-9.e+]+)$", r.read(), re.M)
+    def metric(self, name):
+        """The value of the unlabelled metric `name` (0 when absent)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=30) as r:
+            m = re.search(rb"^" + name.encode() + rb" ([0-9.e+]+)$", r.read(), re.M)
         return float(m.group(1)) if m else 0.0
+
+    def store_calls(self):
+        return self.metric("gradsync_store_calls_total")
 
     def stop(self):
         self.proc.send_signal(signal.SIGTERM)

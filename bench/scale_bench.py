@@ -32,7 +32,6 @@ Run:  .venv/bin/python bench/scale_bench.py --build build [--daemons 32,64,128,2
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -40,45 +39,25 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import formation_bench  # noqa: E402 - the daemon process both benchmarks run
 
 TIMEOUT_S = 300  # bound on any one wait of a job
 
 
-class Daemon:
+class Daemon(formation_bench.Daemon):
+    """Daemon i on its own loopback address, watching with --peer_watch_ring=RING."""
+
     def __init__(self, build, tmp, i, token_file, ring):
         self.address = f"127.0.{1 + i // 250}.{2 + i % 250}"
-        self.sock = os.path.join(tmp, f"d{i}.sock")
-        self.log_path = os.path.join(tmp, f"d{i}.log")
-        self.proc = subprocess.Popen(
-            [os.path.join(build, "daemon", "gradsyncd"), f"--socket={self.sock}", "--port=0",
-             f"--bind_address={self.address}", f"--token_file={token_file}",
-             "--log_sink=stderr", "--metrics_port=0", "--op_timeout=120s",
-             "--max_tcp_connections_per_source=4096", f"--peer_watch_ring={ring}"],
-            stderr=open(self.log_path, "w"))
-        self.port = self.metrics = None
+        super().__init__(build, tmp, f"d{i}", token_file,
+                         [f"--bind_address={self.address}",
+                          "--max_tcp_connections_per_source=4096", f"--peer_watch_ring={ring}"])
 
-    def wait_ready(self, deadline):
-        while time.time() < deadline:
-            with open(self.log_path) as f:
-                log = f.read()
-            tcp = re.search(r"tcp=[0-9.]+:(\d+)", log)
-            metrics = re.search(r"metrics serving http://127\.0\.0\.1:(\d+)/", log)
-            if tcp and metrics:
-                self.port, self.metrics = int(tcp.group(1)), int(metrics.group(1))
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        raise RuntimeError(f"gradsyncd did not start; see {self.log_path}")
-
-    def metric(self, name):
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=30) as r:
-            m = re.search(rb"^" + name.encode() + rb" ([0-9.e+]+)$", r.read(), re.M)
-        return float(m.group(1)) if m else 0.0
-
-    def sockets(self):
-        """Open TCP sockets of this daemon (sockets in /proc/PID/fd that /proc/net/tcp knows)."""
+    def sockets(self, tcp_inodes):
+        """Open TCP sockets of this daemon: its sockets in /proc/PID/fd that are in
+        `tcp_inodes` (tcp_socket_inodes())."""
         inodes = set()
         fd_dir = f"/proc/{self.proc.pid}/fd"
         for fd in os.listdir(fd_dir):
@@ -88,20 +67,18 @@ class Daemon:
                 continue
             if target.startswith("socket:["):
                 inodes.add(target[8:-1])
-        return len(inodes & TCP_INODES[0])
+        return len(inodes & tcp_inodes)
 
 
-TCP_INODES = [set()]
-
-
-def read_tcp_inodes():
+def tcp_socket_inodes():
+    """The inodes of every TCP socket of this machine (/proc/net/tcp and tcp6)."""
     out = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             next(f)
             for line in f:
                 out.add(line.split()[9])
-    TCP_INODES[0] = out
+    return out
 
 
 def read_line(proc, deadline, want):
@@ -141,8 +118,8 @@ def run_gradsync(build, tmp, token_file, n, ring, settle):
         time.sleep(settle)
         beats = [(d.metric("gradsync_peer_heartbeats_sent_total") - b) / (time.time() - t0)
                  for d, b in zip(daemons, beats0)]
-        read_tcp_inodes()
-        sockets = statistics.mean(d.sockets() for d in daemons)
+        tcp = tcp_socket_inodes()
+        sockets = statistics.mean(d.sockets(tcp) for d in daemons)
         links = statistics.mean(d.metric("gradsync_peer_watch_links") for d in daemons)
         frozen = daemons[-1]
         frozen.proc.send_signal(signal.SIGSTOP)

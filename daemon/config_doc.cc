@@ -106,10 +106,10 @@ const std::vector<Section>& Sections() {
        "whose connection closes or resets, or one that cannot be reached, is lost at once. The "
        "daemon that decides it tells the others over its O(log N) links and each passes it on "
        "once, so every survivor learns it within a few hops: the job's ops on groups spanning "
-       "it fail at once with UNAVAILABLE naming the node, its ranks and the cause. A daemon declared lost by the others (it was frozen or "
-       "cut off) counts every peer lost when it hears so. The default (1.5 s, six heartbeats) "
-       "leaves a daemon thread five missed heartbeats of scheduling delay before it counts as "
-       "frozen.",
+       "it fail at once with UNAVAILABLE naming the node, its ranks and the cause. A daemon "
+       "declared lost by the others (it was frozen or cut off) counts every peer lost when it "
+       "hears so. The default (1.5 s, six heartbeats) leaves a daemon thread five missed "
+       "heartbeats of scheduling delay before it counts as frozen.",
        {"peer_timeout", "peer_heartbeat", "peer_watch_ring"}},
       {"CPU data plane tuning",
        "How the host plane moves bytes between nodes and splits large single-node ops across "

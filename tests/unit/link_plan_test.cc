@@ -16,6 +16,7 @@
 #include "daemon/backend/cpu/record_links.h"
 #include "daemon/store/memory_store.h"
 #include "gtest/gtest.h"
+#include "tests/unit/record_links_testing.h"
 
 namespace gradsync::backend::cpu {
 namespace {
@@ -100,14 +101,8 @@ TEST(RecordLinksPlanTest, OnlyThePlannedPairsConnectAndEveryPeerMeansThoseAlone)
   std::vector<std::thread> threads;
   for (int i = 0; i < kN; ++i) {
     threads.emplace_back([&, i] {
-      RecordLinks::Spec spec;
-      spec.store = &store;
-      spec.job = "j";
-      spec.prefix = "p/";
-      spec.nodes = nodes;
-      spec.me = i;
-      spec.peers = LinkedNodes(kN, i, kRing);
-      auto made = RecordLinks::Connect(std::move(spec), absl::Now() + absl::Seconds(30));
+      auto made = RecordLinks::Connect(SpecOf(&store, nodes, i, LinkedNodes(kN, i, kRing), "p/"),
+                                       absl::Now() + absl::Seconds(30));
       status[i] = made.status();
       if (made.ok()) links[i] = *std::move(made);
     });

@@ -218,6 +218,15 @@ struct Job {
       if (watches[i]) watches[i]->Watch("j", "run1", nodes, i, &store, losses[i]->Callback());
     }
   }
+
+  // Node `me` (one left to the test) as links of the watch's kind over its plan on `ring`: the
+  // test speaks for it by hand.
+  absl::StatusOr<std::unique_ptr<RecordLinks>> LinksOf(int me, int ring) {
+    return RecordLinks::Connect(
+        SpecOf(&store, nodes, me, LinkedNodes(static_cast<int>(nodes.size()), me, ring),
+               "watch/run1/", 4096),
+        absl::Now() + absl::Seconds(20));
+  }
 };
 
 TEST(PeerWatchPlanTest, ADaemonGoneIsReportedOnceToEverySurvivorOverLogNLinksEach) {
@@ -310,15 +319,7 @@ TEST(PeerWatchPlanTest, OneWatcherHearingNothingIsASuspicionTwoAreALoss) {
   LinkPeerWatch::Options o = Fast();
   o.ring = 1;
   Job job(kN, o, kQuiet);
-  RecordLinks::Spec spec;
-  spec.store = &job.store;
-  spec.job = "j";
-  spec.prefix = "watch/run1/";
-  spec.nodes = job.nodes;
-  spec.me = kQuiet;
-  spec.peers = LinkedNodes(kN, kQuiet, 1);
-  spec.max_message_bytes = 4096;
-  auto quiet = RecordLinks::Connect(spec, absl::Now() + absl::Seconds(20));
+  auto quiet = job.LinksOf(kQuiet, 1);
   ASSERT_TRUE(quiet.ok()) << quiet.status();
   const std::byte word[8] = {};
   ASSERT_TRUE((*quiet)->Send(word, absl::Now() + absl::Seconds(20)).ok());
@@ -357,15 +358,7 @@ TEST(PeerWatchPlanTest, AFrozenNodeIsFoundByItsRingNeighboursEveryOtherIsToldAnd
   Job job(kN, o, kFrozen);
   // Node 7: links of the watch's kind over its plan that say one word each and then nothing
   // (a daemon frozen).
-  RecordLinks::Spec spec;
-  spec.store = &job.store;
-  spec.job = "j";
-  spec.prefix = "watch/run1/";
-  spec.nodes = job.nodes;
-  spec.me = kFrozen;
-  spec.peers = LinkedNodes(kN, kFrozen, 1);
-  spec.max_message_bytes = 4096;
-  auto frozen = RecordLinks::Connect(spec, absl::Now() + absl::Seconds(20));
+  auto frozen = job.LinksOf(kFrozen, 1);
   ASSERT_TRUE(frozen.ok()) << frozen.status();
   const std::byte word[8] = {};
   ASSERT_TRUE((*frozen)->Send(word, absl::Now() + absl::Seconds(20)).ok());
@@ -405,15 +398,7 @@ TEST(PeerWatchPlanTest, ANodeToldItIsLostCountsEveryPeerLostAndTheOthersGoOn) {
   o.ring = 1;
   o.timeout = absl::Seconds(30);  // no one falls silent here: node 5 is the test's
   Job job(kN, o, kTeller);
-  RecordLinks::Spec spec;
-  spec.store = &job.store;
-  spec.job = "j";
-  spec.prefix = "watch/run1/";
-  spec.nodes = job.nodes;
-  spec.me = kTeller;
-  spec.peers = LinkedNodes(kN, kTeller, 1);  // 0, 1, 3, 4
-  spec.max_message_bytes = 4096;
-  auto teller = RecordLinks::Connect(spec, absl::Now() + absl::Seconds(20));
+  auto teller = job.LinksOf(kTeller, 1);  // linked to 0, 1, 3, 4
   ASSERT_TRUE(teller.ok()) << teller.status();
   const std::byte word[8] = {};
   ASSERT_TRUE((*teller)->Send(word, absl::Now() + absl::Seconds(20)).ok());

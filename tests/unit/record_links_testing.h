@@ -17,16 +17,26 @@ namespace gradsync::backend::cpu {
 
 inline const std::vector<std::string> kNodes = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
 
-inline RecordLinks::Spec SpecOf(gradsync::Store* store, int me, int nodes,
-                                std::string prefix = "r/", size_t max_message_bytes = 1 << 20) {
+// Node `me` of `nodes` (job "j"), linked to `peers` (empty: every other node).
+inline RecordLinks::Spec SpecOf(gradsync::Store* store, std::vector<std::string> nodes, int me,
+                                std::vector<int> peers, std::string prefix,
+                                size_t max_message_bytes = 1 << 20) {
   RecordLinks::Spec spec;
   spec.store = store;
   spec.job = "j";
   spec.prefix = std::move(prefix);
-  spec.nodes.assign(kNodes.begin(), kNodes.begin() + nodes);
+  spec.nodes = std::move(nodes);
   spec.me = me;
+  spec.peers = std::move(peers);
   spec.max_message_bytes = max_message_bytes;
   return spec;
+}
+
+// Node `me` of the first `nodes` of kNodes, linked to every other.
+inline RecordLinks::Spec SpecOf(gradsync::Store* store, int me, int nodes,
+                                std::string prefix = "r/", size_t max_message_bytes = 1 << 20) {
+  return SpecOf(store, std::vector<std::string>(kNodes.begin(), kNodes.begin() + nodes), me, {},
+                std::move(prefix), max_message_bytes);
 }
 
 // Connects `nodes` nodes, each on its own thread; returns their links (all must connect).

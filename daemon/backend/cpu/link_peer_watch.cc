@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -66,10 +67,11 @@ core::LossCause CauseOf(const RecordLinks& links, int node, const absl::Status& 
 }  // namespace
 
 // A loss, leave or suspicion passed from node to node: its head on the wire, then its text.
-constexpr int32_t kLostNotice = 0;  // `node` was lost (`origin` saw it first)
-constexpr int32_t kLeftNotice = 1;  // `node` left on purpose
-constexpr int32_t kSuspectNotice =
-    2;  // `origin`, a ring neighbour of `node`, hears nothing from it
+// Its kinds: `node` was lost (`origin` saw it first); `node` left on purpose; `origin`, a ring
+// neighbour of `node`, hears nothing from it.
+constexpr int32_t kLostNotice = 0;
+constexpr int32_t kLeftNotice = 1;
+constexpr int32_t kSuspectNotice = 2;
 struct LinkPeerWatch::Notice {
   struct Head {
     char magic[8];
@@ -80,6 +82,18 @@ struct LinkPeerWatch::Notice {
   };
   Head head{};
   std::string text;  // as the origin wrote it ("lost: no word for 1.6 s ...")
+
+  Notice() = default;
+  Notice(int32_t kind, int node, int origin, core::LossCause cause, const std::string& why)
+      : head{{}, kind, node, origin, static_cast<int32_t>(cause)},
+        text(why.substr(0, kMaxNoticeText)) {
+    std::memcpy(head.magic, kNote, sizeof(kNote));
+  }
+  // The message: the head, then the text.
+  std::array<absl::Span<const std::byte>, 2> Parts() const {
+    return {absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&head), sizeof(head)),
+            absl::MakeConstSpan(reinterpret_cast<const std::byte*>(text.data()), text.size())};
+  }
 };
 
 // Fields below `nodes` are guarded by the watch's mu_; `links` and `readable` are used by the
@@ -105,7 +119,7 @@ struct LinkPeerWatch::Entry {
   bool expelled = false;  // the peers declared this node lost
   // By node: the ring neighbours of it that found it silent, and when this node heard so.
   std::vector<std::map<int, absl::Time>> suspects;
-  std::vector<int> quorum;  // by node: suspicions that make it lost (2; 1 when watched by one)
+  int quorum = 1;  // suspicions of a node that make it lost (2; 1 when only one watches it)
   std::vector<std::pair<int, std::string>> unconnected;  // linked nodes whose link did not form
   std::unique_ptr<RecordLinks> links;
   std::vector<bool> readable;  // by node: the last poll saw bytes (or none was done yet)
@@ -153,11 +167,8 @@ void LinkPeerWatch::Watch(const std::string& job, const std::string& run,
   entry->cause.assign(n, "");
   entry->readable.assign(n, true);
   entry->suspects.assign(n, {});
-  entry->quorum.assign(n, 1);
-  for (int i = 0; i < n; ++i) {
-    entry->quorum[i] =
-        std::min<int>(2, static_cast<int>(RingNeighbours(n, i, options_.ring).size()));
-  }
+  // Every node has as many watchers as ring neighbours (the ring relation is symmetric).
+  entry->quorum = std::min<int>(2, static_cast<int>(RingNeighbours(n, me, options_.ring).size()));
   RecordLinks::Spec spec;
   spec.store = store;
   spec.job = job;
@@ -461,32 +472,17 @@ void LinkPeerWatch::Lose(Entry& e, int i, core::LossCause loss, const std::strin
     Log()->warn("peer lost job={} node={} cause={}", e.job, e.nodes[i], said);
   }
   if (!e.connected) return;  // no links to pass it on
-  Notice notice;
-  std::memcpy(notice.head.magic, kNote, sizeof(kNote));
-  notice.head.kind = left ? kLeftNotice : kLostNotice;
-  notice.head.node = i;
-  notice.head.origin = origin;
-  notice.head.cause = static_cast<int32_t>(loss);
-  notice.text = why.substr(0, kMaxNoticeText);
+  const Notice notice(left ? kLeftNotice : kLostNotice, i, origin, loss, why);
   Spread(e, notice, origin);
   if (!e.links->Linked(i)) return;
   // Told first (it may be alive, frozen or cut off a while: it then knows the others went on
   // without it), then dropped: it sees its end at once.
-  if (!left) {
-    const absl::Span<const std::byte> parts[] = {
-        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&notice.head), sizeof(notice.head)),
-        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(notice.text.data()),
-                            notice.text.size())};
-    e.links->SendTo(i, parts, absl::Now() + kSendWait).IgnoreError();
-  }
+  if (!left) e.links->SendTo(i, notice.Parts(), absl::Now() + kSendWait).IgnoreError();
   e.links->Drop(i, absl::UnavailableError(left ? "left" : "lost"));
 }
 
 void LinkPeerWatch::Spread(Entry& e, const Notice& notice, int except) {
-  const absl::Span<const std::byte> parts[] = {
-      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&notice.head), sizeof(notice.head)),
-      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(notice.text.data()),
-                          notice.text.size())};
+  const auto parts = notice.Parts();
   for (int j : e.linked) {
     if (j == except || j == notice.head.node || !e.Open(j)) continue;
     // A peer whose socket cannot take it now is behind: it hears of the loss from its other
@@ -506,7 +502,7 @@ void LinkPeerWatch::Suspect(Entry& e, int i, int origin, const std::string& why,
   }
   if (by.count(origin) > 0) return;  // heard, and passed on, already
   by[origin] = now;
-  if (static_cast<int>(by.size()) >= e.quorum[i]) {
+  if (static_cast<int>(by.size()) >= e.quorum) {
     // Found silent by as many of its watchers as it takes: lost (a link that drops a few
     // packets in a row delays one watcher's heartbeats, never two watchers' at once).
     const int first = by.count(e.me) > 0 ? e.me : origin;
@@ -514,14 +510,7 @@ void LinkPeerWatch::Suspect(Entry& e, int i, int origin, const std::string& why,
     return;
   }
   Log()->info("peer suspected job={} node={} by={}: {}", e.job, e.nodes[i], e.nodes[origin], why);
-  Notice notice;
-  std::memcpy(notice.head.magic, kNote, sizeof(kNote));
-  notice.head.kind = kSuspectNotice;
-  notice.head.node = i;
-  notice.head.origin = origin;
-  notice.head.cause = static_cast<int32_t>(core::LossCause::kSilent);
-  notice.text = why.substr(0, kMaxNoticeText);
-  Spread(e, notice, origin);
+  Spread(e, Notice(kSuspectNotice, i, origin, core::LossCause::kSilent, why), origin);
 }
 
 void LinkPeerWatch::Heed(Entry& e, int from, const Notice& notice, Lost& lost) {
