@@ -111,9 +111,10 @@ ABSL_FLAG(int, peer_watch_ring, 2,
           "O(log N) links each. 0: every daemon watches every other (a mesh: 2(N-1) heartbeats "
           "each). Every daemon of a job must use the same value");
 ABSL_FLAG(int64_t, cpu_inline_max_bytes, gradsync::backend::cpu::CpuTuning{}.inline_max_bytes,
-          "Ops across nodes moving at most this many bytes per node travel inside their verdict "
-          "record (one exchange); larger ones run a ring, broadcast or all-gather after it. The "
-          "same on every daemon of a job");
+          "Ops across nodes whose result is at most this many bytes travel inside their verdict "
+          "records, up and down a binomial tree of the nodes (2 log2 N hops); larger ones run a "
+          "ring all-reduce, chain broadcast or ring all-gather after it. The same on every daemon "
+          "of a job");
 ABSL_FLAG(int64_t, cpu_segment_bytes, gradsync::backend::cpu::CpuTuning{}.segment_bytes,
           "The pipeline unit of the ring, broadcast and all-gather between nodes: one message "
           "each (a multiple of 64, at least 4096). The same on every daemon of a job");

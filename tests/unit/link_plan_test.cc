@@ -1,6 +1,6 @@
 // The link plan (link_plan.h): symmetric, O(log N) links per node, every node within about
-// log2 N hops of every other; and record links connected over a plan (Spec::peers): only the
-// planned pairs connect, and sends to "every peer" reach those alone.
+// log2 N hops of every other; a group's binomial tree; and record links connected over a plan
+// (Spec::peers): only the planned pairs connect, and sends to "every peer" reach those alone.
 
 #include "daemon/backend/cpu/link_plan.h"
 
@@ -88,6 +88,50 @@ TEST(LinkPlanTest, RingZeroAndSmallJobsAreTheMeshAndBadInputIsEmpty) {
   EXPECT_TRUE(LinkedNodes(1, 0, 2).empty());
   EXPECT_TRUE(LinkedNodes(8, 8, 2).empty());
   EXPECT_TRUE(LinkedNodes(8, -1, 2).empty());
+}
+
+TEST(LinkPlanTest, TheGroupTreeCoversEveryNodeOnceInNodeOrderWithinLog2NLevels) {
+  for (int n : {1, 2, 3, 5, 8, 13, 64, 100, 256, 257, 1000}) {
+    const int log2n = n < 2 ? 0 : static_cast<int>(std::ceil(std::log2(n)));
+    std::vector<int> parents(n, 0);
+    for (int i = 0; i < n; ++i) {
+      // A subtree is its node, then its children's subtrees one after another.
+      int next = i + 1;
+      for (int child : TreeChildren(n, i)) {
+        EXPECT_EQ(child, next) << "n=" << n << " i=" << i;
+        EXPECT_EQ(TreeParent(child), i);
+        ++parents[child];
+        next = SubtreeEnd(n, child);
+      }
+      EXPECT_EQ(next, SubtreeEnd(n, i)) << "n=" << n << " i=" << i;
+      EXPECT_LE(static_cast<int>(TreeChildren(n, i).size()), log2n);
+      int depth = 0;
+      for (int at = i; at != 0; at = TreeParent(at)) ++depth;
+      EXPECT_LE(depth, log2n) << "n=" << n << " i=" << i;
+      // The group's links: ring neighbours and tree partners, symmetric and few.
+      const std::vector<int> linked = GroupLinks(n, i);
+      ASSERT_TRUE(std::is_sorted(linked.begin(), linked.end()));
+      EXPECT_LE(static_cast<int>(linked.size()), std::min(n - 1, 3 + log2n)) << n << " " << i;
+      for (int j : linked) {
+        const std::vector<int> back = GroupLinks(n, j);
+        EXPECT_TRUE(std::binary_search(back.begin(), back.end(), i)) << n << ": " << i << "," << j;
+      }
+      if (n > 1) {
+        EXPECT_TRUE(std::binary_search(linked.begin(), linked.end(), (i + 1) % n));
+        EXPECT_TRUE(std::binary_search(linked.begin(), linked.end(), (i + n - 1) % n));
+      }
+    }
+    EXPECT_EQ(TreeParent(0), -1);
+    EXPECT_EQ(SubtreeEnd(n, 0), n);
+    for (int i = 1; i < n; ++i) EXPECT_EQ(parents[i], 1) << "n=" << n << " i=" << i;
+  }
+  EXPECT_EQ(TreeChildren(13, 0), (std::vector<int>{1, 2, 4, 8}));
+  EXPECT_EQ(TreeChildren(13, 8), (std::vector<int>{9, 10, 12}));
+  EXPECT_EQ(TreeChildren(13, 12), (std::vector<int>{}));
+  EXPECT_EQ(GroupLinks(256, 0), (std::vector<int>{1, 2, 4, 8, 16, 32, 64, 128, 255}));
+  EXPECT_EQ(GroupLinks(256, 7), (std::vector<int>{6, 8}));
+  EXPECT_TRUE(GroupLinks(1, 0).empty());
+  EXPECT_TRUE(TreeChildren(8, 8).empty());
 }
 
 TEST(RecordLinksPlanTest, OnlyThePlannedPairsConnectAndEveryPeerMeansThoseAlone) {

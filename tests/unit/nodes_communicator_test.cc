@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstring>
 #include <functional>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -400,6 +401,20 @@ uint64_t FingerprintHash(std::string_view s) {
   return h;
 }
 
+// A record of seq `seq` as node `node` of a group sends it up the tree on its own (the wire
+// format's: seq, code 0, no payload, the fingerprint's hash and text, no failure, its own node
+// first, no fingerprint that differs), at `at` (768 bytes).
+constexpr size_t kRecord = 768;
+void WriteRecord(std::byte* at, uint64_t seq, std::string_view fingerprint, int32_t node) {
+  std::memset(at, 0, kRecord);
+  const uint64_t hash = FingerprintHash(fingerprint);
+  std::memcpy(at, &seq, sizeof(seq));
+  std::memcpy(at + 16, &hash, sizeof(hash));
+  std::memcpy(at + 24, fingerprint.data(), fingerprint.size());
+  const int32_t nodes[3] = {-1, node, -1};  // failed, first, other
+  std::memcpy(at + 504, nodes, sizeof(nodes));
+}
+
 // Two nodes, one member each (group ranks 0 and 1): node `me`'s spec, rendezvous in `store`.
 core::CommunicatorSpec TwoNodeSpec(store::MemoryStore& store, int me) {
   core::CommunicatorSpec spec;
@@ -446,17 +461,12 @@ TEST(NodesCommunicatorPeerTest, ARecordAfterALargeOpsRecordFailsItAsOutOfStepAnd
   auto peer = RawPeerOfTwo(store);
   ASSERT_TRUE(peer.ok()) << peer.status();
   // One stream message: its header, then the records of seq 0 (agreeing) and seq 1.
-  constexpr size_t kRecord = 512;
   std::vector<std::byte> message(64 + 2 * kRecord);
   const uint64_t header[3] = {0x67737265636f7264, message.size(), 2};
   std::memcpy(message.data(), header, sizeof(header));
   for (uint64_t seq = 0; seq < 2; ++seq) {
-    std::byte* const r = message.data() + 64 + seq * kRecord;
-    const std::string fp = seq == 0 ? op.fingerprint : "all_reduce(w, count=1) seq=1";
-    const uint64_t hash = FingerprintHash(fp);
-    std::memcpy(r, &seq, sizeof(seq));  // then code 0, payload 0
-    std::memcpy(r + 16, &hash, sizeof(hash));
-    std::memcpy(r + 24, fp.data(), fp.size());
+    WriteRecord(message.data() + 64 + seq * kRecord, seq,
+                seq == 0 ? op.fingerprint : "all_reduce(w, count=1) seq=1", 1);
   }
   ASSERT_TRUE((*peer)->Send(message, absl::Now() + absl::Seconds(20)).ok());
   t.join();
@@ -464,6 +474,64 @@ TEST(NodesCommunicatorPeerTest, ARecordAfterALargeOpsRecordFailsItAsOutOfStepAnd
   EXPECT_TRUE(absl::StrContains(status.message(), "out of step")) << status;
   EXPECT_TRUE(absl::StrContains(status.message(), nodes[1])) << status;
   for (int64_t i = 0; i < kCount; ++i) ASSERT_EQ(data[i], 1.0f) << i;
+}
+
+TEST(NodesCommunicatorPeerTest,
+     AChildsFailureIsTheDecisionAndARecordNamingAnotherSubtreeIsRefused) {
+  // Node 0, the root, and a raw child. The child's record of seq 0 says it failed: node 0 fails
+  // the op with the child's reason, writes nothing, and passes that decision down. Its record of
+  // seq 1 names node 0 (outside the child's subtree) as the failed node: a malformed record,
+  // INTERNAL, and node 0 writes nothing.
+  ::signal(SIGPIPE, SIG_IGN);
+  store::MemoryStore store;
+  NodesCommunicator comm(TwoNodeSpec(store, 0));
+  std::vector<std::vector<float>> data(2, std::vector<float>(16, 1.0f));
+  std::vector<core::Collective> ops;
+  for (uint64_t seq = 0; seq < 2; ++seq) {
+    ops.push_back(AllReduce(seq, 16, v1::SUM, "w"));
+    ops.back().group_size = 2;
+    ops.back().local.push_back({0, {{reinterpret_cast<std::byte*>(data[seq].data()), 16}}, {}});
+  }
+  std::vector<absl::Status> status(2, absl::UnknownError("not run"));
+  std::thread t([&] {
+    for (size_t k = 0; k < 2; ++k) status[k] = comm.Run(ops[k]);
+  });
+  auto peer = RawPeerOfTwo(store);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const auto send = [&](uint64_t seq, int32_t code, int32_t failed, std::string_view text) {
+    std::vector<std::byte> message(64 + kRecord);
+    const uint64_t header[3] = {0x67737265636f7264, message.size(), 1};
+    std::memcpy(message.data(), header, sizeof(header));
+    std::byte* const r = message.data() + 64;
+    WriteRecord(r, seq, ops[seq].fingerprint, 1);
+    std::memcpy(r + 8, &code, sizeof(code));
+    std::memcpy(r + 264, text.data(), text.size());
+    std::memcpy(r + 504, &failed, sizeof(failed));
+    return (*peer)->Send(message, absl::Now() + absl::Seconds(20));
+  };
+  ASSERT_TRUE(send(0, static_cast<int32_t>(absl::StatusCode::kFailedPrecondition), 1,
+                   "its rank 1 was told no")
+                  .ok());
+  absl::StatusOr<absl::Span<const std::byte>> decision =
+      (*peer)->Receive(0, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(decision.ok()) << decision.status();
+  ASSERT_EQ(decision->size(), 64 + kRecord);
+  int32_t code = 0, failed = -1;
+  std::memcpy(&code, decision->data() + 64 + 8, sizeof(code));
+  std::memcpy(&failed, decision->data() + 64 + 504, sizeof(failed));
+  EXPECT_EQ(code, static_cast<int32_t>(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(failed, 1);
+  ASSERT_TRUE(send(1, static_cast<int32_t>(absl::StatusCode::kInternal), 0, "not mine").ok());
+  t.join();
+  EXPECT_EQ(status[0].code(), absl::StatusCode::kFailedPrecondition) << status[0];
+  EXPECT_TRUE(
+      absl::StrContains(status[0].message(), "failed on node 127.0.0.1:2: its rank 1 was told no"))
+      << status[0];
+  EXPECT_EQ(status[1].code(), absl::StatusCode::kInternal) << status[1];
+  EXPECT_TRUE(absl::StrContains(status[1].message(), "malformed record")) << status[1];
+  for (const std::vector<float>& d : data) {
+    for (float v : d) ASSERT_EQ(v, 1.0f);
+  }
 }
 
 // Node 0 of a two-node group (one member: `data`) runs a ring all-reduce whose peer, a raw
@@ -491,13 +559,10 @@ absl::Status RingCutAfterItsFirstStep(bool elastic, std::vector<float>& data) {
   EXPECT_TRUE(peer.ok()) << peer.status();
   if (peer.ok()) {
     // Its record of seq 0 (agreeing, no payload: a ring op) in one stream message.
-    constexpr size_t kRecord = 512;
     std::vector<std::byte> message(64 + kRecord);
     const uint64_t header[3] = {0x67737265636f7264, message.size(), 1};
     std::memcpy(message.data(), header, sizeof(header));
-    const uint64_t hash = FingerprintHash(op.fingerprint);
-    std::memcpy(message.data() + 64 + 16, &hash, sizeof(hash));
-    std::memcpy(message.data() + 64 + 24, op.fingerprint.data(), op.fingerprint.size());
+    WriteRecord(message.data() + 64, 0, op.fingerprint, 1);
     EXPECT_TRUE((*peer)->Send(message, absl::Now() + absl::Seconds(20)).ok());
     // Block 1 (elements [count/2, count)) as one ring segment of step 0, all 1.0.
     const size_t block = static_cast<size_t>(count - count / 2) * sizeof(float);
@@ -580,6 +645,223 @@ TEST(NodesCommunicatorPeerTest, AnErrorNamesAFewOfAGroupsManyNodesAndCountsTheRe
       << s;
   EXPECT_FALSE(absl::StrContains(s.message(), "127.0.0.1:109")) << s;
   for (float v : data) ASSERT_EQ(v, 1.0f);
+}
+
+// Eleven nodes (a tree three levels deep, not a power of two), one member each and a second
+// (group rank 11) on node 4: every kind of op, inline and by the ring, reaches every member
+// with the same values, and a failure or a desync deep in the tree fails the op on every node.
+class NodesCommunicatorTreeTest : public ::testing::Test {
+ protected:
+  static constexpr int kN = 11;
+  static constexpr int kRanks = 12;
+  static int NodeOf(int rank) { return rank == 11 ? 4 : rank; }
+  static std::string Address(int node) { return absl::StrCat("127.0.0.1:", 200 + node); }
+  static float In(int rank, int64_t i) { return static_cast<float>((rank + 1) * (i % 7 + 1)); }
+
+  // Runs `ops(node)`'s ops on every node, in one batch when `batch`, else one by one; returns
+  // every node's statuses.
+  struct Op {
+    core::Collective op;
+    std::vector<std::vector<float>> in, out;  // by local member
+  };
+  std::vector<std::vector<absl::Status>> RunEverywhere(
+      const std::function<std::vector<Op>(int node)>& ops, bool batch) {
+    std::vector<std::vector<absl::Status>> status(kN);
+    made_.assign(kN, {});
+    for (int node = 0; node < kN; ++node) made_[node] = ops(node);
+    std::vector<std::thread> threads;
+    for (int node = 0; node < kN; ++node) {
+      threads.emplace_back([&, node] {
+        std::vector<Op>& mine = made_[node];
+        for (Op& o : mine) {  // buffers are in place now: point the members at them
+          size_t m = 0;
+          for (int rank = 0; rank < kRanks; ++rank) {
+            if (NodeOf(rank) != node) continue;
+            core::LocalMember member{rank, {}, {}};
+            if (!o.op.local_failure.ok()) continue;
+            member.input = {{reinterpret_cast<std::byte*>(o.in[m].data()),
+                             static_cast<int64_t>(o.in[m].size())}};
+            if (!o.out.empty()) {
+              member.output = {{reinterpret_cast<std::byte*>(o.out[m].data()),
+                                static_cast<int64_t>(o.out[m].size())}};
+            }
+            o.op.local.push_back(member);
+            ++m;
+          }
+        }
+        status[node].assign(mine.size(), absl::UnknownError("not run"));
+        if (batch) {
+          std::vector<const core::Collective*> list;
+          for (const Op& o : mine) list.push_back(&o.op);
+          comms_[node]->RunBatch(list, [&](size_t i, absl::Status s) { status[node][i] = s; });
+        } else {
+          for (size_t i = 0; i < mine.size(); ++i) status[node][i] = comms_[node]->Run(mine[i].op);
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    return status;
+  }
+
+  void SetUp() override {
+    CpuTuning tuning;
+    tuning.inline_max_bytes = 4096;
+    tuning.segment_bytes = 4096;  // the ring's blocks and the broadcast run several segments
+    tuning.peer_grace = absl::Seconds(5);
+    for (int node = 0; node < kN; ++node) {
+      core::CommunicatorSpec spec;
+      spec.job = "j";
+      spec.group = "world";
+      for (int rank = 0; rank < kRanks; ++rank) {
+        spec.members.push_back(rank);
+        spec.member_nodes.push_back(Address(NodeOf(rank)));
+        if (NodeOf(rank) == node) spec.local_members.push_back(rank);
+      }
+      spec.node = Address(node);
+      spec.rendezvous = &store_;
+      spec.run = "r1";
+      comms_.push_back(std::make_unique<NodesCommunicator>(spec, tuning));
+    }
+  }
+
+  // Op `seq` of `kind` on `node`: each local member's input filled by In (REDUCE_SCATTER's and
+  // ALL_GATHER's outputs zeroed).
+  static Op Make(int node, uint64_t seq, v1::OpKind kind, int64_t count,
+                 v1::ReduceOp reduce = v1::SUM, int root = 0) {
+    Op o;
+    o.op.kind = kind;
+    o.op.reduce_op = reduce;
+    o.op.dtype = v1::FLOAT32;
+    o.op.count = count;
+    o.op.root = root;
+    o.op.group_size = kRanks;
+    o.op.seq = seq;
+    o.op.deadline = absl::Now() + absl::Seconds(30);
+    o.op.label = absl::StrCat(OpKindName(kind), " seq=", seq);
+    o.op.fingerprint =
+        absl::StrCat(OpKindName(kind), "(count=", count, ", root=", root, ") seq=", seq);
+    const int64_t in = kind == v1::REDUCE_SCATTER ? count * kRanks : count;
+    for (int rank = 0; rank < kRanks; ++rank) {
+      if (NodeOf(rank) != node) continue;
+      std::vector<float>& v = o.in.emplace_back(in);
+      for (int64_t i = 0; i < in; ++i) v[i] = In(rank, i);
+      if (kind == v1::ALL_GATHER) o.out.emplace_back(count * kRanks, 0.0f);
+      if (kind == v1::REDUCE_SCATTER) o.out.emplace_back(count, 0.0f);
+    }
+    return o;
+  }
+
+  // The local members' ranks on `node`, ascending.
+  static std::vector<int> Ranks(int node) {
+    std::vector<int> out;
+    for (int rank = 0; rank < kRanks; ++rank) {
+      if (NodeOf(rank) == node) out.push_back(rank);
+    }
+    return out;
+  }
+
+  store::MemoryStore store_;
+  std::vector<std::unique_ptr<NodesCommunicator>> comms_;
+  std::vector<std::vector<Op>> made_;
+};
+
+TEST_F(NodesCommunicatorTreeTest, EveryKindInlineAndByTheRingGivesEveryMemberTheSameValues) {
+  const auto ops = [](int node) {
+    std::vector<Op> out;
+    out.push_back(Make(node, 0, v1::ALL_REDUCE, 64));                         // inline
+    out.push_back(Make(node, 1, v1::ALL_REDUCE, 20000, v1::MEAN));            // ring
+    out.push_back(Make(node, 2, v1::BROADCAST, 100, v1::SUM, /*root=*/6));    // inline
+    out.push_back(Make(node, 3, v1::BROADCAST, 3000, v1::SUM, /*root=*/11));  // chain
+    out.push_back(Make(node, 4, v1::ALL_GATHER, 8));                          // inline
+    out.push_back(Make(node, 5, v1::ALL_GATHER, 200));                        // ring
+    out.push_back(Make(node, 6, v1::REDUCE_SCATTER, 4));                      // inline
+    out.push_back(Make(node, 7, v1::REDUCE_SCATTER, 100, v1::MAX));           // ring
+    out.push_back(Make(node, 8, v1::BARRIER, 0));
+    return out;
+  };
+  for (bool batch : {false, true}) {
+    const std::vector<std::vector<absl::Status>> status = RunEverywhere(
+        [&](int node) {
+          std::vector<Op> o = ops(node);
+          if (batch) {  // the same ops again, further on in the group's sequence
+            for (Op& x : o) {
+              x.op.seq += 9;
+              x.op.fingerprint += " again";
+            }
+          }
+          return o;
+        },
+        batch);
+    for (int node = 0; node < kN; ++node) {
+      for (size_t k = 0; k < status[node].size(); ++k) {
+        ASSERT_TRUE(status[node][k].ok())
+            << "node " << node << " op " << k << ": " << status[node][k];
+      }
+      const std::vector<Op>& o = made_[node];
+      const std::vector<int> ranks = Ranks(node);
+      for (size_t m = 0; m < ranks.size(); ++m) {
+        for (int64_t i = 0; i < 64; ++i) ASSERT_EQ(o[0].in[m][i], 78.0f * (i % 7 + 1)) << node;
+        for (int64_t i = 0; i < 20000; ++i) ASSERT_EQ(o[1].in[m][i], 6.5f * (i % 7 + 1)) << node;
+        for (int64_t i = 0; i < 100; ++i) ASSERT_EQ(o[2].in[m][i], In(6, i)) << node;
+        for (int64_t i = 0; i < 3000; ++i) ASSERT_EQ(o[3].in[m][i], In(11, i)) << node;
+        for (int q = 0; q < kRanks; ++q) {
+          for (int64_t i = 0; i < 8; ++i) ASSERT_EQ(o[4].out[m][q * 8 + i], In(q, i)) << node;
+          for (int64_t i = 0; i < 200; ++i) ASSERT_EQ(o[5].out[m][q * 200 + i], In(q, i)) << node;
+        }
+        const int64_t at4 = ranks[m] * 4, at100 = ranks[m] * 100;
+        for (int64_t i = 0; i < 4; ++i) {
+          ASSERT_EQ(o[6].out[m][i], 78.0f * ((at4 + i) % 7 + 1)) << node;
+        }
+        for (int64_t i = 0; i < 100; ++i) {
+          ASSERT_EQ(o[7].out[m][i], 12.0f * ((at100 + i) % 7 + 1)) << node;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(NodesCommunicatorTreeTest, AFailureOrADesyncDeepInTheTreeFailsTheOpOnEveryNodeAlone) {
+  // In one batch: op 0 fails on node 9 (a leaf under 8), op 1's fingerprint differs on node 6
+  // (a leaf under 4), op 2 is sound. Every node fails ops 0 and 1 the same way and writes
+  // nothing, and op 2 still reduces.
+  const std::vector<std::vector<absl::Status>> status = RunEverywhere(
+      [](int node) {
+        std::vector<Op> o;
+        o.push_back(Make(node, 0, v1::ALL_REDUCE, 64));
+        o.push_back(Make(node, 1, v1::ALL_REDUCE, 64));
+        o.push_back(Make(node, 2, v1::ALL_REDUCE, 64));
+        if (node == 9) {
+          o[0].op.local_failure = absl::FailedPreconditionError("rank 9 was told no");
+          o[0].in.clear();
+        }
+        if (node == 6) o[1].op.fingerprint = "all_reduce(count=65) seq=1";
+        return o;
+      },
+      /*batch=*/true);
+  for (int node = 0; node < kN; ++node) {
+    const absl::Status& failed = status[node][0];
+    EXPECT_EQ(failed.code(), absl::StatusCode::kFailedPrecondition) << node << ": " << failed;
+    EXPECT_TRUE(absl::StrContains(failed.message(), "rank 9 was told no")) << failed;
+    if (node != 9) {
+      EXPECT_TRUE(absl::StrContains(failed.message(), "failed on node 127.0.0.1:209")) << failed;
+    }
+    const absl::Status& desync = status[node][1];
+    EXPECT_EQ(desync.code(), absl::StatusCode::kFailedPrecondition) << node << ": " << desync;
+    EXPECT_TRUE(absl::StrContains(desync.message(), "desync")) << desync;
+    EXPECT_TRUE(absl::StrContains(desync.message(), "count=65")) << desync;
+    EXPECT_TRUE(absl::StrContains(desync.message(), "count=64")) << desync;
+    ASSERT_TRUE(status[node][2].ok()) << node << ": " << status[node][2];
+    const std::vector<Op>& o = made_[node];
+    for (size_t m = 0; m < Ranks(node).size(); ++m) {
+      for (int64_t i = 0; i < 64; ++i) {
+        if (node != 9) {
+          ASSERT_EQ(o[0].in[m][i], In(Ranks(node)[m], i)) << node;
+        }
+        ASSERT_EQ(o[1].in[m][i], In(Ranks(node)[m], i)) << node;
+        ASSERT_EQ(o[2].in[m][i], 78.0f * (i % 7 + 1)) << node;
+      }
+    }
+  }
 }
 
 const absl::Status kLost =

@@ -26,7 +26,7 @@ struct SegmentHeader {
   uint64_t magic;
   uint64_t seq;
   uint32_t kind;
-  uint32_t step;  // the ring's step; 0 otherwise
+  uint32_t step;  // the ring's (or the all-gather's) step; 0 in a broadcast
   uint64_t segment;
   uint64_t bytes;  // of data, then zeros up to a multiple of kAlign
   uint64_t reserved[3];
@@ -213,20 +213,27 @@ absl::Status RingAllreduce(RecordLinks& links, const LinkOp& op, const RingSpec&
 
 absl::Status LinkBroadcast(RecordLinks& links, const LinkOp& op, int root,
                            absl::Span<std::byte> buffer) {
-  if (root < 0 || root >= links.nodes()) {
+  const int n = links.nodes();
+  const int me = links.me();
+  if (root < 0 || root >= n) {
     return absl::InvalidArgumentError(absl::StrCat("broadcast: no node ", root));
   }
+  // A chain around the ring from the root: each segment goes on as soon as it came, so the
+  // pipeline fills once and every link carries the buffer once.
+  const int place = ((me - root) % n + n) % n;  // hops from the root
+  const int next = (me + 1) % n;
+  const int prev = (me + n - 1) % n;
   const Segmented s{buffer.size(), std::max<size_t>(1, op.segment_bytes)};
   for (uint64_t k = 0; k < s.count(); ++k) {
     std::byte* const at = buffer.data() + s.begin(k);
-    if (links.me() == root) {
-      GRADSYNC_RETURN_IF_ERROR(
-          SendSegment(links, op, RecordLinks::kEveryPeer, kBroadcast, 0, k, at, s.size(k)));
-      continue;
+    if (place > 0) {
+      GRADSYNC_ASSIGN_OR_RETURN(const std::byte* const data,
+                                ReceiveSegment(links, op, prev, kBroadcast, 0, k, s.size(k)));
+      std::memcpy(at, data, s.size(k));
     }
-    GRADSYNC_ASSIGN_OR_RETURN(const std::byte* const data,
-                              ReceiveSegment(links, op, root, kBroadcast, 0, k, s.size(k)));
-    std::memcpy(at, data, s.size(k));
+    if (place < n - 1) {
+      GRADSYNC_RETURN_IF_ERROR(SendSegment(links, op, next, kBroadcast, 0, k, at, s.size(k)));
+    }
   }
   return absl::OkStatus();
 }
@@ -241,31 +248,32 @@ absl::Status LinkAllGather(RecordLinks& links, const LinkOp& op,
   const size_t segment = std::max<size_t>(1, op.segment_bytes);
   std::vector<size_t> offset(n, 0);
   for (int i = 1; i < n; ++i) offset[i] = offset[i - 1] + part_bytes[i - 1];
-  std::vector<uint64_t> got(n, 0);  // segments received from each peer
-  const Segmented mine{part_bytes[me], segment};
-  uint64_t sent = 0;
-  for (;;) {
-    // The peer furthest behind that still has segments to come (its next one is awaited).
-    int behind = -1;
-    for (int p = 0; p < n; ++p) {
-      if (p == me || got[p] == Segmented{part_bytes[p], segment}.count()) continue;
-      if (behind < 0 || got[p] < got[behind]) behind = p;
+  const int next = (me + 1) % n;
+  const int prev = (me + n - 1) % n;
+  // A ring: at step t a node passes on part me - t (its own first) and takes part me - t - 1,
+  // at most a window of segments ahead of what it took; each part crosses each link once.
+  for (int t = 0; t + 1 < n; ++t) {
+    const int out_part = ((me - t) % n + n) % n;
+    const int in_part = ((me - t - 1) % n + n) % n;
+    const Segmented out{part_bytes[out_part], segment};
+    const Segmented in{part_bytes[in_part], segment};
+    uint64_t i = 0, j = 0;
+    while (i < out.count() || j < in.count()) {
+      if (i < out.count() && (i < j + static_cast<uint64_t>(op.window) || j == in.count())) {
+        GRADSYNC_RETURN_IF_ERROR(SendSegment(links, op, next, kAllGather, static_cast<uint32_t>(t),
+                                             i, output + offset[out_part] + out.begin(i),
+                                             out.size(i)));
+        ++i;
+        continue;
+      }
+      GRADSYNC_ASSIGN_OR_RETURN(
+          const std::byte* const data,
+          ReceiveSegment(links, op, prev, kAllGather, static_cast<uint32_t>(t), j, in.size(j)));
+      std::memcpy(output + offset[in_part] + in.begin(j), data, in.size(j));
+      ++j;
     }
-    if (sent < mine.count() &&
-        (behind < 0 || sent < got[behind] + static_cast<uint64_t>(op.window))) {
-      GRADSYNC_RETURN_IF_ERROR(SendSegment(links, op, RecordLinks::kEveryPeer, kAllGather, 0, sent,
-                                           output + offset[me] + mine.begin(sent),
-                                           mine.size(sent)));
-      ++sent;
-      continue;
-    }
-    if (behind < 0) return absl::OkStatus();  // all sent, all received
-    const Segmented part{part_bytes[behind], segment};
-    const uint64_t k = got[behind]++;
-    GRADSYNC_ASSIGN_OR_RETURN(const std::byte* const data,
-                              ReceiveSegment(links, op, behind, kAllGather, 0, k, part.size(k)));
-    std::memcpy(output + offset[behind] + part.begin(k), data, part.size(k));
   }
+  return absl::OkStatus();
 }
 
 }  // namespace gradsync::backend::cpu

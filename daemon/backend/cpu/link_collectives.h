@@ -1,8 +1,9 @@
 #pragma once
 
 // The collectives of larger ops between a group's nodes, over the group's record links: a
-// pipelined ring all-reduce fused with the reduction of the node's own members, a broadcast and
-// an all-gather. (Small ops never come here: they travel inside their records.)
+// pipelined ring all-reduce fused with the reduction of the node's own members, a pipelined
+// chain broadcast and a ring all-gather. Each talks only to the node's two ring neighbours
+// (link_plan.h's GroupLinks). (Small ops never come here: they travel inside their records.)
 
 #include <cstddef>
 #include <cstdint>
@@ -64,16 +65,18 @@ struct RingSpec {
 absl::Status RingAllreduce(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
                            absl::Span<std::byte* const> buffers, std::byte* result = nullptr);
 
-/// `buffer` of node `root` into `buffer` of every other node: the root sends each segment to
-/// every peer (a tree would spare the root's link on many nodes; groups here span few). Failures
-/// as RingAllreduce's.
+/// `buffer` of node `root` into `buffer` of every other node, along the ring from the root (a
+/// pipelined chain: each node passes every segment on to the next as soon as it came; each link
+/// carries the buffer once, and the last node has it (N - 1) + segments later). Failures as
+/// RingAllreduce's.
 absl::Status LinkBroadcast(RecordLinks& links, const LinkOp& op, int root,
                            absl::Span<std::byte> buffer);
 
 /// Every node's part into every node's `output`: the parts lie in node order, part_bytes[i]
-/// bytes for node i, and this node's is in place already. Each node sends its part to every
-/// peer (each byte leaves its node N−1 times, as in a ring), at most a window of segments ahead of
-/// the ones it received from its slowest peer (op.window). Failures as RingAllreduce's.
+/// bytes for node i, and this node's is in place already. A ring: in N - 1 steps each node passes
+/// the part it took last (its own first) to the next node, at most a window of segments ahead of
+/// what it takes from the previous one (op.window); each part crosses each link once. Failures as
+/// RingAllreduce's.
 absl::Status LinkAllGather(RecordLinks& links, const LinkOp& op,
                            absl::Span<const size_t> part_bytes, std::byte* output);
 

@@ -37,4 +37,27 @@ std::vector<int> LinkedNodes(int n, int me, int ring) {
   return Sorted(std::move(out), me);
 }
 
+int TreeParent(int me) { return me <= 0 ? -1 : me & (me - 1); }
+
+int SubtreeEnd(int n, int me) {
+  if (me <= 0) return n;
+  return static_cast<int>(std::min<long>(n, static_cast<long>(me) + (me & -me)));
+}
+
+std::vector<int> TreeChildren(int n, int me) {
+  std::vector<int> out;
+  if (me < 0 || me >= n) return out;
+  const long end = SubtreeEnd(n, me);
+  for (long d = 1; me + d < end; d *= 2) out.push_back(static_cast<int>(me + d));
+  return out;
+}
+
+std::vector<int> GroupLinks(int n, int me) {
+  std::vector<int> out = RingNeighbours(n, me, 1);
+  if (out.empty()) return out;
+  if (me > 0) out.push_back(TreeParent(me));
+  for (int child : TreeChildren(n, me)) out.push_back(child);
+  return Sorted(std::move(out), me);
+}
+
 }  // namespace gradsync::backend::cpu

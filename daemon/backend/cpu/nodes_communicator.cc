@@ -17,6 +17,7 @@
 #include "common/store_keys.h"
 #include "daemon/backend/cpu/kernels.h"
 #include "daemon/backend/cpu/link_collectives.h"
+#include "daemon/backend/cpu/link_plan.h"
 #include "daemon/backend/cpu/record_links.h"
 #include "daemon/backend/cpu/socket.h"
 
@@ -52,23 +53,35 @@ absl::Status Labeled(const core::Collective& op, const absl::Status& status) {
 
 }  // namespace
 
-// What one node sends every other for each op, on its stream: its view of the op, then its
-// inline contribution (payload_bytes of it, padded to RecordLinks::kAlign so that payloads stay
-// aligned for the reduction kernels).
+// What travels up the group's tree for each op, on each stream (a node's record covers its
+// subtree, a contiguous range of nodes from its own: link_plan.h), and back down as the op's
+// decision (the root's record, covering every node): the range's first failure, its first
+// node's fingerprint and the first one that differs, then the range's inline data (payload_bytes
+// of it, padded to RecordLinks::kAlign so that payloads stay aligned for the reduction kernels):
+// the partial reduction of its nodes' contributions, or their parts in node order.
 struct NodesCommunicator::RecordHeader {
   uint64_t seq;
-  int32_t code;
+  int32_t code;  // of the first failure: one of a node's own before a deadline's, then node order
   uint32_t payload_bytes;
-  uint64_t fingerprint_hash;  // of the whole fingerprint (the text below may be cut)
+  uint64_t fingerprint_hash;  // of first_node's whole fingerprint (the text below may be cut)
   char fingerprint[240];
-  char message[248];
+  char message[240];    // the failure's
+  int32_t failed_node;  // the failure's node; -1 when code is 0
+  int32_t first_node;   // the range's first node, whose fingerprint is above
+  int32_t other_node;   // the range's first node whose fingerprint differs from it, or -1
+  int32_t late;         // the failure is a deadline that passed (this node waited for others)
+  uint64_t other_hash;
+  char other[240];  // other_node's fingerprint
 };
 
 struct NodesCommunicator::Exchange {
   absl::Status local;  // this node's verdict
+  bool late = false;   // local failed by the deadline alone
   bool inline_data = false;
-  const std::byte* mine = nullptr;  // this node's record, in an outbox message
-  absl::Status result;              // the op's outcome, once Finish decided it
+  std::vector<std::byte> own;     // this node's record, when it has children to fold in
+  const std::byte* up = nullptr;  // the subtree's record, in an outbox message (the root's:
+                                  // the decision)
+  absl::Status result;            // the op's outcome, once Finish decided it
 };
 
 // This node's messages of one stage (its records are read again when each op finishes).
@@ -91,7 +104,7 @@ struct NodesCommunicator::PeerStream {
 };
 
 size_t NodesCommunicator::MinStreamMessageBytes(int64_t inline_bytes) {
-  static_assert(sizeof(RecordHeader) == 512);  // the wire's (and a multiple of RecordLinks::kAlign)
+  static_assert(sizeof(RecordHeader) == 768);  // the wire's (and a multiple of RecordLinks::kAlign)
   return sizeof(MessageHeader) + sizeof(RecordHeader) +
          RecordLinks::Padded(static_cast<size_t>(std::max<int64_t>(0, inline_bytes)));
 }
@@ -110,6 +123,8 @@ NodesCommunicator::NodesCommunicator(core::CommunicatorSpec spec, const CpuTunin
       static_cast<int>(std::lower_bound(nodes_.begin(), nodes_.end(), spec_.node) - nodes_.begin());
   members_on_node_.assign(nodes_.size(), 0);
   for (int node : node_of_group_rank_) ++members_on_node_[node];
+  parent_ = TreeParent(my_node_);
+  children_ = TreeChildren(static_cast<int>(nodes_.size()), my_node_);
   setup_ = ValidateCpuTuning(tuning_);
   if (setup_.ok()) {
     const int fd = sock::NewCancelFd();
@@ -182,6 +197,8 @@ absl::Status NodesCommunicator::Connect(absl::Time deadline) {
                               spec_.group, "/");
   links.nodes = nodes_;
   links.me = my_node_;
+  links.peers = GroupLinks(static_cast<int>(nodes_.size()), my_node_);
+  const size_t linked = links.peers.size();
   links.max_message_bytes =
       std::max(static_cast<size_t>(tuning_.stream_message_bytes),
                SegmentMessageBytes(static_cast<size_t>(tuning_.segment_bytes)));
@@ -202,7 +219,7 @@ absl::Status NodesCommunicator::Connect(absl::Time deadline) {
   streams_.assign(nodes_.size(), PeerStream{});
   if (const int kept = links_->adopted(); kept > 0) {
     Log()->info("job={} group={}: {} of {} links taken over from an earlier epoch, the rest made",
-                spec_.job, spec_.group, kept, nodes_.size() - 1);
+                spec_.job, spec_.group, kept, linked);
   }
   return absl::OkStatus();
 }
@@ -337,6 +354,13 @@ absl::StatusOr<const std::byte*> NodesCommunicator::NextRecord(int node, uint64_
     if (header.magic != kStreamMagic || header.bytes != message.size() || header.records == 0) {
       return absl::InternalError(absl::StrCat("malformed stream message from node ", nodes_[node]));
     }
+    if (node == parent_) {
+      // The decisions, on down the tree as they came: every node reads the same bytes.
+      for (int child : children_) {
+        const absl::Span<const std::byte> parts[] = {message};
+        GRADSYNC_RETURN_IF_ERROR(links_->SendTo(child, parts, deadline));
+      }
+    }
     stream.next = m + sizeof(header);
     stream.end = m + header.bytes;
   }
@@ -352,6 +376,17 @@ absl::StatusOr<const std::byte*> NodesCommunicator::NextRecord(int node, uint64_
                                             header.seq, " where seq ", seq,
                                             " was due: the nodes are out of step"));
   }
+  // A record covers the sender's subtree (the root's, every node): the nodes it names lie there.
+  const int first = node == parent_ ? 0 : node;
+  const int end = SubtreeEnd(static_cast<int>(nodes_.size()), first);
+  const auto within = [&](int32_t i) { return i >= first && i < end; };
+  if (header.first_node != first || (header.code != 0 && !within(header.failed_node)) ||
+      (header.other_node != -1 && !within(header.other_node)) || header.code < 0 ||
+      header.code > static_cast<int32_t>(absl::StatusCode::kUnauthenticated)) {
+    return absl::InternalError(absl::StrCat("node ", nodes_[node],
+                                            " sent a malformed record of seq ", seq,
+                                            " (nodes or status out of range)"));
+  }
   stream.next = record + bytes;
   return record;
 }
@@ -362,7 +397,13 @@ absl::Status NodesCommunicator::Flush(Outbox& outbox) {
   const MessageHeader header{kStreamMagic, m.bytes, m.records, {}};
   std::memcpy(m.memory.get(), &header, sizeof(header));
   m.sent = true;
-  return links_->Send({m.memory.get(), m.bytes}, outbox.deadline);
+  // Up the tree; the root's records are the decisions, down to its children.
+  const absl::Span<const std::byte> parts[] = {{m.memory.get(), m.bytes}};
+  if (parent_ >= 0) return links_->SendTo(parent_, parts, outbox.deadline);
+  for (int child : children_) {
+    GRADSYNC_RETURN_IF_ERROR(links_->SendTo(child, parts, outbox.deadline));
+  }
+  return absl::OkStatus();
 }
 
 void NodesCommunicator::RunStage(absl::Span<const core::Collective* const> ops, size_t first,
@@ -372,6 +413,8 @@ void NodesCommunicator::RunStage(absl::Span<const core::Collective* const> ops, 
   // Peers whose op failed at their own deadline come a moment later (as in Finish).
   outbox.deadline = absl::Now() + tuning_.peer_grace;
   for (const core::Collective* op : ops) outbox.deadline = std::max(outbox.deadline, op->deadline);
+  // Every op's own verdict first: the wait for the children's records must not make it late.
+  for (size_t k = 0; k < ops.size(); ++k) Judge(*ops[k], exchanges[k]);
   absl::Status link;  // not OK once the group's link failed
   for (size_t k = 0; k < ops.size() && link.ok(); ++k) link = Post(*ops[k], exchanges[k], outbox);
   if (link.ok()) link = Flush(outbox);
@@ -395,24 +438,40 @@ void NodesCommunicator::RunStage(absl::Span<const core::Collective* const> ops, 
   for (size_t k = done + 1; k < ops.size(); ++k) finished(first + k, Unrunnable(*ops[k]));
 }
 
-absl::Status NodesCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& outbox) {
+void NodesCommunicator::Judge(const core::Collective& op, Exchange& ex) const {
   ex.local = op.local_failure;
   if (ex.local.ok() && absl::Now() > op.deadline) {
     ex.local = absl::DeadlineExceededError(absl::StrCat(
         op.label, " did not complete by its deadline: it waited for ", PeersWithRanks()));
+    ex.late = true;
   }
   ex.inline_data = ex.local.ok() && TravelsInline(op);
-  int64_t payload = ex.inline_data ? InlineBytes(op, my_node_) : 0;
-  const size_t most = sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(payload));
+}
+
+absl::StatusOr<std::byte*> NodesCommunicator::Reserve(Outbox& outbox, size_t bytes) {
   if (!outbox.messages.empty() && !outbox.messages.back().sent &&
-      outbox.messages.back().bytes + most > static_cast<size_t>(tuning_.stream_message_bytes)) {
+      outbox.messages.back().bytes + bytes > static_cast<size_t>(tuning_.stream_message_bytes)) {
     GRADSYNC_RETURN_IF_ERROR(Flush(outbox));
   }
   if (outbox.messages.empty() || outbox.messages.back().sent) {
     outbox.messages.emplace_back().memory = TakeSendMemory();
   }
   Outbox::Message& m = outbox.messages.back();
-  std::byte* const record = m.memory.get() + m.bytes;
+  return m.memory.get() + m.bytes;
+}
+
+absl::Status NodesCommunicator::Commit(Outbox& outbox, const std::byte* record) {
+  RecordHeader header;
+  std::memcpy(&header, record, sizeof(header));
+  Outbox::Message& m = outbox.messages.back();
+  m.bytes += sizeof(RecordHeader) + RecordLinks::Padded(header.payload_bytes);
+  ++m.records;
+  if (m.bytes >= static_cast<size_t>(tuning_.stream_flush_bytes)) return Flush(outbox);
+  return absl::OkStatus();
+}
+
+void NodesCommunicator::Own(const core::Collective& op, Exchange& ex, std::byte* record) {
+  int64_t payload = ex.inline_data ? SubtreeBytes(op, my_node_, my_node_ + 1) : 0;
   if (ex.inline_data) {
     // A contribution this node cannot pack fails the op by its verdict, on every node.
     if (absl::Status packed = Pack(op, record + sizeof(RecordHeader)); !packed.ok()) {
@@ -429,38 +488,145 @@ absl::Status NodesCommunicator::Post(const core::Collective& op, Exchange& ex, O
   std::snprintf(header.fingerprint, sizeof(header.fingerprint), "%s", op.fingerprint.c_str());
   std::snprintf(header.message, sizeof(header.message), "%s",
                 std::string(ex.local.message()).c_str());
+  header.failed_node = ex.local.ok() ? -1 : my_node_;
+  header.first_node = my_node_;
+  header.other_node = -1;
+  header.late = ex.late ? 1 : 0;
   std::memcpy(record, &header, sizeof(header));
-  ex.mine = record;
-  m.bytes += sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(payload));
-  ++m.records;
-  if (m.bytes >= static_cast<size_t>(tuning_.stream_flush_bytes)) return Flush(outbox);
-  return absl::OkStatus();
+}
+
+namespace {
+
+bool SameFingerprint(uint64_t hash_a, const char* a, uint64_t hash_b, const char* b, size_t n) {
+  return hash_a == hash_b && std::strncmp(a, b, n) == 0;
+}
+
+}  // namespace
+
+void NodesCommunicator::Fold(RecordHeader& into, const RecordHeader& next) const {
+  // The first failure: a node's own before a deadline's (a peer's own failure says more than
+  // "we waited for the peers"), then node order (`into`'s nodes come first).
+  if (next.code != 0 && (into.code == 0 || (into.late != 0 && next.late == 0))) {
+    into.code = next.code;
+    into.failed_node = next.failed_node;
+    into.late = next.late;
+    std::memcpy(into.message, next.message, sizeof(into.message));
+  }
+  if (into.other_node >= 0) return;
+  if (!SameFingerprint(into.fingerprint_hash, into.fingerprint, next.fingerprint_hash,
+                       next.fingerprint, sizeof(into.fingerprint))) {
+    into.other_node = next.first_node;
+    into.other_hash = next.fingerprint_hash;
+    std::memcpy(into.other, next.fingerprint, sizeof(into.other));
+  } else if (next.other_node >= 0) {
+    into.other_node = next.other_node;
+    into.other_hash = next.other_hash;
+    std::memcpy(into.other, next.other, sizeof(into.other));
+  }
+}
+
+absl::Status NodesCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& outbox) {
+  const int64_t most =
+      ex.inline_data
+          ? SubtreeBytes(op, my_node_, SubtreeEnd(static_cast<int>(nodes_.size()), my_node_))
+          : 0;
+  if (children_.empty()) {  // a leaf: its own record goes up as it is
+    GRADSYNC_ASSIGN_OR_RETURN(
+        std::byte* const record,
+        Reserve(outbox, sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(most))));
+    Own(op, ex, record);
+    ex.up = record;
+    return Commit(outbox, record);
+  }
+  ex.own.resize(sizeof(RecordHeader) +
+                RecordLinks::Padded(static_cast<size_t>(SubtreeBytes(op, my_node_, my_node_ + 1))));
+  Own(op, ex, ex.own.data());
+  // The children's records, folded into this node's in node order (each child's subtree follows
+  // the one before).
+  const absl::Time wait_until = std::max(op.deadline, absl::Now() + tuning_.peer_grace);
+  RecordHeader folded;
+  std::memcpy(&folded, ex.own.data(), sizeof(folded));
+  std::vector<const std::byte*> payloads = {ex.own.data() + sizeof(RecordHeader)};
+  for (int child : children_) {
+    // What this node holds goes out before it waits: a node may run its ops one by one, waiting
+    // for each one's decision before it sends the next op's record.
+    if (streams_[child].next == streams_[child].end) GRADSYNC_RETURN_IF_ERROR(Flush(outbox));
+    GRADSYNC_ASSIGN_OR_RETURN(const std::byte* const record, NextRecord(child, op.seq, wait_until));
+    RecordHeader h;
+    std::memcpy(&h, record, sizeof(h));
+    // A subtree that failed or disagrees carries no data; one that agrees with this node carries
+    // exactly its part.
+    const bool agrees = h.code == 0 && h.other_node < 0 &&
+                        SameFingerprint(h.fingerprint_hash, h.fingerprint, folded.fingerprint_hash,
+                                        folded.fingerprint, sizeof(h.fingerprint));
+    const int64_t want =
+        agrees && TravelsInline(op)
+            ? SubtreeBytes(op, child, SubtreeEnd(static_cast<int>(nodes_.size()), child))
+            : 0;
+    if (agrees && h.payload_bytes != static_cast<uint64_t>(want)) {
+      const std::string text = absl::StrCat(op.label, ": node ", nodes_[child], " sent ",
+                                            h.payload_bytes, " bytes, not ", want);
+      h.code = static_cast<int32_t>(absl::StatusCode::kInternal);
+      h.failed_node = child;
+      h.late = 0;
+      std::snprintf(h.message, sizeof(h.message), "%s", text.c_str());
+    }
+    Fold(folded, h);
+    payloads.push_back(record + sizeof(RecordHeader));
+  }
+  const bool carries = folded.code == 0 && folded.other_node < 0 && ex.inline_data;
+  GRADSYNC_ASSIGN_OR_RETURN(
+      std::byte* const record,
+      Reserve(outbox,
+              sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(carries ? most : 0))));
+  folded.payload_bytes = 0;
+  if (carries) {
+    if (absl::Status combined = Combine(op, payloads, record + sizeof(RecordHeader));
+        combined.ok()) {
+      folded.payload_bytes = static_cast<uint32_t>(most);
+    } else {
+      ex.local = Labeled(op, combined);
+      folded.code = static_cast<int32_t>(ex.local.code());
+      folded.failed_node = my_node_;
+      folded.late = 0;
+      std::snprintf(folded.message, sizeof(folded.message), "%s",
+                    std::string(ex.local.message()).c_str());
+    }
+  }
+  std::memcpy(record, &folded, sizeof(folded));
+  ex.up = record;
+  return Commit(outbox, record);
 }
 
 absl::Status NodesCommunicator::Verdict(const core::Collective& op, const Exchange& ex,
-                                        absl::Span<const RecordHeader> headers) const {
+                                        const RecordHeader& decision) const {
   if (!op.local_failure.ok()) return op.local_failure;
-  // A peer's own failure says more than our "we waited for the peers".
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    const RecordHeader& h = headers[node];
-    if (static_cast<int>(node) != my_node_ && h.code != 0) {
-      return absl::Status(
-          static_cast<absl::StatusCode>(h.code),
-          absl::StrCat(op.label, " failed on node ", nodes_[node], ": ",
-                       std::string(h.message, strnlen(h.message, sizeof(h.message)))));
-    }
+  if (decision.code != 0) {
+    if (decision.failed_node == my_node_ && !ex.local.ok()) return ex.local;
+    return absl::Status(
+        static_cast<absl::StatusCode>(decision.code),
+        absl::StrCat(
+            op.label, " failed on node ", nodes_[decision.failed_node], ": ",
+            std::string(decision.message, strnlen(decision.message, sizeof(decision.message)))));
   }
   if (!ex.local.ok()) return ex.local;
-  const RecordHeader& mine = headers[my_node_];
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    const RecordHeader& h = headers[node];
-    if (h.fingerprint_hash != mine.fingerprint_hash ||
-        std::strncmp(h.fingerprint, mine.fingerprint, sizeof(h.fingerprint)) != 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("desync across nodes in ", op.label, ": node ", spec_.node, " has ",
-                       op.fingerprint, " but node ", nodes_[node], " has ",
-                       std::string(h.fingerprint, strnlen(h.fingerprint, sizeof(h.fingerprint)))));
-    }
+  const auto text = [](const char* s, size_t n) { return std::string(s, strnlen(s, n)); };
+  const uint64_t mine = HashOf(op.fingerprint);
+  char own[sizeof(decision.fingerprint)] = {};
+  std::snprintf(own, sizeof(own), "%s", op.fingerprint.c_str());
+  int other = -1;
+  std::string theirs;
+  if (!SameFingerprint(mine, own, decision.fingerprint_hash, decision.fingerprint, sizeof(own))) {
+    other = 0;
+    theirs = text(decision.fingerprint, sizeof(decision.fingerprint));
+  } else if (decision.other_node >= 0) {
+    other = decision.other_node;
+    theirs = text(decision.other, sizeof(decision.other));
+  }
+  if (other >= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("desync across nodes in ", op.label, ": node ", spec_.node, " has ",
+                     op.fingerprint, " but node ", nodes_[other], " has ", theirs));
   }
   return absl::OkStatus();
 }
@@ -468,23 +634,18 @@ absl::Status NodesCommunicator::Verdict(const core::Collective& op, const Exchan
 absl::Status NodesCommunicator::Finish(const core::Collective& op, Exchange& ex) {
   GRADSYNC_RETURN_IF_ERROR(Aborted());
   // Peers whose op failed at their own deadline (a rank missing there) come a moment later.
-  // One absolute time for every peer: waiting for N of them cannot stretch it N times.
+  // One absolute time, however deep the tree: waiting for N nodes cannot stretch it.
   const absl::Time wait_until = std::max(op.deadline, absl::Now() + tuning_.peer_grace);
-  std::vector<const std::byte*> records(nodes_.size());
-  std::vector<RecordHeader> headers(nodes_.size());
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    if (static_cast<int>(node) == my_node_) {
-      records[node] = ex.mine;
-    } else {
-      GRADSYNC_ASSIGN_OR_RETURN(records[node],
-                                NextRecord(static_cast<int>(node), op.seq, wait_until));
-    }
-    std::memcpy(&headers[node], records[node], sizeof(RecordHeader));
+  const std::byte* decision = ex.up;
+  if (parent_ >= 0) {
+    GRADSYNC_ASSIGN_OR_RETURN(decision, NextRecord(parent_, op.seq, wait_until));
   }
-  ex.result = Verdict(op, ex, headers);
+  RecordHeader header;
+  std::memcpy(&header, decision, sizeof(header));
+  ex.result = Verdict(op, ex, header);
   if (!ex.result.ok()) return absl::OkStatus();
   if (!ex.inline_data) {
-    // The collective's segments follow the op's record on every stream: a record left after it
+    // The collective's segments follow the op's record on the streams: a record left after it
     // in a peer's message means the peer is out of step (an honest one ends its stage here). Its
     // messages are about to be read past, so this is checked before, never after.
     for (size_t node = 0; node < nodes_.size(); ++node) {
@@ -501,18 +662,14 @@ absl::Status NodesCommunicator::Finish(const core::Collective& op, Exchange& ex)
     }
     return RunLarge(op);  // ex.result stays OK: a failure there fails the link
   }
-  std::vector<const std::byte*> payloads(nodes_.size());
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    const int64_t want = InlineBytes(op, static_cast<int>(node));
-    if (headers[node].payload_bytes != static_cast<uint64_t>(want)) {
-      ex.result =
-          absl::InternalError(absl::StrCat(op.label, ": node ", nodes_[node], " sent ",
-                                           headers[node].payload_bytes, " bytes, not ", want));
-      return absl::OkStatus();
-    }
-    payloads[node] = records[node] + sizeof(RecordHeader);
+  const int64_t want = SubtreeBytes(op, 0, static_cast<int>(nodes_.size()));
+  if (header.payload_bytes != static_cast<uint64_t>(want)) {
+    ex.result = absl::InternalError(absl::StrCat(
+        op.label, ": the decision from node ", nodes_[parent_ >= 0 ? parent_ : my_node_],
+        " carries ", header.payload_bytes, " bytes, not ", want));
+    return absl::OkStatus();
   }
-  ex.result = Labeled(op, Unpack(op, payloads));
+  ex.result = Labeled(op, Unpack(op, decision + sizeof(RecordHeader)));
   return absl::OkStatus();
 }
 

@@ -1,7 +1,8 @@
 #pragma once
 
 // Collectives of a group that spans nodes: reduced inside each daemon, exchanged between nodes
-// over the group's own authenticated TCP links (record_links.h), one link per pair of nodes.
+// over the group's own authenticated TCP links (record_links.h): each node links only to its two
+// ring neighbours and its binomial tree's parent and children (link_plan.h's GroupLinks).
 
 #include <cstdint>
 #include <memory>
@@ -25,27 +26,31 @@ class LinkPark;
 class RecordLinks;
 
 /// Collectives of a group whose members sit on several nodes, hierarchically: the local
-/// members' buffers are reduced inside the daemon, exchanged among the group's nodes (one
-/// stream each way per pair of nodes), and the result is written back to every local member.
-/// MEAN divides by the group size, not the node count.
+/// members' buffers are reduced inside the daemon, exchanged among the group's nodes, and the
+/// result is written back to every local member. MEAN divides by the group size, not the node
+/// count.
 ///
-/// Every op starts with one record from each node to every other: the node's verdict (its
-/// status and the op's fingerprint) and, for ops that move at most inline_max_bytes, the node's
-/// whole contribution. Such an op is done in that one exchange (each node combines the
-/// contributions in node order, so all get the same bits); a larger one then runs a link
-/// collective on the same streams (link_collectives.h: a ring all-reduce for all-reduce and
-/// reduce-scatter, a broadcast, an all-gather). An op that failed on one node, or that nodes
-/// disagree on, fails on all of them the same way and writes no member buffer.
+/// Every op starts with its verdict, agreed over a binomial tree of the group's nodes (node 0 the
+/// root; link_plan.h): each node folds its children's records into its own (the first failure, a
+/// node's own before a deadline's; the first fingerprint that differs) and sends the result to its
+/// parent; the root's record is the op's decision, which every node passes on down as it came. An
+/// op whose decision (every node's data, or their reduction) is at most inline_max_bytes travels
+/// inside those records: partial reductions on the way up (each node reduces its own and its
+/// children's in node order), the whole result on the way down, so every node takes the root's
+/// bits. 2·ceil(log2 N) hops, and each node sends one record up and one down per child. A larger
+/// op then runs a link collective over the ring neighbours (link_collectives.h: a ring
+/// all-reduce for all-reduce and reduce-scatter, a chain broadcast, a ring all-gather). An op that
+/// failed on one node, or that nodes disagree on, fails on all of them the same way and writes no
+/// member buffer.
 ///
-/// Records travel on one stream per ordered pair of nodes, in sequence order, over the group's
-/// own TCP connections (record_links.h: written and read by this thread, no transport thread
-/// in between): RunBatch packs the records of a run of queued ops into few messages (each up
-/// to stream_message_bytes), so a batch costs a few messages per peer, not one per op.
-/// A stage's records are all packed before its first op waits for its peers' (packing ahead
-/// by a bounded window measured slower here), and each op is reported as soon as it finishes,
-/// keeping its own outcome, deadline and desync check. Nodes
-/// need not batch the same way: a reader takes records one by one, whatever message they came
-/// in; a record of another seq than the one due means the nodes are out of step, and fails the
+/// Records travel on the group's own TCP connections in sequence order (record_links.h: written
+/// and read by this thread, no transport thread in between): RunBatch packs the records of a
+/// run of queued ops into few messages (each up to stream_message_bytes), so a batch costs a few
+/// messages per link, not one per op. A stage's own verdicts are all taken before its first op
+/// waits for its children, and each op is reported as soon as its decision came, keeping its
+/// own outcome, deadline and desync check. Nodes need not batch the same way: a reader takes
+/// records one by one, whatever message they came in; a record of another seq than the one due,
+/// or naming nodes outside the sender's subtree, means the nodes are out of step, and fails the
 /// link.
 ///
 /// Errors keep their code end to end: a link lost is UNAVAILABLE, a peer that did not reach the
@@ -113,31 +118,48 @@ class NodesCommunicator final : public core::Communicator {
   // a failed link fails its ops through `finished`.
   void RunStage(absl::Span<const core::Collective* const> ops, size_t first,
                 absl::FunctionRef<void(size_t, absl::Status)> finished);
-  // Appends this node's record of `op` (verdict and inline contribution) to `outbox`, sending
-  // its message to every peer when full. An op this node cannot pack fails by its verdict
-  // (ex.local). Not OK: the link failed.
-  absl::Status Post(const core::Collective& op, Exchange& ex, Outbox& outbox);
-  // Sends the outbox's open message (if any) to every peer; returns once the kernel holds it.
+  // This node's own verdict of `op` (before any wait of its stage).
+  void Judge(const core::Collective& op, Exchange& ex) const;
+  // Room for a record of `bytes` in the outbox's open message (sending the full one first).
   // Not OK: the link failed.
+  absl::StatusOr<std::byte*> Reserve(Outbox& outbox, size_t bytes);
+  // Counts `record` (written where Reserve said) in its message, sending it once it holds
+  // stream_flush_bytes. Not OK: the link failed.
+  absl::Status Commit(Outbox& outbox, const std::byte* record);
+  // This node's own record of `op` (its verdict and inline contribution) into `record`. A
+  // contribution it cannot pack fails the op by its verdict (ex.local).
+  void Own(const core::Collective& op, Exchange& ex, std::byte* record);
+  // Folds `next` (the record of the nodes that follow `into`'s) into `into`.
+  void Fold(RecordHeader& into, const RecordHeader& next) const;
+  // Appends this node's subtree's record of `op` to `outbox` (its own, folded with its
+  // children's, which it waits for), sending each full message up the tree (the root: down).
+  // Not OK: the link failed.
+  absl::Status Post(const core::Collective& op, Exchange& ex, Outbox& outbox);
+  // Sends the outbox's open message (if any) to the parent (the root: to every child); returns
+  // once the kernel holds it. Not OK: the link failed.
   absl::Status Flush(Outbox& outbox);
   // The next record on `node`'s stream, which must be op `seq`'s: waits for its message until
-  // `deadline`. The record stays valid until the next call for that node. Not OK: the link
-  // failed, or the stream is malformed or out of step (INTERNAL).
+  // `deadline` (a message from the parent goes on to every child as it came). The record stays
+  // valid until the next call for that node. Not OK: the link failed, or the stream is
+  // malformed or out of step (INTERNAL).
   absl::StatusOr<const std::byte*> NextRecord(int node, uint64_t seq, absl::Time deadline);
-  // Waits for the peers' records of the op, decides its verdict and completes it, leaving the
-  // op's own outcome in ex.result. Not OK: the link failed (the stage ends there).
+  // Waits for the op's decision (the root: its own record), decides its verdict and completes
+  // it, leaving the op's own outcome in ex.result. Not OK: the link failed (the stage ends there).
   absl::Status Finish(const core::Collective& op, Exchange& ex);
-  // The op's outcome from every node's record (this node's own failure, a peer's, a desync),
-  // before any data moves.
+  // The op's outcome from its decision (this node's own failure, a peer's, a desync), before any
+  // data moves.
   absl::Status Verdict(const core::Collective& op, const Exchange& ex,
-                       absl::Span<const RecordHeader> headers) const;
-  // Bytes node `node` contributes to `op` when it travels inline.
-  int64_t InlineBytes(const core::Collective& op, int node) const;
+                       const RecordHeader& decision) const;
+  // Inline bytes of `op` in a record of nodes [first, end): their parts, or the reduction.
+  int64_t SubtreeBytes(const core::Collective& op, int first, int end) const;
   bool TravelsInline(const core::Collective& op) const;
   // This node's contribution to an inline op, into `payload`.
   absl::Status Pack(const core::Collective& op, std::byte* payload);
-  // Every node's contribution (node order) into the local members' buffers.
-  absl::Status Unpack(const core::Collective& op, absl::Span<const std::byte* const> payloads);
+  // This node's payload then its children's (payloads, in that order) into its subtree's, `out`.
+  absl::Status Combine(const core::Collective& op, absl::Span<const std::byte* const> payloads,
+                       std::byte* out) const;
+  // The decision's payload (every node's parts, or their reduction) into the local members.
+  absl::Status Unpack(const core::Collective& op, const std::byte* payload);
   // An op past its verdict that runs a link collective (not inline). Not OK: the group's link
   // failed (the peers are in the collective: any failure here leaves the streams out of step).
   absl::Status RunLarge(const core::Collective& op);
@@ -167,12 +189,14 @@ class NodesCommunicator final : public core::Communicator {
   std::vector<int> node_of_group_rank_;
   std::vector<int> members_on_node_;  // by node index
   int my_node_ = -1;
+  int parent_ = -1;            // in the group's tree (link_plan.h); -1: this node is the root
+  std::vector<int> children_;  // ascending
   // Not OK: the communicator could not be made (invalid tuning, no eventfd); every op fails.
   absl::Status setup_;
   // An eventfd, the record links' cancel fd: Abort makes it readable for good.
   UniqueFd cancel_fd_;
   std::unique_ptr<RecordLinks> links_;  // the record streams, connected at the first op
-  std::vector<PeerStream> streams_;     // by node (unused at my_node_): into links_' messages
+  std::vector<PeerStream> streams_;     // by node (the tree's): into links_' messages
   std::vector<std::unique_ptr<std::byte[]>> free_send_memory_;
   std::vector<std::byte> scratch_;
   absl::Status broken_;  // once a cross-node op failed, every later op fails with it

@@ -1,5 +1,6 @@
 // Implementation of nodes_communicator.h: how each kind of op lays out across nodes, the
-// bytes of an inline op in its record (pack, unpack) and the link collectives of a larger one.
+// bytes of an inline op in its records (pack, combine up the tree, unpack the decision) and the
+// link collectives of a larger one.
 
 #include <algorithm>
 #include <cstring>
@@ -8,22 +9,28 @@
 #include "common/status_macros.h"
 #include "daemon/backend/cpu/kernels.h"
 #include "daemon/backend/cpu/link_collectives.h"
+#include "daemon/backend/cpu/link_plan.h"
 #include "daemon/backend/cpu/nodes_communicator.h"
 #include "daemon/backend/cpu/record_links.h"
 
 namespace gradsync::backend::cpu {
 
-int64_t NodesCommunicator::InlineBytes(const core::Collective& op, int node) const {
+int64_t NodesCommunicator::SubtreeBytes(const core::Collective& op, int first, int end) const {
   const int64_t esize = DTypeSize(op.dtype);
   switch (op.kind) {
     case v1::ALL_REDUCE:
       return op.count * esize;
     case v1::REDUCE_SCATTER:
       return op.count * op.group_size * esize;
-    case v1::BROADCAST:
-      return node == node_of_group_rank_[op.root] ? op.count * esize : 0;
-    case v1::ALL_GATHER:
-      return members_on_node_[node] * op.count * esize;
+    case v1::BROADCAST: {
+      const int root = node_of_group_rank_[op.root];
+      return root >= first && root < end ? op.count * esize : 0;
+    }
+    case v1::ALL_GATHER: {
+      int64_t members = 0;
+      for (int node = first; node < end; ++node) members += members_on_node_[node];
+      return members * op.count * esize;
+    }
     case v1::BARRIER:
       return 0;
     default:  // an unknown kind travels inline with nothing: Pack fails it (INTERNAL)
@@ -32,17 +39,15 @@ int64_t NodesCommunicator::InlineBytes(const core::Collective& op, int node) con
 }
 
 // Decided from what the fingerprint pins (kind, dtype, count, root) and the group's layout:
-// nodes that agree on the op decide the same.
+// nodes that agree on the op decide the same. The decision (every node's data, or their
+// reduction) must fit in one record.
 bool NodesCommunicator::TravelsInline(const core::Collective& op) const {
   if (op.kind == v1::BARRIER) return true;
   if (op.kind == v1::BROADCAST &&
       (op.root < 0 || op.root >= static_cast<int>(node_of_group_rank_.size()))) {
     return false;
   }
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    if (InlineBytes(op, static_cast<int>(node)) > tuning_.inline_max_bytes) return false;
-  }
-  return true;
+  return SubtreeBytes(op, 0, static_cast<int>(nodes_.size())) <= tuning_.inline_max_bytes;
 }
 
 absl::Status NodesCommunicator::Pack(const core::Collective& op, std::byte* payload) {
@@ -84,32 +89,76 @@ absl::Status NodesCommunicator::Pack(const core::Collective& op, std::byte* payl
   }
 }
 
-absl::Status NodesCommunicator::Unpack(const core::Collective& op,
-                                       absl::Span<const std::byte* const> payloads) {
+absl::Status NodesCommunicator::Combine(const core::Collective& op,
+                                        absl::Span<const std::byte* const> payloads,
+                                        std::byte* out) const {
+  const int n_nodes = static_cast<int>(nodes_.size());
+  switch (op.kind) {
+    case v1::BARRIER:
+      return absl::OkStatus();
+    case v1::ALL_REDUCE:
+    case v1::REDUCE_SCATTER: {
+      // This node's partial reduction, then its children's, in node order: the root's sum is the
+      // one every node takes (the same bits everywhere, whatever the tree's shape).
+      const int64_t total = op.kind == v1::ALL_REDUCE ? op.count : op.count * op.group_size;
+      std::vector<core::View> views;
+      views.reserve(payloads.size());
+      for (const std::byte* p : payloads) views.push_back({{const_cast<std::byte*>(p), total}});
+      std::vector<Slice> srcs;
+      for (const core::View& v : views) srcs.push_back({&v, 0});
+      const core::View out_view = {{out, total}};
+      const Slice to{&out_view, 0};
+      const v1::ReduceOp partial = op.reduce_op == v1::MEAN ? v1::SUM : op.reduce_op;
+      return Reduce(op.dtype, partial, 1, srcs, {&to, 1}, total);
+    }
+    case v1::BROADCAST:
+    case v1::ALL_GATHER: {
+      // The subtrees' parts one after another (a broadcast's: the root's alone, in one of them).
+      std::vector<int> starts = {my_node_};
+      for (int child : children_) starts.push_back(child);
+      size_t at = 0;
+      for (size_t i = 0; i < payloads.size(); ++i) {
+        const int first = starts[i];
+        const int end = i + 1 < starts.size() ? starts[i + 1] : SubtreeEnd(n_nodes, my_node_);
+        const size_t bytes = static_cast<size_t>(SubtreeBytes(op, first, end));
+        if (bytes > 0) std::memcpy(out + at, payloads[i], bytes);
+        at += bytes;
+      }
+      return absl::OkStatus();
+    }
+    default:  // Pack refused it on every node that agreed on the op
+      return absl::InternalError(absl::StrCat("op kind ", OpKindName(op.kind), " (",
+                                              static_cast<int>(op.kind), ") has no inline form"));
+  }
+}
+
+absl::Status NodesCommunicator::Unpack(const core::Collective& op, const std::byte* payload) {
   const int64_t n = op.count;
-  const int64_t total = op.kind == v1::REDUCE_SCATTER ? n * op.group_size : n;
+  const int64_t esize = DTypeSize(op.dtype);
+  const int64_t total =
+      SubtreeBytes(op, 0, static_cast<int>(nodes_.size())) / std::max<int64_t>(1, esize);
   // Read only: core::View names writable runs.
-  std::vector<core::View> views;
-  for (const std::byte* p : payloads) views.push_back({{const_cast<std::byte*>(p), total}});
+  const core::View decision = {{const_cast<std::byte*>(payload), total}};
   switch (op.kind) {
     case v1::BARRIER:
       return absl::OkStatus();
     case v1::ALL_REDUCE: {
-      std::vector<Slice> srcs, dsts;
-      for (const core::View& v : views) srcs.push_back({&v, 0});
+      // Every node's sum (MEAN: divided here, once).
+      const Slice src{&decision, 0};
+      std::vector<Slice> dsts;
       for (const core::LocalMember& m : op.local) dsts.push_back({&m.input, 0});
-      return Reduce(op.dtype, op.reduce_op, op.group_size, srcs, dsts, n);
+      return Reduce(op.dtype, op.reduce_op, op.group_size, {&src, 1}, dsts, n);
     }
     case v1::REDUCE_SCATTER:
       for (const core::LocalMember& m : op.local) {
-        std::vector<Slice> srcs;
-        for (const core::View& v : views) srcs.push_back({&v, m.group_rank * n});
+        const Slice src{&decision, m.group_rank * n};
         const Slice dst{&m.output, 0};
-        GRADSYNC_RETURN_IF_ERROR(Reduce(op.dtype, op.reduce_op, op.group_size, srcs, {&dst, 1}, n));
+        GRADSYNC_RETURN_IF_ERROR(
+            Reduce(op.dtype, op.reduce_op, op.group_size, {&src, 1}, {&dst, 1}, n));
       }
       return absl::OkStatus();
     case v1::BROADCAST: {
-      const Slice src{&views[node_of_group_rank_[op.root]], 0};
+      const Slice src{&decision, 0};
       std::vector<Slice> dsts;
       for (const core::LocalMember& m : op.local) {
         if (m.group_rank != op.root) dsts.push_back({&m.input, 0});
@@ -117,11 +166,14 @@ absl::Status NodesCommunicator::Unpack(const core::Collective& op,
       return Copy(op.dtype, src, dsts, n);
     }
     case v1::ALL_GATHER: {
-      std::vector<int64_t> next(nodes_.size(), 0);  // next block of each node's part
+      // The nodes' parts in node order, each its members' inputs by ascending group rank.
+      std::vector<int64_t> next(nodes_.size(), 0);  // elements before each node's next block
+      for (size_t node = 1; node < nodes_.size(); ++node) {
+        next[node] = next[node - 1] + members_on_node_[node - 1] * n;
+      }
       for (int q = 0; q < op.group_size; ++q) {
         const int node = node_of_group_rank_[q];
-        const core::View part = {{views[node][0].data, n * members_on_node_[node]}};
-        const Slice from{&part, next[node]};
+        const Slice from{&decision, next[node]};
         next[node] += n;
         std::vector<Slice> dsts;
         for (const core::LocalMember& m : op.local) dsts.push_back({&m.output, q * n});
