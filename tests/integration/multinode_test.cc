@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -247,14 +248,23 @@ TEST_F(MultiNodeTest, AFrozenDaemonIsFoundLostByEverySurvivorAndItsTrainerGetsAn
 // (--peer_watch_ring=1: each links to 6 of its 8 peers and watches 2): a daemon frozen mid-op
 // is found silent by its two ring neighbours, and every survivor, those not linked to it
 // included, fails the op naming it ("seen by node ..." where another daemon found it); a
-// daemon killed is found at once by the daemons linked to it and passed on to the rest.
+// daemon killed is found at once by the daemons linked to it and passed on to the rest. Each
+// one gone is an inner node of the group's tree (the nodes in address order: node 4 is the
+// parent of 5 and 6, node 2 of 3, node 6 of 7), so the survivors below it wait for a decision
+// that cannot come, and the survivors above it for its record.
 TEST_F(MultiNodeTest, NineDaemonsOnARingWatchAFrozenOneAndAKilledOneReachEverySurvivor) {
   constexpr int kN = 9;
   StartDaemons(kN, {"--peer_watch_ring=1"});
   std::vector<int> node_of(kN);
   for (int r = 0; r < kN; ++r) node_of[r] = r;
+  // The daemons in the group's node order (their addresses sorted).
+  std::vector<std::pair<std::string, int>> order;
+  for (int i = 0; i < kN; ++i) order.emplace_back(daemons_[i]->tcp_target(), i);
+  std::sort(order.begin(), order.end());
   for (const bool freeze : {true, false}) {
-    const int gone = freeze ? 4 : 7;  // not the root (daemon 0 holds the job's store)
+    // Not the root (daemon 0 holds the job's store).
+    int gone = order[freeze ? 4 : 2].second;
+    if (gone == 0) gone = order[6].second;
     std::vector<std::string> scenarios(kN, "nodesurvivor");
     scenarios[gone] = "idle";
     const std::string job = freeze ? "ring-freeze" : "ring-kill";
