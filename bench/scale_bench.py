@@ -47,13 +47,15 @@ TIMEOUT_S = 300  # bound on any one wait of a job
 
 
 class Daemon(formation_bench.Daemon):
-    """Daemon i on its own loopback address, watching with --peer_watch_ring=RING."""
+    """Daemon i on its own loopback address, watching with --peer_watch_ring=RING, exchanging
+    records all-to-all in groups of at most A2A nodes (--cpu_all_to_all_max_nodes)."""
 
-    def __init__(self, build, tmp, i, token_file, ring):
+    def __init__(self, build, tmp, i, token_file, ring, a2a):
         self.address = f"127.0.{1 + i // 250}.{2 + i % 250}"
         super().__init__(build, tmp, f"d{i}", token_file,
                          [f"--bind_address={self.address}",
-                          "--max_tcp_connections_per_source=4096", f"--peer_watch_ring={ring}"])
+                          "--max_tcp_connections_per_source=4096", f"--peer_watch_ring={ring}",
+                          f"--cpu_all_to_all_max_nodes={a2a}"])
 
     def sockets(self, tcp_inodes):
         """Open TCP sockets of this daemon: its sockets in /proc/PID/fd that are in
@@ -92,8 +94,8 @@ def read_line(proc, deadline, want):
     raise RuntimeError(f"no '{want}' line in time")
 
 
-def run_gradsync(build, tmp, token_file, n, ring, settle):
-    daemons = [Daemon(build, tmp, i, token_file, ring) for i in range(n)]
+def run_gradsync(build, tmp, token_file, n, ring, a2a, settle):
+    daemons = [Daemon(build, tmp, i, token_file, ring, a2a) for i in range(n)]
     workers = []
     try:
         deadline = time.time() + 120
@@ -196,6 +198,8 @@ def main():
     ap.add_argument("--build", default="build")
     ap.add_argument("--daemons", default="32,64,128,256")
     ap.add_argument("--rings", default="2,0", help="--peer_watch_ring values to compare")
+    ap.add_argument("--all_to_all", default="4",
+                    help="--cpu_all_to_all_max_nodes values to compare (1: always the tree)")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds heartbeats are counted")
     ap.add_argument("--torch", type=int, default=1, help="1: measure the torch peer too")
     ap.add_argument("--mpi", type=int, default=1, help="1: measure Open MPI's all-reduce too")
@@ -204,15 +208,18 @@ def main():
     args = ap.parse_args()
     counts = [int(c) for c in args.daemons.split(",")]
     rings = [int(r) for r in args.rings.split(",")]
-    if any(c < 2 or c > 1000 for c in counts) or not 0.5 <= args.settle <= 30:
-        sys.exit("daemons must be 2..1000 and settle 0.5..30 s")
+    a2as = [int(x) for x in args.all_to_all.split(",")]
+    if any(c < 2 or c > 1000 for c in counts) or not 0.5 <= args.settle <= 30 or \
+            any(not 1 <= x <= 1024 for x in a2as):
+        sys.exit("daemons must be 2..1000, settle 0.5..30 s and all_to_all 1..1024")
     tmp = tempfile.mkdtemp(prefix="gradsync-scale-")
     token_file = os.path.join(tmp, "cluster.token")
     with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
         f.write("scale-bench\n")
     print(f"jobs of N daemons, one rank each, {os.cpu_count()} cores, every daemon and rank on "
           f"this machine (daemon i on 127.0.1.{{i+2}})")
-    header = (f"{'N':>4} {'ring':>4} {'formation ms':>12} {'detect ms':>9} {'sockets':>8} "
+    header = (f"{'N':>4} {'ring':>4} {'a2a':>4} {'formation ms':>12} {'detect ms':>9} "
+              f"{'sockets':>8} "
               f"{'links':>6} {'beats/s':>8} {'4KiB us':>9} {'4MiB us':>9}"
               f" {'torch form ms':>13} {'torch 4KiB us':>13} {'4KiB vs torch':>13}"
               f" {'MPI 4KiB us':>11}")
@@ -226,12 +233,12 @@ def main():
                 peer = run_torch(n)
             if args.mpi and n <= args.torch_max:
                 mpi = run_mpi(args.build, n)
-            for ring in rings:
-                r = run_gradsync(args.build, tmp, token_file, n, ring, args.settle)
+            for ring, a2a in [(ring, a2a) for ring in rings for a2a in a2as]:
+                r = run_gradsync(args.build, tmp, token_file, n, ring, a2a, args.settle)
                 tail = (f" {peer[0]:>13,.0f} {peer[1]:>13,.0f} {r['small'] / peer[1]:>12.2f}x"
                         if peer else f" {'-':>13} {'-':>13} {'-':>13}")
                 tail += f" {mpi:>11,.0f}" if mpi else f" {'-':>11}"
-                print(f"{n:>4} {ring:>4} {r['formation']:>12,.0f} {r['detection']:>9,.0f} "
+                print(f"{n:>4} {ring:>4} {a2a:>4} {r['formation']:>12,.0f} {r['detection']:>9,.0f} "
                       f"{r['sockets']:>8.1f} {r['links']:>6.1f} {r['beats']:>8.1f} "
                       f"{r['small']:>9,.0f} {r['large']:>9,.0f}" + tail, flush=True)
         failed = False

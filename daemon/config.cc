@@ -121,6 +121,12 @@ ABSL_FLAG(int64_t, cpu_segment_bytes, gradsync::backend::cpu::CpuTuning{}.segmen
 ABSL_FLAG(int64_t, cpu_window_segments, gradsync::backend::cpu::CpuTuning{}.window_segments,
           "Segments a node sends ahead of the ones it received in a ring or all-gather (at "
           "least 1)");
+ABSL_FLAG(int64_t, cpu_all_to_all_max_nodes,
+          gradsync::backend::cpu::CpuTuning{}.all_to_all_max_nodes,
+          "Groups spanning at most this many nodes exchange each op's verdict record all-to-all "
+          "(one hop, N-1 records a node); larger ones fold the records up a binomial tree and "
+          "pass the decision down (2 log2 N hops, a constant number of records a node). The same "
+          "on every daemon of a job");
 ABSL_FLAG(int64_t, cpu_max_stage_ops, gradsync::backend::cpu::CpuTuning{}.max_stage_ops,
           "Most queued ops of a group whose records are in flight between nodes at once");
 ABSL_FLAG(int64_t, cpu_stream_message_bytes,
@@ -299,6 +305,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.cpu.segment_bytes = absl::GetFlag(FLAGS_cpu_segment_bytes);
   c.cpu.window_segments = absl::GetFlag(FLAGS_cpu_window_segments);
   c.cpu.max_stage_ops = absl::GetFlag(FLAGS_cpu_max_stage_ops);
+  c.cpu.all_to_all_max_nodes = absl::GetFlag(FLAGS_cpu_all_to_all_max_nodes);
   c.cpu.stream_message_bytes = absl::GetFlag(FLAGS_cpu_stream_message_bytes);
   c.cpu.stream_flush_bytes = absl::GetFlag(FLAGS_cpu_stream_flush_bytes);
   c.cpu.peer_grace = absl::GetFlag(FLAGS_cpu_peer_grace);

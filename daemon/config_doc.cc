@@ -115,12 +115,12 @@ const std::vector<Section>& Sections() {
        "How the host plane moves bytes between nodes and splits large single-node ops across "
        "threads. Change them almost never: they are for benchmarking (the defaults were chosen "
        "by measurement), not for everyday use. Every daemon of a job must use the same "
-       "--cpu_inline_max_bytes, --cpu_segment_bytes and --cpu_stream_message_bytes: they shape "
-       "what travels between nodes, and a mismatch fails the job's ops that span nodes. The "
-       "daemon logs all eight values at start.",
-       {"cpu_inline_max_bytes", "cpu_segment_bytes", "cpu_window_segments", "cpu_max_stage_ops",
-        "cpu_stream_message_bytes", "cpu_stream_flush_bytes", "cpu_peer_grace",
-        "cpu_min_bytes_per_part"}},
+       "--cpu_inline_max_bytes, --cpu_all_to_all_max_nodes, --cpu_segment_bytes and "
+       "--cpu_stream_message_bytes: they shape what travels between nodes, and a mismatch fails "
+       "the job's ops that span nodes. The daemon logs all nine values at start.",
+       {"cpu_inline_max_bytes", "cpu_all_to_all_max_nodes", "cpu_segment_bytes",
+        "cpu_window_segments", "cpu_max_stage_ops", "cpu_stream_message_bytes",
+        "cpu_stream_flush_bytes", "cpu_peer_grace", "cpu_min_bytes_per_part"}},
       {"Node-wide limits on trainers",
        "What trainers may hold, so that no trainer can exhaust the node: ops in flight per "
        "session, sessions, buffers, mapped regions (keep below vm.max_map_count, 65530 by "

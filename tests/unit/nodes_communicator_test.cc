@@ -52,8 +52,12 @@ core::Collective AllReduce(uint64_t seq, int64_t count, v1::ReduceOp reduce, std
   return op;
 }
 
-class NodesCommunicatorTest : public ::testing::Test {
+// Each case runs twice: the three nodes exchanging records all-to-all (the default for a group
+// this small), and folding them up the tree (node 0 the root of 1 and 2).
+class NodesCommunicatorTest : public ::testing::TestWithParam<int> {
  protected:
+  void SetUp() override { tuning_.all_to_all_max_nodes = GetParam(); }
+
   // Every node builds the same ops (fingerprint_of may differ by node), then runs them with
   // run(node): its own way of handing them to the communicator.
   void RunOnEveryNode(const std::vector<int64_t>& counts,
@@ -151,7 +155,12 @@ void RunThreeWays(int node, Node& n) {
   if (node == 2) RunInTwoBatches(n);
 }
 
-TEST_F(NodesCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAndByRing) {
+INSTANTIATE_TEST_SUITE_P(AllToAllAndTree, NodesCommunicatorTest, ::testing::Values(4, 1),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return info.param > 1 ? std::string("AllToAll") : std::string("Tree");
+                         });
+
+TEST_P(NodesCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAndByRing) {
   // Small ops travel inside their records; 100000 floats (over 256 KiB) take the ring.
   const std::vector<int64_t> counts = {1, 1000, 0, 100000, 7, 4096, 100000, 3};
   RunOnEveryNode(
@@ -167,7 +176,7 @@ TEST_F(NodesCommunicatorTest, NodesBatchingDifferentlyGetEveryOpsValuesInlineAnd
   }
 }
 
-TEST_F(NodesCommunicatorTest, SmallTuningStillGivesEveryOpsValuesInlineAndByRing) {
+TEST_P(NodesCommunicatorTest, SmallTuningStillGivesEveryOpsValuesInlineAndByRing) {
   // Tiny messages, segments and stages: ops over 1 KiB take the ring in 4 KiB segments one
   // ahead, a stream message holds a few records, a stage at most three ops.
   tuning_.inline_max_bytes = 1024;
@@ -190,7 +199,7 @@ TEST_F(NodesCommunicatorTest, SmallTuningStillGivesEveryOpsValuesInlineAndByRing
   }
 }
 
-TEST_F(NodesCommunicatorTest, InvalidTuningFailsEveryOpAsInvalidArgumentAndWritesNothing) {
+TEST_P(NodesCommunicatorTest, InvalidTuningFailsEveryOpAsInvalidArgumentAndWritesNothing) {
   tuning_.segment_bytes = 4000;  // not a multiple of 64
   RunOnEveryNode(
       {64, 100000}, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
@@ -209,7 +218,7 @@ TEST_F(NodesCommunicatorTest, InvalidTuningFailsEveryOpAsInvalidArgumentAndWrite
   }
 }
 
-TEST_F(NodesCommunicatorTest, ManyOpsSpanningManyStreamMessagesKeepTheirValuesHoweverBatched) {
+TEST_P(NodesCommunicatorTest, ManyOpsSpanningManyStreamMessagesKeepTheirValuesHoweverBatched) {
   // 150 ops of 40 KB (6 MB per node: many stream messages, more than the receives a node keeps
   // posted), with two ring ops among them; the nodes batch them three different ways.
   std::vector<int64_t> counts(150, 10000);
@@ -229,7 +238,7 @@ TEST_F(NodesCommunicatorTest, ManyOpsSpanningManyStreamMessagesKeepTheirValuesHo
   }
 }
 
-TEST_F(NodesCommunicatorTest, OpThatReadsAnEarlierOpsResultInTheSameBatchSeesIt) {
+TEST_P(NodesCommunicatorTest, OpThatReadsAnEarlierOpsResultInTheSameBatchSeesIt) {
   // Ops 1 and 2 all-reduce op 0's buffers again (SUM, MAX, SUM): each must see the last result.
   RunOnEveryNode(
       {500, 500, 500}, [](int, int) { return "w"; }, [](int, int) { return absl::OkStatus(); },
@@ -241,7 +250,7 @@ TEST_F(NodesCommunicatorTest, OpThatReadsAnEarlierOpsResultInTheSameBatchSeesIt)
   ExpectValues(0, [](int, int64_t i) { return 4.0f * Sum(i); });
 }
 
-TEST_F(NodesCommunicatorTest, DesyncedAndFailedOpsInABatchFailAloneAndWriteNothing) {
+TEST_P(NodesCommunicatorTest, DesyncedAndFailedOpsInABatchFailAloneAndWriteNothing) {
   // Op 2: node c names it differently (a desync across nodes). Op 4: it failed on node b before
   // it ran (a rank gone there). Op 5 is large. The rest succeed.
   const std::vector<int64_t> counts = {64, 64, 64, 64, 64, 100000, 64};
@@ -276,7 +285,7 @@ TEST_F(NodesCommunicatorTest, DesyncedAndFailedOpsInABatchFailAloneAndWriteNothi
   }
 }
 
-TEST_F(NodesCommunicatorTest, RingOpWhoseDeadlinePassesBehindAnEarlierRingOpFailsAloneInABatch) {
+TEST_P(NodesCommunicatorTest, RingOpWhoseDeadlinePassesBehindAnEarlierRingOpFailsAloneInABatch) {
   // Op 0 connects the nodes. Then nodes a and c batch ring op 1, ring op 2 (deadline 1 s away on
   // a and c) and small op 3; node b starts only once that deadline has passed, so op 2's
   // deadline passes while op 1 runs. Op 2 must fail by its deadline on every node without
@@ -320,7 +329,7 @@ TEST_F(NodesCommunicatorTest, RingOpWhoseDeadlinePassesBehindAnEarlierRingOpFail
   ExpectValues(3, [](int, int64_t i) { return Max(i); });
 }
 
-TEST_F(NodesCommunicatorTest, PeerWhoseCommunicatorGoesMidBatchFailsTheRestWithoutHanging) {
+TEST_P(NodesCommunicatorTest, PeerWhoseCommunicatorGoesMidBatchFailsTheRestWithoutHanging) {
   // Nodes a and b batch 120 ops of 40 KB (many stream messages each way); node c runs the first
   // 30 and then its communicator goes (its daemon died), with the peers' later messages still
   // on the wire towards it. a and b end every op without hanging: ops 30 on fail naming the
@@ -358,7 +367,7 @@ TEST_F(NodesCommunicatorTest, PeerWhoseCommunicatorGoesMidBatchFailsTheRestWitho
   EXPECT_TRUE(absl::StrContains(nodes_[0].out[30].message(), "127.0.0.1:3")) << nodes_[0].out[30];
 }
 
-TEST_F(NodesCommunicatorTest, DesyncOfARingOpAgainstInlineOnesMidBatchFailsItAloneOnEveryNode) {
+TEST_P(NodesCommunicatorTest, DesyncOfARingOpAgainstInlineOnesMidBatchFailsItAloneOnEveryNode) {
   // Op 2 is 64 floats (inline) on nodes a and b but 100000 (the ring) on node c: the nodes'
   // records differ in size and c's stage ends there. Op 2 fails as a desync naming both
   // fingerprints everywhere and writes nothing; the ops around it succeed.
@@ -484,7 +493,9 @@ TEST(NodesCommunicatorPeerTest,
   // INTERNAL, and node 0 writes nothing.
   ::signal(SIGPIPE, SIG_IGN);
   store::MemoryStore store;
-  NodesCommunicator comm(TwoNodeSpec(store, 0));
+  CpuTuning tree;
+  tree.all_to_all_max_nodes = 1;  // two nodes as a tree: node 0 sends the decision down
+  NodesCommunicator comm(TwoNodeSpec(store, 0), tree);
   std::vector<std::vector<float>> data(2, std::vector<float>(16, 1.0f));
   std::vector<core::Collective> ops;
   for (uint64_t seq = 0; seq < 2; ++seq) {
@@ -650,7 +661,8 @@ TEST(NodesCommunicatorPeerTest, AnErrorNamesAFewOfAGroupsManyNodesAndCountsTheRe
 // Eleven nodes (a tree three levels deep, not a power of two), one member each and a second
 // (group rank 11) on node 4: every kind of op, inline and by the ring, reaches every member
 // with the same values, and a failure or a desync deep in the tree fails the op on every node.
-class NodesCommunicatorTreeTest : public ::testing::Test {
+// Each case runs over the tree (the default at this size) and all-to-all.
+class NodesCommunicatorTreeTest : public ::testing::TestWithParam<int> {
  protected:
   static constexpr int kN = 11;
   static constexpr int kRanks = 12;
@@ -706,6 +718,7 @@ class NodesCommunicatorTreeTest : public ::testing::Test {
   void SetUp() override {
     CpuTuning tuning;
     tuning.inline_max_bytes = 4096;
+    tuning.all_to_all_max_nodes = GetParam();
     tuning.segment_bytes = 4096;  // the ring's blocks and the broadcast run several segments
     tuning.peer_grace = absl::Seconds(5);
     for (int node = 0; node < kN; ++node) {
@@ -765,7 +778,12 @@ class NodesCommunicatorTreeTest : public ::testing::Test {
   std::vector<std::vector<Op>> made_;
 };
 
-TEST_F(NodesCommunicatorTreeTest, EveryKindInlineAndByTheRingGivesEveryMemberTheSameValues) {
+INSTANTIATE_TEST_SUITE_P(TreeAndAllToAll, NodesCommunicatorTreeTest, ::testing::Values(4, 16),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return info.param < 11 ? std::string("Tree") : std::string("AllToAll");
+                         });
+
+TEST_P(NodesCommunicatorTreeTest, EveryKindInlineAndByTheRingGivesEveryMemberTheSameValues) {
   const auto ops = [](int node) {
     std::vector<Op> out;
     out.push_back(Make(node, 0, v1::ALL_REDUCE, 64));                         // inline
@@ -820,7 +838,7 @@ TEST_F(NodesCommunicatorTreeTest, EveryKindInlineAndByTheRingGivesEveryMemberThe
   }
 }
 
-TEST_F(NodesCommunicatorTreeTest, AFailureOrADesyncDeepInTheTreeFailsTheOpOnEveryNodeAlone) {
+TEST_P(NodesCommunicatorTreeTest, AFailureOrADesyncDeepInTheTreeFailsTheOpOnEveryNodeAlone) {
   // In one batch: op 0 fails on node 9 (a leaf under 8), op 1's fingerprint differs on node 6
   // (a leaf under 4), op 2 is sound. Every node fails ops 0 and 1 the same way and writes
   // nothing, and op 2 still reduces.

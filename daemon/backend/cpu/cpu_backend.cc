@@ -171,6 +171,9 @@ absl::Status ValidateCpuTuning(const CpuTuning& t) {
         " bytes with its message's header) must fit --cpu_stream_message_bytes=",
         t.stream_message_bytes);
   }
+  if (t.all_to_all_max_nodes < 1 || t.all_to_all_max_nodes > 1024) {
+    return invalid("--cpu_all_to_all_max_nodes=", t.all_to_all_max_nodes, " must be in [1, 1024]");
+  }
   if (t.peer_grace <= absl::ZeroDuration()) {
     return invalid("--cpu_peer_grace=", absl::FormatDuration(t.peer_grace), " must be positive");
   }
@@ -183,12 +186,13 @@ absl::Status ValidateCpuTuning(const CpuTuning& t) {
 CpuBackend::CpuBackend(WorkerPool* pool, const CpuTuning& tuning)
     : pool_(pool), tuning_(tuning), park_(std::make_shared<LinkPark>()) {
   Log()->info(
-      "cpu data plane tuning inline_max_bytes={} segment_bytes={} window_segments={} "
-      "max_stage_ops={} stream_message_bytes={} stream_flush_bytes={} peer_grace={} "
-      "min_bytes_per_part={}",
-      tuning_.inline_max_bytes, tuning_.segment_bytes, tuning_.window_segments,
-      tuning_.max_stage_ops, tuning_.stream_message_bytes, tuning_.stream_flush_bytes,
-      absl::FormatDuration(tuning_.peer_grace), tuning_.min_bytes_per_part);
+      "cpu data plane tuning inline_max_bytes={} all_to_all_max_nodes={} segment_bytes={} "
+      "window_segments={} max_stage_ops={} stream_message_bytes={} stream_flush_bytes={} "
+      "peer_grace={} min_bytes_per_part={}",
+      tuning_.inline_max_bytes, tuning_.all_to_all_max_nodes, tuning_.segment_bytes,
+      tuning_.window_segments, tuning_.max_stage_ops, tuning_.stream_message_bytes,
+      tuning_.stream_flush_bytes, absl::FormatDuration(tuning_.peer_grace),
+      tuning_.min_bytes_per_part);
 }
 
 absl::StatusOr<std::shared_ptr<core::Communicator>> CpuBackend::CreateCommunicator(

@@ -18,13 +18,17 @@ class LinkPark;
 
 /// The CPU data plane's tuning: gradsyncd's --cpu_* flags (config.cc), logged at start. The
 /// defaults were chosen by measurement; the flags are for benchmarking, not for everyday use.
-/// Every daemon of a job must use the same inline_max_bytes, segment_bytes and
-/// stream_message_bytes (they shape what travels between nodes: a mismatch fails the job's ops
-/// that span nodes); the others are each node's own.
+/// Every daemon of a job must use the same inline_max_bytes, segment_bytes,
+/// stream_message_bytes and all_to_all_max_nodes (they shape what travels between nodes: a
+/// mismatch fails the job's ops that span nodes); the others are each node's own.
 struct CpuTuning {
-  /// Ops moving at most this many bytes per node travel inside their record: one exchange
-  /// instead of a verdict round and then a link collective.
+  /// Ops whose result is at most this many bytes travel inside their records: no link
+  /// collective after the verdict.
   int64_t inline_max_bytes = 256 << 10;
+  /// Groups of at most this many nodes exchange each op's record all-to-all (one hop, N - 1
+  /// records a node); larger ones fold them up a binomial tree and pass the decision down
+  /// (2 log2 N hops, a constant number of records a node).
+  int64_t all_to_all_max_nodes = 4;
   /// The link collectives' segment, one message on the links: a multiple of 64, at least 4096.
   int64_t segment_bytes = 1 << 20;
   /// Segments a link collective sends ahead of the ones it received; at least 1.

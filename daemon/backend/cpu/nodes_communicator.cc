@@ -123,8 +123,11 @@ NodesCommunicator::NodesCommunicator(core::CommunicatorSpec spec, const CpuTunin
       static_cast<int>(std::lower_bound(nodes_.begin(), nodes_.end(), spec_.node) - nodes_.begin());
   members_on_node_.assign(nodes_.size(), 0);
   for (int node : node_of_group_rank_) ++members_on_node_[node];
-  parent_ = TreeParent(my_node_);
-  children_ = TreeChildren(static_cast<int>(nodes_.size()), my_node_);
+  all_to_all_ = static_cast<int64_t>(nodes_.size()) <= tuning_.all_to_all_max_nodes;
+  if (!all_to_all_) {
+    parent_ = TreeParent(my_node_);
+    children_ = TreeChildren(static_cast<int>(nodes_.size()), my_node_);
+  }
   setup_ = ValidateCpuTuning(tuning_);
   if (setup_.ok()) {
     const int fd = sock::NewCancelFd();
@@ -197,8 +200,9 @@ absl::Status NodesCommunicator::Connect(absl::Time deadline) {
                               spec_.group, "/");
   links.nodes = nodes_;
   links.me = my_node_;
-  links.peers = GroupLinks(static_cast<int>(nodes_.size()), my_node_);
-  const size_t linked = links.peers.size();
+  // A small group's all-to-all needs every pair (an empty list: every other node).
+  if (!all_to_all_) links.peers = GroupLinks(static_cast<int>(nodes_.size()), my_node_);
+  const size_t linked = all_to_all_ ? nodes_.size() - 1 : links.peers.size();
   links.max_message_bytes =
       std::max(static_cast<size_t>(tuning_.stream_message_bytes),
                SegmentMessageBytes(static_cast<size_t>(tuning_.segment_bytes)));
@@ -378,7 +382,7 @@ absl::StatusOr<const std::byte*> NodesCommunicator::NextRecord(int node, uint64_
   }
   // A record covers the sender's subtree (the root's, every node): the nodes it names lie there.
   const int first = node == parent_ ? 0 : node;
-  const int end = SubtreeEnd(static_cast<int>(nodes_.size()), first);
+  const int end = all_to_all_ ? node + 1 : SubtreeEnd(static_cast<int>(nodes_.size()), first);
   const auto within = [&](int32_t i) { return i >= first && i < end; };
   if (header.first_node != first || (header.code != 0 && !within(header.failed_node)) ||
       (header.other_node != -1 && !within(header.other_node)) || header.code < 0 ||
@@ -397,8 +401,10 @@ absl::Status NodesCommunicator::Flush(Outbox& outbox) {
   const MessageHeader header{kStreamMagic, m.bytes, m.records, {}};
   std::memcpy(m.memory.get(), &header, sizeof(header));
   m.sent = true;
-  // Up the tree; the root's records are the decisions, down to its children.
+  // To every node in an all-to-all; else up the tree, and the root's records, the decisions,
+  // down to its children.
   const absl::Span<const std::byte> parts[] = {{m.memory.get(), m.bytes}};
+  if (all_to_all_) return links_->SendTo(RecordLinks::kEveryPeer, parts, outbox.deadline);
   if (parent_ >= 0) return links_->SendTo(parent_, parts, outbox.deadline);
   for (int child : children_) {
     GRADSYNC_RETURN_IF_ERROR(links_->SendTo(child, parts, outbox.deadline));
@@ -525,12 +531,37 @@ void NodesCommunicator::Fold(RecordHeader& into, const RecordHeader& next) const
   }
 }
 
+void NodesCommunicator::FoldIn(const core::Collective& op, RecordHeader& folded,
+                               const std::byte* record, int first, int end) const {
+  RecordHeader h;
+  std::memcpy(&h, record, sizeof(h));
+  // Nodes that failed or disagree carry no data; those that agree with the ones before, and
+  // so with this node's view of the op, which sizes the part, carry exactly their part.
+  char mine[sizeof(h.fingerprint)] = {};
+  std::snprintf(mine, sizeof(mine), "%s", op.fingerprint.c_str());
+  const bool agrees = h.code == 0 && h.other_node < 0 &&
+                      SameFingerprint(h.fingerprint_hash, h.fingerprint, folded.fingerprint_hash,
+                                      folded.fingerprint, sizeof(h.fingerprint)) &&
+                      SameFingerprint(h.fingerprint_hash, h.fingerprint, HashOf(op.fingerprint),
+                                      mine, sizeof(mine));
+  const int64_t want = agrees && TravelsInline(op) ? SubtreeBytes(op, first, end) : 0;
+  if (agrees && h.payload_bytes != static_cast<uint64_t>(want)) {
+    const std::string text = absl::StrCat(op.label, ": node ", nodes_[first], " sent ",
+                                          h.payload_bytes, " bytes, not ", want);
+    h.code = static_cast<int32_t>(absl::StatusCode::kInternal);
+    h.failed_node = first;
+    h.late = 0;
+    std::snprintf(h.message, sizeof(h.message), "%s", text.c_str());
+  }
+  Fold(folded, h);
+}
+
 absl::Status NodesCommunicator::Post(const core::Collective& op, Exchange& ex, Outbox& outbox) {
   const int64_t most =
       ex.inline_data
           ? SubtreeBytes(op, my_node_, SubtreeEnd(static_cast<int>(nodes_.size()), my_node_))
           : 0;
-  if (children_.empty()) {  // a leaf: its own record goes up as it is
+  if (children_.empty()) {  // a leaf (or all-to-all): its own record goes out as it is
     GRADSYNC_ASSIGN_OR_RETURN(
         std::byte* const record,
         Reserve(outbox, sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(most))));
@@ -552,26 +583,7 @@ absl::Status NodesCommunicator::Post(const core::Collective& op, Exchange& ex, O
     // for each one's decision before it sends the next op's record.
     if (streams_[child].next == streams_[child].end) GRADSYNC_RETURN_IF_ERROR(Flush(outbox));
     GRADSYNC_ASSIGN_OR_RETURN(const std::byte* const record, NextRecord(child, op.seq, wait_until));
-    RecordHeader h;
-    std::memcpy(&h, record, sizeof(h));
-    // A subtree that failed or disagrees carries no data; one that agrees with this node carries
-    // exactly its part.
-    const bool agrees = h.code == 0 && h.other_node < 0 &&
-                        SameFingerprint(h.fingerprint_hash, h.fingerprint, folded.fingerprint_hash,
-                                        folded.fingerprint, sizeof(h.fingerprint));
-    const int64_t want =
-        agrees && TravelsInline(op)
-            ? SubtreeBytes(op, child, SubtreeEnd(static_cast<int>(nodes_.size()), child))
-            : 0;
-    if (agrees && h.payload_bytes != static_cast<uint64_t>(want)) {
-      const std::string text = absl::StrCat(op.label, ": node ", nodes_[child], " sent ",
-                                            h.payload_bytes, " bytes, not ", want);
-      h.code = static_cast<int32_t>(absl::StatusCode::kInternal);
-      h.failed_node = child;
-      h.late = 0;
-      std::snprintf(h.message, sizeof(h.message), "%s", text.c_str());
-    }
-    Fold(folded, h);
+    FoldIn(op, folded, record, child, SubtreeEnd(static_cast<int>(nodes_.size()), child));
     payloads.push_back(record + sizeof(RecordHeader));
   }
   const bool carries = folded.code == 0 && folded.other_node < 0 && ex.inline_data;
@@ -581,7 +593,11 @@ absl::Status NodesCommunicator::Post(const core::Collective& op, Exchange& ex, O
               sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(carries ? most : 0))));
   folded.payload_bytes = 0;
   if (carries) {
-    if (absl::Status combined = Combine(op, payloads, record + sizeof(RecordHeader));
+    std::vector<int> firsts = {my_node_};
+    firsts.insert(firsts.end(), children_.begin(), children_.end());
+    if (absl::Status combined =
+            Combine(op, firsts, SubtreeEnd(static_cast<int>(nodes_.size()), my_node_), payloads,
+                    record + sizeof(RecordHeader));
         combined.ok()) {
       folded.payload_bytes = static_cast<uint32_t>(most);
     } else {
@@ -631,13 +647,64 @@ absl::Status NodesCommunicator::Verdict(const core::Collective& op, const Exchan
   return absl::OkStatus();
 }
 
+absl::StatusOr<const std::byte*> NodesCommunicator::Decide(const core::Collective& op, Exchange& ex,
+                                                           absl::Time wait_until) {
+  // Every node folds the same records in node order: every node decides alike, bit for bit.
+  const int n = static_cast<int>(nodes_.size());
+  std::vector<const std::byte*> records(n);
+  for (int node = 0; node < n; ++node) {
+    if (node == my_node_) {
+      records[node] = ex.up;
+    } else {
+      GRADSYNC_ASSIGN_OR_RETURN(records[node], NextRecord(node, op.seq, wait_until));
+    }
+  }
+  RecordHeader folded;
+  std::memcpy(&folded, records[0], sizeof(folded));
+  if (folded.first_node != 0) {
+    return absl::InternalError(
+        absl::StrCat("node ", nodes_[0], " sent a malformed record of seq ", op.seq));
+  }
+  // Node 0's own record is taken as it is; every later one is checked against it.
+  for (int node = 1; node < n; ++node) FoldIn(op, folded, records[node], node, node + 1);
+  const bool carries = folded.code == 0 && folded.other_node < 0 && TravelsInline(op);
+  const int64_t bytes = carries ? SubtreeBytes(op, 0, n) : 0;
+  ex.own.assign(sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(bytes)),
+                std::byte{0});
+  folded.payload_bytes = 0;
+  if (carries) {
+    std::vector<int> firsts(n);
+    std::vector<const std::byte*> payloads(n);
+    for (int node = 0; node < n; ++node) {
+      firsts[node] = node;
+      payloads[node] = records[node] + sizeof(RecordHeader);
+    }
+    if (absl::Status combined =
+            Combine(op, firsts, n, payloads, ex.own.data() + sizeof(RecordHeader));
+        combined.ok()) {
+      folded.payload_bytes = static_cast<uint32_t>(bytes);
+    } else {
+      // Every node fails alike: they all combine the same bytes.
+      const std::string text(Labeled(op, combined).message());
+      folded.code = static_cast<int32_t>(combined.code());
+      folded.failed_node = my_node_;
+      folded.late = 0;
+      std::snprintf(folded.message, sizeof(folded.message), "%s", text.c_str());
+    }
+  }
+  std::memcpy(ex.own.data(), &folded, sizeof(folded));
+  return ex.own.data();
+}
+
 absl::Status NodesCommunicator::Finish(const core::Collective& op, Exchange& ex) {
   GRADSYNC_RETURN_IF_ERROR(Aborted());
   // Peers whose op failed at their own deadline (a rank missing there) come a moment later.
   // One absolute time, however deep the tree: waiting for N nodes cannot stretch it.
   const absl::Time wait_until = std::max(op.deadline, absl::Now() + tuning_.peer_grace);
   const std::byte* decision = ex.up;
-  if (parent_ >= 0) {
+  if (all_to_all_) {
+    GRADSYNC_ASSIGN_OR_RETURN(decision, Decide(op, ex, wait_until));
+  } else if (parent_ >= 0) {
     GRADSYNC_ASSIGN_OR_RETURN(decision, NextRecord(parent_, op.seq, wait_until));
   }
   RecordHeader header;

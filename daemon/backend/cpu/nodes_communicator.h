@@ -2,7 +2,8 @@
 
 // Collectives of a group that spans nodes: reduced inside each daemon, exchanged between nodes
 // over the group's own authenticated TCP links (record_links.h): each node links only to its two
-// ring neighbours and its binomial tree's parent and children (link_plan.h's GroupLinks).
+// ring neighbours and its binomial tree's parent and children (link_plan.h's GroupLinks), or, in
+// a group of a few nodes, to every other.
 
 #include <cstdint>
 #include <memory>
@@ -37,7 +38,9 @@ class RecordLinks;
 /// op whose decision (every node's data, or their reduction) is at most inline_max_bytes travels
 /// inside those records: partial reductions on the way up (each node reduces its own and its
 /// children's in node order), the whole result on the way down, so every node takes the root's
-/// bits. 2·ceil(log2 N) hops, and each node sends one record up and one down per child. A larger
+/// bits. 2·ceil(log2 N) hops, and each node sends one record up and one down per child. A group
+/// of at most tuning.all_to_all_max_nodes nodes skips the tree: each node sends its own record to
+/// every other and folds all of them in node order (one hop; every node decides alike). A larger
 /// op then runs a link collective over the ring neighbours (link_collectives.h: a ring
 /// all-reduce for all-reduce and reduce-scatter, a chain broadcast, a ring all-gather). An op that
 /// failed on one node, or that nodes disagree on, fails on all of them the same way and writes no
@@ -131,6 +134,14 @@ class NodesCommunicator final : public core::Communicator {
   void Own(const core::Collective& op, Exchange& ex, std::byte* record);
   // Folds `next` (the record of the nodes that follow `into`'s) into `into`.
   void Fold(RecordHeader& into, const RecordHeader& next) const;
+  // Folds `record`, of nodes [first, end), into `folded`, first checking its payload's size
+  // where it agrees (a wrong one is that node's INTERNAL failure).
+  void FoldIn(const core::Collective& op, RecordHeader& folded, const std::byte* record, int first,
+              int end) const;
+  // A small group's decision (all_to_all_): every node's record, folded in node order, with the
+  // combined payload, in ex.own. Not OK: the link failed.
+  absl::StatusOr<const std::byte*> Decide(const core::Collective& op, Exchange& ex,
+                                          absl::Time wait_until);
   // Appends this node's subtree's record of `op` to `outbox` (its own, folded with its
   // children's, which it waits for), sending each full message up the tree (the root: down).
   // Not OK: the link failed.
@@ -155,9 +166,11 @@ class NodesCommunicator final : public core::Communicator {
   bool TravelsInline(const core::Collective& op) const;
   // This node's contribution to an inline op, into `payload`.
   absl::Status Pack(const core::Collective& op, std::byte* payload);
-  // This node's payload then its children's (payloads, in that order) into its subtree's, `out`.
-  absl::Status Combine(const core::Collective& op, absl::Span<const std::byte* const> payloads,
-                       std::byte* out) const;
+  // The payloads of consecutive node ranges (payloads[i] covers nodes [firsts[i], firsts[i + 1]),
+  // the last one up to `end`) into the whole range's, `out`: reduced in that order, or laid end
+  // to end.
+  absl::Status Combine(const core::Collective& op, absl::Span<const int> firsts, int end,
+                       absl::Span<const std::byte* const> payloads, std::byte* out) const;
   // The decision's payload (every node's parts, or their reduction) into the local members.
   absl::Status Unpack(const core::Collective& op, const std::byte* payload);
   // An op past its verdict that runs a link collective (not inline). Not OK: the group's link
@@ -189,6 +202,9 @@ class NodesCommunicator final : public core::Communicator {
   std::vector<int> node_of_group_rank_;
   std::vector<int> members_on_node_;  // by node index
   int my_node_ = -1;
+  // A group of at most tuning.all_to_all_max_nodes nodes: every node sends its record to every
+  // other and folds them all; no tree (parent_ -1, no children_).
+  bool all_to_all_ = false;
   int parent_ = -1;            // in the group's tree (link_plan.h); -1: this node is the root
   std::vector<int> children_;  // ascending
   // Not OK: the communicator could not be made (invalid tuning, no eventfd); every op fails.

@@ -89,17 +89,16 @@ absl::Status NodesCommunicator::Pack(const core::Collective& op, std::byte* payl
   }
 }
 
-absl::Status NodesCommunicator::Combine(const core::Collective& op,
-                                        absl::Span<const std::byte* const> payloads,
+absl::Status NodesCommunicator::Combine(const core::Collective& op, absl::Span<const int> firsts,
+                                        int end, absl::Span<const std::byte* const> payloads,
                                         std::byte* out) const {
-  const int n_nodes = static_cast<int>(nodes_.size());
   switch (op.kind) {
     case v1::BARRIER:
       return absl::OkStatus();
     case v1::ALL_REDUCE:
     case v1::REDUCE_SCATTER: {
-      // This node's partial reduction, then its children's, in node order: the root's sum is the
-      // one every node takes (the same bits everywhere, whatever the tree's shape).
+      // The ranges' partial reductions in node order: the decision's sum is the one every node
+      // takes (the same bits everywhere, whatever the tree's shape).
       const int64_t total = op.kind == v1::ALL_REDUCE ? op.count : op.count * op.group_size;
       std::vector<core::View> views;
       views.reserve(payloads.size());
@@ -113,14 +112,11 @@ absl::Status NodesCommunicator::Combine(const core::Collective& op,
     }
     case v1::BROADCAST:
     case v1::ALL_GATHER: {
-      // The subtrees' parts one after another (a broadcast's: the root's alone, in one of them).
-      std::vector<int> starts = {my_node_};
-      for (int child : children_) starts.push_back(child);
+      // The ranges' parts one after another (a broadcast's: the root's alone, in one of them).
       size_t at = 0;
       for (size_t i = 0; i < payloads.size(); ++i) {
-        const int first = starts[i];
-        const int end = i + 1 < starts.size() ? starts[i + 1] : SubtreeEnd(n_nodes, my_node_);
-        const size_t bytes = static_cast<size_t>(SubtreeBytes(op, first, end));
+        const int last = i + 1 < firsts.size() ? firsts[i + 1] : end;
+        const size_t bytes = static_cast<size_t>(SubtreeBytes(op, firsts[i], last));
         if (bytes > 0) std::memcpy(out + at, payloads[i], bytes);
         at += bytes;
       }
