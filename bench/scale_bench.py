@@ -3,7 +3,9 @@
 
 For each daemon count N (32, 64, 128, 256 by default) and each liveness layout (--rings: the
 default 2, two ring neighbours watched each way and losses passed on over O(log N) links; 0, the
-mesh, every daemon watching every other), N gradsyncd run on this machine, each on its own
+mesh, every daemon watching every other), and each --cpu_all_to_all_max_nodes of --all_to_all
+(4, the default: larger groups fold each op's records up a binomial tree; 1: always the tree;
+1024: always all-to-all), N gradsyncd run on this machine, each on its own
 loopback address (127.0.1.2, 127.0.1.3, ...: distinct hosts to each other, as nodes are), and a
 job of N ranks, one per daemon (bench/formation_bench_worker, C++: Python's start-up would
 dominate), forms and is measured:
