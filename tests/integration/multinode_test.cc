@@ -1,4 +1,4 @@
-// Jobs spanning daemons: 2 and 3 real gradsyncd processes on loopback (own ports and sockets),
+// Jobs spanning daemons: 2 to 9 real gradsyncd processes on loopback (own ports and sockets),
 // each with real trainer processes; the daemons form the job through the root daemon's store
 // and carry the bytes between them with Gloo.
 
@@ -105,6 +105,17 @@ TEST_F(MultiNodeTest, ThreeDaemonsUnevenRanksAndFusedPacks) {
   // for 4-byte types) takes Gloo's ring after them.
   ExpectAllPassed(Run("mn3", {0, 0, 1, 2}, "matrix", {"counts=3,4099,70001"}), "matrix cases=");
   ExpectAllPassed(Run("mn3f", {0, 0, 1, 2}, "fused", {}), "wrong=0");
+}
+
+// Six daemons with every group on the tree (--cpu_all_to_all_max_nodes=1; a group of more than
+// four nodes would be anyway): ranks spread unevenly (two on daemon 2, two on daemon 5), every op,
+// dtype and size the matrix runs, inline up and down the tree and by the ring and the chain
+// broadcast, then fused packs.
+TEST_F(MultiNodeTest, SixDaemonsOnTheTreeRunEveryOpInlineAndByTheRing) {
+  StartDaemons(6, {"--cpu_all_to_all_max_nodes=1"});
+  ExpectAllPassed(Run("tree6", {0, 1, 2, 2, 3, 4, 5, 5}, "matrix", {"counts=3,4099,70001"}),
+                  "matrix cases=");
+  ExpectAllPassed(Run("tree6f", {0, 1, 2, 2, 3, 4, 5, 5}, "fused", {}), "wrong=0");
 }
 
 // Ops queued together reach the communicator in runs and cross nodes as one batch of exchanges
