@@ -67,6 +67,22 @@ absl::StatusOr<const std::byte*> ReceiveSegment(RecordLinks& links, const LinkOp
   return message->data() + sizeof(header);
 }
 
+// A step's `sends` segments out and `receives` in, at most `window` sends ahead of the receives
+// (then the rest of whichever side is left): send(k) and receive(k) for each k in order.
+template <typename SendFn, typename ReceiveFn>
+absl::Status Windowed(int64_t sends, int64_t receives, int64_t window, SendFn send,
+                      ReceiveFn receive) {
+  int64_t i = 0, j = 0;
+  while (i < sends || j < receives) {
+    if (i < sends && (i < j + window || j == receives)) {
+      GRADSYNC_RETURN_IF_ERROR(send(i++));
+    } else {
+      GRADSYNC_RETURN_IF_ERROR(receive(j++));
+    }
+  }
+  return absl::OkStatus();
+}
+
 class Ring {
  public:
   Ring(RecordLinks& links, const LinkOp& op, const RingSpec& spec,
@@ -121,17 +137,10 @@ class Ring {
     const int s = scatter ? t : t - (n_ - 1);
     const int send_chunk = scatter ? Mod(me_ - s) : Mod(me_ + 1 - s);
     const int recv_chunk = scatter ? Mod(me_ - s - 1) : Mod(me_ - s);
-    const int64_t sends = Segments(send_chunk);
-    const int64_t receives = Segments(recv_chunk);
-    int64_t i = 0, j = 0;
-    while (i < sends || j < receives) {
-      if (i < sends && (i < j + op_.window || j == receives)) {
-        GRADSYNC_RETURN_IF_ERROR(Send(t, scatter && s == 0, send_chunk, i++));
-      } else {
-        GRADSYNC_RETURN_IF_ERROR(Receive(t, scatter && s == n_ - 2, scatter, recv_chunk, j++));
-      }
-    }
-    return absl::OkStatus();
+    return Windowed(
+        Segments(send_chunk), Segments(recv_chunk), op_.window,
+        [&](int64_t k) { return Send(t, scatter && s == 0, send_chunk, k); },
+        [&](int64_t k) { return Receive(t, scatter && s == n_ - 2, scatter, recv_chunk, k); });
   }
 
   // `first`: the node's own block, whose members are summed here first (one member: sent as
@@ -257,21 +266,20 @@ absl::Status LinkAllGather(RecordLinks& links, const LinkOp& op,
     const int in_part = ((me - t - 1) % n + n) % n;
     const Segmented out{part_bytes[out_part], segment};
     const Segmented in{part_bytes[in_part], segment};
-    uint64_t i = 0, j = 0;
-    while (i < out.count() || j < in.count()) {
-      if (i < out.count() && (i < j + static_cast<uint64_t>(op.window) || j == in.count())) {
-        GRADSYNC_RETURN_IF_ERROR(SendSegment(links, op, next, kAllGather, static_cast<uint32_t>(t),
-                                             i, output + offset[out_part] + out.begin(i),
-                                             out.size(i)));
-        ++i;
-        continue;
-      }
-      GRADSYNC_ASSIGN_OR_RETURN(
-          const std::byte* const data,
-          ReceiveSegment(links, op, prev, kAllGather, static_cast<uint32_t>(t), j, in.size(j)));
-      std::memcpy(output + offset[in_part] + in.begin(j), data, in.size(j));
-      ++j;
-    }
+    const auto step = static_cast<uint32_t>(t);
+    GRADSYNC_RETURN_IF_ERROR(Windowed(
+        static_cast<int64_t>(out.count()), static_cast<int64_t>(in.count()), op.window,
+        [&](int64_t k) {
+          return SendSegment(links, op, next, kAllGather, step, static_cast<uint64_t>(k),
+                             output + offset[out_part] + out.begin(k), out.size(k));
+        },
+        [&](int64_t k) -> absl::Status {
+          GRADSYNC_ASSIGN_OR_RETURN(const std::byte* const data,
+                                    ReceiveSegment(links, op, prev, kAllGather, step,
+                                                   static_cast<uint64_t>(k), in.size(k)));
+          std::memcpy(output + offset[in_part] + in.begin(k), data, in.size(k));
+          return absl::OkStatus();
+        }));
   }
   return absl::OkStatus();
 }

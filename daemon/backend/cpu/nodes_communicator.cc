@@ -572,46 +572,72 @@ absl::Status NodesCommunicator::Post(const core::Collective& op, Exchange& ex, O
   ex.own.resize(sizeof(RecordHeader) +
                 RecordLinks::Padded(static_cast<size_t>(SubtreeBytes(op, my_node_, my_node_ + 1))));
   Own(op, ex, ex.own.data());
-  // The children's records, folded into this node's in node order (each child's subtree follows
-  // the one before).
+  // This node's record, then its children's in node order (each child's subtree follows the one
+  // before).
   const absl::Time wait_until = std::max(op.deadline, absl::Now() + tuning_.peer_grace);
-  RecordHeader folded;
-  std::memcpy(&folded, ex.own.data(), sizeof(folded));
-  std::vector<const std::byte*> payloads = {ex.own.data() + sizeof(RecordHeader)};
+  std::vector<const std::byte*> records = {ex.own.data()};
+  std::vector<int> firsts = {my_node_};
   for (int child : children_) {
     // What this node holds goes out before it waits: a node may run its ops one by one, waiting
     // for each one's decision before it sends the next op's record.
     if (streams_[child].next == streams_[child].end) GRADSYNC_RETURN_IF_ERROR(Flush(outbox));
     GRADSYNC_ASSIGN_OR_RETURN(const std::byte* const record, NextRecord(child, op.seq, wait_until));
-    FoldIn(op, folded, record, child, SubtreeEnd(static_cast<int>(nodes_.size()), child));
-    payloads.push_back(record + sizeof(RecordHeader));
+    records.push_back(record);
+    firsts.push_back(child);
   }
-  const bool carries = folded.code == 0 && folded.other_node < 0 && ex.inline_data;
+  const int end = SubtreeEnd(static_cast<int>(nodes_.size()), my_node_);
+  RecordHeader folded = FoldAll(op, records, firsts, end);
   GRADSYNC_ASSIGN_OR_RETURN(
       std::byte* const record,
-      Reserve(outbox,
-              sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(carries ? most : 0))));
+      Reserve(outbox, sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(
+                                                 Carries(op, folded) ? most : 0))));
+  if (absl::Status combined = CombineInto(op, folded, records, firsts, end, record);
+      !combined.ok()) {
+    ex.local = combined;
+  }
+  ex.up = record;
+  return Commit(outbox, record);
+}
+
+NodesCommunicator::RecordHeader NodesCommunicator::FoldAll(
+    const core::Collective& op, absl::Span<const std::byte* const> records,
+    absl::Span<const int> firsts, int end) const {
+  RecordHeader folded;
+  std::memcpy(&folded, records[0], sizeof(folded));
+  for (size_t i = 1; i < records.size(); ++i) {
+    FoldIn(op, folded, records[i], firsts[i], i + 1 < firsts.size() ? firsts[i + 1] : end);
+  }
+  return folded;
+}
+
+bool NodesCommunicator::Carries(const core::Collective& op, const RecordHeader& folded) const {
+  return folded.code == 0 && folded.other_node < 0 && TravelsInline(op);
+}
+
+absl::Status NodesCommunicator::CombineInto(const core::Collective& op, RecordHeader& folded,
+                                            absl::Span<const std::byte* const> records,
+                                            absl::Span<const int> firsts, int end,
+                                            std::byte* record) const {
   folded.payload_bytes = 0;
-  if (carries) {
-    std::vector<int> firsts = {my_node_};
-    firsts.insert(firsts.end(), children_.begin(), children_.end());
-    if (absl::Status combined =
-            Combine(op, firsts, SubtreeEnd(static_cast<int>(nodes_.size()), my_node_), payloads,
-                    record + sizeof(RecordHeader));
-        combined.ok()) {
-      folded.payload_bytes = static_cast<uint32_t>(most);
+  absl::Status combined;
+  if (Carries(op, folded)) {
+    std::vector<const std::byte*> payloads;
+    for (const std::byte* r : records) payloads.push_back(r + sizeof(RecordHeader));
+    combined = Combine(op, firsts, end, payloads, record + sizeof(RecordHeader));
+    if (combined.ok()) {
+      folded.payload_bytes = static_cast<uint32_t>(SubtreeBytes(op, firsts[0], end));
     } else {
-      ex.local = Labeled(op, combined);
-      folded.code = static_cast<int32_t>(ex.local.code());
+      // Every node combining the same bytes fails alike.
+      combined = Labeled(op, combined);
+      folded.code = static_cast<int32_t>(combined.code());
       folded.failed_node = my_node_;
       folded.late = 0;
       std::snprintf(folded.message, sizeof(folded.message), "%s",
-                    std::string(ex.local.message()).c_str());
+                    std::string(combined.message()).c_str());
     }
   }
   std::memcpy(record, &folded, sizeof(folded));
-  ex.up = record;
-  return Commit(outbox, record);
+  return combined;
 }
 
 absl::Status NodesCommunicator::Verdict(const core::Collective& op, const Exchange& ex,
@@ -659,40 +685,14 @@ absl::StatusOr<const std::byte*> NodesCommunicator::Decide(const core::Collectiv
       GRADSYNC_ASSIGN_OR_RETURN(records[node], NextRecord(node, op.seq, wait_until));
     }
   }
-  RecordHeader folded;
-  std::memcpy(&folded, records[0], sizeof(folded));
-  if (folded.first_node != 0) {
-    return absl::InternalError(
-        absl::StrCat("node ", nodes_[0], " sent a malformed record of seq ", op.seq));
-  }
-  // Node 0's own record is taken as it is; every later one is checked against it.
-  for (int node = 1; node < n; ++node) FoldIn(op, folded, records[node], node, node + 1);
-  const bool carries = folded.code == 0 && folded.other_node < 0 && TravelsInline(op);
-  const int64_t bytes = carries ? SubtreeBytes(op, 0, n) : 0;
-  ex.own.assign(sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(bytes)),
-                std::byte{0});
-  folded.payload_bytes = 0;
-  if (carries) {
-    std::vector<int> firsts(n);
-    std::vector<const std::byte*> payloads(n);
-    for (int node = 0; node < n; ++node) {
-      firsts[node] = node;
-      payloads[node] = records[node] + sizeof(RecordHeader);
-    }
-    if (absl::Status combined =
-            Combine(op, firsts, n, payloads, ex.own.data() + sizeof(RecordHeader));
-        combined.ok()) {
-      folded.payload_bytes = static_cast<uint32_t>(bytes);
-    } else {
-      // Every node fails alike: they all combine the same bytes.
-      const std::string text(Labeled(op, combined).message());
-      folded.code = static_cast<int32_t>(combined.code());
-      folded.failed_node = my_node_;
-      folded.late = 0;
-      std::snprintf(folded.message, sizeof(folded.message), "%s", text.c_str());
-    }
-  }
-  std::memcpy(ex.own.data(), &folded, sizeof(folded));
+  // Node 0's record is taken as it is (NextRecord checked whose it is); every later one is
+  // checked against it. The decision goes to ex.own (unused here: no node has children).
+  std::vector<int> firsts(n);
+  for (int node = 0; node < n; ++node) firsts[node] = node;
+  RecordHeader folded = FoldAll(op, records, firsts, n);
+  const int64_t bytes = Carries(op, folded) ? SubtreeBytes(op, 0, n) : 0;
+  ex.own.resize(sizeof(RecordHeader) + RecordLinks::Padded(static_cast<size_t>(bytes)));
+  (void)CombineInto(op, folded, records, firsts, n, ex.own.data());
   return ex.own.data();
 }
 

@@ -138,6 +138,18 @@ class NodesCommunicator final : public core::Communicator {
   // where it agrees (a wrong one is that node's INTERNAL failure).
   void FoldIn(const core::Collective& op, RecordHeader& folded, const std::byte* record, int first,
               int end) const;
+  // records[0]'s header with every later record folded in; records[i] covers the nodes
+  // [firsts[i], firsts[i + 1]), the last one up to `end`.
+  RecordHeader FoldAll(const core::Collective& op, absl::Span<const std::byte* const> records,
+                       absl::Span<const int> firsts, int end) const;
+  // Whether a folded record carries the op's data: every node agreed and the op travels inline.
+  bool Carries(const core::Collective& op, const RecordHeader& folded) const;
+  // Writes `folded` to `record`, with the records' payloads combined after it when it carries
+  // them (room for SubtreeBytes(op, firsts[0], end)); a combination that fails is this node's
+  // failure in `folded` and is returned (labeled), OK otherwise.
+  absl::Status CombineInto(const core::Collective& op, RecordHeader& folded,
+                           absl::Span<const std::byte* const> records, absl::Span<const int> firsts,
+                           int end, std::byte* record) const;
   // A small group's decision (all_to_all_): every node's record, folded in node order, with the
   // combined payload, in ex.own. Not OK: the link failed.
   absl::StatusOr<const std::byte*> Decide(const core::Collective& op, Exchange& ex,
