@@ -427,7 +427,7 @@ TEST(DaemonFlagsTest, BadFlagsExitTwoWithAMessage) {
   TempDir dir;
   for (const std::string flag :
        {"--port=70000", "--socket=relative.sock", "--socket_mode=999", "--log_level=loud",
-        "--store_max_value_bytes=999999999", "--nccl_keep=-1s"}) {
+        "--store_max_value_bytes=999999999", "--nccl_keep=-1s", "--cpu_all_to_all_max_nodes=0"}) {
     const std::string err = dir.path() + "/err";
     auto pid = Spawn({DaemonBinary(), "--socket=" + dir.path() + "/s.sock", flag}, {}, err);
     ASSERT_TRUE(pid.ok());
